@@ -1,0 +1,89 @@
+"""The verifier's one structured result: a :class:`Report` of stage results.
+
+A candidate's problems (it does not parse, it mismatches, it is slow) are data
+here, never exceptions: the agent renders a Report into the next LLM message
+(``coda_agent.verifier.feedback``) and the CLI prints it.
+
+Outcome rules (the part everyone depends on):
+
+- ``accepted``: every stage ran and passed.  Only a machine with a Hopper GPU
+  can produce it, because correctness, launch audit and performance need one.
+- ``cpu_passed``: every stage that ran passed and the GPU stages were skipped
+  (no CUDA).  It is *not* an acceptance: ``coda-agent verify`` exits non-zero.
+- ``rejected``: some stage failed (the candidate is wrong, slow, or cheats).
+- ``error``: the harness itself could not judge (a bug or a broken install);
+  the candidate is not blamed for it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+STAGES = ("static", "reference", "compile", "correctness", "launch_audit", "performance")
+GPU_STAGES = ("correctness", "launch_audit", "performance")
+REPORT_FORMAT = 1
+
+StageName = Literal["static", "reference", "compile", "correctness", "launch_audit", "performance"]
+StageStatus = Literal["passed", "failed", "skipped", "error"]
+Outcome = Literal["accepted", "cpu_passed", "rejected", "error"]
+
+
+class Mismatch(BaseModel):
+    """Where one output (or gradient) differs from the reference."""
+
+    tensor: str
+    shape_set: str
+    max_abs_err: float
+    allowed: float
+    rel_norm_err: float | None = None
+    nan_count: int = 0
+    unwritten_count: int = 0
+    worst_index: list[int] = Field(default_factory=list)
+    pattern: str = ""  # e.g. "odd columns only", "ragged last rows", "all"
+
+
+class StageResult(BaseModel):
+    name: StageName
+    status: StageStatus
+    seconds: float = 0.0
+    message: str = ""  # short human summary; for failures, the fix-oriented error
+    log: str = ""  # trimmed raw log (compiler output, traceback)
+    line: int | None = None  # line in the candidate program the error points at
+    mismatches: list[Mismatch] = Field(default_factory=list)
+    details: dict[str, Any] = Field(default_factory=dict)
+
+
+class Report(BaseModel):
+    format: int = REPORT_FORMAT
+    task: str
+    program_sha256: str
+    outcome: Outcome
+    stages: list[StageResult] = Field(default_factory=list)
+    versions: dict[str, str] = Field(default_factory=dict)
+    cache_key: str | None = None
+    cached: bool = False
+    created_utc: str = ""
+
+    @property
+    def accepted(self) -> bool:
+        return self.outcome == "accepted"
+
+    def stage(self, name: str) -> StageResult | None:
+        return next((s for s in self.stages if s.name == name), None)
+
+    @property
+    def failed_stage(self) -> StageResult | None:
+        return next((s for s in self.stages if s.status in ("failed", "error")), None)
+
+    @staticmethod
+    def outcome_of(stages: list[StageResult]) -> Outcome:
+        if any(s.status == "error" for s in stages):
+            return "error"
+        if any(s.status == "failed" for s in stages):
+            return "rejected"
+        ran = {s.name for s in stages if s.status == "passed"}
+        if ran >= set(STAGES):
+            return "accepted"
+        return "cpu_passed"

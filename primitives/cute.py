@@ -1,0 +1,308 @@
+"""The cute lowering: an :class:`Epilogue` becomes a quack ``EpiMod`` on SM90.
+
+Every operand is *pinned* to an explicit quack EpiOp from its declared kind
+(``Tile`` -> TileLoad, ``RowVec`` -> RowVecLoad, ``ColVec`` -> ColVecLoad,
+``Scalar`` -> Scalar, ``PairedTile`` -> the GEMM's C operand in
+``packed_cd_b16x2`` mode), so quack never infers a kind from a shape.
+Reductions map to quack sinks (``col_sum`` -> ColVecReduce, ``row_sum`` ->
+RowVecReduce, ``online_lse`` -> OnlineLSEReduce, ``select_col`` ->
+ColVecSelect with a companion int ColVecLoad).
+
+quack calls the fn with its operands by *parameter name* and reserves ``c``
+for the C operand, so the user's fn is wrapped in a closure whose signature
+quack reads (``__signature__``) and whose closure quack fingerprints (the user
+fn's source and globals, the catalogue math through its semantic keys).
+
+Compile-only mode (no GPU): ``EpiMod.plan`` with CPU tensors as shape/dtype
+carriers compiles for sm_90a in-process; the only driver call on that path,
+``get_max_active_clusters``, is answered with Hopper's 132 SMs.  The cubin is
+then read with ``cuobjdump`` (pip wheel) for the SASS gate.
+"""
+
+from __future__ import annotations
+
+import inspect
+import io
+import os
+import re
+import subprocess
+import tempfile
+import time
+from contextlib import redirect_stderr, redirect_stdout
+from functools import lru_cache
+from typing import Any
+
+import torch
+
+from .epilogue import Epilogue
+from .errors import CatalogueError
+from .gemm import TileConfig
+from .lowering import CompiledKernel, SassReport, record_compiled
+
+H100_SMS = 132
+
+
+def _sink_op(name: str, red: Any) -> tuple[Any, tuple]:
+    from quack.epilogue import ops
+
+    if red.combine == "select":
+        idx = ops.ColVecLoad(red.index)
+        return ops.ColVecSelect(name, idx_op=idx), (idx,)
+    if red.combine == "lse":
+        return ops.OnlineLSEReduce(name), ()
+    cls = ops.ColVecReduce if red.axis == "cols" else ops.RowVecReduce
+    return cls(name, combine=red.combine), ()
+
+
+def _wrap_fn(epi: Epilogue) -> Any:
+    user = epi.fn
+    paired = epi.pairs if epi.pairs not in (None, "acc") else None
+
+    def coda_epilogue(acc, **operands):  # noqa: ANN001 - signature set below
+        if paired is not None:
+            operands[paired] = operands.pop("c")
+        return user(acc, **operands)
+
+    params = [inspect.Parameter("acc", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    for name in epi.operands:
+        pname = "c" if name == paired else name
+        params.append(inspect.Parameter(pname, inspect.Parameter.POSITIONAL_OR_KEYWORD))
+    coda_epilogue.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    coda_epilogue.__name__ = coda_epilogue.__qualname__ = f"coda_{epi.name}"
+    return coda_epilogue
+
+
+def epimod(epi: Epilogue) -> Any:
+    """The quack EpiMod of an epilogue (built once, cached on the epilogue)."""
+    mod = epi._lowered.get("cute")
+    if mod is not None:
+        return mod
+    from quack.epilogue import ops
+    from quack.epilogue.frontend import EpiMod
+
+    pins = {}
+    for name, kind in epi.operands.items():
+        if kind.port == "paired":
+            continue
+        op_cls = {"tile": ops.TileLoad, "row": ops.RowVecLoad, "col": ops.ColVecLoad,
+                  "scalar": ops.Scalar}[kind.port]
+        pins[name] = op_cls(name)
+    sinks, extra = {}, []
+    for name, red in epi.reductions.items():
+        sinks[name], companions = _sink_op(name, red)
+        extra.extend(companions)
+    try:
+        mod = EpiMod(_wrap_fn(epi), outputs=tuple(epi.outputs), ops=pins, outs=sinks,
+                     mode=epi.mode, extra_ops=tuple(extra))
+    except TypeError as e:
+        # quack's fail-closed fingerprint: the fn reached something without a semantic key.
+        raise CatalogueError(f"epilogue {epi.name!r} uses a value the kernel cache cannot fingerprint "
+                             f"(only catalogue math, numbers and operands may appear): {e}",
+                             line=epi.line) from None
+    epi._lowered["cute"] = mod
+    return mod
+
+
+def _quack_operands(epi: Epilogue, operands: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """(C, keyword operands) in quack's layout: vectors as (1, len), the PairedTile as C."""
+    C = None
+    out: dict[str, Any] = {}
+    for name, kind in epi.operands.items():
+        v = operands[name]
+        if kind.port == "paired":
+            C = v
+        elif kind.port in ("row", "col"):
+            out[name] = v.reshape(1, -1)
+        else:
+            out[name] = v
+    for idx in epi.index_operands:
+        out[idx] = operands[idx].reshape(1, -1)
+    return C, out
+
+
+def _buffers(epi: Epilogue | None, m: int, n: int, out_dtype: torch.dtype, config: TileConfig,
+             device: torch.device, empty: bool) -> dict[str, torch.Tensor]:
+    """Output buffers the catalogue owns (declared dtypes; raw partials; select pre-fill)."""
+    bufs: dict[str, torch.Tensor] = {}
+    if epi is None:
+        return bufs
+    width = n // 2 if epi.pairs == "acc" else n
+    for name, dtype in epi.outputs.items():
+        bufs[name] = torch.empty(m, width, dtype=dtype, device=device)
+    for name, red in epi.reductions.items():
+        if red.partials:
+            bufs[name] = torch.empty(m, -(-n // config.tile_n), dtype=torch.float32, device=device)
+        elif red.combine == "select":
+            make = torch.empty if empty else torch.zeros
+            bufs[name] = make(m, dtype=torch.float32, device=device)
+    return bufs
+
+
+def _d_buffer(epi: Epilogue | None, A: torch.Tensor, m: int, n: int, dtype: torch.dtype,
+              operands: dict[str, Any], accumulate_into: torch.Tensor | None) -> torch.Tensor | None:
+    if accumulate_into is not None:
+        return accumulate_into
+    if epi is not None and not epi.stores_d:
+        return None
+    if epi is not None and epi.pairs not in (None, "acc"):
+        return torch.empty_like(operands[epi.pairs])
+    return torch.empty(m, n, dtype=dtype, device=A.device)
+
+
+def run(epi: Epilogue | None, A: torch.Tensor, B: torch.Tensor, operands: dict[str, Any], *,
+        out_dtype: torch.dtype, config: TileConfig,
+        accumulate_into: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    m, n = A.shape[0], B.shape[1]
+    if epi is None:
+        epi_plain = _plain()
+        return run(epi_plain, A, B, {}, out_dtype=out_dtype, config=config,
+                   accumulate_into=accumulate_into)
+    mod = epimod(epi)
+    C, kw = _quack_operands(epi, operands)
+    out = _buffers(epi, m, n, out_dtype, config, A.device, empty=False)
+    D = _d_buffer(epi, A, m, n, out_dtype, operands, accumulate_into)
+    if D is not None:
+        out["D"] = D
+    sinks = {k: out.pop(k) for k in list(out) if k in epi.reductions}
+    res = mod(A, B, C, out=out, out_dtype=out_dtype, store_d=D is not None, config=config.to_quack(),
+              tuned=False, add_to_output=accumulate_into is not None, **kw, **sinks)
+    result = {k: v for k, v in res.items()}
+    for name, buf in sinks.items():
+        result[name] = buf
+    for name, red in epi.reductions.items():
+        if red.axis == "cols" and result[name].dim() > 1 and not red.partials:
+            result[name] = result[name].reshape(-1)
+    if D is None:
+        result.pop("D", None)
+    return result
+
+
+@lru_cache(maxsize=1)
+def _plain() -> Epilogue:
+    from .epilogue import epilogue
+
+    @epilogue()
+    def plain(acc):
+        return {"D": acc}
+
+    return plain
+
+
+# --------------------------------------------------------------------------- compile-only
+
+
+def _patch_for_cpu() -> None:
+    import quack.cache
+    import quack.gemm_runtime.host as host
+
+    host.get_max_active_clusters = lambda cluster_size, *a, **k: H100_SMS // cluster_size
+    # quack's disk cache hands back a loaded object without the cubin; the SASS
+    # gate needs the in-process compile (2-4 s per kernel on 2 cores).
+    quack.cache.CACHE_ENABLED = False
+
+
+def compile_call(epi: Epilogue | None, A: torch.Tensor, B: torch.Tensor, operands: dict[str, Any], *,
+                 out_dtype: torch.dtype, config: TileConfig,
+                 accumulate_into: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """Compile for sm_90a (no launch); return uninitialised outputs of the right shapes."""
+    if epi is None:
+        epi = _plain()
+    m, n = A.shape[0], B.shape[1]
+    mod = epimod(epi)
+    C, kw = _quack_operands(epi, operands)
+    out = _buffers(epi, m, n, out_dtype, config, A.device, empty=True)
+    D = _d_buffer(epi, A, m, n, out_dtype, operands, accumulate_into)
+    if D is not None:
+        out["D"] = D
+    sinks = {k: out.pop(k) for k in list(out) if k in epi.reductions}
+    _patch_for_cpu()
+    log = io.StringIO()
+    t0 = time.perf_counter()
+    try:
+        with redirect_stdout(log), redirect_stderr(log):
+            plan = mod.plan(A, B, C, out=out, config=config.to_quack(),
+                            add_to_output=accumulate_into is not None, **kw, **sinks)
+    except CatalogueError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the DSL raises many types; all are compile errors
+        raise CompileError(epi, e, log.getvalue()) from None
+    seconds = time.perf_counter() - t0
+    cubin = getattr(plan.gemm_plan.compiled_fn, "__cubin__", None)
+    sass = inspect_cubin(cubin) if cubin else None
+    record_compiled(CompiledKernel(epilogue=epi.name, config=str(config), seconds=seconds,
+                                   log=log.getvalue(), sass=sass,
+                                   shapes={"M": m, "N": n, "K": A.shape[1]}))
+    result: dict[str, torch.Tensor] = dict(out)
+    for name, red in epi.reductions.items():
+        if red.partials or red.combine == "select":
+            result[name] = sinks[name]
+        else:
+            result[name] = torch.empty(n if red.axis == "rows" else m, dtype=torch.float32)
+    if D is None:
+        result.pop("D", None)
+    return result
+
+
+class CompileError(CatalogueError):
+    """The DSL or ptxas rejected the lowered epilogue; carries the trimmed log."""
+
+    def __init__(self, epi: Epilogue, exc: BaseException, log: str):
+        line = None
+        text = f"{type(exc).__name__}: {exc}"
+        src = epi.fn.__code__.co_filename
+        for m in re.finditer(rf'File "{re.escape(src)}", line (\d+)', _format_tb(exc)):
+            line = int(m.group(1))
+        super().__init__(f"compiling epilogue {epi.name!r} for sm_90a failed: {text[:2000]}",
+                         line=line)
+        self.log = log
+
+
+def _format_tb(exc: BaseException) -> str:
+    import traceback
+
+    return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+
+
+@lru_cache(maxsize=1)
+def _cuobjdump() -> str | None:
+    from importlib import metadata
+
+    try:
+        files = metadata.distribution("nvidia-cuda-cuobjdump").files or []
+    except metadata.PackageNotFoundError:
+        return None
+    for f in files:
+        if f.name == "cuobjdump":
+            path = str(f.locate())
+            os.chmod(path, os.stat(path).st_mode | 0o111)
+            return path
+    return None
+
+
+_SASS_OP = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", re.M)
+
+
+def inspect_cubin(cubin: bytes) -> SassReport | None:
+    """Registers, spills and HGMMA count of a cubin (None without cuobjdump)."""
+    tool = _cuobjdump()
+    if tool is None:
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as fh:
+        fh.write(cubin)
+        path = fh.name
+    try:
+        res = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True).stdout
+        sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True).stdout
+    finally:
+        os.unlink(path)
+    usage = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", res))
+    ops = _SASS_OP.findall(sass)
+    return SassReport(
+        sm90a="sm_90a" in sass,
+        hgmma=sum(o.startswith("HGMMA") for o in ops),
+        spill_stores=sum(o.startswith("STL") for o in ops),
+        spill_loads=sum(o.startswith("LDL") for o in ops),
+        registers=int(usage.get("REG", -1)),
+        local_bytes=int(usage.get("LOCAL", 0)),
+        instructions=len(ops),
+    )

@@ -1,0 +1,264 @@
+"""The ``@epilogue`` decorator: one Python fn over the accumulator, validated
+once, lowered twice.
+
+Contract, as one signature::
+
+    @epilogue(outputs={"h": "bf16"}, reductions={"sqsum": col_sum()}, pairs=None)
+    def fn(acc, residual: Tile, gamma: RowVec) -> {"D": ..., "h": ..., "sqsum": ...}
+
+- ``acc`` is the fp32 accumulator element of C = A @ B; every other parameter
+  is an operand whose kind (``Tile``, ``RowVec``, ``ColVec``, ``Scalar``,
+  ``PairedTile``) is *declared* by its annotation.
+- The fn returns a dict: ``"D"`` (the GEMM's main output, in ``gemm``'s
+  ``out_dtype``; leave it out and no D is written at all), one entry per
+  declared extra output (stored at its own dtype) and one per declared
+  reduction (the per-element value the reduction folds).
+- Pairs: ``pairs="acc"`` makes adjacent accumulator columns (2j, 2j+1) one
+  Pair: ``g, u = unpack(acc)``; D must then be ``pack(a, b)`` (full width) and
+  extra outputs are half width (SwiGLU forward, RoPE).  A ``PairedTile``
+  operand (the saved 16-bit pre-activation at twice the GEMM width) arrives as a
+  Pair and D is ``pack(dg, du)`` at that tensor's width (SwiGLU backward).
+- The body is straight-line math: no ``if``/``for``/``while``, conditional
+  expressions, ``and``/``or``, ``try``, comprehensions or nested functions.  The
+  GPU lowering traces it once per element; a Python branch on a traced value
+  cannot be traced.  Use ``where(cond, a, b)``.
+
+Validation happens here, at decoration time, so a broken program fails when it
+is loaded, with the line: the annotations, the body's AST, and a dry run of the
+fn on tiny fp32 tensors through the reference semantics that checks the
+returned keys against the declaration.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from quack.epilogue.math import Pair
+
+from .errors import CatalogueError
+from .operands import KINDS, OUTPUT_DTYPES, Kind, PairedTile, Reduction
+
+RESERVED = {"acc", "D", "c"}
+
+_BANNED_NODES: dict[type, str] = {
+    ast.If: "an `if` statement",
+    ast.IfExp: "a conditional expression (`a if c else b`)",
+    ast.BoolOp: "`and`/`or`",
+    ast.For: "a `for` loop",
+    ast.While: "a `while` loop",
+    ast.Try: "`try`",
+    ast.ListComp: "a comprehension",
+    ast.DictComp: "a comprehension",
+    ast.SetComp: "a comprehension",
+    ast.GeneratorExp: "a comprehension",
+    ast.FunctionDef: "a nested function",
+    ast.Lambda: "a lambda",
+    ast.Global: "`global`",
+    ast.Nonlocal: "`nonlocal`",
+    ast.With: "`with`",
+    ast.Import: "an import",
+    ast.ImportFrom: "an import",
+}
+
+
+def unpack(value: Any) -> tuple[Any, Any]:
+    """Split a Pair into its two lanes: ``g, u = unpack(acc)``."""
+    if not isinstance(value, Pair):
+        raise CatalogueError(
+            "unpack() got a value that is not a Pair. Pairs exist only with "
+            "@epilogue(pairs='acc') (adjacent accumulator columns) or for a PairedTile operand.")
+    return value.a, value.b
+
+
+def pack(a: Any, b: Any) -> Pair:
+    """Join two lanes into a Pair: ``return {"D": pack(dg, du)}``."""
+    return Pair(a, b)
+
+
+@dataclass
+class Epilogue:
+    """A validated epilogue program: the fn plus its declarations."""
+
+    fn: Callable
+    operands: dict[str, type[Kind]]
+    outputs: dict[str, torch.dtype]
+    reductions: dict[str, Reduction]
+    pairs: str | None  # None | "acc" | name of the PairedTile operand
+    stores_d: bool = True
+    line: int | None = None
+    _lowered: dict = field(default_factory=dict, repr=False)  # per-lowering cache (cute EpiMods)
+
+    @property
+    def name(self) -> str:
+        return self.fn.__name__
+
+    @property
+    def mode(self) -> str:
+        """quack's name for the pairing mode."""
+        if self.pairs is None:
+            return "element"
+        return "acc_pair" if self.pairs == "acc" else "packed_cd_b16x2"
+
+    @property
+    def index_operands(self) -> tuple[str, ...]:
+        """Int operands consumed by select_col reductions (the fn never sees them)."""
+        return tuple(r.index for r in self.reductions.values() if r.index is not None)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise CatalogueError(f"epilogue {self.name!r} is not called directly; pass it to "
+                             f"gemm(A, B, {self.name}, ...)")
+
+    def __repr__(self) -> str:
+        return f"<epilogue {self.name} operands={ {k: v.name for k, v in self.operands.items()} }>"
+
+
+def _fn_line(fn: Callable, node: ast.AST | None = None) -> int | None:
+    first = fn.__code__.co_firstlineno
+    if node is None:
+        return first
+    # The parsed source starts at the decorator line (co_firstlineno).
+    return first + getattr(node, "lineno", 1) - 1
+
+
+def _check_body(fn: Callable) -> None:
+    try:
+        source = textwrap.dedent(inspect.getsource(fn))
+    except (OSError, TypeError):
+        return  # no source (interactive); the dry run still validates behaviour
+    tree = ast.parse(source)
+    fdef = tree.body[0]
+    for node in ast.walk(fdef):
+        if node is fdef:
+            continue
+        what = _BANNED_NODES.get(type(node))
+        if what is not None:
+            hint = ("use where(cond, a, b) for a data-dependent choice" if isinstance(
+                node, (ast.If, ast.IfExp, ast.BoolOp)) else "write straight-line math")
+            raise CatalogueError(
+                f"epilogue {fn.__name__!r}: {what} is not allowed in an epilogue fn (it is traced "
+                f"once per element on the GPU); {hint}", line=_fn_line(fn, node))
+
+
+def _resolve_kind(fn: Callable, pname: str, ann: Any) -> type[Kind]:
+    if isinstance(ann, str):
+        kind = KINDS.get(ann.split(".")[-1])
+    elif isinstance(ann, type) and issubclass(ann, Kind):
+        kind = ann
+    else:
+        kind = None
+    if kind is None:
+        shown = "nothing" if ann is inspect.Parameter.empty else repr(ann)
+        raise CatalogueError(
+            f"epilogue {fn.__name__!r}: operand {pname!r} must declare its kind, e.g. "
+            f"`{pname}: Tile` (one of {', '.join(KINDS)}); got {shown}", line=_fn_line(fn))
+    return kind
+
+
+def epilogue(outputs: dict[str, str] | None = None,
+             reductions: dict[str, Reduction] | None = None,
+             pairs: str | None = None) -> Callable[[Callable], Epilogue]:
+    """Declare an epilogue fn (see the module docstring for the contract)."""
+    outputs = dict(outputs or {})
+    reductions = dict(reductions or {})
+
+    def wrap(fn: Callable) -> Epilogue:
+        if not callable(fn) or not hasattr(fn, "__code__"):
+            raise CatalogueError("@epilogue decorates a plain function `def fn(acc, ...)`")
+        line = _fn_line(fn)
+        params = list(inspect.signature(fn).parameters.values())
+        if not params or params[0].name != "acc":
+            raise CatalogueError(f"epilogue {fn.__name__!r}: the first parameter must be `acc` "
+                                 "(the fp32 accumulator element)", line=line)
+        for p in params:
+            if p.kind not in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) or p.default is not p.empty:
+                raise CatalogueError(f"epilogue {fn.__name__!r}: parameter {p.name!r} must be a "
+                                     "plain name without default, *args or **kwargs", line=line)
+        operands = {p.name: _resolve_kind(fn, p.name, p.annotation) for p in params[1:]}
+        for name, dt in outputs.items():
+            if dt not in OUTPUT_DTYPES:
+                raise CatalogueError(f"epilogue {fn.__name__!r}: output {name!r} has dtype {dt!r}; "
+                                     f"use one of {sorted(OUTPUT_DTYPES)}", line=line)
+        for name, red in reductions.items():
+            if not isinstance(red, Reduction):
+                raise CatalogueError(f"epilogue {fn.__name__!r}: reduction {name!r} must be declared "
+                                     "with col_sum(), col_max(), row_sum(), online_lse() or "
+                                     "select_col(...)", line=line)
+        names = [*operands, *outputs, *reductions]
+        clash = sorted({n for n in names if names.count(n) > 1} | (set(names) & RESERVED))
+        if clash:
+            raise CatalogueError(f"epilogue {fn.__name__!r}: names {clash} are reserved or used twice "
+                                 "(operands, outputs and reductions need distinct names; acc, D and "
+                                 "c are reserved)", line=line)
+        paired = [n for n, k in operands.items() if k is PairedTile]
+        if len(paired) > 1:
+            raise CatalogueError(f"epilogue {fn.__name__!r}: at most one PairedTile operand "
+                                 f"(got {paired})", line=line)
+        if pairs not in (None, "acc"):
+            raise CatalogueError(f"epilogue {fn.__name__!r}: pairs= takes 'acc' or nothing "
+                                 "(a PairedTile operand declares its own pairing)", line=line)
+        if pairs == "acc" and paired:
+            raise CatalogueError(f"epilogue {fn.__name__!r}: pairs='acc' and a PairedTile operand "
+                                 "cannot be combined", line=line)
+        mode_pairs = pairs or (paired[0] if paired else None)
+        if mode_pairs is not None:
+            for name, red in reductions.items():
+                if red.axis == "rows" or red.partials or red.combine in ("lse", "select"):
+                    raise CatalogueError(
+                        f"epilogue {fn.__name__!r}: reduction {name!r} ({red.describe()}) is not "
+                        "available in a paired epilogue; only col_sum()/col_max() are", line=line)
+        _check_body(fn)
+        epi = Epilogue(fn=fn, operands=operands,
+                       outputs={k: OUTPUT_DTYPES[v] for k, v in outputs.items()},
+                       reductions=reductions, pairs=mode_pairs, line=line)
+        epi.stores_d = _dry_run(epi)
+        return epi
+
+    return wrap
+
+
+def _dry_run(epi: Epilogue) -> bool:
+    """Call the fn once on tiny tensors; check the returned keys. Returns whether D is stored."""
+    from .reference import fn_arguments
+
+    m, n = 2, 4
+    args = fn_arguments(epi, torch.randn(m, n), {
+        name: (1.0 if kind.port == "scalar" else torch.randn(kind.expected_shape(m, n)))
+        for name, kind in epi.operands.items()})
+    try:
+        result = epi.fn(**args)
+    except CatalogueError as e:
+        e.line = e.line or _traceback_line(e, epi)
+        raise
+    except Exception as e:  # noqa: BLE001 - any failure of the candidate's fn is reported
+        raise CatalogueError(f"epilogue {epi.name!r} fails on a dry run: {type(e).__name__}: {e}",
+                             line=_traceback_line(e, epi)) from None
+    if not isinstance(result, dict):
+        raise CatalogueError(f"epilogue {epi.name!r} must return a dict like "
+                             "{'D': ..., <outputs>..., <reductions>...}", line=epi.line)
+    declared = {*epi.outputs, *epi.reductions}
+    unknown = sorted(set(result) - declared - {"D"})
+    if unknown:
+        raise CatalogueError(f"epilogue {epi.name!r} returns {unknown}, which are not declared; add "
+                             "them to outputs={...} or reductions={...}", line=epi.line)
+    missing = sorted(declared - set(result))
+    if missing:
+        raise CatalogueError(f"epilogue {epi.name!r} declares {missing} but does not return them",
+                             line=epi.line)
+    if epi.pairs is not None and "D" in result and not isinstance(result["D"], Pair):
+        raise CatalogueError(f"epilogue {epi.name!r} is paired: return D as pack(a, b)", line=epi.line)
+    return "D" in result
+
+
+def _traceback_line(exc: BaseException, epi: Epilogue) -> int | None:
+    tb = exc.__traceback__
+    line = None
+    while tb is not None:
+        if tb.tb_frame.f_code is epi.fn.__code__:
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    return line

@@ -1,0 +1,162 @@
+"""``gemm(A, B, epilogue, **operands)``: the fixed mainloop with a program's epilogue.
+
+The mainloop is quack's SM90 warp-specialized TMA + WGMMA GEMM; this module
+validates the call (operands against the epilogue's declarations, shapes,
+dtypes), picks the tile configuration, and hands off to the active lowering.
+Everything it returns is a fresh tensor except ``accumulate_into``, which is
+updated in place (the TMA reduce-add store: ``D += result``).
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import reference
+from .epilogue import Epilogue
+from .errors import CatalogueError
+from .lowering import current_lowering, launching
+from .operands import INPUT_DTYPES, OUTPUT_DTYPES
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """The knobs of quack's SM90 GEMM that decide epilogue-heavy speed.
+
+    Measured on an H200 (../shared/gpu/README.md): the dSwiGLU backward with a
+    row reduction ran 2.86 ms at 128x192 pingpong, 1.26 ms at 128x128 pingpong;
+    plain GEMMs prefer 128x192 with a 2-CTA cluster.
+    """
+
+    tile_m: int = 128
+    tile_n: int = 192
+    cluster_m: int = 2
+    cluster_n: int = 1
+    pingpong: bool = True
+
+    def __str__(self) -> str:
+        return (f"{self.tile_m}x{self.tile_n} c{self.cluster_m}x{self.cluster_n} "
+                f"{'pingpong' if self.pingpong else 'cooperative'}")
+
+    def to_quack(self) -> Any:
+        from quack.gemm_config import GemmConfig
+
+        return GemmConfig(tile_m=self.tile_m, tile_n=self.tile_n, cluster_m=self.cluster_m,
+                          cluster_n=self.cluster_n, pingpong=self.pingpong,
+                          is_dynamic_persistent=False)
+
+
+PLAIN_CONFIG = TileConfig()
+EPILOGUE_HEAVY_CONFIG = TileConfig(tile_n=128, cluster_m=1)
+
+
+def default_config(epi: Epilogue | None) -> TileConfig:
+    """Heuristic until tuned: epilogues that read a paired tile or fold reductions
+    keep more live registers per element and run best on the narrower tile."""
+    if epi is None:
+        return PLAIN_CONFIG
+    heavy = epi.pairs is not None or bool(epi.reductions) or len(epi.operands) >= 3
+    return EPILOGUE_HEAVY_CONFIG if heavy else PLAIN_CONFIG
+
+
+def _check_matrix(name: str, t: object) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor) or t.dim() != 2:
+        raise CatalogueError(f"gemm: {name} must be a 2-D tensor; got "
+                             f"{getattr(t, 'shape', type(t).__name__)}")
+    if t.dtype not in INPUT_DTYPES:
+        raise CatalogueError(f"gemm: {name} has dtype {t.dtype}; the mainloop takes bf16 or fp16 "
+                             "(cast once at the weight's source, not per call)")
+    return t
+
+
+def check_call(epi: Epilogue | None, A: torch.Tensor, B: torch.Tensor,
+               operands: dict[str, Any]) -> tuple[int, int, int]:
+    _check_matrix("A", A)
+    _check_matrix("B", B)
+    (m, k), (k2, n) = A.shape, B.shape
+    if k != k2:
+        raise CatalogueError(f"gemm: A is {tuple(A.shape)} and B is {tuple(B.shape)}; B must be (K, N) "
+                             f"with K = {k} (pass W.t() for a weight stored (N, K))")
+    if A.dtype != B.dtype:
+        raise CatalogueError(f"gemm: A is {A.dtype} and B is {B.dtype}; use one dtype")
+    declared = set(epi.operands) | set(epi.index_operands) if epi is not None else set()
+    given = set(operands)
+    for extra in sorted(given - declared):
+        near = difflib.get_close_matches(extra, sorted(declared), n=1)
+        hint = f"; did you mean {near[0]!r}?" if near else ""
+        where = f"epilogue {epi.name!r} declares {sorted(declared)}" if epi else "a plain gemm takes none"
+        raise CatalogueError(f"gemm: operand {extra!r} is not declared ({where}){hint}")
+    for missing in sorted(declared - given):
+        raise CatalogueError(f"gemm: epilogue {epi.name!r} needs operand {missing!r}; pass "  # type: ignore[union-attr]
+                             f"gemm(A, B, {epi.name}, {missing}=...)")  # type: ignore[union-attr]
+    if epi is not None:
+        for name, kind in epi.operands.items():
+            kind.check(name, operands[name], m, n)
+            v = operands[name]
+            if isinstance(v, torch.Tensor) and v.device != A.device:
+                raise CatalogueError(f"gemm: operand {name!r} is on {v.device}, A on {A.device}")
+        for idx in epi.index_operands:
+            v = operands[idx]
+            if not (isinstance(v, torch.Tensor) and v.dtype in (torch.int32, torch.int64)
+                    and tuple(v.shape) == (m,)):
+                raise CatalogueError(f"gemm: operand {idx!r} is the column index of a select_col and "
+                                     f"must be an int32/int64 tensor of shape ({m},); got "
+                                     f"{getattr(v, 'dtype', type(v).__name__)} "
+                                     f"{tuple(getattr(v, 'shape', ()))}")
+        if epi.pairs == "acc" and n % 2:
+            raise CatalogueError(f"gemm: epilogue {epi.name!r} pairs adjacent columns, so N must be "
+                                 f"even; got N = {n}")
+    return m, n, k
+
+
+def gemm(A: torch.Tensor, B: torch.Tensor, epilogue: Epilogue | None = None, *,
+         out_dtype: str | None = None, config: TileConfig | None = None,
+         accumulate_into: torch.Tensor | None = None, **operands: Any) -> dict[str, torch.Tensor]:
+    """C = A @ B (fp32 accumulate) with ``epilogue`` applied to the tile on chip.
+
+    A is (M, K), B is (K, N) (a transposed view such as ``W.t()`` is fine), both
+    bf16 or fp16.  Operands are passed by the names the epilogue declares.
+    ``out_dtype`` ("bf16", "fp16", "fp32") sets D's dtype (default: A's; a
+    PairedTile epilogue writes D in that tile's dtype).  ``accumulate_into``
+    adds D into an existing (M, N) tensor instead of returning a new one.
+    Returns ``{"D": ..., <outputs>..., <reductions>...}``.
+    """
+    if epilogue is not None and not isinstance(epilogue, Epilogue):
+        raise CatalogueError("gemm: the third argument must be an @epilogue function (or None for a "
+                             f"plain GEMM); got {type(epilogue).__name__}")
+    m, n, _ = check_call(epilogue, A, B, operands)
+    if out_dtype is not None and out_dtype not in OUTPUT_DTYPES:
+        raise CatalogueError(f"gemm: out_dtype {out_dtype!r} is not one of {sorted(OUTPUT_DTYPES)}")
+    dtype = OUTPUT_DTYPES[out_dtype] if out_dtype else A.dtype
+    if epilogue is not None and epilogue.pairs not in (None, "acc"):
+        dtype = operands[epilogue.pairs].dtype
+    if accumulate_into is not None:
+        if epilogue is not None and not epilogue.stores_d:
+            raise CatalogueError(f"gemm: accumulate_into adds D, but epilogue {epilogue.name!r} "
+                                 "returns no 'D'")
+        want = (m, 2 * n) if epilogue is not None and epilogue.pairs not in (None, "acc") else (m, n)
+        if not isinstance(accumulate_into, torch.Tensor) or tuple(accumulate_into.shape) != want:
+            raise CatalogueError(f"gemm: accumulate_into must be a tensor of shape {want}")
+    cfg = config or default_config(epilogue)
+    lowering = current_lowering(A, B)
+    name = epilogue.name if epilogue is not None else "plain"
+    if lowering == "reference":
+        with launching("gemm", name):
+            return reference.run(epilogue, A, B, operands, out_dtype=dtype, tile_n=cfg.tile_n,
+                                 accumulate_into=accumulate_into)
+    from . import cute
+
+    if lowering == "compile":
+        return cute.compile_call(epilogue, A, B, operands, out_dtype=dtype, config=cfg,
+                                 accumulate_into=accumulate_into)
+    if not A.is_cuda:
+        raise CatalogueError("gemm: the cute lowering runs on CUDA tensors; move the inputs to the "
+                             "GPU or use lowering('reference')")
+    with launching("gemm", name):
+        return cute.run(epilogue, A, B, operands, out_dtype=dtype, config=cfg,
+                        accumulate_into=accumulate_into)
+
+

@@ -1,0 +1,120 @@
+"""Which lowering runs a program, and what it launched.
+
+``gemm`` and the auxiliary kernels consult :func:`current_lowering`:
+
+- ``"reference"``: the PyTorch interpreter (any device);
+- ``"cute"``: quack's SM90 GEMM with the epilogue compiled by CuTeDSL (CUDA);
+- ``"compile"``: compile every GEMM for sm_90a without launching (no GPU
+  needed) and return uninitialised outputs of the right shapes, so a program's
+  whole forward/backward can be compiled on a CPU-only machine;
+- ``"auto"`` (default): ``cute`` for CUDA tensors, ``reference`` otherwise.
+
+Every catalogue call that launches device work appends a :class:`Launch` to
+the active :func:`launch_ledger` and runs inside a ``torch.profiler``
+``record_function`` range named ``coda::<kind>::<name>``: the verifier's launch
+audit attributes every CUDA kernel to such a range, and a kernel outside all
+of them is compute the program smuggled past the catalogue.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass, field
+from typing import Iterator
+
+LOWERINGS = ("auto", "reference", "cute", "compile")
+
+_lowering: contextvars.ContextVar[str] = contextvars.ContextVar("coda_lowering", default="auto")
+_ledger: contextvars.ContextVar[list | None] = contextvars.ContextVar("coda_ledger", default=None)
+_compiled: contextvars.ContextVar[list | None] = contextvars.ContextVar("coda_compiled", default=None)
+
+
+@dataclass(frozen=True)
+class Launch:
+    kind: str  # "gemm" | "aux"
+    name: str
+
+
+@dataclass
+class SassReport:
+    sm90a: bool
+    hgmma: int
+    spill_stores: int
+    spill_loads: int
+    registers: int
+    local_bytes: int
+    instructions: int = 0
+
+
+@dataclass
+class CompiledKernel:
+    epilogue: str
+    config: str
+    seconds: float
+    log: str
+    sass: SassReport | None
+    shapes: dict = field(default_factory=dict)
+
+
+@contextlib.contextmanager
+def lowering(name: str) -> Iterator[None]:
+    """Run the enclosed catalogue calls with one lowering."""
+    if name not in LOWERINGS:
+        raise ValueError(f"unknown lowering {name!r}; choose one of {LOWERINGS}")
+    token = _lowering.set(name)
+    try:
+        yield
+    finally:
+        _lowering.reset(token)
+
+
+def current_lowering(*tensors: object) -> str:
+    name = _lowering.get()
+    if name != "auto":
+        return name
+    import torch
+
+    on_gpu = any(isinstance(t, torch.Tensor) and t.is_cuda for t in tensors)
+    return "cute" if on_gpu else "reference"
+
+
+@contextlib.contextmanager
+def launch_ledger() -> Iterator[list[Launch]]:
+    """Collect a :class:`Launch` per device-work call made inside."""
+    launches: list[Launch] = []
+    token = _ledger.set(launches)
+    try:
+        yield launches
+    finally:
+        _ledger.reset(token)
+
+
+@contextlib.contextmanager
+def compile_only() -> Iterator[list[CompiledKernel]]:
+    """Compile every GEMM for sm_90a instead of running it (CPU is enough)."""
+    kernels: list[CompiledKernel] = []
+    token = _compiled.set(kernels)
+    try:
+        with lowering("compile"):
+            yield kernels
+    finally:
+        _compiled.reset(token)
+
+
+def record_compiled(kernel: CompiledKernel) -> None:
+    sink = _compiled.get()
+    if sink is not None:
+        sink.append(kernel)
+
+
+@contextlib.contextmanager
+def launching(kind: str, name: str) -> Iterator[None]:
+    """Ledger entry plus a profiler range around one catalogue launch."""
+    sink = _ledger.get()
+    if sink is not None:
+        sink.append(Launch(kind, name))
+    import torch
+
+    with torch.profiler.record_function(f"coda::{kind}::{name}"):
+        yield

@@ -1,0 +1,161 @@
+"""Family 1: the math vocabulary of epilogue fns, one definition per function
+for both lowerings.
+
+An epilogue fn is traced twice with different value types: by quack/CuTeDSL
+with ``cutlass.Float32`` scalars (one accumulator element at a time) and by the
+reference interpreter with fp32 ``torch.Tensor`` tiles.  Each :class:`MathFn`
+dispatches on its arguments: tensors go to PyTorch, DSL values to
+``cute.math``, Python numbers to :mod:`math`, and a ``Pair`` lane-wise.
+
+Why a class and not plain functions: quack fingerprints every global an
+epilogue fn references (fail-closed compile-cache identity), and functions that
+close over unsupported objects fail that check on the pinned stack (this is why
+``quack.activation`` cannot be used).  A :class:`MathFn` declares its identity
+explicitly (``__quack_semantic_key__``: name + catalogue version), so editing
+the catalogue's math changes every kernel's cache key.
+
+Precision choices (both lowerings agree to fp32 rounding, not bitwise):
+``exp``/``exp2``/``log``/``tanh``/``rsqrt``/``sqrt`` use the fast hardware
+approximations on the GPU (relative error ~1e-7..1e-6, far below bf16);
+``sin``/``cos`` use the precise versions because RoPE angles reach 1e5 rad.
+"""
+
+from __future__ import annotations
+
+import math as _m
+from typing import Any, Callable
+
+import torch
+from quack.epilogue.math import Pair
+
+from .version import CATALOGUE_VERSION
+
+_GELU_C = _m.sqrt(2.0 / _m.pi)
+
+
+def _is_tensor(args: tuple) -> bool:
+    return any(isinstance(a, torch.Tensor) for a in args)
+
+
+def _is_number(args: tuple) -> bool:
+    return all(isinstance(a, (int, float)) and not isinstance(a, bool) for a in args)
+
+
+class MathFn:
+    """A catalogue math function usable inside epilogue fns (both lowerings)."""
+
+    def __init__(self, name: str, arity: int, torch_impl: Callable, cute_impl: Callable,
+                 doc: str, example: str):
+        self.name = name
+        self.arity = arity
+        self._torch = torch_impl
+        self._cute = cute_impl
+        self.__doc__ = doc
+        self.example = example
+
+    def __call__(self, *args: Any) -> Any:
+        if len(args) != self.arity:
+            from .errors import CatalogueError
+
+            raise CatalogueError(f"{self.name}() takes {self.arity} argument(s), got {len(args)}")
+        pairs = [a for a in args if isinstance(a, Pair)]
+        if pairs:
+            lanes = [(a.a, a.b) if isinstance(a, Pair) else (a, a) for a in args]
+            return Pair(self(*(lane[0] for lane in lanes)), self(*(lane[1] for lane in lanes)))
+        if _is_tensor(args):
+            return self._torch(*args)
+        if _is_number(args):
+            return float(self._torch(*(torch.tensor(float(a), dtype=torch.float64) for a in args)))
+        return self._cute(*args)
+
+    def __quack_semantic_key__(self) -> tuple:
+        return ("coda_agent.primitives.math", self.name, CATALOGUE_VERSION)
+
+    def __repr__(self) -> str:
+        return f"<catalogue math {self.name}>"
+
+
+def _cm():
+    import cutlass.cute as cute
+
+    return cute
+
+
+def _f32(x: Any) -> Any:
+    from cutlass import Float32
+
+    return Float32(x)
+
+
+def _sigmoid_cute(x: Any) -> Any:
+    return 1.0 / (1.0 + _cm().math.exp(-x, fastmath=True))
+
+
+def _where_cute(c: Any, a: Any, b: Any) -> Any:
+    import cutlass
+
+    return _f32(cutlass.select_(c, _f32(a), _f32(b)))
+
+
+def _where_torch(c: Any, a: Any, b: Any) -> torch.Tensor:
+    if not isinstance(c, torch.Tensor):
+        c = torch.tensor(bool(c))
+    return torch.where(c, torch.as_tensor(a, dtype=torch.float32) if not isinstance(a, torch.Tensor) else a,
+                       torch.as_tensor(b, dtype=torch.float32) if not isinstance(b, torch.Tensor) else b)
+
+
+def _as_t(x: Any, like: Any) -> torch.Tensor:
+    return x if isinstance(x, torch.Tensor) else torch.full((), float(x), dtype=like.dtype)
+
+
+def _binary_torch(fn: Callable) -> Callable:
+    def impl(a: Any, b: Any) -> torch.Tensor:
+        ref = a if isinstance(a, torch.Tensor) else b
+        return fn(_as_t(a, ref), _as_t(b, ref))
+    return impl
+
+
+def _gelu_torch(x: torch.Tensor) -> torch.Tensor:
+    return 0.5 * x * (1.0 + torch.tanh(_GELU_C * (x + 0.044715 * x * x * x)))
+
+
+def _gelu_cute(x: Any) -> Any:
+    return 0.5 * x * (1.0 + _cm().math.tanh(_GELU_C * (x + 0.044715 * x * x * x), fastmath=True))
+
+
+exp = MathFn("exp", 1, torch.exp, lambda x: _cm().math.exp(x, fastmath=True),
+             "e**x.", "exp(acc - m)")
+exp2 = MathFn("exp2", 1, torch.exp2, lambda x: _cm().math.exp2(x, fastmath=True),
+              "2**x.", "exp2(acc * 1.4426950408889634)")
+log = MathFn("log", 1, torch.log, lambda x: _cm().math.log(x, fastmath=True),
+             "Natural logarithm.", "log(acc * acc + 1.0)")
+rsqrt = MathFn("rsqrt", 1, torch.rsqrt, lambda x: _cm().math.rsqrt(x, fastmath=True),
+               "1 / sqrt(x).", "acc * rsqrt(var + eps)")
+sqrt = MathFn("sqrt", 1, torch.sqrt, lambda x: _cm().math.sqrt(x, fastmath=True),
+              "Square root.", "sqrt(acc * acc + 1.0)")
+tanh = MathFn("tanh", 1, torch.tanh, lambda x: _cm().math.tanh(x, fastmath=True),
+              "Hyperbolic tangent.", "tanh(acc)")
+sin = MathFn("sin", 1, torch.sin, lambda x: _cm().math.sin(x, fastmath=False),
+             "Sine (precise: RoPE angles are large).", "sin(pos * freq)")
+cos = MathFn("cos", 1, torch.cos, lambda x: _cm().math.cos(x, fastmath=False),
+             "Cosine (precise: RoPE angles are large).", "cos(pos * freq)")
+sigmoid = MathFn("sigmoid", 1, torch.sigmoid, _sigmoid_cute,
+                 "1 / (1 + exp(-x)).", "sigmoid(acc)")
+silu = MathFn("silu", 1, lambda x: x * torch.sigmoid(x), lambda x: x * _sigmoid_cute(x),
+              "x * sigmoid(x) (SwiGLU's gate).", "silu(g) * u")
+gelu_tanh = MathFn("gelu_tanh", 1, _gelu_torch, _gelu_cute,
+                   "GELU, tanh approximation.", "gelu_tanh(acc + bias)")
+maximum = MathFn("maximum", 2, _binary_torch(torch.maximum),
+                 lambda a, b: _cm().arch.fmax(_f32(a), _f32(b)),
+                 "Elementwise max of two values.", "maximum(acc, 0.0)")
+minimum = MathFn("minimum", 2, _binary_torch(torch.minimum),
+                 lambda a, b: _cm().arch.fmin(_f32(a), _f32(b)),
+                 "Elementwise min of two values.", "minimum(acc, 6.0)")
+where = MathFn("where", 3, _where_torch, _where_cute,
+               "cond ? a : b, elementwise; the only branch an epilogue may take.",
+               "where(acc > 0.0, acc, 0.01 * acc)")
+fma = MathFn("fma", 3, lambda a, b, c: a * b + c, lambda a, b, c: _f32(a) * b + c,
+             "a * b + c.", "fma(acc, scale, bias)")
+
+VOCABULARY: tuple[MathFn, ...] = (exp, exp2, log, rsqrt, sqrt, tanh, sin, cos, sigmoid, silu,
+                                  gelu_tanh, maximum, minimum, where, fma)

@@ -32,16 +32,23 @@ def load_program(source: str, name: str = "candidate") -> types.ModuleType:
     sys.modules[mod_name] = module
     try:
         exec(code, module.__dict__)  # noqa: S102 - the verifier's static stage vetted the source
-    except CatalogueError:
+    except CatalogueError as e:
         del sys.modules[mod_name]
+        e.line = e.line or _program_line(e, filename)
         raise
     except Exception as e:  # noqa: BLE001 - report any load-time failure with its line
         del sys.modules[mod_name]
-        line = None
-        tb = e.__traceback__
-        while tb is not None:
-            if tb.tb_frame.f_code.co_filename == filename:
-                line = tb.tb_lineno
-            tb = tb.tb_next
-        raise CatalogueError(f"loading the program failed: {type(e).__name__}: {e}", line=line) from None
+        raise CatalogueError(f"loading the program failed: {type(e).__name__}: {e}",
+                             line=_program_line(e, filename)) from None
     return module
+
+
+def _program_line(exc: BaseException, filename: str) -> int | None:
+    """The innermost line of the program's own file in the traceback."""
+    line = None
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == filename:
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    return line

@@ -1,0 +1,127 @@
+"""Render the catalogue as Markdown from the code itself.
+
+The text is built from the objects a program imports (docstrings, signatures,
+each MathFn's example), so the LLM's prompt, ``coda-agent catalogue`` and the
+code cannot drift apart.  Every example program below is real: the tests
+compile each one for sm_90a and run it through the reference lowering.
+"""
+
+from __future__ import annotations
+
+import inspect
+import textwrap
+
+from . import aux, operands
+from .epilogue import epilogue as _epilogue
+from .gemm import TileConfig, gemm
+from .math import VOCABULARY
+from .version import CATALOGUE_VERSION
+
+# One runnable example per family: (title, program source, call used by the tests).
+EXAMPLES: dict[str, str] = {
+    "elementwise": '''
+@epilogue()
+def bias_gelu(acc, bias: RowVec):
+    return {"D": gelu_tanh(acc + bias)}
+''',
+    "pairwise": '''
+@epilogue(outputs={"y": "bf16"}, pairs="acc")
+def swiglu(acc):
+    g, u = unpack(acc)            # adjacent columns (2j, 2j+1) = (gate, up)
+    return {"D": acc, "y": silu(g) * u}   # D: pre-activation (full width), y: half width
+''',
+    "vector": '''
+@epilogue()
+def scale_rows(acc, rstd: ColVec, gamma: RowVec):
+    return {"D": acc * rstd * gamma}
+''',
+    "tile": '''
+@epilogue(outputs={"h32": "fp32"})
+def residual_add(acc, residual: Tile):
+    h = acc + residual
+    return {"D": h, "h32": h}
+''',
+    "reduction": '''
+@epilogue(outputs={"h": "bf16"}, reductions={"sqsum": col_sum(), "colsum": row_sum()})
+def residual_rms(acc, residual: Tile, gamma: RowVec):
+    h = acc + residual
+    return {"D": h * gamma, "h": h, "sqsum": h * h, "colsum": h}
+''',
+    "stateful": '''
+@epilogue(reductions={"lse": online_lse(), "target_logit": select_col("target")})
+def lse_target(acc):
+    return {"lse": acc, "target_logit": acc}   # no "D": the logits are never written
+''',
+    "paired tile": '''
+@epilogue(outputs={"postact": "bf16"}, reductions={"s": col_sum()})
+def dswiglu(acc, pre: PairedTile):
+    g, u = unpack(pre)            # the saved (gate, up) pre-activation, interleaved
+    sig = sigmoid(g)
+    du = acc * g * sig
+    dg = acc * u * sig * (1.0 + g * (1.0 - sig))
+    return {"D": pack(dg, du), "postact": g * sig * u, "s": dg * g + du * u}
+''',
+}
+
+PROGRAM_SKELETON = '''
+from coda_agent.primitives import epilogue, gemm, rms_rstd, Tile, RowVec, ColVec, col_sum
+
+@epilogue(outputs={"h": "bf16"}, reductions={"sqsum": col_sum()})
+def residual_norm_stats(acc, z: Tile, gamma: RowVec):
+    h = acc + z
+    return {"D": h * gamma, "h": h, "sqsum": h * h}
+
+@epilogue()
+def row_scale(acc, rstd: ColVec):
+    return {"D": acc * rstd}
+
+def forward(x, z, w0, w1, gamma, eps):
+    a = gemm(x, w0, residual_norm_stats, z=z, gamma=gamma)
+    rstd = rms_rstd(a["sqsum"], w0.shape[1], eps)
+    y = gemm(a["D"], w1, row_scale, rstd=rstd)["D"]
+    return {"h": a["h"], "y": y}
+'''
+
+
+def _doc(obj: object) -> str:
+    return textwrap.dedent(inspect.getdoc(obj) or "").strip()
+
+
+def _sig(fn: object) -> str:
+    target = getattr(fn, "__wrapped_aux__", fn)
+    return f"{target.__name__}{inspect.signature(target)}"  # type: ignore[attr-defined]
+
+
+def render() -> str:
+    out: list[str] = [f"# The epilogue catalogue (version {CATALOGUE_VERSION})", ""]
+    out += ["A program is one Python module that imports only from `coda_agent.primitives` "
+            "(and `math`). It declares epilogue fns and composes them in `forward` "
+            "(and `backward`) with `gemm`, the auxiliary kernels and the layout helpers. "
+            "No other computation is allowed: no torch, no tensor methods beyond `.t()`, `.T`, "
+            "`.shape`, `.dtype` and slicing.", ""]
+    out += ["## Program skeleton", "", "```python", PROGRAM_SKELETON.strip(), "```", ""]
+    out += ["## The fixed mainloop: `gemm`", "", f"`{_sig(gemm)}`", "", _doc(gemm), ""]
+    out += [f"Tile configuration: `{_sig(TileConfig)}`", "", _doc(TileConfig), ""]
+    out += ["## Declaring an epilogue: `@epilogue`", "", f"`{_sig(_epilogue)}`", "",
+            _doc(inspect.getmodule(_epilogue)), ""]
+    out += ["## Families 2-3: operand kinds", ""]
+    for kind in operands.KINDS.values():
+        out += [f"- `{kind.name}`: {_doc(kind)}"]
+    out += ["", "## Families 4-5: reductions and stateful transforms", "",
+            _doc(operands).split("Reductions (family 4)", 1)[-1].strip(), ""]
+    for fn in (operands.col_sum, operands.col_max, operands.row_sum, operands.online_lse,
+               operands.select_col):
+        out += [f"- `{_sig(fn)}`: {_doc(fn)}"]
+    out += ["", "## Family 1: math vocabulary (inside epilogue fns)", "",
+            "Arithmetic `+ - * /`, comparisons (only as `where` conditions) and:", ""]
+    for m in VOCABULARY:
+        args = ", ".join("xyz"[i] for i in range(m.arity)) if m.name != "where" else "cond, a, b"
+        out += [f"- `{m.name}({args})`: {m.__doc__} Example: `{m.example}`"]
+    out += ["- `unpack(pair) -> (a, b)`, `pack(a, b) -> pair`: lanes of adjacent columns.", ""]
+    out += ["## Auxiliary kernels and layout helpers (in forward/backward)", ""]
+    for fn in aux.AUX_KERNELS:
+        out += [f"- `{_sig(fn)}`: {_doc(fn)}"]
+    out += ["", "## One example per family", ""]
+    for family, src in EXAMPLES.items():
+        out += [f"### {family}", "", "```python", src.strip(), "```", ""]
+    return "\n".join(out).rstrip() + "\n"

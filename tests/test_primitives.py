@@ -1,0 +1,320 @@
+"""The catalogue on the CPU: every primitive's reference lowering against a
+direct PyTorch formula, every documented example compiled for sm_90a, and
+every kind of misuse rejected with a message that names the fix."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from coda_agent.primitives import (CatalogueError, TileConfig, compile_only, gemm, launch_ledger,
+                                   load_program, lowering, render_catalogue)
+from coda_agent.primitives import aux
+from coda_agent.primitives.catalogue import EXAMPLES
+
+HEADER = "from coda_agent.primitives import *\n"
+SHAPES = [(64, 96, 128), (200, 136, 64), (37, 250, 48)]  # (M, N, K); the last two ragged
+DTYPES = [torch.bfloat16, torch.float16]
+
+
+def prog(src: str):
+    return load_program(HEADER + src, "test")
+
+
+def rand(*shape, dtype=torch.float32, gen=None):
+    return torch.randn(*shape, generator=gen, dtype=torch.float32).to(dtype)
+
+
+@pytest.fixture
+def gen():
+    return torch.Generator().manual_seed(1234)
+
+
+def operands_for(M, N, K, dtype, gen):
+    A = rand(M, K, dtype=dtype, gen=gen)
+    B = (rand(K, N, gen=gen) / math.sqrt(K)).to(dtype)
+    return A, B, A.float() @ B.float()
+
+
+def close(got, want, dtype):
+    # Outputs are rounded once from fp32: allow one rounding step of the dtype.
+    eps = {torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11, torch.float32: 1e-6}[dtype]
+    torch.testing.assert_close(got.float(), want.float().to(dtype).float(),
+                               atol=eps * 4, rtol=eps * 2)
+
+
+# --------------------------------------------------------------------------- family 1
+
+
+@pytest.mark.parametrize("M,N,K", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_math_vocabulary_matches_torch(M, N, K, dtype, gen):
+    P = prog('''
+@epilogue(outputs={"a": "fp32", "b": "fp32", "c": "fp32", "d": "fp32", "e": "fp32", "f": "fp32",
+                   "g": "fp32", "h": "fp32", "i": "fp32"})
+def vocab(acc):
+    x = acc * 0.5
+    return {"D": exp(x) + exp2(x), "a": log(x * x + 1.0), "b": rsqrt(x * x + 1.0) + sqrt(x * x),
+            "c": tanh(x) + sigmoid(x), "d": silu(x), "e": gelu_tanh(x),
+            "f": maximum(x, 0.25) + minimum(x, -0.25), "g": where(x > 0.0, x, 0.1 * x),
+            "h": fma(x, x, 1.0), "i": sin(x) + cos(x)}
+'''.replace('"c": "fp32", ', '"c2": "fp32", ').replace('"c": tanh', '"c2": tanh'))
+    A, B, acc = operands_for(M, N, K, dtype, gen)
+    out = gemm(A, B, P.vocab, out_dtype="fp32")
+    x = acc * 0.5
+    want = {
+        "D": torch.exp(x) + torch.exp2(x), "a": torch.log(x * x + 1), "b": torch.rsqrt(x * x + 1) + x.abs(),
+        "c2": torch.tanh(x) + torch.sigmoid(x), "d": torch.nn.functional.silu(x),
+        "e": torch.nn.functional.gelu(x, approximate="tanh"),
+        "f": x.clamp_min(0.25) + x.clamp_max(-0.25), "g": torch.where(x > 0, x, 0.1 * x),
+        "h": x * x + 1, "i": torch.sin(x) + torch.cos(x)}
+    for k, v in want.items():
+        close(out[k], v, torch.float32)
+
+
+@pytest.mark.parametrize("M,N,K", [(64, 96, 128), (200, 136, 64)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pairs_of_adjacent_columns(M, N, K, dtype, gen):
+    P = prog('''
+@epilogue(outputs={"y": "bf16"}, pairs="acc")
+def swiglu(acc, gamma: RowVec):
+    g, u = unpack(acc)
+    gg, gu = unpack(gamma)
+    return {"D": pack(g * gg, u * gu), "y": silu(g) * u}
+''')
+    A, B, acc = operands_for(M, N, K, dtype, gen)
+    gamma = rand(N, gen=gen)
+    out = gemm(A, B, P.swiglu, gamma=gamma)
+    g, u = acc[:, 0::2], acc[:, 1::2]
+    assert out["y"].shape == (M, N // 2) and out["D"].shape == (M, N)
+    close(out["y"], torch.nn.functional.silu(g) * u, torch.bfloat16)
+    close(out["D"], acc * gamma, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paired_tile_is_read_as_interleaved_pairs(dtype, gen):
+    P = prog(EXAMPLES["paired tile"])
+    M, N, K = 120, 72, 64
+    A, B, acc = operands_for(M, N, K, dtype, gen)
+    pre = rand(M, 2 * N, dtype=dtype, gen=gen)
+    out = gemm(A, B, P.dswiglu, pre=pre)
+    g, u = pre.float()[:, 0::2], pre.float()[:, 1::2]
+    sig = torch.sigmoid(g)
+    du, dg = acc * g * sig, acc * u * sig * (1 + g * (1 - sig))
+    assert out["D"].dtype == dtype and out["D"].shape == (M, 2 * N)
+    close(out["D"][:, 0::2], dg, dtype)
+    close(out["D"][:, 1::2], du, dtype)
+    close(out["postact"], g * sig * u, torch.bfloat16)
+    torch.testing.assert_close(out["s"], (dg * g + du * u).sum(1), rtol=1e-5, atol=1e-4)
+
+
+# --------------------------------------------------------------------------- families 2-3
+
+
+@pytest.mark.parametrize("M,N,K", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_vectors_tiles_and_output_dtypes(M, N, K, dtype, gen):
+    P = prog('''
+@epilogue(outputs={"h32": "fp32", "h16": "fp16"})
+def vt(acc, residual: Tile, rstd: ColVec, gamma: RowVec, alpha: Scalar):
+    h = (acc + residual) * rstd * gamma * alpha
+    return {"D": h, "h32": h, "h16": h}
+''')
+    A, B, acc = operands_for(M, N, K, dtype, gen)
+    res, rstd, gamma = rand(M, N, dtype=dtype, gen=gen), rand(M, gen=gen), rand(N, dtype=dtype, gen=gen)
+    out = gemm(A, B, P.vt, residual=res, rstd=rstd, gamma=gamma, alpha=0.75)
+    want = (acc + res.float()) * rstd[:, None] * gamma.float()[None, :] * 0.75
+    assert out["D"].dtype == dtype and out["h32"].dtype == torch.float32
+    assert out["h16"].dtype == torch.float16
+    close(out["D"], want, dtype)
+    close(out["h32"], want, torch.float32)
+    close(out["h16"], want, torch.float16)
+
+
+def test_accumulate_into_adds_in_place(gen):
+    A, B, acc = operands_for(64, 96, 128, torch.bfloat16, gen)
+    buf = rand(64, 96, dtype=torch.bfloat16, gen=gen)
+    before = buf.clone()
+    out = gemm(A, B, accumulate_into=buf)
+    assert out["D"] is buf
+    close(buf, before.float() + acc.to(torch.bfloat16).float(), torch.bfloat16)
+
+
+def test_no_d_when_the_epilogue_returns_none(gen):
+    P = prog(EXAMPLES["stateful"])
+    A, B, _ = operands_for(64, 96, 128, torch.bfloat16, gen)
+    out = gemm(A, B, P.lse_target, target=torch.randint(0, 96, (64,), generator=gen))
+    assert set(out) == {"lse", "target_logit"}
+
+
+# --------------------------------------------------------------------------- families 4-5
+
+
+@pytest.mark.parametrize("M,N,K", SHAPES)
+@pytest.mark.parametrize("tile_n", [128, 192, 256])
+def test_reductions_and_partials_layout(M, N, K, tile_n, gen):
+    P = prog('''
+@epilogue(reductions={"ss": col_sum(), "mx": col_max(), "cs": row_sum(), "part": col_sum(partials=True)})
+def red(acc):
+    return {"D": acc, "ss": acc * acc, "mx": acc, "cs": acc, "part": acc * acc}
+''')
+    A, B, acc = operands_for(M, N, K, torch.bfloat16, gen)
+    out = gemm(A, B, P.red, config=TileConfig(tile_n=tile_n, cluster_m=1))
+    torch.testing.assert_close(out["ss"], (acc * acc).sum(1), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(out["mx"], acc.amax(1))
+    torch.testing.assert_close(out["cs"], acc.sum(0), rtol=1e-5, atol=1e-4)
+    tiles = -(-N // tile_n)
+    assert out["part"].shape == (M, tiles)
+    for j in range(tiles):
+        torch.testing.assert_close(out["part"][:, j], (acc[:, j * tile_n:(j + 1) * tile_n] ** 2).sum(1),
+                                   rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("M,N,K", SHAPES)
+def test_online_lse_and_target_select(M, N, K, gen):
+    P = prog(EXAMPLES["stateful"])
+    A, B, acc = operands_for(M, N, K, torch.bfloat16, gen)
+    target = torch.randint(0, N, (M,), generator=gen)
+    target[0] = -100  # ignored rows are left at 0.0
+    out = gemm(A, B, P.lse_target, target=target)
+    torch.testing.assert_close(out["lse"], torch.logsumexp(acc, 1), rtol=1e-6, atol=1e-5)
+    want = acc.gather(1, target.clamp_min(0).view(-1, 1)).view(-1)
+    want[0] = 0.0
+    torch.testing.assert_close(out["target_logit"], want)
+
+
+def test_aux_kernels(gen):
+    sq = torch.rand(10, generator=gen) * 50
+    torch.testing.assert_close(aux.rms_rstd(sq, 16, 1e-5), (sq / 16 + 1e-5) ** -0.5)
+    x, g = rand(8, 32, dtype=torch.bfloat16, gen=gen), rand(32, dtype=torch.bfloat16, gen=gen)
+    prep = aux.rms_prepare(x, g, 1e-6)
+    torch.testing.assert_close(prep["rstd"], torch.rsqrt(x.float().pow(2).mean(1) + 1e-6))
+    logits = rand(6, 50, dtype=torch.bfloat16, gen=gen)
+    target = torch.tensor([1, 2, -100, 49, 0, 7])
+    lse = torch.logsumexp(logits.float(), 1)
+    dloss = torch.full((6,), 0.5)
+    want = (torch.softmax(logits.float(), 1) - torch.nn.functional.one_hot(target.clamp_min(0), 50)) * 0.5
+    want[2] = 0
+    got = aux.xent_grad_(logits.clone(), lse, target, dloss)
+    torch.testing.assert_close(got.float(), want, atol=4e-3, rtol=1e-2)
+    a, b = rand(4, 6, gen=gen), rand(4, 6, gen=gen)
+    inter = aux.interleave_columns(a, b)
+    torch.testing.assert_close(inter[:, 0::2], a)
+    torch.testing.assert_close(aux.deinterleave_columns(inter)[1], b)
+
+
+def test_ledger_records_every_launch(gen):
+    P = prog(EXAMPLES["reduction"])
+    A, B, _ = operands_for(64, 96, 128, torch.bfloat16, gen)
+    with launch_ledger() as ledger:
+        out = gemm(A, B, P.residual_rms, residual=rand(64, 96, dtype=torch.bfloat16, gen=gen),
+                   gamma=rand(96, dtype=torch.bfloat16, gen=gen))
+        aux.rms_rstd(out["sqsum"], 96, 1e-6)
+    assert [(l.kind, l.name) for l in ledger] == [("gemm", "residual_rms"), ("aux", "rms_rstd")]
+
+
+def test_catalogue_renders_every_export():
+    text = render_catalogue()
+    from coda_agent.primitives import PROGRAM_API
+
+    for name in PROGRAM_API:
+        assert name in text, name
+    assert text.count("```python") >= len(EXAMPLES) + 1
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+BAD_EPILOGUES = [
+    ("@epilogue()\ndef f(acc, r):\n    return {'D': acc + r}\n", r"operand 'r' must declare its kind"),
+    ("@epilogue()\ndef f(acc, r: Matrix):\n    return {'D': acc}\n", r"must declare its kind"),
+    ("@epilogue()\ndef f(x):\n    return {'D': x}\n", r"first parameter must be `acc`"),
+    ("@epilogue()\ndef f(acc):\n    if acc > 0:\n        return {'D': acc}\n    return {'D': -acc}\n",
+     r"an `if` statement is not allowed.*where\(cond, a, b\)"),
+    ("@epilogue()\ndef f(acc):\n    return {'D': acc if acc > 0 else -acc}\n", r"conditional expression"),
+    ("@epilogue()\ndef f(acc):\n    return {'D': acc, 'h': acc}\n", r"returns \['h'\], which are not declared"),
+    ("@epilogue(outputs={'h': 'bf16'})\ndef f(acc):\n    return {'D': acc}\n", r"declares \['h'\] but does not"),
+    ("@epilogue(outputs={'h': 'int8'})\ndef f(acc):\n    return {'D': acc, 'h': acc}\n", r"dtype 'int8'"),
+    ("@epilogue(reductions={'s': 'sum'})\ndef f(acc):\n    return {'s': acc}\n", r"must be declared with col_sum"),
+    ("@epilogue(reductions={'s': col_max(identity=0.0)})\ndef f(acc):\n    return {'s': acc}\n",
+     r"ragged edge with identity -inf"),
+    ("@epilogue()\ndef f(acc):\n    return {'D': acc * undefined_bias}\n", r"NameError.*undefined_bias"),
+    ("@epilogue(pairs='acc')\ndef f(acc):\n    g, u = unpack(acc)\n    return {'D': g * u}\n",
+     r"paired: return D as pack"),
+    ("@epilogue()\ndef f(acc):\n    g, u = unpack(acc)\n    return {'D': g}\n", r"not a Pair"),
+    ("@epilogue(pairs='acc', reductions={'r': row_sum()})\ndef f(acc):\n    return {'D': acc, 'r': acc}\n",
+     r"not available in a paired epilogue"),
+]
+
+
+@pytest.mark.parametrize("src,match", BAD_EPILOGUES)
+def test_bad_epilogues_fail_at_load_with_the_fix(src, match):
+    with pytest.raises(CatalogueError, match=match) as info:
+        prog(src)
+    assert info.value.line is not None
+
+
+def test_bad_gemm_calls(gen):
+    P = prog(EXAMPLES["tile"] + EXAMPLES["vector"])
+    A, B, _ = operands_for(64, 64, 32, torch.bfloat16, gen)  # M == N on purpose
+    r = rand(64, 64, dtype=torch.bfloat16, gen=gen)
+    with pytest.raises(CatalogueError, match=r"operand 'residul' is not declared.*did you mean 'residual'"):
+        gemm(A, B, P.residual_add, residul=r)
+    with pytest.raises(CatalogueError, match=r"needs operand 'residual'"):
+        gemm(A, B, P.residual_add)
+    with pytest.raises(CatalogueError, match=r"declared Tile, which needs shape \(64, 64\)"):
+        gemm(A, B, P.residual_add, residual=r[:, :10])
+    with pytest.raises(CatalogueError, match=r"declared ColVec.*per-column values are a RowVec"):
+        gemm(A, B, P.scale_rows, rstd=rand(64, 64, gen=gen), gamma=rand(64, gen=gen))
+    with pytest.raises(CatalogueError, match=r"bf16 or fp16"):
+        gemm(A.float(), B.float())
+    with pytest.raises(CatalogueError, match=r"B must be \(K, N\)"):
+        gemm(A, B.t())
+    with pytest.raises(CatalogueError, match=r"Python number"):
+        prog("@epilogue()\ndef f(acc, a: Scalar):\n    return {'D': acc * a}\n")  # loads fine
+        gemm(A, B, load_program(HEADER + "@epilogue()\ndef f(acc, a: Scalar):\n    return {'D': acc * a}\n").f,
+             a=torch.ones(1))
+    with pytest.raises(CatalogueError, match=r"not called directly"):
+        P.residual_add(1.0)
+    with pytest.raises(CatalogueError, match=r"third argument must be an @epilogue"):
+        gemm(A, B, lambda acc: acc)
+
+
+def test_syntax_error_has_a_line():
+    with pytest.raises(CatalogueError, match="syntax error") as info:
+        load_program("def forward(:\n  pass\n")
+    assert info.value.line == 1
+
+
+def test_reference_lowering_is_selectable_on_cpu(gen):
+    A, B, acc = operands_for(64, 96, 128, torch.bfloat16, gen)
+    with lowering("reference"):
+        close(gemm(A, B)["D"], acc, torch.bfloat16)
+    with pytest.raises(CatalogueError, match="CUDA tensors"):
+        with lowering("cute"):
+            gemm(A, B)
+
+
+# --------------------------------------------------------------------------- sm_90a compile
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(EXAMPLES))
+def test_every_catalogue_example_compiles_for_sm90a_with_hgmma(family, gen):
+    P = load_program(HEADER + EXAMPLES[family], family)
+    epi = next(v for v in vars(P).values() if type(v).__name__ == "Epilogue")
+    M, N, K = 256, 384, 128
+    A, B = rand(M, K, dtype=torch.bfloat16), rand(K, N, dtype=torch.bfloat16)
+    ops = {}
+    for name, kind in epi.operands.items():
+        ops[name] = 0.5 if kind.port == "scalar" else rand(*kind.expected_shape(M, N), dtype=torch.bfloat16)
+    for idx in epi.index_operands:
+        ops[idx] = torch.randint(0, N, (M,), dtype=torch.int32)
+    with compile_only() as kernels:
+        gemm(A, B, epi, **ops)
+    (k,) = kernels
+    assert k.sass is not None, "cuobjdump wheel missing: pip install nvidia-cuda-cuobjdump"
+    assert k.sass.sm90a and k.sass.hgmma > 0
+    assert k.sass.spill_stores == 0 and k.sass.spill_loads == 0, k.sass

@@ -1,0 +1,17 @@
+# Sourced by the README's commands: a venv in .venv with the pinned stack,
+# created once (a second run only checks it, in about a second).
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+stamp_src="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
+if [ ! -x .venv/bin/python ] || [ "$(cat .venv/.coda-stamp 2>/dev/null)" != "$stamp_src" ]; then
+  echo "setting up .venv (first run: about a minute) ..." >&2
+  python3 -m venv .venv
+  .venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
+  # CPU torch first, so the pinned quack/cutlass do not pull a multi-GB CUDA build.
+  .venv/bin/python -m pip install -q "torch==2.13.0" 2>&1 | grep -v "^WARNING: Location" || true
+  .venv/bin/python -m pip install -q -e ".[test]" 2>&1 | grep -v "^WARNING: Location" || true
+  .venv/bin/python -c "import coda_agent.primitives" >/dev/null
+  echo "$stamp_src" > .venv/.coda-stamp
+fi
+export PATH="$root/.venv/bin:$PATH"

@@ -140,11 +140,16 @@ def gemm(A: torch.Tensor, B: torch.Tensor, epilogue: Epilogue | None = None, *,
         want = (m, 2 * n) if epilogue is not None and epilogue.pairs not in (None, "acc") else (m, n)
         if not isinstance(accumulate_into, torch.Tensor) or tuple(accumulate_into.shape) != want:
             raise CatalogueError(f"gemm: accumulate_into must be a tensor of shape {want}")
-    cfg = config or default_config(epilogue)
     lowering = current_lowering(A, B)
+    cfg = config
+    if cfg is None and lowering == "cute":
+        from .tuning import lookup
+
+        cfg = lookup(epilogue, m, n, A.shape[1], A.dtype, A.device)
+    cfg = cfg or default_config(epilogue)
     name = epilogue.name if epilogue is not None else "plain"
     if lowering == "reference":
-        with launching("gemm", name):
+        with launching("gemm", name, str(cfg)):
             return reference.run(epilogue, A, B, operands, out_dtype=dtype, tile_n=cfg.tile_n,
                                  accumulate_into=accumulate_into)
     from . import cute
@@ -155,7 +160,7 @@ def gemm(A: torch.Tensor, B: torch.Tensor, epilogue: Epilogue | None = None, *,
     if not A.is_cuda:
         raise CatalogueError("gemm: the cute lowering runs on CUDA tensors; move the inputs to the "
                              "GPU or use lowering('reference')")
-    with launching("gemm", name):
+    with launching("gemm", name, str(cfg)):
         return cute.run(epilogue, A, B, operands, out_dtype=dtype, config=cfg,
                         accumulate_into=accumulate_into)
 

@@ -34,6 +34,7 @@ _compiled: contextvars.ContextVar[list | None] = contextvars.ContextVar("coda_co
 class Launch:
     kind: str  # "gemm" | "aux"
     name: str
+    config: str = ""  # the tile configuration a gemm ran with (reports show it)
 
 
 @dataclass
@@ -109,11 +110,11 @@ def record_compiled(kernel: CompiledKernel) -> None:
 
 
 @contextlib.contextmanager
-def launching(kind: str, name: str) -> Iterator[None]:
+def launching(kind: str, name: str, config: str = "") -> Iterator[None]:
     """Ledger entry plus a profiler range around one catalogue launch."""
     sink = _ledger.get()
     if sink is not None:
-        sink.append(Launch(kind, name))
+        sink.append(Launch(kind, name, config))
     import torch
 
     with torch.profiler.record_function(f"coda::{kind}::{name}"):

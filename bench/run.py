@@ -1,0 +1,237 @@
+"""The suite's expert programs against the speed of light, on the H200.
+
+For every task of ``tasks/llama3`` and every LLaMA-3 shape set it has
+(1B / 8B / 70B at 16384 tokens by default), time with device events, L2
+flushed before every rep, medians over ``--reps`` runs on freshly drawn
+inputs (never zeros), with spread (p10/p90):
+
+- the fused program (forward; forward+backward where the task has gradients),
+  with the tile configuration tuned once per (program, shape) and cached;
+- the plain GEMMs the math needs (``spec.gemms``), through cuBLAS (torch) and
+  through quack's plain GEMM: the speed of light for a fused epilogue;
+- the PyTorch reference, eager and under ``torch.compile`` (default mode);
+- Liger, where it has the op (``bench/liger_baselines.py``).
+
+Writes ``bench/results/h200-<date>.json`` and regenerates the table in
+BENCHMARKS.md (``python -m coda_agent.bench.table``).  Usage on the device::
+
+    source scripts/gpu-env.sh && python3 bench/run.py --sets llama3-1b,llama3-8b
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import platform
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def stats(fn: Callable[[], Any], reps: int) -> dict:
+    """Median/p10/p90 ms of fn() with the L2 flushed before every rep."""
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        flush.zero_()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+    times.sort()
+    q = lambda p: times[min(len(times) - 1, int(p * len(times)))]  # noqa: E731
+    return {"median_ms": q(0.5), "p10_ms": q(0.1), "p90_ms": q(0.9), "reps": reps}
+
+
+def peak_mem_gib(fn: Callable[[], Any]) -> float:
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
+def bench_task(task: Any, shape_set: str, reps: int, tune: bool) -> dict:
+    from coda_agent.primitives import gemm, launch_ledger, load_program, lowering
+    from coda_agent.verifier.inputs import make_grads, make_inputs
+
+    spec = task.spec
+    prog = load_program(task.expert_path.read_text(), task.name)
+    inputs = make_inputs(spec, shape_set, seed=int(time.time()) & 0xFFFF, device="cuda")
+    params = dict(spec.params)
+    grads = make_grads(spec, shape_set, seed=7, device="cuda") if spec.has_backward else {}
+    row: dict[str, Any] = {"task": spec.name, "shape_set": shape_set, "shapes": spec.shapes[shape_set],
+                           "gflop": spec.flops(shape_set) / 1e9}
+
+    def fused() -> Any:
+        with lowering("cute"):
+            out = prog.forward(**inputs, **params)
+            if spec.has_backward:
+                saved = {**inputs, **params, **out}
+                prog.backward(saved, **grads)
+            return out
+
+    if tune:
+        row["tuned"] = tune_program(prog, fused)
+    with launch_ledger() as ledger:
+        fused()
+    row["configs"] = [f"{l.name}: {l.config}" for l in ledger if l.kind == "gemm"]
+    row["fused"] = stats(fused, reps)
+    row["fused_peak_gib"] = peak_mem_gib(fused)
+
+    # Speed of light: the plain GEMMs the math needs.
+    mats = [(torch.randn(m, k, device="cuda", dtype=torch.bfloat16),
+             torch.randn(k, n, device="cuda", dtype=torch.bfloat16)) for m, n, k in spec.gemm_shapes(shape_set)]
+    row["gemm_cublas"] = stats(lambda: [a @ b for a, b in mats], reps)
+    with lowering("cute"):
+        row["gemm_quack"] = stats(lambda: [gemm(a, b) for a, b in mats], reps)
+    del mats
+
+    ref = task.reference_fn
+    float_inputs = [k for k, v in inputs.items() if v.is_floating_point()]
+
+    def torch_run(fn: Callable) -> Callable[[], Any]:
+        def run() -> Any:
+            leaf = {k: (v.detach().requires_grad_(k in spec.gradients) if k in float_inputs else v)
+                    for k, v in inputs.items()}
+            out = fn(**leaf, **params)
+            if spec.has_backward:
+                outs = [out[g[1:]] for g in grads]
+                torch.autograd.backward(outs, [grads[g] for g in grads])
+            return out
+        return run
+
+    row["eager"] = stats(torch_run(ref), reps)
+    row["eager_peak_gib"] = peak_mem_gib(torch_run(ref))
+    try:
+        compiled = torch.compile(ref)
+        torch_run(compiled)()
+        row["compile"] = stats(torch_run(compiled), reps)
+        row["compile_peak_gib"] = peak_mem_gib(torch_run(compiled))
+    except Exception as e:  # noqa: BLE001 - record, keep benchmarking
+        row["compile_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    try:
+        from liger_baselines import LIGER  # type: ignore[import-not-found]
+
+        if spec.name in LIGER:
+            fn = LIGER[spec.name]
+            row["liger"] = stats(lambda: fn(inputs, params, grads), reps)
+            row["liger_peak_gib"] = peak_mem_gib(lambda: fn(inputs, params, grads))
+    except Exception as e:  # noqa: BLE001
+        row["liger_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    f, g = row["fused"]["median_ms"], min(row["gemm_cublas"]["median_ms"], row["gemm_quack"]["median_ms"])
+    row["fused_over_gemm"] = f / g
+    row["tflops"] = spec.flops(shape_set) / (f * 1e-3) / 1e12
+    if "compile" in row:
+        row["speedup_vs_compile"] = row["compile"]["median_ms"] / f
+    row["speedup_vs_eager"] = row["eager"]["median_ms"] / f
+    if "liger" in row:
+        row["speedup_vs_liger"] = row["liger"]["median_ms"] / f
+    if row["fused_over_gemm"] < 0.9:
+        row["flag"] = "faster than the plain GEMMs by >10%: suspicious, check the work done"
+    return row
+
+
+def tune_program(prog: Any, fused: Callable[[], Any]) -> list[dict]:
+    """Tune every GEMM call the program makes (once; results persist on disk)."""
+    from coda_agent.primitives import gemm as gemm_mod
+    from coda_agent.primitives import tuning
+
+    calls: list[tuple] = []
+    real = gemm_mod.gemm
+
+    def spy(A, B, epilogue=None, **kw):  # noqa: ANN001, ANN003
+        if kw.get("config") is None and kw.get("accumulate_into") is None:
+            ops = {k: v for k, v in kw.items() if k not in ("out_dtype",)}
+            calls.append((epilogue, A, B, ops))
+        return real(A, B, epilogue, **kw)
+
+    prog_globals = vars(sys.modules[prog.__name__])
+    prog_globals["gemm"] = spy
+    try:
+        fused()
+    finally:
+        prog_globals["gemm"] = real
+    done = []
+    for epi, A, B, ops in calls:
+        if epi is not None and any(r.partials for r in epi.reductions.values()):
+            continue
+        ops.pop("out_dtype", None)
+        cfg, times = tuning.tune(epi, A, B, ops)
+        done.append({"epilogue": getattr(epi, "name", "plain"), "MNK": [A.shape[0], B.shape[1], A.shape[1]],
+                     "best": str(cfg), "times_ms": times})
+    return done
+
+
+def versions() -> dict:
+    from importlib import metadata
+
+    out = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+           "gpu": torch.cuda.get_device_name(0)}
+    for pkg in ("quack-kernels", "nvidia-cutlass-dsl", "liger-kernel", "triton"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            out[pkg] = "absent"
+    from coda_agent import __version__
+    from coda_agent.primitives import CATALOGUE_VERSION
+
+    out["coda-agent"] = __version__
+    out["catalogue"] = CATALOGUE_VERSION
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tasks", default="", help="comma-separated task names (default: all)")
+    ap.add_argument("--sets", default="llama3-1b,llama3-8b,llama3-70b")
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--no-tune", action="store_true")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    args = ap.parse_args()
+    sys.path.insert(0, str(Path(__file__).parent))
+    from coda_agent.tasks import SUITE_DIR, load_suite
+
+    wanted = set(filter(None, args.tasks.split(",")))
+    suite = [t for t in load_suite(SUITE_DIR) if not wanted or t.name in wanted]
+    results = {"date": dt.date.today().isoformat(), "versions": versions(), "reps": args.reps,
+               "method": "torch.cuda.Event, 256 MiB L2 flush before each rep, median (p10/p90)",
+               "rows": []}
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"h200-{results['date']}.json"
+    for task in suite:
+        for shape_set in args.sets.split(","):
+            if shape_set not in task.spec.shapes:
+                continue
+            t0 = time.time()
+            try:
+                row = bench_task(task, shape_set, args.reps, tune=not args.no_tune)
+            except Exception as e:  # noqa: BLE001 - one task's failure is a row, not a crash
+                traceback.print_exc(limit=4)
+                row = {"task": task.name, "shape_set": shape_set, "error": f"{type(e).__name__}: {str(e)[:400]}"}
+            row["bench_s"] = round(time.time() - t0, 1)
+            results["rows"].append(row)
+            print(json.dumps({k: row.get(k) for k in ("task", "shape_set", "fused_over_gemm",
+                                                      "speedup_vs_compile", "error")}), flush=True)
+            torch.cuda.empty_cache()
+            path.write_text(json.dumps(results, indent=1))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,38 @@
+"""Shared pytest fixtures.  Add yours; keep the others'."""
+
+from __future__ import annotations
+
+import pytest
+
+# --------------------------------------------------------------------------- agent
+
+
+@pytest.fixture
+def agent_env(monkeypatch, tmp_path):
+    """No user config, endpoint or model leaks into a test; the catalogue placeholder is allowed."""
+    for var in ("OPENAI_BASE_URL", "OPENAI_API_KEY", "CODA_MODEL", "CODA_CONFIG", "CODA_DEBUG"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setenv("CODA_CATALOGUE_PLACEHOLDER", "1")
+
+
+@pytest.fixture
+def openai_server():
+    from openai_server import ScriptedServer
+
+    server = ScriptedServer().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def agent_task(tmp_path):
+    """A tiny task (D = alpha * x @ w + r) in its own folder, with a second task as an example."""
+    from agent_fixtures import GOOD, write_task
+
+    from coda_agent.tasks import load_task
+
+    folder = tmp_path / "tasks"
+    write_task(folder, "other_task", families="elementwise",
+               expert="# the other task's expert program\n" + GOOD)
+    return load_task(write_task(folder))

@@ -1,0 +1,42 @@
+"""The verifier tests' tiny task (tests/tasks/outproj_residual.yaml): its reference
+and the bad-program corpus reader."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).parent
+TASK_PATH = HERE / "tasks" / "outproj_residual.yaml"
+EXPERT_PATH = HERE / "tasks" / "outproj_residual_expert.py"
+CORPUS = HERE / "bad_programs"
+
+
+def outproj_residual_ref(x, w, r):
+    return {"y": x @ w + r}
+
+
+@dataclass
+class BadProgram:
+    path: Path
+    stage: str
+    expect: str  # a substring of the failing stage's message
+    needs: str  # "cpu" (static/reference/timeout), "compile" (sm_90a compiler) or "gpu"
+
+    @property
+    def source(self) -> str:
+        return self.path.read_text()
+
+
+def corpus() -> list[BadProgram]:
+    """Every tests/bad_programs/*.py with its header: ``# stage: S``, ``# expect: TEXT``
+    and optionally ``# needs: gpu``."""
+    out = []
+    for path in sorted(CORPUS.glob("*.py")):
+        head = dict(re.findall(r"^# (stage|expect|needs): (.*)$", path.read_text(), re.M))
+        assert "stage" in head and "expect" in head, f"{path.name}: header needs '# stage:' and '# expect:'"
+        needs = head.get("needs", "gpu" if head["stage"] in ("correctness", "launch_audit", "performance")
+                         else "compile" if head["stage"] == "compile" else "cpu")
+        out.append(BadProgram(path, head["stage"].strip(), head["expect"].strip(), needs.strip()))
+    return out

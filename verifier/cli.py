@@ -1,0 +1,66 @@
+"""``coda-agent verify TASK PROGRAM.py``: the same checks the agent's candidates get.
+
+Exit status: 0 accepted (every stage passed on a Hopper GPU); 3 cpu_passed
+(every stage that ran passed, GPU stages skipped: *not* an acceptance); 1
+rejected (a stage failed: the program is wrong, slow or cheats); 2 error (the
+verifier could not judge, or the task file / arguments are unusable).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import typer
+
+EXIT_CODES = {"accepted": 0, "rejected": 1, "error": 2, "cpu_passed": 3}
+
+
+def verify(
+    task: Path = typer.Argument(..., help="task YAML, e.g. tasks/llama3/swiglu.yaml"),
+    program: Path = typer.Argument(..., help="the epilogue program (a .py file)"),
+    stages: str = typer.Option("", help="comma-separated subset of "
+                               "static,reference,compile,correctness,launch_audit,performance"),
+    json_out: bool = typer.Option(False, "--json", help="print the Report as JSON"),
+    timeout: float = typer.Option(900.0, help="seconds the candidate may run before it is killed"),
+    no_cache: bool = typer.Option(False, "--no-cache", help="ignore and do not write cached verdicts"),
+    fail_on_target: bool = typer.Option(False, help="fail the performance stage when the target is missed"),
+) -> None:
+    """Verify PROGRAM against TASK. Exit 0 accepted, 3 cpu_passed (GPU stages skipped), 1 rejected, 2 error."""
+    from coda_agent.tasks.spec import TaskSpecError, load_task
+    from coda_agent.verifier import Verifier
+    from coda_agent.verifier.feedback import render_feedback
+
+    try:
+        loaded = load_task(task)
+        source = program.read_text()
+        verifier = Verifier(stages=[s.strip() for s in stages.split(",") if s.strip()] or None,
+                            timeout_s=timeout, cache=not no_cache, fail_on_target=fail_on_target)
+    except (TaskSpecError, OSError, ValueError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    report = verifier.check(loaded, source)
+    if json_out:
+        typer.echo(report.model_dump_json(indent=2))
+    elif sys.stdout.isatty():
+        _print_table(report)
+        typer.echo(render_feedback(report, source))
+    else:
+        for s in report.stages:
+            typer.echo(f"{s.name:13s} {s.status:8s} {s.seconds:7.1f}s  {s.message}")
+        typer.echo(f"outcome: {report.outcome}{' (cached)' if report.cached else ''}")
+        typer.echo(render_feedback(report, source))
+    raise typer.Exit(EXIT_CODES[report.outcome])
+
+
+def _print_table(report) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    colour = {"passed": "green", "failed": "red", "skipped": "yellow", "error": "magenta"}
+    table = Table(title=f"{report.task}: {report.outcome}{' (cached)' if report.cached else ''}")
+    for col in ("stage", "status", "s", "message"):
+        table.add_column(col)
+    for s in report.stages:
+        table.add_row(s.name, f"[{colour[s.status]}]{s.status}[/]", f"{s.seconds:.1f}", s.message)
+    Console().print(table)

@@ -1,0 +1,93 @@
+"""A Report rendered for the LLM's next message: what failed, at which of the
+program's own lines (quoted), where the numbers differ, and the timing against
+the target.  Short on purpose: the model needs the fix, not the harness's log.
+"""
+
+from __future__ import annotations
+
+from coda_agent.verifier.report import Report, StageResult
+
+LOG_LINES = 25
+
+
+def _quote(source: str, line: int | None) -> str:
+    lines = source.splitlines()
+    if line is None or not 1 <= line <= len(lines):
+        return ""
+    lo, hi = max(1, line - 1), min(len(lines), line + 1)
+    return "\n".join(f"{'>' if i == line else ' '} {i:4d} | {lines[i - 1]}" for i in range(lo, hi + 1))
+
+
+def _trim_log(log: str) -> str:
+    lines = [ln for ln in log.strip().splitlines() if ln.strip()]
+    if len(lines) <= LOG_LINES:
+        return "\n".join(lines)
+    return "\n".join(lines[:5] + ["..."] + lines[-(LOG_LINES - 6):])
+
+
+def _stage_text(stage: StageResult, source: str) -> list[str]:
+    out = [f"Stage `{stage.name}` {stage.status.upper()}: {stage.message}"]
+    violations = stage.details.get("violations") or []
+    for v in violations[:8]:
+        out.append(f"- line {v['line']}: {v['message']}")
+        if q := _quote(source, v["line"]):
+            out.append(q)
+    if not violations and (q := _quote(source, stage.line)):
+        out.append(f"At line {stage.line}:\n{q}")
+    for m in stage.mismatches[:6]:
+        rel = "" if m.rel_norm_err is None else f", relative norm error {m.rel_norm_err:.3g}"
+        nans = f", {m.nan_count} NaN" if m.nan_count else ""
+        unwritten = f", {m.unwritten_count} never written" if m.unwritten_count else ""
+        out.append(f"- `{m.tensor}` ({m.shape_set}): {m.pattern}; max abs error {m.max_abs_err:.3g} > allowed "
+                   f"{m.allowed:.3g}, worst at index {m.worst_index}{rel}{nans}{unwritten}")
+    if stage.log and stage.name in ("compile",) or (stage.log and stage.status == "failed" and not stage.mismatches
+                                                      and stage.name != "static"):
+        log = _trim_log(_program_frames_only(stage.log))
+        if log:
+            out.append("Log (trimmed):\n" + log)
+    if spills := stage.details.get("spills"):
+        out.append("Register spills (STL/LDL instructions): "
+                   + ", ".join(f"{k}: {v}" for k, v in spills.items()))
+    return out
+
+
+def _program_frames_only(log: str) -> str:
+    """Drop traceback frames inside the harness and libraries; keep the program's."""
+    keep, skipping = [], False
+    for ln in log.splitlines():
+        if ln.startswith('  File "'):
+            skipping = "<program:" not in ln
+        elif not ln.startswith("    "):
+            skipping = False
+        if not skipping:
+            keep.append(ln)
+    return "\n".join(keep)
+
+
+def render_feedback(report: Report, program_source: str) -> str:
+    failed = report.failed_stage
+    lines = []
+    if failed is None:
+        passed = [s.name for s in report.stages if s.status == "passed"]
+        skipped = [s.name for s in report.stages if s.status == "skipped"]
+        head = "ACCEPTED" if report.accepted else "Passed " + ", ".join(passed)
+        lines.append(f"{head}." + (f" Not run here (no GPU): {', '.join(skipped)}." if skipped else ""))
+    else:
+        verdict = "The verifier itself failed (not your fault)" if failed.status == "error" else "REJECTED"
+        lines.append(f"{verdict} at stage `{failed.name}`.")
+        lines += _stage_text(failed, program_source)
+    perf = report.stage("performance")
+    if perf is not None and perf.details.get("ms"):
+        d = perf.details
+        ms = d["ms"]
+        lines.append(f"Timing ({d['shape_set']}): program {ms['program']:.3f} ms, plain GEMMs {ms['gemm']:.3f} ms "
+                     f"-> {d['vs_gemm']:.2f}x (target <= {d['target_vs_gemm']})"
+                     + (f", torch.compile {ms['compile']:.3f} ms" if "compile" in ms else "")
+                     + (f", eager {ms['eager']:.3f} ms" if "eager" in ms else "")
+                     + f", {d['tflops']} TFLOP/s.")
+        if d.get("suspicious"):
+            lines.append(f"Suspicious: {d['suspicious']}.")
+    comp = report.stage("compile")
+    if failed is not comp and comp is not None and comp.details.get("spills"):
+        lines.append("Note: " + comp.message)
+    return "\n".join(lines)

@@ -42,7 +42,7 @@ if not _os.environ.get("CUDA_VISIBLE_DEVICES", "x") or not _os.path.exists("/dev
         "CUTE_DSL_DUMP_DIR", _os.path.join(__import__("tempfile").gettempdir(), "coda-cutedsl-dump"))
     _os.makedirs(_dump, exist_ok=True)
 
-from .aux import (add, column_index, deinterleave_columns, interleave_columns, rms_prepare,  # noqa: E402
+from .aux import (add, column_index, concat_rows, deinterleave_columns, interleave_columns, rms_prepare,  # noqa: E402
                   rms_rstd, to_fp32, xent_grad_, xent_loss, zeros_like)
 from .epilogue import Epilogue, epilogue, pack, unpack  # noqa: E402
 from .errors import CatalogueError  # noqa: E402
@@ -72,7 +72,7 @@ PROGRAM_API = (
     "exp", "exp2", "log", "rsqrt", "sqrt", "tanh", "sin", "cos", "sigmoid", "silu", "gelu_tanh",
     "maximum", "minimum", "where", "fma",
     "rms_rstd", "rms_prepare", "xent_loss", "xent_grad_", "column_index", "to_fp32",
-    "interleave_columns", "deinterleave_columns", "zeros_like", "add",
+    "interleave_columns", "deinterleave_columns", "zeros_like", "add", "concat_rows",
 )
 
 __all__ = [*PROGRAM_API, "CATALOGUE_VERSION", "CatalogueError", "CompiledKernel", "Epilogue", "Launch",

@@ -146,5 +146,23 @@ def add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.float() + b.float()).to(a.dtype)
 
 
+@_aux
+def concat_rows(parts: list) -> torch.Tensor:
+    """Join 1-D per-row vectors end to end: the per-chunk results (loss, lse) of a
+    program that chunks over tokens, e.g. ``concat_rows([loss_0, loss_1, ...])``.
+
+    Vectors only (O(rows) work): assemble a chunked *matrix* without a copy by
+    giving each chunk's GEMM ``accumulate_into=buf[r0:r1]`` of a ``zeros_like``
+    buffer."""
+    if not isinstance(parts, (list, tuple)) or not parts:
+        raise CatalogueError("concat_rows takes a non-empty list of 1-D tensors")
+    for i, p in enumerate(parts):
+        _need(f"parts[{i}]", p, 1)
+        if p.dtype != parts[0].dtype or p.device != parts[0].device:
+            raise CatalogueError(f"concat_rows: parts[{i}] is {p.dtype} on {p.device}; parts[0] is "
+                                 f"{parts[0].dtype} on {parts[0].device}")
+    return torch.cat(list(parts))
+
+
 AUX_KERNELS = (rms_rstd, rms_prepare, xent_loss, xent_grad_, column_index, to_fp32,
-               interleave_columns, deinterleave_columns, zeros_like, add)
+               interleave_columns, deinterleave_columns, zeros_like, add, concat_rows)

@@ -207,6 +207,12 @@ def compile_call(epi: Epilogue | None, A: torch.Tensor, B: torch.Tensor, operand
     """Compile for sm_90a (no launch); return uninitialised outputs of the right shapes."""
     if epi is None:
         epi = _plain()
+    if torch.cuda.is_available() and not A.is_cuda:
+        # quack reads the target architecture from the tensors' device; on a GPU
+        # machine the shape carriers must live there (they stay uninitialised).
+        A, B = _on_cuda(A), _on_cuda(B)
+        operands = {k: _on_cuda(v) for k, v in operands.items()}
+        accumulate_into = _on_cuda(accumulate_into)
     m, n = A.shape[0], B.shape[1]
     mod = epimod(epi)
     C, kw = _quack_operands(epi, operands)
@@ -241,6 +247,12 @@ def compile_call(epi: Epilogue | None, A: torch.Tensor, B: torch.Tensor, operand
     if D is None:
         result.pop("D", None)
     return result
+
+
+def _on_cuda(t: Any) -> Any:
+    if not isinstance(t, torch.Tensor):
+        return t
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cuda")
 
 
 class CompileError(CatalogueError):

@@ -109,7 +109,38 @@ def check_call(epi: Epilogue | None, A: torch.Tensor, B: torch.Tensor,
         if epi.pairs == "acc" and n % 2:
             raise CatalogueError(f"gemm: epilogue {epi.name!r} pairs adjacent columns, so N must be "
                                  f"even; got N = {n}")
+    _check_alignment(epi, A, B, operands, n)
     return m, n, k
+
+
+def _row_bytes(t: torch.Tensor) -> int:
+    """Bytes between consecutive rows of the tensor's non-contiguous dimension."""
+    major = t.stride(0) if t.stride(-1) == 1 else t.stride(-1)
+    return major * t.element_size()
+
+
+def _check_alignment(epi: Epilogue | None, A: torch.Tensor, B: torch.Tensor,
+                     operands: dict[str, Any], n: int) -> None:
+    """TMA moves rows in 16-byte units: every tensor the kernel reads or writes
+    needs a leading dimension that is a multiple of 16 bytes.  Checked in both
+    lowerings, so a CPU verdict never accepts a shape the GPU would refuse (seen
+    on an H200: a SwiGLU output of 628 bf16 columns was refused at launch)."""
+    rows = {"A": _row_bytes(A), "B": _row_bytes(B)}
+    if epi is None or epi.stores_d:
+        rows["D"] = n * A.element_size() * (2 if epi is not None and epi.pairs not in (None, "acc") else 1)
+    if epi is not None:
+        width = n // 2 if epi.pairs == "acc" else n
+        for name, dtype in epi.outputs.items():
+            rows[f"output {name!r} ({width} columns)"] = width * dtype.itemsize
+        for name, kind in epi.operands.items():
+            if kind.port in ("tile", "paired"):
+                rows[f"operand {name!r}"] = _row_bytes(operands[name])
+    for what, nbytes in rows.items():
+        if nbytes % 16:
+            raise CatalogueError(
+                f"gemm: {what} has rows of {nbytes} bytes; the mainloop's TMA copies need a multiple "
+                "of 16 bytes (8 elements of 16 bits). Pad that dimension (e.g. the vocabulary or the "
+                "hidden size) to a multiple of 8.")
 
 
 def gemm(A: torch.Tensor, B: torch.Tensor, epilogue: Epilogue | None = None, *,

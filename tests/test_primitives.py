@@ -15,7 +15,8 @@ from coda_agent.primitives import aux
 from coda_agent.primitives.catalogue import EXAMPLES
 
 HEADER = "from coda_agent.primitives import *\n"
-SHAPES = [(64, 96, 128), (200, 136, 64), (37, 250, 48)]  # (M, N, K); the last two ragged
+# (M, N, K); the last two are not tile multiples (rows stay 16-byte aligned, as TMA needs)
+SHAPES = [(64, 96, 128), (200, 136, 64), (37, 248, 48)]
 DTYPES = [torch.bfloat16, torch.float16]
 
 
@@ -74,7 +75,7 @@ def vocab(acc):
         close(out[k], v, torch.float32)
 
 
-@pytest.mark.parametrize("M,N,K", [(64, 96, 128), (200, 136, 64)])
+@pytest.mark.parametrize("M,N,K", [(64, 96, 128), (200, 144, 64)])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_pairs_of_adjacent_columns(M, N, K, dtype, gen):
     P = prog('''
@@ -280,6 +281,16 @@ def test_bad_gemm_calls(gen):
         P.residual_add(1.0)
     with pytest.raises(CatalogueError, match=r"third argument must be an @epilogue"):
         gemm(A, B, lambda acc: acc)
+
+
+def test_rows_must_be_16_byte_aligned_for_tma(gen):
+    P = prog(EXAMPLES["pairwise"])
+    A, B, _ = operands_for(64, 136, 64, torch.bfloat16, gen)  # y would be 68 bf16 columns
+    with pytest.raises(CatalogueError, match=r"output 'y' \(68 columns\) has rows of 136 bytes.*multiple of 16"):
+        gemm(A, B, P.swiglu)
+    A, B, _ = operands_for(64, 100, 64, torch.bfloat16, gen)
+    with pytest.raises(CatalogueError, match=r"B has rows of 200 bytes"):
+        gemm(A, B)
 
 
 def test_syntax_error_has_a_line():

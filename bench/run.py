@@ -128,8 +128,9 @@ def bench_task(task: Any, shape_set: str, reps: int, tune: bool) -> dict:
 
         if spec.name in LIGER:
             fn = LIGER[spec.name]
-            row["liger"] = stats(lambda: fn(inputs, params, grads), reps)
-            row["liger_peak_gib"] = peak_mem_gib(lambda: fn(inputs, params, grads))
+            dims = spec.shapes[shape_set]
+            row["liger"] = stats(lambda: fn(inputs, params, grads, dims), reps)
+            row["liger_peak_gib"] = peak_mem_gib(lambda: fn(inputs, params, grads, dims))
     except Exception as e:  # noqa: BLE001
         row["liger_error"] = f"{type(e).__name__}: {str(e)[:300]}"
     f, g = row["fused"]["median_ms"], min(row["gemm_cublas"]["median_ms"], row["gemm_quack"]["median_ms"])

@@ -18,7 +18,7 @@ The five CODA families:
 2. vector load: ``RowVec`` (one value per column) and ``ColVec`` (one per row);
 3. tile load/store: ``Tile`` operands and extra ``outputs`` with their own dtype;
 4. tile reductions: ``col_sum``, ``col_max``, ``row_sum`` and the aux kernels
-   that finish them (``rms_rstd``);
+   that finish them (``rms_rstd``); per-head statistics (``head_rstd``);
 5. stateful transforms: ``online_lse`` and ``select_col`` across N tiles.
 
 Two lowerings (:mod:`.lowering`): ``cute`` (quack's SM90 GEMM + CuTeDSL, on
@@ -51,8 +51,8 @@ from .lowering import (CompiledKernel, Launch, SassReport, compile_only, current
                        launch_ledger, lowering)
 from .math import (cos, exp, exp2, fma, gelu_tanh, log, maximum, minimum, rsqrt, sigmoid,  # noqa: E402
                    silu, sin, sqrt, tanh, where)
-from .operands import (ColVec, PairedTile, RowVec, Scalar, Tile, col_max, col_sum,  # noqa: E402
-                       online_lse, row_sum, select_col)
+from .operands import (ColVec, HeadStat, PairedTile, RowVec, Scalar, Tile, col_max, col_sum,  # noqa: E402
+                       head_rstd, online_lse, row_sum, select_col)
 from .program import load_program  # noqa: E402
 from .version import CATALOGUE_VERSION  # noqa: E402
 
@@ -67,8 +67,8 @@ def render_catalogue() -> str:
 # What a program may import (the verifier's static stage enforces it).
 PROGRAM_API = (
     "epilogue", "gemm", "TileConfig", "unpack", "pack",
-    "Tile", "RowVec", "ColVec", "Scalar", "PairedTile",
-    "col_sum", "col_max", "row_sum", "online_lse", "select_col",
+    "Tile", "RowVec", "ColVec", "Scalar", "PairedTile", "HeadStat",
+    "col_sum", "col_max", "row_sum", "head_rstd", "online_lse", "select_col",
     "exp", "exp2", "log", "rsqrt", "sqrt", "tanh", "sin", "cos", "sigmoid", "silu", "gelu_tanh",
     "maximum", "minimum", "where", "fma",
     "rms_rstd", "rms_prepare", "xent_loss", "xent_grad_", "column_index", "to_fp32",

@@ -47,6 +47,13 @@ def residual_rms(acc, residual: Tile, gamma: RowVec):
     h = acc + residual
     return {"D": h * gamma, "h": h, "sqsum": h * h, "colsum": h}
 ''',
+    "head statistic": '''
+@epilogue(pairs="acc", head_stats={"rstd": head_rstd(128, eps=1e-6)})
+def qk_norm_rope(acc, rstd: HeadStat, gamma: RowVec, cos_sin: Tile):
+    x1, x2 = unpack(acc * rstd * gamma)   # per-head RMSNorm of the raw product
+    c, s = unpack(cos_sin)                # interleaved (cos, sin) per pair
+    return {"D": pack(x1 * c - x2 * s, x1 * s + x2 * c)}
+''',
     "stateful": '''
 @epilogue(reductions={"lse": online_lse(), "target_logit": select_col("target")})
 def lse_target(acc):
@@ -107,10 +114,10 @@ def render() -> str:
     out += ["## Families 2-3: operand kinds", ""]
     for kind in operands.KINDS.values():
         out += [f"- `{kind.name}`: {_doc(kind)}"]
-    out += ["", "## Families 4-5: reductions and stateful transforms", "",
-            _doc(operands).split("Reductions (family 4)", 1)[-1].strip(), ""]
-    for fn in (operands.col_sum, operands.col_max, operands.row_sum, operands.online_lse,
-               operands.select_col):
+    out += ["", "## Families 4-5: reductions, per-head statistics, stateful transforms", "",
+            "Reductions (family 4)" + _doc(operands).split("Reductions (family 4)", 1)[-1], ""]
+    for fn in (operands.col_sum, operands.col_max, operands.row_sum, operands.head_rstd,
+               operands.online_lse, operands.select_col):
         out += [f"- `{_sig(fn)}`: {_doc(fn)}"]
     out += ["", "## Family 1: math vocabulary (inside epilogue fns)", "",
             "Arithmetic `+ - * /`, comparisons (only as `where` conditions) and:", ""]

@@ -80,20 +80,29 @@ def epimod(epi: Epilogue) -> Any:
     from quack.epilogue import ops
     from quack.epilogue.frontend import EpiMod
 
-    pins = {}
+    pins: dict[str, Any] = {}
+    prepass, extra = None, []
+    for name, stat in epi.head_stats.items():
+        from quack.epilogue.head_rmsnorm import HeadRstd
+
+        pins[name] = HeadRstd(name, eps=stat.eps)
+        prepass = _head_prepass(name)
+        if stat.save:
+            extra.append(pins[name].out(f"{name}_saved"))
     for name, kind in epi.operands.items():
-        if kind.port == "paired":
+        if kind.port in ("paired", "head"):
             continue
         op_cls = {"tile": ops.TileLoad, "row": ops.RowVecLoad, "col": ops.ColVecLoad,
                   "scalar": ops.Scalar}[kind.port]
         pins[name] = op_cls(name)
-    sinks, extra = {}, []
+    sinks = {}
     for name, red in epi.reductions.items():
         sinks[name], companions = _sink_op(name, red)
         extra.extend(companions)
     try:
         mod = EpiMod(_wrap_fn(epi), outputs=tuple(epi.outputs), ops=pins, outs=sinks,
-                     mode=epi.mode, extra_ops=tuple(extra))
+                     mode=epi.mode, extra_ops=tuple(extra), prepass=prepass,
+                     prepass_outs=(next(iter(epi.head_stats)),) if prepass else ())
     except TypeError as e:
         # quack's fail-closed fingerprint: the fn reached something without a semantic key.
         raise CatalogueError(f"epilogue {epi.name!r} uses a value the kernel cache cannot fingerprint "
@@ -103,11 +112,22 @@ def epimod(epi: Epilogue) -> Any:
     return mod
 
 
+def _head_prepass(name: str) -> Any:
+    def coda_head_sumsq(acc):  # noqa: ANN001, ANN202 - traced by quack before the stores
+        return {name: acc * acc}
+
+    return coda_head_sumsq
+
+
 def _quack_operands(epi: Epilogue, operands: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-    """(C, keyword operands) in quack's layout: vectors as (1, len), the PairedTile as C."""
+    """(C, keyword operands) in quack's layout: vectors as (1, len), the PairedTile as C,
+    a head statistic as its head width (quack computes it)."""
     C = None
     out: dict[str, Any] = {}
     for name, kind in epi.operands.items():
+        if kind.port == "head":
+            out[name] = epi.head_stats[name].head_dim
+            continue
         v = operands[name]
         if kind.port == "paired":
             C = v
@@ -129,6 +149,9 @@ def _buffers(epi: Epilogue | None, m: int, n: int, out_dtype: torch.dtype, confi
     width = n // 2 if epi.pairs == "acc" else n
     for name, dtype in epi.outputs.items():
         bufs[name] = torch.empty(m, width, dtype=dtype, device=device)
+    for name, stat in epi.head_stats.items():
+        if stat.save:
+            bufs[f"{name}_saved"] = torch.empty(m, n // stat.head_dim, dtype=torch.float32, device=device)
     for name, red in epi.reductions.items():
         if red.partials:
             bufs[name] = torch.empty(m, -(-n // config.tile_n), dtype=torch.float32, device=device)
@@ -149,6 +172,22 @@ def _d_buffer(epi: Epilogue | None, A: torch.Tensor, m: int, n: int, dtype: torc
     return torch.empty(m, n, dtype=dtype, device=A.device)
 
 
+def _pop_caller_buffers(epi: Epilogue, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Buffers quack takes as operands, not outputs: reduction partials, select
+    targets and saved head statistics (quack returns those raw)."""
+    return {k: out.pop(k) for k in list(out) if k in epi.reductions or k.endswith("_saved")}
+
+
+def _caller_results(epi: Epilogue, bufs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    result = {}
+    for k, buf in bufs.items():
+        if k.endswith("_saved"):
+            result[k[: -len("_saved")]] = buf
+        elif epi.reductions[k].partials or epi.reductions[k].combine == "select":
+            result[k] = buf
+    return result
+
+
 def run(epi: Epilogue | None, A: torch.Tensor, B: torch.Tensor, operands: dict[str, Any], *,
         out_dtype: torch.dtype, config: TileConfig,
         accumulate_into: torch.Tensor | None) -> dict[str, torch.Tensor]:
@@ -163,12 +202,11 @@ def run(epi: Epilogue | None, A: torch.Tensor, B: torch.Tensor, operands: dict[s
     D = _d_buffer(epi, A, m, n, out_dtype, operands, accumulate_into)
     if D is not None:
         out["D"] = D
-    sinks = {k: out.pop(k) for k in list(out) if k in epi.reductions}
+    sinks = _pop_caller_buffers(epi, out)
     res = mod(A, B, C, out=out, out_dtype=out_dtype, store_d=D is not None, config=config.to_quack(),
               tuned=False, add_to_output=accumulate_into is not None, **kw, **sinks)
-    result = {k: v for k, v in res.items()}
-    for name, buf in sinks.items():
-        result[name] = buf
+    result = {k: v for k, v in res.items() if not k.endswith("_saved")}
+    result.update(_caller_results(epi, sinks))
     for name, red in epi.reductions.items():
         if red.axis == "cols" and result[name].dim() > 1 and not red.partials:
             result[name] = result[name].reshape(-1)
@@ -220,7 +258,7 @@ def compile_call(epi: Epilogue | None, A: torch.Tensor, B: torch.Tensor, operand
     D = _d_buffer(epi, A, m, n, out_dtype, operands, accumulate_into)
     if D is not None:
         out["D"] = D
-    sinks = {k: out.pop(k) for k in list(out) if k in epi.reductions}
+    sinks = _pop_caller_buffers(epi, out)
     _patch_for_cpu()
     log = io.StringIO()
     t0 = time.perf_counter()
@@ -239,10 +277,9 @@ def compile_call(epi: Epilogue | None, A: torch.Tensor, B: torch.Tensor, operand
                                    log=log.getvalue(), sass=sass,
                                    shapes={"M": m, "N": n, "K": A.shape[1]}))
     result: dict[str, torch.Tensor] = dict(out)
+    result.update(_caller_results(epi, sinks))
     for name, red in epi.reductions.items():
-        if red.partials or red.combine == "select":
-            result[name] = sinks[name]
-        else:
+        if name not in result:
             result[name] = torch.empty(n if red.axis == "rows" else m, dtype=torch.float32)
     if D is None:
         result.pop("D", None)

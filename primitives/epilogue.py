@@ -41,7 +41,7 @@ import torch
 from quack.epilogue.math import Pair
 
 from .errors import CatalogueError
-from .operands import KINDS, OUTPUT_DTYPES, Kind, PairedTile, Reduction
+from .operands import KINDS, OUTPUT_DTYPES, HeadRms, HeadStat, Kind, PairedTile, Reduction
 
 RESERVED = {"acc", "D", "c"}
 
@@ -89,6 +89,7 @@ class Epilogue:
     outputs: dict[str, torch.dtype]
     reductions: dict[str, Reduction]
     pairs: str | None  # None | "acc" | name of the PairedTile operand
+    head_stats: dict[str, HeadRms] = field(default_factory=dict)
     stores_d: bool = True
     line: int | None = None
     _lowered: dict = field(default_factory=dict, repr=False)  # per-lowering cache (cute EpiMods)
@@ -161,10 +162,12 @@ def _resolve_kind(fn: Callable, pname: str, ann: Any) -> type[Kind]:
 
 def epilogue(outputs: dict[str, str] | None = None,
              reductions: dict[str, Reduction] | None = None,
-             pairs: str | None = None) -> Callable[[Callable], Epilogue]:
+             pairs: str | None = None,
+             head_stats: dict[str, HeadRms] | None = None) -> Callable[[Callable], Epilogue]:
     """Declare an epilogue fn (see the module docstring for the contract)."""
     outputs = dict(outputs or {})
     reductions = dict(reductions or {})
+    head_stats = dict(head_stats or {})
 
     def wrap(fn: Callable) -> Epilogue:
         if not callable(fn) or not hasattr(fn, "__code__"):
@@ -188,6 +191,19 @@ def epilogue(outputs: dict[str, str] | None = None,
                 raise CatalogueError(f"epilogue {fn.__name__!r}: reduction {name!r} must be declared "
                                      "with col_sum(), col_max(), row_sum(), online_lse() or "
                                      "select_col(...)", line=line)
+        stat_params = {n for n, k in operands.items() if k is HeadStat}
+        for name, stat in head_stats.items():
+            if not isinstance(stat, HeadRms):
+                raise CatalogueError(f"epilogue {fn.__name__!r}: head_stats[{name!r}] must be declared "
+                                     "with head_rstd(head_dim, eps)", line=line)
+        if stat_params != set(head_stats):
+            raise CatalogueError(
+                f"epilogue {fn.__name__!r}: every head_stats entry needs a `name: HeadStat` parameter "
+                f"and vice versa (declared {sorted(head_stats)}, parameters {sorted(stat_params)})",
+                line=line)
+        if len(head_stats) > 1:
+            raise CatalogueError(f"epilogue {fn.__name__!r}: at most one head statistic per epilogue",
+                                 line=line)
         names = [*operands, *outputs, *reductions]
         clash = sorted({n for n in names if names.count(n) > 1} | (set(names) & RESERVED))
         if clash:
@@ -214,7 +230,7 @@ def epilogue(outputs: dict[str, str] | None = None,
         _check_body(fn)
         epi = Epilogue(fn=fn, operands=operands,
                        outputs={k: OUTPUT_DTYPES[v] for k, v in outputs.items()},
-                       reductions=reductions, pairs=mode_pairs, line=line)
+                       reductions=reductions, pairs=mode_pairs, head_stats=head_stats, line=line)
         epi.stores_d = _dry_run(epi)
         return epi
 
@@ -226,9 +242,11 @@ def _dry_run(epi: Epilogue) -> bool:
     from .reference import fn_arguments
 
     m, n = 2, 4
+    if epi.head_stats:
+        n = 2 * next(iter(epi.head_stats.values())).head_dim
     args = fn_arguments(epi, torch.randn(m, n), {
         name: (1.0 if kind.port == "scalar" else torch.randn(kind.expected_shape(m, n)))
-        for name, kind in epi.operands.items()})
+        for name, kind in epi.operands.items() if kind.port != "head"})
     try:
         result = epi.fn(**args)
     except CatalogueError as e:

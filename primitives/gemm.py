@@ -55,9 +55,13 @@ EPILOGUE_HEAVY_CONFIG = TileConfig(tile_n=128, cluster_m=1)
 
 def default_config(epi: Epilogue | None) -> TileConfig:
     """Heuristic until tuned: epilogues that read a paired tile or fold reductions
-    keep more live registers per element and run best on the narrower tile."""
+    keep more live registers per element and run best on the narrower tile; a
+    head statistic needs whole heads per tile."""
     if epi is None:
         return PLAIN_CONFIG
+    if epi.head_stats:
+        hd = next(iter(epi.head_stats.values())).head_dim
+        return TileConfig(tile_n=128 if 128 % hd == 0 else hd, cluster_m=1)
     heavy = epi.pairs is not None or bool(epi.reductions) or len(epi.operands) >= 3
     return EPILOGUE_HEAVY_CONFIG if heavy else PLAIN_CONFIG
 
@@ -82,7 +86,8 @@ def check_call(epi: Epilogue | None, A: torch.Tensor, B: torch.Tensor,
                              f"with K = {k} (pass W.t() for a weight stored (N, K))")
     if A.dtype != B.dtype:
         raise CatalogueError(f"gemm: A is {A.dtype} and B is {B.dtype}; use one dtype")
-    declared = set(epi.operands) | set(epi.index_operands) if epi is not None else set()
+    declared = ({n for n, k in epi.operands.items() if k.port != "head"} | set(epi.index_operands)
+                if epi is not None else set())
     given = set(operands)
     for extra in sorted(given - declared):
         near = difflib.get_close_matches(extra, sorted(declared), n=1)
@@ -94,6 +99,12 @@ def check_call(epi: Epilogue | None, A: torch.Tensor, B: torch.Tensor,
                              f"gemm(A, B, {epi.name}, {missing}=...)")  # type: ignore[union-attr]
     if epi is not None:
         for name, kind in epi.operands.items():
+            if kind.port == "head":
+                hd = epi.head_stats[name].head_dim
+                if n % hd:
+                    raise CatalogueError(f"gemm: head statistic {name!r} groups {hd} columns per head, "
+                                         f"so N must be a multiple of {hd}; got N = {n}")
+                continue
             kind.check(name, operands[name], m, n)
             v = operands[name]
             if isinstance(v, torch.Tensor) and v.device != A.device:
@@ -178,6 +189,13 @@ def gemm(A: torch.Tensor, B: torch.Tensor, epilogue: Epilogue | None = None, *,
 
         cfg = lookup(epilogue, m, n, A.shape[1], A.dtype, A.device)
     cfg = cfg or default_config(epilogue)
+    if epilogue is not None:
+        for name, stat in epilogue.head_stats.items():
+            if cfg.tile_n % stat.head_dim:
+                raise CatalogueError(f"gemm: head statistic {name!r} needs whole heads in a tile: "
+                                     f"tile_n {cfg.tile_n} is not a multiple of head_dim "
+                                     f"{stat.head_dim}; use TileConfig(tile_n={stat.head_dim}) or a "
+                                     "multiple of it")
     name = epilogue.name if epilogue is not None else "plain"
     if lowering == "reference":
         with launching("gemm", name, str(cfg)):

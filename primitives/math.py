@@ -17,7 +17,9 @@ the catalogue's math changes every kernel's cache key.
 Precision choices (both lowerings agree to fp32 rounding, not bitwise):
 ``exp``/``exp2``/``log``/``tanh``/``rsqrt``/``sqrt`` use the fast hardware
 approximations on the GPU (relative error ~1e-7..1e-6, far below bf16);
-``sin``/``cos`` use the precise versions because RoPE angles reach 1e5 rad.
+``sin``/``cos`` reduce the angle by 2*pi first (RoPE angles reach 1e5 rad)
+and then use the fast versions, avoiding the precise versions' local-memory
+slow path.
 """
 
 from __future__ import annotations
@@ -135,10 +137,23 @@ sqrt = MathFn("sqrt", 1, torch.sqrt, lambda x: _cm().math.sqrt(x, fastmath=True)
               "Square root.", "sqrt(acc * acc + 1.0)")
 tanh = MathFn("tanh", 1, torch.tanh, lambda x: _cm().math.tanh(x, fastmath=True),
               "Hyperbolic tangent.", "tanh(acc)")
-sin = MathFn("sin", 1, torch.sin, lambda x: _cm().math.sin(x, fastmath=False),
-             "Sine (precise: RoPE angles are large).", "sin(pos * freq)")
-cos = MathFn("cos", 1, torch.cos, lambda x: _cm().math.cos(x, fastmath=False),
-             "Cosine (precise: RoPE angles are large).", "cos(pos * freq)")
+def _reduce_angle(x: Any) -> Any:
+    # RoPE angles reach ~1e5 rad. The precise sin/cos carry a slow-path
+    # (Payne-Hanek) reduction with a local-memory table (hundreds of STL/LDL in
+    # SASS); the fast MUFU sin/cos are accurate (~1e-6 abs) only near [-pi, pi].
+    # So: Cody-Waite reduction by 2*pi in two fp32 terms, then MUFU.
+    k = _cm().math.roundeven(x * _INV_2PI)
+    return (x - k * _TWO_PI_HI) - k * _TWO_PI_LO
+
+
+_INV_2PI = 1.0 / (2.0 * _m.pi)
+_TWO_PI_HI = 6.28125  # exactly representable with few bits, so k * HI is exact
+_TWO_PI_LO = 2.0 * _m.pi - 6.28125
+
+sin = MathFn("sin", 1, torch.sin, lambda x: _cm().math.sin(_reduce_angle(x), fastmath=True),
+             "Sine; accurate for large angles (reduced by 2*pi first).", "sin(pos * freq)")
+cos = MathFn("cos", 1, torch.cos, lambda x: _cm().math.cos(_reduce_angle(x), fastmath=True),
+             "Cosine; accurate for large angles (reduced by 2*pi first).", "cos(pos * freq)")
 sigmoid = MathFn("sigmoid", 1, torch.sigmoid, _sigmoid_cute,
                  "1 / (1 + exp(-x)).", "sigmoid(acc)")
 silu = MathFn("silu", 1, lambda x: x * torch.sigmoid(x), lambda x: x * _sigmoid_cute(x),

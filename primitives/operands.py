@@ -27,6 +27,15 @@ finished value comes back from ``gemm``:
 - ``col_sum(partials=True)``: the per-N-tile partials (M, ceil(N / tile_n))
   instead of the finished sum, laid out exactly as the kernel writes them.
 
+Per-head statistics (family 4, finished in-kernel):
+
+- ``head_rstd(head_dim, eps)``: declared with ``@epilogue(head_stats={"rstd": ...})``
+  and read by a ``rstd: HeadStat`` parameter: for each row and each group of
+  ``head_dim`` adjacent columns (a head), ``rsqrt(mean(acc**2) + eps)`` of the
+  *raw* accumulator, computed in a pre-pass over the tile before any store, so
+  QK-norm needs one GEMM.  ``head_dim`` must divide N and the tile's N.  With
+  ``save=True`` gemm also returns it as (M, N / head_dim) fp32 (for backward).
+
 Stateful transforms (family 5):
 
 - ``online_lse()``: online log-sum-exp across all N tiles -> (M,) fp32.
@@ -146,7 +155,14 @@ class PairedTile(Kind):
                                  f"(two 16-bit lanes per 32-bit word); got {value.dtype}")
 
 
-KINDS: dict[str, type[Kind]] = {k.name: k for k in (Tile, RowVec, ColVec, Scalar, PairedTile)}
+class HeadStat(Kind):
+    """The per-head statistic of the element's head, declared in ``head_stats=``
+    (never passed to gemm: the kernel computes it in a pre-pass)."""
+
+    port = "head"
+
+
+KINDS: dict[str, type[Kind]] = {k.name: k for k in (Tile, RowVec, ColVec, Scalar, PairedTile, HeadStat)}
 
 
 # --------------------------------------------------------------------------- reductions
@@ -213,3 +229,22 @@ def select_col(index: str) -> Reduction:
         raise CatalogueError("select_col needs the name of the int index operand, e.g. "
                              "select_col('target'), and gemm(..., target=targets)")
     return Reduction("cols", "select", index=index)
+
+
+@dataclass(frozen=True)
+class HeadRms:
+    """A declared per-head inverse RMS of the raw accumulator (see the module doc)."""
+
+    head_dim: int
+    eps: float
+    save: bool = False
+
+
+def head_rstd(head_dim: int, eps: float = 1e-6, *, save: bool = False) -> HeadRms:
+    """Per-(row, head) ``rsqrt(mean(acc**2 over the head's columns) + eps)``, read by a
+    ``HeadStat`` parameter; ``save=True`` also returns it (M, N / head_dim) fp32."""
+    if not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
+        raise CatalogueError(f"head_rstd: head_dim must be a positive even int; got {head_dim!r}")
+    if not isinstance(eps, (int, float)) or eps <= 0:
+        raise CatalogueError(f"head_rstd: eps must be a positive number; got {eps!r}")
+    return HeadRms(head_dim, float(eps), save)

@@ -132,7 +132,10 @@ def tune(epi: Any, A: Any, B: Any, operands: dict[str, Any], reps: int = 10) -> 
     n = B.shape[1]
     times: dict[str, float] = {}
     best: TileConfig | None = None
+    head_dims = [s.head_dim for s in epi.head_stats.values()] if epi is not None else []
     for cfg in CANDIDATES:
+        if any(cfg.tile_n % hd for hd in head_dims):
+            continue  # a head statistic needs whole heads per tile
         try:
             with lowering("cute"):
                 t = time_ms(lambda: gemm(A, B, epi, config=cfg, **operands), reps=reps)

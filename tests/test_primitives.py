@@ -186,6 +186,34 @@ def test_online_lse_and_target_select(M, N, K, gen):
     torch.testing.assert_close(out["target_logit"], want)
 
 
+@pytest.mark.parametrize("head_dim,pairs", [(64, False), (128, True)])
+def test_head_rstd_is_per_row_and_head_of_the_raw_product(head_dim, pairs, gen):
+    P = prog(f'''
+@epilogue(head_stats={{"rstd": head_rstd({head_dim}, eps=1e-5, save=True)}}{', pairs="acc"' if pairs else ''})
+def qkn(acc, rstd: HeadStat, gamma: RowVec):
+    return {{"D": acc * rstd * gamma}}
+''')
+    M, N, K = 200, 3 * head_dim, 64
+    A, B, acc = operands_for(M, N, K, torch.bfloat16, gen)
+    gamma = rand(N, gen=gen)
+    out = gemm(A, B, P.qkn, gamma=gamma)
+    heads = acc.view(M, N // head_dim, head_dim)
+    rstd = torch.rsqrt(heads.pow(2).mean(-1) + 1e-5)
+    torch.testing.assert_close(out["rstd"], rstd)
+    close(out["D"], (heads * rstd[..., None]).view(M, N) * gamma, torch.bfloat16)
+    with pytest.raises(CatalogueError, match=rf"tile_n 192 is not a multiple of head_dim {head_dim}"
+                       if head_dim == 128 else r"N must be a multiple of 64"):
+        if head_dim == 128:
+            gemm(A, B, P.qkn, gamma=gamma, config=TileConfig(tile_n=192))
+        else:
+            gemm(A, B[:, :96], P.qkn, gamma=gamma[:96])
+
+
+def test_head_stats_need_a_parameter():
+    with pytest.raises(CatalogueError, match=r"needs a `name: HeadStat` parameter"):
+        prog("@epilogue(head_stats={'r': head_rstd(128)})\ndef f(acc):\n    return {'D': acc}\n")
+
+
 def test_aux_kernels(gen):
     sq = torch.rand(10, generator=gen) * 50
     torch.testing.assert_close(aux.rms_rstd(sq, 16, 1e-5), (sq / 16 + 1e-5) ** -0.5)
@@ -319,7 +347,7 @@ def test_every_catalogue_example_compiles_for_sm90a_with_hgmma(family, gen):
     M, N, K = 256, 384, 128
     A, B = rand(M, K, dtype=torch.bfloat16), rand(K, N, dtype=torch.bfloat16)
     ops = {}
-    for name, kind in epi.operands.items():
+    for name, kind in (i for i in epi.operands.items() if i[1].port != "head"):
         ops[name] = 0.5 if kind.port == "scalar" else rand(*kind.expected_shape(M, N), dtype=torch.bfloat16)
     for idx in epi.index_operands:
         ops[idx] = torch.randint(0, N, (M,), dtype=torch.int32)

@@ -125,10 +125,10 @@ def _quack_operands(epi: Epilogue, operands: dict[str, Any]) -> tuple[Any, dict[
     C = None
     out: dict[str, Any] = {}
     for name, kind in epi.operands.items():
-        if kind.port == "head":
-            out[name] = epi.head_stats[name].head_dim
-            continue
         v = operands[name]
+        if kind.port == "head":
+            out[name] = v  # the head width; quack computes the statistic
+            continue
         if kind.port == "paired":
             C = v
         elif kind.port in ("row", "col"):
@@ -140,7 +140,7 @@ def _quack_operands(epi: Epilogue, operands: dict[str, Any]) -> tuple[Any, dict[
     return C, out
 
 
-def _buffers(epi: Epilogue | None, m: int, n: int, out_dtype: torch.dtype, config: TileConfig,
+def _buffers(epi: Epilogue | None, m: int, n: int, operands: dict[str, Any], config: TileConfig,
              device: torch.device, empty: bool) -> dict[str, torch.Tensor]:
     """Output buffers the catalogue owns (declared dtypes; raw partials; select pre-fill)."""
     bufs: dict[str, torch.Tensor] = {}
@@ -151,7 +151,7 @@ def _buffers(epi: Epilogue | None, m: int, n: int, out_dtype: torch.dtype, confi
         bufs[name] = torch.empty(m, width, dtype=dtype, device=device)
     for name, stat in epi.head_stats.items():
         if stat.save:
-            bufs[f"{name}_saved"] = torch.empty(m, n // stat.head_dim, dtype=torch.float32, device=device)
+            bufs[f"{name}_saved"] = torch.empty(m, n // operands[name], dtype=torch.float32, device=device)
     for name, red in epi.reductions.items():
         if red.partials:
             bufs[name] = torch.empty(m, -(-n // config.tile_n), dtype=torch.float32, device=device)
@@ -198,7 +198,7 @@ def run(epi: Epilogue | None, A: torch.Tensor, B: torch.Tensor, operands: dict[s
                    accumulate_into=accumulate_into)
     mod = epimod(epi)
     C, kw = _quack_operands(epi, operands)
-    out = _buffers(epi, m, n, out_dtype, config, A.device, empty=False)
+    out = _buffers(epi, m, n, operands, config, A.device, empty=False)
     D = _d_buffer(epi, A, m, n, out_dtype, operands, accumulate_into)
     if D is not None:
         out["D"] = D
@@ -254,7 +254,7 @@ def compile_call(epi: Epilogue | None, A: torch.Tensor, B: torch.Tensor, operand
     m, n = A.shape[0], B.shape[1]
     mod = epimod(epi)
     C, kw = _quack_operands(epi, operands)
-    out = _buffers(epi, m, n, out_dtype, config, A.device, empty=True)
+    out = _buffers(epi, m, n, operands, config, A.device, empty=True)
     D = _d_buffer(epi, A, m, n, out_dtype, operands, accumulate_into)
     if D is not None:
         out["D"] = D

@@ -195,7 +195,7 @@ def epilogue(outputs: dict[str, str] | None = None,
         for name, stat in head_stats.items():
             if not isinstance(stat, HeadRms):
                 raise CatalogueError(f"epilogue {fn.__name__!r}: head_stats[{name!r}] must be declared "
-                                     "with head_rstd(head_dim, eps)", line=line)
+                                     "with head_rstd(eps)", line=line)
         if stat_params != set(head_stats):
             raise CatalogueError(
                 f"epilogue {fn.__name__!r}: every head_stats entry needs a `name: HeadStat` parameter "
@@ -242,11 +242,10 @@ def _dry_run(epi: Epilogue) -> bool:
     from .reference import fn_arguments
 
     m, n = 2, 4
-    if epi.head_stats:
-        n = 2 * next(iter(epi.head_stats.values())).head_dim
+    dummy = {"scalar": 1.0, "head": 2}
     args = fn_arguments(epi, torch.randn(m, n), {
-        name: (1.0 if kind.port == "scalar" else torch.randn(kind.expected_shape(m, n)))
-        for name, kind in epi.operands.items() if kind.port != "head"})
+        name: dummy.get(kind.port) or torch.randn(kind.expected_shape(m, n))
+        for name, kind in epi.operands.items()})
     try:
         result = epi.fn(**args)
     except CatalogueError as e:

@@ -53,14 +53,14 @@ PLAIN_CONFIG = TileConfig()
 EPILOGUE_HEAVY_CONFIG = TileConfig(tile_n=128, cluster_m=1)
 
 
-def default_config(epi: Epilogue | None) -> TileConfig:
+def default_config(epi: Epilogue | None, operands: dict[str, Any]) -> TileConfig:
     """Heuristic until tuned: epilogues that read a paired tile or fold reductions
     keep more live registers per element and run best on the narrower tile; a
     head statistic needs whole heads per tile."""
     if epi is None:
         return PLAIN_CONFIG
     if epi.head_stats:
-        hd = next(iter(epi.head_stats.values())).head_dim
+        hd = operands[next(iter(epi.head_stats))]
         return TileConfig(tile_n=128 if 128 % hd == 0 else hd, cluster_m=1)
     heavy = epi.pairs is not None or bool(epi.reductions) or len(epi.operands) >= 3
     return EPILOGUE_HEAVY_CONFIG if heavy else PLAIN_CONFIG
@@ -86,8 +86,7 @@ def check_call(epi: Epilogue | None, A: torch.Tensor, B: torch.Tensor,
                              f"with K = {k} (pass W.t() for a weight stored (N, K))")
     if A.dtype != B.dtype:
         raise CatalogueError(f"gemm: A is {A.dtype} and B is {B.dtype}; use one dtype")
-    declared = ({n for n, k in epi.operands.items() if k.port != "head"} | set(epi.index_operands)
-                if epi is not None else set())
+    declared = set(epi.operands) | set(epi.index_operands) if epi is not None else set()
     given = set(operands)
     for extra in sorted(given - declared):
         near = difflib.get_close_matches(extra, sorted(declared), n=1)
@@ -99,12 +98,6 @@ def check_call(epi: Epilogue | None, A: torch.Tensor, B: torch.Tensor,
                              f"gemm(A, B, {epi.name}, {missing}=...)")  # type: ignore[union-attr]
     if epi is not None:
         for name, kind in epi.operands.items():
-            if kind.port == "head":
-                hd = epi.head_stats[name].head_dim
-                if n % hd:
-                    raise CatalogueError(f"gemm: head statistic {name!r} groups {hd} columns per head, "
-                                         f"so N must be a multiple of {hd}; got N = {n}")
-                continue
             kind.check(name, operands[name], m, n)
             v = operands[name]
             if isinstance(v, torch.Tensor) and v.device != A.device:
@@ -187,15 +180,14 @@ def gemm(A: torch.Tensor, B: torch.Tensor, epilogue: Epilogue | None = None, *,
     if cfg is None and lowering == "cute":
         from .tuning import lookup
 
-        cfg = lookup(epilogue, m, n, A.shape[1], A.dtype, A.device)
-    cfg = cfg or default_config(epilogue)
-    if epilogue is not None:
-        for name, stat in epilogue.head_stats.items():
-            if cfg.tile_n % stat.head_dim:
-                raise CatalogueError(f"gemm: head statistic {name!r} needs whole heads in a tile: "
-                                     f"tile_n {cfg.tile_n} is not a multiple of head_dim "
-                                     f"{stat.head_dim}; use TileConfig(tile_n={stat.head_dim}) or a "
-                                     "multiple of it")
+        cfg = lookup(epilogue, m, n, A.shape[1], A.dtype, A.device, operands)
+    cfg = cfg or default_config(epilogue, operands)
+    for name in epilogue.head_stats if epilogue is not None else ():
+        hd = operands[name]
+        if cfg.tile_n % hd:
+            raise CatalogueError(f"gemm: head statistic {name!r} needs whole heads in a tile: tile_n "
+                                 f"{cfg.tile_n} is not a multiple of head_dim {hd}; use "
+                                 f"TileConfig(tile_n={hd}) or a multiple of it")
     name = epilogue.name if epilogue is not None else "plain"
     if lowering == "reference":
         with launching("gemm", name, str(cfg)):

@@ -29,11 +29,12 @@ finished value comes back from ``gemm``:
 
 Per-head statistics (family 4, finished in-kernel):
 
-- ``head_rstd(head_dim, eps)``: declared with ``@epilogue(head_stats={"rstd": ...})``
-  and read by a ``rstd: HeadStat`` parameter: for each row and each group of
+- ``head_rstd(eps)``: declared with ``@epilogue(head_stats={"rstd": ...})`` and
+  read by a ``rstd: HeadStat`` parameter: for each row and each group of
   ``head_dim`` adjacent columns (a head), ``rsqrt(mean(acc**2) + eps)`` of the
   *raw* accumulator, computed in a pre-pass over the tile before any store, so
-  QK-norm needs one GEMM.  ``head_dim`` must divide N and the tile's N.  With
+  QK-norm needs one GEMM.  The head width is given at the call,
+  ``gemm(..., rstd=head_dim)``; it must divide N and the tile's N.  With
   ``save=True`` gemm also returns it as (M, N / head_dim) fp32 (for backward).
 
 Stateful transforms (family 5):
@@ -85,6 +86,12 @@ class Kind:
         if value.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise CatalogueError(f"operand {operand!r}: dtype {value.dtype} is not supported; "
                                  "use bf16, fp16 or fp32")
+        if value.dim() == 1 and value.numel() > 1 and value.stride(0) != 1:
+            # Seen on an H200: quack refuses a strided vector at launch, so the
+            # reference lowering must refuse it too.
+            raise CatalogueError(f"operand {operand!r} is a strided view (stride {value.stride(0)}); "
+                                 "vectors must be contiguous: slice rows of a (heads, M) tensor, not "
+                                 "columns of an (M, heads) one")
 
     hint = ""
 
@@ -156,10 +163,19 @@ class PairedTile(Kind):
 
 
 class HeadStat(Kind):
-    """The per-head statistic of the element's head, declared in ``head_stats=``
-    (never passed to gemm: the kernel computes it in a pre-pass)."""
+    """The per-head statistic of the element's head, declared in ``head_stats=``;
+    gemm takes the head width under its name (the kernel computes the values)."""
 
     port = "head"
+
+    @classmethod
+    def check(cls, operand: str, value: object, m: int, n: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0 or value % 2:
+            raise CatalogueError(f"operand {operand!r} is a HeadStat: pass the head width as a positive "
+                                 f"even int, gemm(..., {operand}=head_dim); got {value!r}")
+        if n % value:
+            raise CatalogueError(f"gemm: head statistic {operand!r} groups {value} columns per head, so "
+                                 f"N must be a multiple of {value}; got N = {n}")
 
 
 KINDS: dict[str, type[Kind]] = {k.name: k for k in (Tile, RowVec, ColVec, Scalar, PairedTile, HeadStat)}
@@ -235,16 +251,14 @@ def select_col(index: str) -> Reduction:
 class HeadRms:
     """A declared per-head inverse RMS of the raw accumulator (see the module doc)."""
 
-    head_dim: int
     eps: float
     save: bool = False
 
 
-def head_rstd(head_dim: int, eps: float = 1e-6, *, save: bool = False) -> HeadRms:
+def head_rstd(eps: float = 1e-6, *, save: bool = False) -> HeadRms:
     """Per-(row, head) ``rsqrt(mean(acc**2 over the head's columns) + eps)``, read by a
-    ``HeadStat`` parameter; ``save=True`` also returns it (M, N / head_dim) fp32."""
-    if not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
-        raise CatalogueError(f"head_rstd: head_dim must be a positive even int; got {head_dim!r}")
-    if not isinstance(eps, (int, float)) or eps <= 0:
+    ``HeadStat`` parameter, head width given at the call (``gemm(..., rstd=128)``);
+    ``save=True`` also returns it (M, N / head_dim) fp32."""
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or eps <= 0:
         raise CatalogueError(f"head_rstd: eps must be a positive number; got {eps!r}")
-    return HeadRms(head_dim, float(eps), save)
+    return HeadRms(float(eps), save)

@@ -44,12 +44,11 @@ def fn_arguments(epi: Epilogue, acc: torch.Tensor, operands: dict[str, Any]) -> 
     acc_pairs = epi.pairs == "acc"
     args: dict[str, Any] = {"acc": _lanes(acc) if acc_pairs else acc}
     for name, kind in epi.operands.items():
+        v = operands[name]
         if kind.port == "head":
-            r = head_rstd_values(acc, epi.head_stats[name]).repeat_interleave(
-                epi.head_stats[name].head_dim, dim=1)
+            r = head_rstd_values(acc, v, epi.head_stats[name].eps).repeat_interleave(v, dim=1)
             args[name] = _lanes(r) if acc_pairs else r
             continue
-        v = operands[name]
         if kind.port == "scalar":
             args[name] = float(v)
             continue
@@ -64,10 +63,10 @@ def fn_arguments(epi: Epilogue, acc: torch.Tensor, operands: dict[str, Any]) -> 
     return args
 
 
-def head_rstd_values(acc: torch.Tensor, stat: Any) -> torch.Tensor:
+def head_rstd_values(acc: torch.Tensor, head_dim: int, eps: float) -> torch.Tensor:
     """(M, N / head_dim) inverse RMS of each row's heads, from the raw accumulator."""
     m, n = acc.shape
-    return torch.rsqrt(acc.view(m, n // stat.head_dim, stat.head_dim).pow(2).mean(-1) + stat.eps)
+    return torch.rsqrt(acc.view(m, n // head_dim, head_dim).pow(2).mean(-1) + eps)
 
 
 def _fold(red_name: str, red: Any, values: Any, m: int, n_pairs: int, tile_n: int) -> torch.Tensor:
@@ -121,7 +120,7 @@ def run(epi: Epilogue | None, A: torch.Tensor, B: torch.Tensor, operands: dict[s
         return out
     for name, stat in epi.head_stats.items():
         if stat.save:
-            out[name] = head_rstd_values(acc, stat)
+            out[name] = head_rstd_values(acc, operands[name], stat.eps)
     for name, dtype in epi.outputs.items():
         v = result[name]
         if isinstance(v, Pair):

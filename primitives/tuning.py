@@ -88,7 +88,8 @@ class TuningCache:
         os.replace(tmp, self.directory / f"{key}.json")
 
 
-def lookup(epi: Any, m: int, n: int, k: int, dtype: Any, device: Any) -> TileConfig | None:
+def lookup(epi: Any, m: int, n: int, k: int, dtype: Any, device: Any,
+           operands: dict[str, Any]) -> TileConfig | None:
     """The cached config for this call, or None (never raises: a miss is a miss)."""
     if epi is not None and any(r.partials for r in epi.reductions.values()):
         return None
@@ -98,7 +99,9 @@ def lookup(epi: Any, m: int, n: int, k: int, dtype: Any, device: Any) -> TileCon
         key = tuning_key(epi, m, n, k, dtype, torch.cuda.get_device_name(device))
     except Exception:  # noqa: BLE001 - no key, no cache (fail closed)
         return None
-    return TuningCache().get(key)
+    cfg = TuningCache().get(key)
+    head_dims = [operands[s] for s in epi.head_stats] if epi is not None else []
+    return None if cfg is None or any(cfg.tile_n % hd for hd in head_dims) else cfg
 
 
 def time_ms(fn: Callable[[], Any], reps: int = 20, warmup: int = 3) -> float:
@@ -132,7 +135,7 @@ def tune(epi: Any, A: Any, B: Any, operands: dict[str, Any], reps: int = 10) -> 
     n = B.shape[1]
     times: dict[str, float] = {}
     best: TileConfig | None = None
-    head_dims = [s.head_dim for s in epi.head_stats.values()] if epi is not None else []
+    head_dims = [operands[s] for s in epi.head_stats] if epi is not None else []
     for cfg in CANDIDATES:
         if any(cfg.tile_n % hd for hd in head_dims):
             continue  # a head statistic needs whole heads per tile

@@ -189,14 +189,14 @@ def test_online_lse_and_target_select(M, N, K, gen):
 @pytest.mark.parametrize("head_dim,pairs", [(64, False), (128, True)])
 def test_head_rstd_is_per_row_and_head_of_the_raw_product(head_dim, pairs, gen):
     P = prog(f'''
-@epilogue(head_stats={{"rstd": head_rstd({head_dim}, eps=1e-5, save=True)}}{', pairs="acc"' if pairs else ''})
+@epilogue(head_stats={{"rstd": head_rstd(eps=1e-5, save=True)}}{', pairs="acc"' if pairs else ''})
 def qkn(acc, rstd: HeadStat, gamma: RowVec):
     return {{"D": acc * rstd * gamma}}
 ''')
     M, N, K = 200, 3 * head_dim, 64
     A, B, acc = operands_for(M, N, K, torch.bfloat16, gen)
     gamma = rand(N, gen=gen)
-    out = gemm(A, B, P.qkn, gamma=gamma)
+    out = gemm(A, B, P.qkn, gamma=gamma, rstd=head_dim)
     heads = acc.view(M, N // head_dim, head_dim)
     rstd = torch.rsqrt(heads.pow(2).mean(-1) + 1e-5)
     torch.testing.assert_close(out["rstd"], rstd)
@@ -204,14 +204,14 @@ def qkn(acc, rstd: HeadStat, gamma: RowVec):
     with pytest.raises(CatalogueError, match=rf"tile_n 192 is not a multiple of head_dim {head_dim}"
                        if head_dim == 128 else r"N must be a multiple of 64"):
         if head_dim == 128:
-            gemm(A, B, P.qkn, gamma=gamma, config=TileConfig(tile_n=192))
+            gemm(A, B, P.qkn, gamma=gamma, rstd=head_dim, config=TileConfig(tile_n=192))
         else:
-            gemm(A, B[:, :96], P.qkn, gamma=gamma[:96])
+            gemm(A, B[:, :96], P.qkn, gamma=gamma[:96], rstd=head_dim)
 
 
 def test_head_stats_need_a_parameter():
     with pytest.raises(CatalogueError, match=r"needs a `name: HeadStat` parameter"):
-        prog("@epilogue(head_stats={'r': head_rstd(128)})\ndef f(acc):\n    return {'D': acc}\n")
+        prog("@epilogue(head_stats={'r': head_rstd()})\ndef f(acc):\n    return {'D': acc}\n")
 
 
 def test_aux_kernels(gen):
@@ -297,6 +297,8 @@ def test_bad_gemm_calls(gen):
         gemm(A, B, P.residual_add, residual=r[:, :10])
     with pytest.raises(CatalogueError, match=r"declared ColVec.*per-column values are a RowVec"):
         gemm(A, B, P.scale_rows, rstd=rand(64, 64, gen=gen), gamma=rand(64, gen=gen))
+    with pytest.raises(CatalogueError, match=r"strided view.*must be contiguous"):
+        gemm(A, B, P.scale_rows, rstd=rand(64, 2, gen=gen)[:, 0], gamma=rand(64, gen=gen))
     with pytest.raises(CatalogueError, match=r"bf16 or fp16"):
         gemm(A.float(), B.float())
     with pytest.raises(CatalogueError, match=r"B must be \(K, N\)"):
@@ -347,8 +349,8 @@ def test_every_catalogue_example_compiles_for_sm90a_with_hgmma(family, gen):
     M, N, K = 256, 384, 128
     A, B = rand(M, K, dtype=torch.bfloat16), rand(K, N, dtype=torch.bfloat16)
     ops = {}
-    for name, kind in (i for i in epi.operands.items() if i[1].port != "head"):
-        ops[name] = 0.5 if kind.port == "scalar" else rand(*kind.expected_shape(M, N), dtype=torch.bfloat16)
+    for name, kind in epi.operands.items():
+        ops[name] = {"scalar": 0.5, "head": 128}.get(kind.port) or rand(*kind.expected_shape(M, N), dtype=torch.bfloat16)
     for idx in epi.index_operands:
         ops[idx] = torch.randint(0, N, (M,), dtype=torch.int32)
     with compile_only() as kernels:

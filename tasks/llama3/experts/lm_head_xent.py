@@ -1,0 +1,51 @@
+"""LM head + cross-entropy, forward and backward as one bounded-memory training
+step: three GEMMs per token chunk, no logits recompute.
+
+dloss (the per-row weight of each loss, 1/T for a mean) is an input, so the
+gradient can be formed while the logits chunk is still in memory:
+
+    for each chunk of rows:
+        logits = x_c @ w^T              GEMM 1: D = the bf16 logits chunk, plus
+                                        online_lse and the target logit
+        loss_c = lse - target_logit     aux xent_loss
+        logits -> dlogits               aux xent_grad_, in place:
+                                        (softmax - onehot) * dloss
+        dx[c] = dlogits @ w             GEMM 2, into its slice of dx
+        dw   += dlogits^T @ x_c         GEMM 3, accumulated in fp32
+
+Only one (chunk, V) logits buffer exists at a time.
+"""
+
+from coda_agent.primitives import (concat_rows, epilogue, gemm, online_lse, select_col, xent_grad_,
+                                   xent_loss, zeros_like)
+
+MAX_CHUNK = 4096  # rows per chunk: 4096 * 128256 * 2 bytes = 1 GiB of bf16 logits
+
+
+@epilogue(reductions={"lse": online_lse(), "target_logit": select_col("target")})
+def logits_lse(acc):
+    return {"D": acc, "lse": acc, "target_logit": acc}
+
+
+def forward(x, w, target, dloss):
+    t = x.shape[0]
+    # At least two chunks (so small problems exercise the chunk loop too), rows a
+    # multiple of 128 except the last, at most MAX_CHUNK.
+    half = (t + 1) // 2
+    chunk = min(MAX_CHUNK, max(128, (half + 127) // 128 * 128))
+    dx = zeros_like(x)
+    dw = None
+    losses = []
+    for r0 in range(0, t, chunk):
+        r1 = min(r0 + chunk, t)
+        x_c = x[r0:r1]
+        t_c = target[r0:r1]
+        res = gemm(x_c, w.t(), logits_lse, out_dtype="bf16", target=t_c)
+        losses.append(xent_loss(res["lse"], res["target_logit"], t_c))
+        dlogits = xent_grad_(res["D"], res["lse"], t_c, dloss[r0:r1])
+        gemm(dlogits, w, accumulate_into=dx[r0:r1])
+        if dw is None:
+            dw = gemm(dlogits.t(), x_c, out_dtype="fp32")["D"]
+        else:
+            gemm(dlogits.t(), x_c, accumulate_into=dw)
+    return {"loss": concat_rows(losses), "dx": dx, "dw": dw}

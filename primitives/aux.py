@@ -8,7 +8,9 @@ activation, except :func:`xent_grad_`, the cross-entropy gradient, which
 rewrites one logits chunk in place (bounded by the caller's chunk size).
 
 Each is one catalogue call, recorded in the launch ledger as ``aux``; they are
-plain PyTorch (a handful of small kernels each), identical in both lowerings.
+plain PyTorch (a handful of small kernels each), identical in both lowerings,
+except :func:`xent_grad_`, which on CUDA tensors is one Triton kernel
+(:mod:`.xent_triton`, imported lazily) with the same math as its PyTorch form.
 """
 
 from __future__ import annotations
@@ -82,20 +84,42 @@ def xent_grad_(logits: torch.Tensor, lse: torch.Tensor, target: torch.Tensor,
     """In place: ``logits <- (softmax(logits) - onehot(target)) * dloss[:, None]``.
 
     ``logits`` is one (rows, V) chunk in bf16/fp16; ``lse`` the finished
-    log-sum-exp per row (fp32); ``dloss`` the per-row loss gradient.  Returns
-    ``logits`` (now dlogits), ready to be the A operand of dX = dlogits @ W and
-    the B operand of dW = X^T @ dlogits."""
+    log-sum-exp per row (fp32); ``dloss`` the per-row loss gradient.  Rows whose
+    target is ``ignore_index`` become 0; a target outside [0, V) subtracts no
+    one-hot.  Returns ``logits`` (now dlogits), ready to be the A operand of
+    dX = dlogits @ W and the B operand of dW = X^T @ dlogits."""
     _need("logits", logits, 2)
+    _need("lse", lse, 1)
+    _need("target", target, 1)
+    _need("dloss", dloss, 1)
+    if logits.is_cuda and logits.stride(1) == 1:
+        from .xent_triton import xent_grad_triton  # lazy: CPU runs never import Triton
+
+        return xent_grad_triton(logits, lse, target, dloss, ignore_index)
+    return _xent_grad_torch(logits, lse, target, dloss, ignore_index)
+
+
+def _xent_grad_torch(logits: torch.Tensor, lse: torch.Tensor, target: torch.Tensor,
+                     dloss: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """The CPU path of :func:`xent_grad_` (same math as the Triton kernel, in
+    fp32: ``(exp(x - lse) - onehot) * scale``), in row blocks that bound the
+    fp32 temporary; no host synchronisation."""
     rows, vocab = logits.shape
+    if rows == 0 or vocab == 0:
+        return logits
     scale = torch.where(target == ignore_index, torch.zeros_like(dloss.float()), dloss.float())
     step = max(1, (64 << 20) // (vocab * 4))  # bound the fp32 temporary to ~64 MiB
     for r0 in range(0, rows, step):
         blk = logits[r0:r0 + step]
-        p = torch.exp(blk.float() - lse[r0:r0 + step, None].float())
-        t = target[r0:r0 + step].long()
+        n = blk.shape[0]
+        p = blk.float()
+        p.sub_(lse[r0:r0 + n, None].float()).exp_()
+        t = target[r0:r0 + n].long()
         valid = (t >= 0) & (t < vocab)
-        p[valid.nonzero().view(-1), t[valid]] -= 1.0
-        blk.copy_(p * scale[r0:r0 + step, None])
+        idx = t.clamp(0, vocab - 1).view(-1, 1)
+        p.scatter_add_(1, idx, -valid.to(p.dtype).view(-1, 1))
+        p.mul_(scale[r0:r0 + n, None])
+        blk.copy_(p)
     return logits
 
 

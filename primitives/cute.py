@@ -28,9 +28,9 @@ import re
 import subprocess
 import tempfile
 import time
-from contextlib import redirect_stderr, redirect_stdout
+from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from functools import lru_cache
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -192,10 +192,7 @@ def run(epi: Epilogue | None, A: torch.Tensor, B: torch.Tensor, operands: dict[s
         out_dtype: torch.dtype, config: TileConfig,
         accumulate_into: torch.Tensor | None) -> dict[str, torch.Tensor]:
     m, n = A.shape[0], B.shape[1]
-    if epi is None:
-        epi_plain = _plain()
-        return run(epi_plain, A, B, {}, out_dtype=out_dtype, config=config,
-                   accumulate_into=accumulate_into)
+    epi = epi or _plain()
     mod = epimod(epi)
     C, kw = _quack_operands(epi, operands)
     out = _buffers(epi, m, n, operands, config, A.device, empty=False)
@@ -229,14 +226,23 @@ def _plain() -> Epilogue:
 # --------------------------------------------------------------------------- compile-only
 
 
-def _patch_for_cpu() -> None:
+@contextmanager
+def _compile_in_process() -> Iterator[None]:
     import quack.cache
     import quack.gemm_runtime.host as host
 
-    host.get_max_active_clusters = lambda cluster_size, *a, **k: H100_SMS // cluster_size
+    if not torch.cuda.is_available():
+        # The only driver query on the compile path; answer for Hopper.
+        host.get_max_active_clusters = lambda cluster_size, *a, **k: H100_SMS // cluster_size
     # quack's disk cache hands back a loaded object without the cubin; the SASS
-    # gate needs the in-process compile (2-4 s per kernel on 2 cores).
+    # gate needs the in-process compile (2-4 s per kernel on 2 cores).  Restored
+    # afterwards, so later launches in the same process keep the cache.
+    enabled = quack.cache.CACHE_ENABLED
     quack.cache.CACHE_ENABLED = False
+    try:
+        yield
+    finally:
+        quack.cache.CACHE_ENABLED = enabled
 
 
 def compile_call(epi: Epilogue | None, A: torch.Tensor, B: torch.Tensor, operands: dict[str, Any], *,
@@ -259,11 +265,10 @@ def compile_call(epi: Epilogue | None, A: torch.Tensor, B: torch.Tensor, operand
     if D is not None:
         out["D"] = D
     sinks = _pop_caller_buffers(epi, out)
-    _patch_for_cpu()
     log = io.StringIO()
     t0 = time.perf_counter()
     try:
-        with redirect_stdout(log), redirect_stderr(log):
+        with _compile_in_process(), redirect_stdout(log), redirect_stderr(log):
             plan = mod.plan(A, B, C, out=out, config=config.to_quack(),
                             add_to_output=accumulate_into is not None, **kw, **sinks)
     except CatalogueError:

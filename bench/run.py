@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import math
 import platform
 import sys
 import time
@@ -38,19 +37,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def stats(fn: Callable[[], Any], reps: int) -> dict:
     """Median/p10/p90 ms of fn() with the L2 flushed before every rep."""
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        flush.zero_()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    times.sort()
+    from coda_agent.primitives.tuning import device_times
+
+    times = device_times(fn, reps)
     q = lambda p: times[min(len(times) - 1, int(p * len(times)))]  # noqa: E731
     return {"median_ms": q(0.5), "p10_ms": q(0.1), "p90_ms": q(0.9), "reps": reps}
 
@@ -98,7 +87,6 @@ def bench_task(task: Any, shape_set: str, reps: int, tune: bool) -> dict:
     row["gemm_cublas"] = stats(lambda: [a @ b for a, b in mats], reps)
     with lowering("cute"):
         row["gemm_quack"] = stats(lambda: [gemm(a, b) for a, b in mats], reps)
-    del mats
 
     ref = task.reference_fn
     float_inputs = [k for k, v in inputs.items() if v.is_floating_point()]

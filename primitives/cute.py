@@ -188,18 +188,25 @@ def _caller_results(epi: Epilogue, bufs: dict[str, torch.Tensor]) -> dict[str, t
     return result
 
 
-def run(epi: Epilogue | None, A: torch.Tensor, B: torch.Tensor, operands: dict[str, Any], *,
-        out_dtype: torch.dtype, config: TileConfig,
-        accumulate_into: torch.Tensor | None) -> dict[str, torch.Tensor]:
+def _prepare(epi: Epilogue, A: torch.Tensor, B: torch.Tensor, operands: dict[str, Any],
+             out_dtype: torch.dtype, config: TileConfig, accumulate_into: torch.Tensor | None,
+             empty: bool) -> tuple:
+    """(mod, C, operand kwargs, output buffers, D, caller-owned sink buffers) for one call."""
     m, n = A.shape[0], B.shape[1]
-    epi = epi or _plain()
-    mod = epimod(epi)
     C, kw = _quack_operands(epi, operands)
-    out = _buffers(epi, m, n, operands, config, A.device, empty=False)
+    out = _buffers(epi, m, n, operands, config, A.device, empty=empty)
     D = _d_buffer(epi, A, m, n, out_dtype, operands, accumulate_into)
     if D is not None:
         out["D"] = D
-    sinks = _pop_caller_buffers(epi, out)
+    return epimod(epi), C, kw, out, D, _pop_caller_buffers(epi, out)
+
+
+def run(epi: Epilogue | None, A: torch.Tensor, B: torch.Tensor, operands: dict[str, Any], *,
+        out_dtype: torch.dtype, config: TileConfig,
+        accumulate_into: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    epi = epi or _plain()
+    mod, C, kw, out, D, sinks = _prepare(epi, A, B, operands, out_dtype, config, accumulate_into,
+                                         empty=False)
     res = mod(A, B, C, out=out, out_dtype=out_dtype, store_d=D is not None, config=config.to_quack(),
               tuned=False, add_to_output=accumulate_into is not None, **kw, **sinks)
     result = {k: v for k, v in res.items() if not k.endswith("_saved")}
@@ -249,8 +256,7 @@ def compile_call(epi: Epilogue | None, A: torch.Tensor, B: torch.Tensor, operand
                  out_dtype: torch.dtype, config: TileConfig,
                  accumulate_into: torch.Tensor | None) -> dict[str, torch.Tensor]:
     """Compile for sm_90a (no launch); return uninitialised outputs of the right shapes."""
-    if epi is None:
-        epi = _plain()
+    epi = epi or _plain()
     if torch.cuda.is_available() and not A.is_cuda:
         # quack reads the target architecture from the tensors' device; on a GPU
         # machine the shape carriers must live there (they stay uninitialised).
@@ -258,13 +264,8 @@ def compile_call(epi: Epilogue | None, A: torch.Tensor, B: torch.Tensor, operand
         operands = {k: _on_cuda(v) for k, v in operands.items()}
         accumulate_into = _on_cuda(accumulate_into)
     m, n = A.shape[0], B.shape[1]
-    mod = epimod(epi)
-    C, kw = _quack_operands(epi, operands)
-    out = _buffers(epi, m, n, operands, config, A.device, empty=True)
-    D = _d_buffer(epi, A, m, n, out_dtype, operands, accumulate_into)
-    if D is not None:
-        out["D"] = D
-    sinks = _pop_caller_buffers(epi, out)
+    mod, C, kw, out, D, sinks = _prepare(epi, A, B, operands, out_dtype, config, accumulate_into,
+                                         empty=True)
     log = io.StringIO()
     t0 = time.perf_counter()
     try:

@@ -104,23 +104,29 @@ def lookup(epi: Any, m: int, n: int, k: int, dtype: Any, device: Any,
     return None if cfg is None or any(cfg.tile_n % hd for hd in head_dims) else cfg
 
 
-def time_ms(fn: Callable[[], Any], reps: int = 20, warmup: int = 3) -> float:
-    """Median device time of ``fn`` with L2 flushed before each rep."""
+def device_times(fn: Callable[[], Any], reps: int = 20, warmup: int = 3) -> list[float]:
+    """Sorted device times (ms) of ``reps`` calls of ``fn``: CUDA events around each
+    call, a 256 MiB buffer written before each to flush the L2, one sync at the end
+    (so host overhead between calls is not timed as idle GPU)."""
     import torch
 
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(reps):
-        flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for s, e in zip(starts, ends):
+        flush.fill_(1)
+        s.record()
         fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
+        e.record()
+    torch.cuda.synchronize()
+    return sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+def time_ms(fn: Callable[[], Any], reps: int = 20, warmup: int = 3) -> float:
+    """Median of :func:`device_times`."""
+    times = device_times(fn, reps, warmup)
     return times[len(times) // 2]
 
 

@@ -8,7 +8,6 @@ function is a harness bug and becomes an ``error`` result in the worker.
 
 from __future__ import annotations
 
-import statistics
 import sys
 import time
 import traceback
@@ -450,19 +449,10 @@ def _launch_audit(ctx: Context) -> StageResult:
 # --------------------------------------------------------------------------- 6. performance
 
 def bench(fn: Callable[[], Any], reps: int) -> float:
-    """Median milliseconds over ``reps`` calls, L2 flushed (256 MiB written) before each."""
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    for _ in range(3):
-        fn()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for s, e in zip(starts, ends):
-        flush.fill_(1)
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+    """Median milliseconds over ``reps`` calls, L2 flushed before each."""
+    from coda_agent.primitives.tuning import time_ms
+
+    return time_ms(fn, reps)
 
 
 def _performance(ctx: Context) -> StageResult:

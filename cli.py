@@ -3,6 +3,7 @@
 import typer
 
 from coda_agent.agent.cli import solve
+from coda_agent.eval.cli import eval_batch, export, report, review
 from coda_agent.primitives.cli import catalogue
 from coda_agent.tasks.cli import tasks
 from coda_agent.verifier.cli import verify
@@ -20,6 +21,10 @@ app.command()(solve)
 app.command("verify")(verify)
 app.command()(catalogue)
 app.command()(tasks)
+app.command("eval")(eval_batch)
+app.command()(report)
+app.command()(review)
+app.command()(export)
 
 if __name__ == "__main__":
     app()

@@ -65,9 +65,15 @@ def rms_prepare(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> dict[str, t
     Feed ``xg`` to the next GEMM and multiply its accumulator by ``rstd`` (a
     ColVec): RMSNorm(x) @ W == rstd * ((x * gamma) @ W)."""
     _need("x", x, 2)
-    xf = x.float()
-    rstd = torch.rsqrt(xf.pow(2).mean(dim=1) + float(eps))
-    return {"xg": (xf * gamma.float()).to(x.dtype), "rstd": rstd}
+    # One read of x for the statistic (fp32 accumulation, no fp32 copy of x) and
+    # one read + write for x * gamma (computed in fp32, rounded once to x's dtype).
+    norm = torch.linalg.vector_norm(x, 2, dim=1, dtype=torch.float32)
+    rstd = torch.rsqrt(norm * norm / float(x.shape[1]) + float(eps))
+    if gamma.dtype == x.dtype:
+        xg = x * gamma
+    else:
+        xg = (x.float() * gamma.float()).to(x.dtype)
+    return {"xg": xg, "rstd": rstd}
 
 
 @_aux

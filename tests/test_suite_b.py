@@ -215,10 +215,10 @@ def test_expert_on_gpu(name, shape_set):
 
 MUTANTS = [
     # (task, original, mutant): each plausible slip must fail the check.
-    ("mlp_block", "hr * s * inv_dim", "hr * 0.0 * inv_dim"),  # RMSNorm backward without s
+    ("mlp_block", "hr * rstd * s * inv_dim", "hr * rstd * 0.0 * inv_dim"),  # RMSNorm backward without s
     ("qk_norm_rope", "e * s + o * c", "e * s - o * c"),  # RoPE sign
     ("lm_head_xent", "dloss[r0:r1]", "dloss[0:r1 - r0]"),  # every chunk weighted like the first
-    ("llama3_block", "hr * rstd * t * inv_dim", "hr * t * inv_dim"),  # s2 = r2 * t2 dropped r2
+    ("llama3_block", '{"s": du * u}', '{"s": du}'),  # QKV-side statistic without the saved output
 ]
 
 

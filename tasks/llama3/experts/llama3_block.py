@@ -7,7 +7,15 @@ residual, stores the new stream h and h * gamma, and reduces sum(h^2) per row;
 rms_rstd finishes r; the consuming GEMM multiplies its accumulator by r.
 Backward, the RMSNorm gradient rides in the epilogue of the GEMM that produces
 d = d(out) @ W:  dh = dy + r * (gamma * d - h * r * s / H)  with
-s = sum_cols(d(out) * out) = r * sum_cols(gamma * d * h).
+s = sum_cols(d(out) * out) = r * sum_cols(gamma * d * h).  On the MLP side s is
+reduced by the dSwiGLU epilogue; on the QKV side d(out) is an input, so s comes
+from a row_dot pass over dqkv and the saved qkv (a GEMM with K = 64 hosting an
+epilogue that reads both as tiles), not from a second full dqkv @ W_qkv.
+
+Nothing is written twice: the forward keeps the MLP's GEMM inputs h1 * gamma_mlp
+and silu(g) * u for the weight gradients (as autograd would), and dSwiGLU
+stores r1 * d(pre), so dW_gu = (r1 * d(pre))^T @ (h1 * gamma_mlp) needs no
+normalized copy of h1 and d(pre) @ W_gu's accumulator is r1 * d.
 """
 
 from coda_agent.primitives import (ColVec, PairedTile, RowVec, Scalar, Tile, col_sum, epilogue,
@@ -33,36 +41,39 @@ def scale_rows(acc, rstd: ColVec):
     return {"D": acc * rstd}
 
 
-@epilogue(reductions={"t": col_sum()})
-def norm_stat(acc, gamma: RowVec, h: Tile):
-    # t = sum(gamma * d * h): the RMSNorm-backward statistic, no D stored.
-    return {"t": acc * gamma * h}
+@epilogue(reductions={"s": col_sum()})
+def row_dot(acc, du: Tile, u: Tile):
+    # s = sum_cols(du * u): the RMSNorm-backward statistic of the QKV side, read
+    # from the incoming dqkv and the saved qkv; acc (a K = 64 product) is unused
+    # and no D is stored, so this GEMM is one fused pass over two (T, Nqkv) tiles.
+    return {"s": du * u}
 
 
 @epilogue(outputs={"xn": "bf16"}, reductions={"dgamma": row_sum()})
-def rmsnorm_bwd_t(acc, rstd: ColVec, t: ColVec, gamma: RowVec, h: Tile, dy: Tile, inv_dim: Scalar):
-    hr = h * rstd
-    return {"D": dy + rstd * (gamma * acc - hr * rstd * t * inv_dim),
-            "xn": hr * gamma,
-            "dgamma": acc * hr}
-
-
-@epilogue(outputs={"act": "bf16"}, reductions={"s": col_sum()})
-def dswiglu(acc, pre: PairedTile):
-    g, u = unpack(pre)
-    sg = sigmoid(g)
-    silu_g = g * sg
-    dg = acc * u * sg * (1.0 + g * (1.0 - sg))
-    du = acc * silu_g
-    return {"D": pack(dg, du), "act": silu_g * u, "s": g * dg + u * du}
-
-
-@epilogue(outputs={"xn": "bf16"}, reductions={"dgamma": row_sum()})
-def rmsnorm_bwd_s(acc, rstd: ColVec, s: ColVec, gamma: RowVec, h: Tile, dy: Tile, inv_dim: Scalar):
+def rmsnorm_bwd(acc, rstd: ColVec, s: ColVec, gamma: RowVec, h: Tile, dy: Tile, inv_dim: Scalar):
     hr = h * rstd
     return {"D": dy + rstd * (gamma * acc - hr * s * inv_dim),
             "xn": hr * gamma,
             "dgamma": acc * hr}
+
+
+@epilogue(reductions={"s": col_sum()})
+def dswiglu(acc, pre: PairedTile, rstd: ColVec):
+    # Stores r1 * d(pre): dW_gu = (r1 * d(pre))^T @ (h1 * gamma_mlp), the forward's own
+    # A operand, and the next GEMM's accumulator is r1 * d.
+    g, u = unpack(pre)
+    sg = sigmoid(g)
+    dg = acc * u * sg * (1.0 + g * (1.0 - sg))
+    du = acc * g * sg
+    return {"D": pack(dg * rstd, du * rstd), "s": g * dg + u * du}
+
+
+@epilogue(reductions={"dgamma": row_sum()})
+def rmsnorm_bwd_scaled(acc, rstd: ColVec, s: ColVec, gamma: RowVec, h: Tile, dy: Tile, inv_dim: Scalar):
+    # acc = r * d (the A operand was r * d(out)): dh = dy + gamma * acc - h * r^2 * s / H.
+    hr = h * rstd
+    return {"D": dy + gamma * acc - hr * rstd * s * inv_dim,
+            "dgamma": acc * h}
 
 
 def forward(attn, h, w_o, gamma_mlp, w_gu, w_down, gamma_attn, w_qkv, eps):
@@ -73,7 +84,10 @@ def forward(attn, h, w_o, gamma_mlp, w_gu, w_down, gamma_attn, w_qkv, eps):
     c = gemm(gu["act"], w_down.t(), residual_norm_stats, residual=a["D"], gamma=gamma_attn)
     r2 = rms_rstd(c["sumsq"], dim, eps)
     qkv = gemm(c["hg"], w_qkv.t(), scale_rows, rstd=r2)["D"]
-    return {"h_out": c["D"], "qkv": qkv, "h1": a["D"], "r1": r1, "pre": gu["D"], "r2": r2}
+    # Kept for backward (as autograd would): h1, the gate/up GEMM's A operand h1 * gamma_mlp
+    # and the down GEMM's A operand silu(g) * u; nothing is recomputed or re-stored.
+    return {"h_out": c["D"], "qkv": qkv, "h1": a["D"], "hg1": a["hg"], "r1": r1, "pre": gu["D"],
+            "act": gu["act"], "r2": r2}
 
 
 def backward(saved, dh_out, dqkv):
@@ -81,19 +95,21 @@ def backward(saved, dh_out, dqkv):
     h1, h2 = saved["h1"], saved["h_out"]
     w_qkv, w_gu, w_down, w_o = saved["w_qkv"], saved["w_gu"], saved["w_down"], saved["w_o"]
     g_attn, g_mlp = saved["gamma_attn"], saved["gamma_mlp"]
-    # Next layer's RMSNorm + QKV: the statistic first (no D), then the gradient.
-    t2 = gemm(dqkv, w_qkv, norm_stat, gamma=g_attn, h=h2)["t"]
-    d2 = gemm(dqkv, w_qkv, rmsnorm_bwd_t, rstd=saved["r2"], t=t2, gamma=g_attn, h=h2, dy=dh_out,
+    # Next layer's RMSNorm + QKV: s2 = sum(dqkv * qkv) per row (CODA's statistic,
+    # from the saved output), then the gradient GEMM finishes the RMSNorm backward.
+    k = 64  # the row_dot pass's GEMM is a throwaway one-K-tile product: its epilogue reads tiles
+    s2 = gemm(dqkv[:, :k], w_qkv[:, :k].t(), row_dot, du=dqkv, u=saved["qkv"])["s"]
+    d2 = gemm(dqkv, w_qkv, rmsnorm_bwd, rstd=saved["r2"], s=s2, gamma=g_attn, h=h2, dy=dh_out,
               inv_dim=inv_dim)
     dh2 = d2["D"]
     dw_qkv = gemm(dqkv.t(), d2["xn"])["D"]
     # SwiGLU MLP + its RMSNorm (+ the residual gradient dh2).
-    da = gemm(dh2, w_down, dswiglu, pre=saved["pre"])
-    d1 = gemm(da["D"], w_gu, rmsnorm_bwd_s, rstd=saved["r1"], s=da["s"], gamma=g_mlp, h=h1, dy=dh2,
-              inv_dim=inv_dim)
+    da = gemm(dh2, w_down, dswiglu, pre=saved["pre"], rstd=saved["r1"])
+    d1 = gemm(da["D"], w_gu, rmsnorm_bwd_scaled, rstd=saved["r1"], s=da["s"], gamma=g_mlp, h=h1,
+              dy=dh2, inv_dim=inv_dim)
     dh1 = d1["D"]
-    dw_gu = gemm(da["D"].t(), d1["xn"])["D"]
-    dw_down = gemm(dh2.t(), da["act"])["D"]
+    dw_gu = gemm(da["D"].t(), saved["hg1"])["D"]
+    dw_down = gemm(dh2.t(), saved["act"])["D"]
     # Out-projection + residual.
     dattn = gemm(dh1, w_o)["D"]
     dw_o = gemm(dh1.t(), saved["attn"])["D"]

@@ -286,7 +286,7 @@ def compile_call(epi: Epilogue | None, A: torch.Tensor, B: torch.Tensor, operand
     result.update(_caller_results(epi, sinks))
     for name, red in epi.reductions.items():
         if name not in result:
-            result[name] = torch.empty(n if red.axis == "rows" else m, dtype=torch.float32)
+            result[name] = torch.empty(n if red.axis == "rows" else m, dtype=torch.float32, device=A.device)
     if D is None:
         result.pop("D", None)
     return result

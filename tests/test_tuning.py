@@ -1,0 +1,52 @@
+"""The tuning cache: fail-closed keys, persistence, and a lookup cheap enough
+to run on every gemm() call (its cost once starved the H200, see tuning.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from coda_agent.primitives import TileConfig, load_program, tuning
+
+SRC = '''
+from coda_agent.primitives import *
+@epilogue(outputs={"h": "bf16"}, reductions={"sqsum": col_sum()})
+def residual_rms(acc, residual: Tile, gamma: RowVec):
+    h = acc + residual
+    return {"D": h * gamma, "h": h, "sqsum": h * h}
+'''
+
+
+def test_put_get_roundtrip_and_corrupt_file_is_a_miss(tmp_path):
+    cache = tuning.TuningCache(tmp_path)
+    cfg = TileConfig(128, 128, 1, 1, True)
+    cache.put("k1", cfg, {"128x128": 1.0})
+    assert cache.get("k1") == cfg
+    (tmp_path / "k2.json").write_text("{not json")
+    assert cache.get("k2") is None
+
+
+def test_key_changes_with_shape_and_program():
+    epi = load_program(SRC).residual_rms
+    other = load_program(SRC.replace("h * h", "h * h * 2.0")).residual_rms
+    k = tuning.tuning_key(epi, 64, 96, 128, torch.bfloat16, "H200")
+    assert k != tuning.tuning_key(epi, 64, 96, 256, torch.bfloat16, "H200")
+    assert k != tuning.tuning_key(other, 64, 96, 128, torch.bfloat16, "H200")
+    assert k == tuning.tuning_key(epi, 64, 96, 128, torch.bfloat16, "H200")
+
+
+def test_lookup_computes_the_key_once_per_call_shape(tmp_path, monkeypatch):
+    monkeypatch.setenv("CODA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(tuning, "_device_name", lambda index: "NVIDIA H200")
+    tuning._MEMO.clear()
+    epi = load_program(SRC).residual_rms
+    key = tuning.tuning_key(epi, 64, 96, 128, torch.bfloat16, "NVIDIA H200")
+    tuning.TuningCache().put(key, TileConfig(128, 128, 1, 1, True), {})
+    calls = []
+    real = tuning.tuning_key
+    monkeypatch.setattr(tuning, "tuning_key", lambda *a: calls.append(a) or real(*a))
+    device = torch.device("cuda", 0)
+    for _ in range(5):
+        cfg = tuning.lookup(epi, 64, 96, 128, torch.bfloat16, device, {})
+    assert cfg == TileConfig(128, 128, 1, 1, True)
+    assert len(calls) == 1
+    tuning._MEMO.clear()

@@ -35,12 +35,13 @@ import os as _os
 if not _os.environ.get("CUDA_VISIBLE_DEVICES", "x") or not _os.path.exists("/dev/nvidia0"):
     _os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     _os.environ.setdefault("QUACK_ARCH", "90")
-    # Keep the cubin (for the SASS gate); the dump directory must exist or the
-    # DSL silently writes nothing.
-    _os.environ.setdefault("CUTE_DSL_KEEP", "cubin")
-    _dump = _os.environ.setdefault(
-        "CUTE_DSL_DUMP_DIR", _os.path.join(__import__("tempfile").gettempdir(), "coda-cutedsl-dump"))
-    _os.makedirs(_dump, exist_ok=True)
+# Keep the cubin for the SASS gate, with or without a GPU (seen on the H200: without
+# it the compile stage there had no cubin to read). The dump directory must exist
+# or the DSL silently writes nothing.
+_os.environ.setdefault("CUTE_DSL_KEEP", "cubin")
+_os.makedirs(_os.environ.setdefault(
+    "CUTE_DSL_DUMP_DIR", _os.path.join(__import__("tempfile").gettempdir(), "coda-cutedsl-dump")),
+    exist_ok=True)
 
 from .aux import (add, column_index, concat_rows, deinterleave_columns, interleave_columns, rms_prepare,  # noqa: E402
                   rms_rstd, to_fp32, xent_grad_, xent_loss, zeros_like)

@@ -66,6 +66,12 @@ def solve(
         typer.echo(f"sample {r['sample']}: {r['stop_reason']} after {r['turns']} turns{best}")
         if r["stop_reason"] in ("model_error", "verifier_error", "format_errors"):
             typer.echo(f"  {r['detail'].strip().splitlines()[-1] if r['detail'].strip() else ''}", err=True)
+    for final in ("accepted", "best"):
+        report_md = sorted(path.glob(f"**/{final}/report.md"))
+        if report_md:
+            typer.echo(f"\n{report_md[0].read_text().split(chr(10) + chr(10), 2)[1]}")
+            typer.echo(f"full report: {report_md[0]}")
+            break
     cost = "unknown" if summary["cost_usd"] is None else f"${summary['cost_usd']:.4f}"
     typer.echo(f"accepted {summary['accepted']}/{summary['samples']}; tokens "
                f"{summary['prompt_tokens']}+{summary['completion_tokens']}, cost {cost}, {summary['wall_s']:.1f}s")

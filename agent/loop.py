@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel
 
 from .config import AgentConfig, Budget
-from .prompt import extract_program, feedback_message, format_message, initial_messages, report_markdown
+from .prompt import extract_program, feedback_message, format_message, initial_messages
 from .protocols import FormatError, LimitsExceeded, Message, Model, ModelError, Usage, Verifier
 from .rundir import RunDir, TrajectoryDir
 
@@ -215,6 +215,7 @@ class Trajectory:
         self.r.stop_reason, self.r.detail, self.r.accepted = reason, detail, reason == "accepted"
         self.tdir.transcript.append({"event": "stop", "reason": reason, "detail": detail})
         if self.r.best_attempt is not None:
+            from coda_agent.verifier.feedback import report_markdown
             from coda_agent.verifier.report import Report
 
             d = self.tdir.attempt_dir(self.r.best_attempt)

@@ -46,8 +46,8 @@ def render(template: str, **values: object) -> str:
 
 
 def load_catalogue() -> str:
-    # TODO(primitives): drop this test seam once render_catalogue is stable and fast to import;
-    # the agent tests set it so they neither wait for nor depend on the catalogue's state.
+    # The agent's own tests set this so they do not import quack (8-10 s on 2 cores)
+    # for a prompt they never send to a real model; everything else renders the real one.
     if os.environ.get("CODA_CATALOGUE_PLACEHOLDER"):
         return "(catalogue placeholder for tests: coda_agent.primitives.render_catalogue is not used)"
     try:
@@ -123,29 +123,6 @@ def feedback_message(report: "Report", program: str, attempt: int) -> str:
 
 
 def render_report(report: "Report", program: str) -> str:
-    try:
-        from coda_agent.verifier.feedback import render_feedback
-    except ImportError:
-        # TODO(verifier): remove this fallback once coda_agent.verifier.feedback lands.
-        return _minimal_feedback(report, program)
+    from coda_agent.verifier.feedback import render_feedback
+
     return render_feedback(report, program)
-
-
-def _minimal_feedback(report: "Report", program: str) -> str:
-    lines = program.splitlines()
-    out = [f"Outcome: {report.outcome}"]
-    for s in report.stages:
-        out.append(f"- {s.name}: {s.status}" + (f": {s.message}" if s.message else ""))
-        if s.line is not None:
-            code = lines[s.line - 1] if 0 < s.line <= len(lines) else ""
-            out.append(f"  at line {s.line}: {code.strip()}")
-        if s.log and s.status in ("failed", "error"):
-            out.append("  " + s.log.strip()[-2000:].replace("\n", "\n  "))
-        for m in s.mismatches:
-            out.append(f"  {m.tensor} [{m.shape_set}]: max abs err {m.max_abs_err:.3g} "
-                       f"(allowed {m.allowed:.3g}) {m.pattern}".rstrip())
-    return "\n".join(out)
-
-
-def report_markdown(report: "Report", program: str) -> str:
-    return f"# {report.task}: {report.outcome}\n\n{render_report(report, program).rstrip()}\n"

@@ -7,10 +7,13 @@ stamp_src="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
 if [ ! -x .venv/bin/python ] || [ "$(cat .venv/.coda-stamp 2>/dev/null)" != "$stamp_src" ]; then
   echo "setting up .venv (first run: about a minute) ..." >&2
   python3 -m venv .venv
-  .venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
-  # CPU torch first, so the pinned quack/cutlass do not pull a multi-GB CUDA build.
-  .venv/bin/python -m pip install -q "torch==2.13.0" 2>&1 | grep -v "^WARNING: Location" || true
-  .venv/bin/python -m pip install -q -e ".[test]" 2>&1 | grep -v "^WARNING: Location" || true
+  log=.venv/setup.log
+  {
+    .venv/bin/python -m pip install --upgrade pip
+    # CPU torch first, so the pinned quack/cutlass do not pull a multi-GB CUDA build.
+    .venv/bin/python -m pip install "torch==2.13.0"
+    .venv/bin/python -m pip install -e ".[test]"
+  } > "$log" 2>&1 || { tail -40 "$log" >&2; echo "setup failed; full log: $log" >&2; exit 1; }
   .venv/bin/python -c "import coda_agent.primitives" >/dev/null
   echo "$stamp_src" > .venv/.coda-stamp
 fi

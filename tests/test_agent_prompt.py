@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from agent_fixtures import GOOD, SYNTAX_ERROR, RuleVerifier, fenced
 
-from coda_agent.agent.prompt import (extract_program, feedback_message, initial_messages, render,
-                                     report_markdown)
+from coda_agent.agent.prompt import extract_program, feedback_message, initial_messages, render
+from coda_agent.verifier.feedback import report_markdown
 from coda_agent.agent.protocols import FormatError
 
 
@@ -48,7 +48,9 @@ def test_feedback_shows_the_stage_and_the_line(agent_task):
     text = feedback_message(report, SYNTAX_ERROR, 3)
     assert text.startswith("Attempt 3 was rejected")
     assert "static" in text and "line 7" in text
-    assert report_markdown(report, SYNTAX_ERROR).startswith("# scale_add: rejected")
+    md = report_markdown(report, SYNTAX_ERROR)
+    assert md.startswith("# scale_add: rejected")
+    assert "| static | failed |" in md
 
 
 def test_backward_contract_is_spelled_out_when_the_task_has_gradients(tmp_path):

@@ -91,3 +91,16 @@ def render_feedback(report: Report, program_source: str) -> str:
     if failed is not comp and comp is not None and comp.details.get("spills"):
         lines.append("Note: " + comp.message)
     return "\n".join(lines)
+
+
+def report_markdown(report: Report, program_source: str) -> str:
+    """The report for a human reviewer: every stage with its time and summary, then
+    the feedback text the LLM saw, then the versions the verdict holds for."""
+    lines = [f"# {report.task}: {report.outcome}", "", "| stage | status | seconds | summary |",
+             "|---|---|---|---|"]
+    for st in report.stages:
+        summary = st.message.strip().splitlines()[0] if st.message.strip() else ""
+        lines.append(f"| {st.name} | {st.status} | {st.seconds:.1f} | {summary.replace('|', '/')[:200]} |")
+    lines += ["", render_feedback(report, program_source).rstrip(), "",
+              "Versions: " + ", ".join(f"{k} {v}" for k, v in sorted(report.versions.items()))]
+    return "\n".join(lines) + "\n"

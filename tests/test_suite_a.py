@@ -2,10 +2,11 @@
 expert programs match their references (CPU, reference lowering) and compile for
 sm_90a with HGMMA (compile-only, marked slow).
 
-The reference check is a small local copy of the CODA rule the verifier applies:
-max|out - ref_hi| <= 2 * max|ref_lo - ref_hi| + 1e-6 and
-||out - ref_hi|| / ||ref_hi|| <= 2e-2, with ref_hi the reference on fp64-upcast
-inputs and ref_lo the reference in the inputs' own dtype.
+The reference check is the verifier's own (tests/suite_checks.py): its inputs
+(make_inputs / make_grads), its references (run_reference in fp64 for ref_hi and in
+the inputs' dtype for ref_lo) and its compare with the task's tolerance:
+max|out - ref_hi| <= factor * max|ref_lo - ref_hi| + floor and
+||out - ref_hi|| / ||ref_hi|| <= rel_norm.
 """
 
 from __future__ import annotations
@@ -14,94 +15,14 @@ import math
 
 import pytest
 import torch
+from suite_checks import draw, load_expert, problems, run_program
+from suite_checks import task as _task
 
-from coda_agent.tasks import SUITE_DIR, load_task
+from coda_agent.primitives import lowering
 from coda_agent.tasks.llama3 import references as R
-from coda_agent.tasks.spec import eval_expr
 
 TASKS = ["out_proj_residual", "residual_rmsnorm", "swiglu_fwd", "swiglu_bwd", "rmsnorm_bwd",
          "rope_fwd", "rope_bwd"]
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
-          "int32": torch.int32, "int64": torch.int64}
-
-
-def _task(name):
-    return load_task(SUITE_DIR / f"{name}.yaml")
-
-
-def _draw(spec, shape_set, gen):
-    env = {k: float(v) for k, v in spec.shapes[shape_set].items()}
-    out = {}
-    for name, t in spec.inputs.items():
-        shape = spec.shape_of(t, shape_set)
-        scale = float(eval_expr(t.init.scale, env))
-        dist = t.init.dist
-        if dist == "randint":
-            high = int(eval_expr(t.init.high if t.init.high is not None else shape[-1], env))
-            x = torch.randint(0, high, shape, generator=gen).float()
-        elif dist == "arange_rows":
-            x = torch.arange(shape[0]).reshape(-1, *([1] * (len(shape) - 1))).expand(shape).float()
-        elif dist == "normal":
-            x = torch.randn(shape, generator=gen) * scale
-        elif dist == "uniform":
-            x = (torch.rand(shape, generator=gen) * 2 - 1) * scale
-        else:
-            x = 1 + torch.randn(shape, generator=gen) * scale
-        out[name] = x.to(DTYPES[t.dtype]).contiguous()
-    return out
-
-
-def _grads(spec, shape_set, gen):
-    return {f"d{o}": torch.randn(spec.shape_of(t, shape_set), generator=gen).to(DTYPES[t.dtype])
-            for o, t in spec.outputs.items() if t.dtype in ("bf16", "fp16", "fp32")}
-
-
-def _reference(task, inputs, grads, dtype):
-    spec = task.spec
-    x = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().clone()
-         for k, v in inputs.items()}
-    if grads:
-        for n in spec.gradients:
-            x[n].requires_grad_(True)
-    with torch.enable_grad():
-        outs = task.reference_fn(**x, **spec.params)
-        res = {k: outs[k].detach() for k in spec.outputs}
-        if grads:
-            names = list(grads)
-            got = torch.autograd.grad([outs[g[1:]] for g in names], [x[n] for n in spec.gradients],
-                                      [grads[g].to(outs[g[1:]].dtype) for g in names])
-            res.update({f"d{n}": d.detach() for n, d in zip(spec.gradients, got)})
-    return res
-
-
-def _check(name, out, hi, lo, factor=2.0, floor=1e-6, rel_norm=2e-2):
-    assert isinstance(out, torch.Tensor), f"{name}: not a tensor"
-    assert tuple(out.shape) == tuple(hi.shape), f"{name}: shape {tuple(out.shape)} vs {tuple(hi.shape)}"
-    h = hi.double()
-    allowed = factor * float((lo.double() - h).abs().max()) + floor
-    diff = (out.double() - h).abs()
-    err = float(diff.max())
-    rel = float(diff.norm() / h.norm().clamp_min(1e-30))
-    assert not torch.isnan(out).any(), f"{name}: NaN"
-    assert err <= allowed and rel <= rel_norm, (
-        f"{name}: max abs err {err:.3g} (allowed {allowed:.3g}), rel norm {rel:.3g}")
-    return err, allowed, rel
-
-
-def _run_expert(task, inputs, grads):
-    from types import MappingProxyType
-
-    from coda_agent.primitives import load_program, lowering
-
-    spec = task.spec
-    with lowering("reference"):
-        mod = load_program(task.expert_path.read_text(), f"expert_{task.name}")
-        outs = mod.forward(**inputs, **spec.params)
-        got = {o: outs[o] for o in spec.outputs}
-        if grads:
-            back = mod.backward(MappingProxyType({**inputs, **spec.params, **outs}), **grads)
-            got.update({f"d{n}": back[f"d{n}"] for n in spec.gradients})
-    return got
 
 
 # --------------------------------------------------------------------------- specs
@@ -139,20 +60,9 @@ def test_expert_programs_pass_static_stage():
 @pytest.mark.parametrize("shape_set", ["small", "ragged"])
 @pytest.mark.parametrize("name", TASKS)
 def test_expert_matches_reference(name, shape_set):
-    task = _task(name)
-    spec = task.spec
-    gen = torch.Generator().manual_seed(1234 + TASKS.index(name))
-    inputs = _draw(spec, shape_set, gen)
-    grads = _grads(spec, shape_set, gen) if spec.has_backward else None
-    copies = {k: v.clone() for k, v in inputs.items()}
-    got = _run_expert(task, inputs, grads)
-    for k, v in copies.items():
-        assert torch.equal(v, inputs[k]), f"expert modified input {k}"
-    hi = _reference(task, copies, grads, torch.float64)
-    lo = _reference(task, copies, grads, None)
-    assert set(hi) == set(got)
-    for k in hi:
-        _check(k, got[k], hi[k], lo[k])
+    """Every output and gradient passes the verifier's compare; inputs stay unmodified."""
+    bad = problems(_task(name), shape_set, seed=1234 + TASKS.index(name))
+    assert not bad, f"{name}/{shape_set}:\n" + "\n".join(bad)
 
 
 MUTANTS = [
@@ -172,34 +82,12 @@ MUTANTS = [
 
 @pytest.mark.parametrize("name,old,new", MUTANTS)
 def test_check_catches_broken_experts(name, old, new):
-    """The local check is sharp enough to reject a one-token bug in each expert."""
-    from coda_agent.primitives import load_program, lowering
-
+    """The verifier's check is sharp enough to reject a one-token bug in each expert."""
     task = _task(name)
     src = task.expert_path.read_text()
     assert old in src, old
-    spec = task.spec
-    gen = torch.Generator().manual_seed(11)
-    inputs = _draw(spec, "ragged", gen)
-    grads = _grads(spec, "ragged", gen) if spec.has_backward else None
-    from types import MappingProxyType
-
-    with lowering("reference"):
-        mod = load_program(src.replace(old, new), f"mutant_{name}")
-        outs = mod.forward(**inputs, **spec.params)
-        got = {o: outs[o] for o in spec.outputs}
-        if grads:
-            back = mod.backward(MappingProxyType({**inputs, **spec.params, **outs}), **grads)
-            got.update({f"d{n}": back[f"d{n}"] for n in spec.gradients})
-    hi = _reference(task, inputs, grads, torch.float64)
-    lo = _reference(task, inputs, grads, None)
-    failures = []
-    for k in hi:
-        try:
-            _check(k, got[k], hi[k], lo[k])
-        except AssertionError as e:
-            failures.append(str(e))
-    assert failures, f"mutant {new!r} of {name} passed"
+    assert problems(task, "ragged", seed=11, source=src.replace(old, new)), \
+        f"mutant {new!r} of {name} passed"
 
 
 def test_gradient_tasks_have_backward():
@@ -210,10 +98,9 @@ def test_gradient_tasks_have_backward():
 
 def test_out_proj_residual_dresidual_is_dy():
     task = _task("out_proj_residual")
-    gen = torch.Generator().manual_seed(7)
-    inputs = _draw(task.spec, "small", gen)
-    grads = _grads(task.spec, "small", gen)
-    got = _run_expert(task, inputs, grads)
+    inputs, grads = draw(task, "small", seed=7)
+    with lowering("reference"):
+        got = run_program(task, load_expert(task), inputs, grads)
     assert got["dresidual"] is grads["dy"]
 
 
@@ -324,7 +211,7 @@ def test_rope_inverse_is_the_backward_of_rope():
 def test_rope_experts_with_llama3_frequencies(direction):
     """The experts with the real LLaMA-3 table (theta 500000, v columns unrotated) and
     long-context positions, against Meta's convention in fp64."""
-    from coda_agent.primitives import load_program, lowering
+    from coda_agent.primitives import load_program
 
     gen = torch.Generator().manual_seed(4)
     T, H, nh, nkv, d = 200, 64, 2, 1, 64
@@ -363,20 +250,13 @@ def test_rope_experts_with_llama3_frequencies(direction):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", TASKS)
 def test_expert_compiles_for_sm90a(name):
-    from types import MappingProxyType
-
-    from coda_agent.primitives import compile_only, load_program
+    from coda_agent.primitives import compile_only
 
     task = _task(name)
     spec = task.spec
-    gen = torch.Generator().manual_seed(5)
-    inputs = _draw(spec, spec.cpu_shape_set, gen)
-    grads = _grads(spec, spec.cpu_shape_set, gen) if spec.has_backward else None
+    inputs, grads = draw(task, spec.cpu_shape_set, seed=5)
     with compile_only() as kernels:
-        mod = load_program(task.expert_path.read_text(), f"expert_{name}_compile")
-        outs = mod.forward(**inputs, **spec.params)
-        if grads:
-            mod.backward(MappingProxyType({**inputs, **spec.params, **outs}), **grads)
+        run_program(task, load_expert(task, tag=f"expert_{name}_compile"), inputs, grads)
     want = len(spec.gemms)
     assert len(kernels) == want, [k.epilogue for k in kernels]
     for k in kernels:

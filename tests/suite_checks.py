@@ -1,0 +1,105 @@
+"""What the LLaMA-3 suite tests (test_suite_a.py, test_suite_b.py) share: load a
+task and its expert program, run a program by the verifier's contract, and judge
+it with the verifier's own inputs, references and tolerance check.
+
+Nothing here re-implements the verifier: inputs come from
+``coda_agent.verifier.inputs`` (make_inputs / make_grads, the same seeding the
+verifier uses), the references from its ``run_reference`` (fp64-upcast inputs for
+ref_hi, the inputs' own dtype for ref_lo) and the verdict from its ``compare``
+with the task's tolerance (CODA's rule plus the relative-norm check).
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType, ModuleType
+
+import torch
+
+from coda_agent.primitives import load_program, lowering
+from coda_agent.tasks import SUITE_DIR, load_task
+from coda_agent.verifier.compare import compare
+from coda_agent.verifier.inputs import make_grads, make_inputs, run_reference
+from coda_agent.verifier.report import Mismatch
+
+
+def task(name: str):
+    """A suite task by name."""
+    return load_task(SUITE_DIR / f"{name}.yaml")
+
+
+def load_expert(t, source: str | None = None, tag: str | None = None) -> ModuleType:
+    """The task's expert program (or ``source``, e.g. a mutant of it) as a module."""
+    return load_program(t.expert_path.read_text() if source is None else source,
+                        name=tag or f"expert_{t.name}")
+
+
+def draw(t, shape_set: str, seed: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
+    """The verifier's inputs for ``seed`` on the CPU, and its output gradients when the
+    task has a backward (else None)."""
+    spec = t.spec
+    inputs = make_inputs(spec, shape_set, seed)
+    grads = make_grads(spec, shape_set, seed) if spec.has_backward else None
+    return inputs, grads
+
+
+def run_program(t, mod: ModuleType, inputs: dict[str, torch.Tensor],
+                grads: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    """The verifier's contract: ``forward(**inputs, **params)``, then (with grads)
+    ``backward(saved, **grads)`` with saved = inputs + params + everything forward
+    returned.  The outputs and ``d<input>`` gradients in one dict (under whatever
+    lowering the caller has set)."""
+    spec = t.spec
+    outs = mod.forward(**inputs, **spec.params)
+    assert isinstance(outs, dict), f"forward returned {type(outs).__name__}"
+    missing = [o for o in spec.outputs if o not in outs]
+    assert not missing, f"forward's dict lacks {missing}"
+    got = {o: outs[o] for o in spec.outputs}
+    if grads:
+        back = mod.backward(MappingProxyType({**inputs, **spec.params, **outs}), **grads)
+        assert isinstance(back, dict), f"backward returned {type(back).__name__}"
+        missing = [f"d{n}" for n in spec.gradients if f"d{n}" not in back]
+        assert not missing, f"backward's dict lacks {missing}"
+        got.update({f"d{n}": back[f"d{n}"] for n in spec.gradients})
+    return got
+
+
+def mismatches(t, shape_set: str, got: dict, inputs: dict[str, torch.Tensor],
+               grads: dict[str, torch.Tensor] | None) -> list[Mismatch]:
+    """The verifier's ``compare`` of every output/gradient in ``got`` against
+    run_reference in fp64 (hi) and in the inputs' dtype (lo), with the task's
+    tolerance.  ``inputs``/``grads`` are the CPU tensors the program was given."""
+    hi = run_reference(t, inputs, grads, torch.float64)
+    lo = run_reference(t, inputs, grads, None)
+    assert set(got) == set(hi), f"tensors {sorted(got)} vs reference {sorted(hi)}"
+    ms = [compare(k, shape_set, got[k].cpu() if isinstance(got[k], torch.Tensor) else got[k],
+                  hi[k], lo[k], t.spec.tolerance) for k in hi]
+    return [m for m in ms if m is not None]
+
+
+def describe(m: Mismatch) -> str:
+    return (f"{m.tensor} [{m.shape_set}]: {m.pattern}; max abs err {m.max_abs_err:.3g} "
+            f"(allowed {m.allowed:.3g}) at {m.worst_index}"
+            + ("" if m.rel_norm_err is None else f", rel norm {m.rel_norm_err:.3g}"))
+
+
+def problems(t, shape_set: str, seed: int, source: str | None = None, *,
+             lowering_name: str = "reference", device: str = "cpu") -> list[str]:
+    """Run the expert (or ``source``) on the verifier's inputs for (shape_set, seed)
+    under ``lowering_name`` and say what is wrong: inputs modified in place, and each
+    tensor that fails the verifier's compare.  Empty list: it passes.
+
+    ``device`` other than cpu: the inputs are drawn on the CPU and copied there; the
+    references stay fp64/lo on the CPU, as the verifier's reference stage does."""
+    inputs, grads = draw(t, shape_set, seed)
+    dev_in = {k: v.to(device) for k, v in inputs.items()}
+    dev_grads = {k: v.to(device) for k, v in grads.items()} if grads else None
+    copies = {k: v.clone() for k, v in dev_in.items()}
+    with lowering(lowering_name):
+        mod = load_expert(t, source, tag=f"{'expert' if source is None else 'candidate'}_{t.name}")
+        got = run_program(t, mod, dev_in, dev_grads)
+        if device != "cpu":
+            torch.cuda.synchronize()
+    out = [f"modified input {k} in place" for k, v in copies.items() if not torch.equal(v, dev_in[k])]
+    out += [describe(m) for m in mismatches(t, shape_set, got, inputs, grads)]
+    return out
+

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import tempfile
 import time
@@ -167,7 +168,8 @@ def tune(epi: Any, A: Any, B: Any, operands: dict[str, Any], reps: int = 10) -> 
                 t = time_ms(lambda: gemm(A, B, epi, config=cfg, **operands), reps=reps)
         except Exception as e:  # noqa: BLE001 - a config this shape cannot use is skipped
             times[str(cfg)] = float("nan")
-            print(f"tune: {cfg} failed: {type(e).__name__}: {str(e)[:120]}")
+            logging.getLogger(__name__).warning("tune: %s failed: %s: %s", cfg, type(e).__name__,
+                                                str(e)[:200])
             continue
         times[str(cfg)] = t
         if best is None or t < times[str(best)]:

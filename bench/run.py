@@ -74,7 +74,11 @@ def bench_task(task: Any, shape_set: str, reps: int, tune: bool) -> dict:
             return out
 
     if tune:
-        row["tuned"] = tune_program(prog, fused)
+        from coda_agent.primitives import tuning
+
+        with tuning.autotune() as tuned:  # every untuned GEMM call: tune once, cache on disk
+            fused()
+        row["tuned"] = tuned
     with launch_ledger() as ledger:
         fused()
     row["configs"] = [f"{l.name}: {l.config}" for l in ledger if l.kind == "gemm"]
@@ -132,37 +136,6 @@ def bench_task(task: Any, shape_set: str, reps: int, tune: bool) -> dict:
     if row["fused_over_gemm"] < 0.9:
         row["flag"] = "faster than the plain GEMMs by >10%: suspicious, check the work done"
     return row
-
-
-def tune_program(prog: Any, fused: Callable[[], Any]) -> list[dict]:
-    """Tune every GEMM call the program makes (once; results persist on disk)."""
-    from coda_agent.primitives import gemm as gemm_mod
-    from coda_agent.primitives import tuning
-
-    calls: list[tuple] = []
-    real = gemm_mod.gemm
-
-    def spy(A, B, epilogue=None, **kw):  # noqa: ANN001, ANN003
-        if kw.get("config") is None and kw.get("accumulate_into") is None:
-            ops = {k: v for k, v in kw.items() if k not in ("out_dtype",)}
-            calls.append((epilogue, A, B, ops))
-        return real(A, B, epilogue, **kw)
-
-    prog_globals = vars(sys.modules[prog.__name__])
-    prog_globals["gemm"] = spy
-    try:
-        fused()
-    finally:
-        prog_globals["gemm"] = real
-    done = []
-    for epi, A, B, ops in calls:
-        if epi is not None and any(r.partials for r in epi.reductions.values()):
-            continue
-        ops.pop("out_dtype", None)
-        cfg, times = tuning.tune(epi, A, B, ops)
-        done.append({"epilogue": getattr(epi, "name", "plain"), "MNK": [A.shape[0], B.shape[1], A.shape[1]],
-                     "best": str(cfg), "times_ms": times})
-    return done
 
 
 def versions() -> dict:

@@ -150,6 +150,11 @@ def _check_alignment(epi: Epilogue | None, A: torch.Tensor, B: torch.Tensor,
                 "hidden size) to a multiple of 8.")
 
 
+def _tunable(epi: Epilogue | None) -> bool:
+    # Exposed partials are laid out per tile_n: part of the program's contract.
+    return epi is None or not any(r.partials for r in epi.reductions.values())
+
+
 def gemm(A: torch.Tensor, B: torch.Tensor, epilogue: Epilogue | None = None, *,
          out_dtype: str | None = None, config: TileConfig | None = None,
          accumulate_into: torch.Tensor | None = None, **operands: Any) -> dict[str, torch.Tensor]:
@@ -184,6 +189,11 @@ def gemm(A: torch.Tensor, B: torch.Tensor, epilogue: Epilogue | None = None, *,
         from .tuning import lookup
 
         cfg = lookup(epilogue, m, n, A.shape[1], A.dtype, A.device, operands)
+        if cfg is None and accumulate_into is None and _tunable(epilogue):
+            from .tuning import autotuning, tune
+
+            if autotuning():
+                cfg, _ = tune(epilogue, A, B, operands, out_dtype=out_dtype)
     cfg = cfg or default_config(epilogue, operands)
     for name in epilogue.head_stats if epilogue is not None else ():
         hd = operands[name]

@@ -5,8 +5,9 @@ dSwiGLU backward with its row reduction takes 2.86 ms at quack's default
 128x192 pingpong and 1.26 ms at 128x128 pingpong, against 0.83 ms for the
 plain GEMM), but quack's full autotune took 74 s for one shape.  So:
 
-1. ``gemm(config=None)`` looks the call up in an on-disk :class:`TuningCache`;
-2. on a miss it uses :func:`coda_agent.primitives.gemm.default_config`, a
+1. ``gemm(config=None)`` looks the call up in an on-disk :class:`TuningCache`
+   (inside :func:`autotune`, a miss is tuned on the spot);
+2. otherwise, on a miss it uses :func:`coda_agent.primitives.gemm.default_config`, a
    heuristic on the epilogue's weight (reductions, paired tiles, operand count);
 3. :func:`tune` times a *pruned* candidate list (:data:`CANDIDATES`, six configs
    that won somewhere on Hopper) with device events on the real shapes and
@@ -22,6 +23,8 @@ and is part of the program's contract.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import hashlib
 import json
 import logging
@@ -30,7 +33,7 @@ import tempfile
 import time
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from .gemm import TileConfig
 from .version import CATALOGUE_VERSION
@@ -108,7 +111,9 @@ def _device_name(index: int) -> str:
 def lookup(epi: Any, m: int, n: int, k: int, dtype: Any, device: Any,
            operands: dict[str, Any]) -> TileConfig | None:
     """The cached config for this call, or None (never raises: a miss is a miss)."""
-    if epi is not None and any(r.partials for r in epi.reductions.values()):
+    from .gemm import _tunable
+
+    if not _tunable(epi):
         return None
     head_dims = tuple(operands[s] for s in epi.head_stats) if epi is not None else ()
     memo_key = (id(epi), m, n, k, dtype, getattr(device, "index", None), head_dims)
@@ -122,6 +127,26 @@ def lookup(epi: Any, m: int, n: int, k: int, dtype: Any, device: Any,
     cfg = None if cfg is None or any(cfg.tile_n % hd for hd in head_dims) else cfg
     _MEMO[memo_key] = cfg
     return cfg
+
+
+_autotune: contextvars.ContextVar[list | None] = contextvars.ContextVar("coda_autotune", default=None)
+
+
+@contextlib.contextmanager
+def autotune() -> Iterator[list[dict]]:
+    """Inside, a cute ``gemm(config=None)`` whose lookup misses is tuned on the spot
+    (:func:`tune`) and its winner cached; yields a record per tuned call.  Calls that
+    accumulate into a buffer are not tuned (timing them would keep adding into it)."""
+    record: list[dict] = []
+    token = _autotune.set(record)
+    try:
+        yield record
+    finally:
+        _autotune.reset(token)
+
+
+def autotuning() -> bool:
+    return _autotune.get() is not None
 
 
 def device_times(fn: Callable[[], Any], reps: int = 20, warmup: int = 3) -> list[float]:
@@ -150,7 +175,8 @@ def time_ms(fn: Callable[[], Any], reps: int = 20, warmup: int = 3) -> float:
     return times[len(times) // 2]
 
 
-def tune(epi: Any, A: Any, B: Any, operands: dict[str, Any], reps: int = 10) -> tuple[TileConfig, dict]:
+def tune(epi: Any, A: Any, B: Any, operands: dict[str, Any], reps: int = 10,
+         out_dtype: str | None = None) -> tuple[TileConfig, dict]:
     """Time :data:`CANDIDATES` for one call, store and return the fastest."""
     from .gemm import gemm
     from .lowering import lowering
@@ -165,7 +191,8 @@ def tune(epi: Any, A: Any, B: Any, operands: dict[str, Any], reps: int = 10) -> 
             continue  # a head statistic needs whole heads per tile
         try:
             with lowering("cute"):
-                t = time_ms(lambda: gemm(A, B, epi, config=cfg, **operands), reps=reps)
+                t = time_ms(lambda: gemm(A, B, epi, config=cfg, out_dtype=out_dtype, **operands),
+                            reps=reps)
         except Exception as e:  # noqa: BLE001 - a config this shape cannot use is skipped
             times[str(cfg)] = float("nan")
             logging.getLogger(__name__).warning("tune: %s failed: %s: %s", cfg, type(e).__name__,
@@ -179,4 +206,8 @@ def tune(epi: Any, A: Any, B: Any, operands: dict[str, Any], reps: int = 10) -> 
     key = tuning_key(epi, m, n, k, A.dtype, _device_name(A.device.index or 0))
     TuningCache().put(key, best, times)
     _MEMO.clear()  # later lookups see the new winner
+    record = _autotune.get()
+    if record is not None:
+        record.append({"epilogue": getattr(epi, "name", "plain"), "MNK": [m, n, k], "best": str(best),
+                       "times_ms": times})
     return best, times

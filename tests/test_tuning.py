@@ -3,6 +3,7 @@ to run on every gemm() call (its cost once starved the H200, see tuning.py)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from coda_agent.primitives import TileConfig, load_program, tuning
@@ -49,4 +50,34 @@ def test_lookup_computes_the_key_once_per_call_shape(tmp_path, monkeypatch):
         cfg = tuning.lookup(epi, 64, 96, 128, torch.bfloat16, device, {})
     assert cfg == TileConfig(128, 128, 1, 1, True)
     assert len(calls) == 1
+    tuning._MEMO.clear()
+
+
+def test_autotune_is_scoped():
+    assert not tuning.autotuning()
+    with tuning.autotune() as record:
+        assert tuning.autotuning() and record == []
+    assert not tuning.autotuning()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gemm_tunes_a_cache_miss_only_inside_autotune(tmp_path, monkeypatch):
+    """A miss is tuned once inside autotune() and then served from the cache; a call
+    that accumulates into a buffer is never tuned (timing it would keep adding)."""
+    from coda_agent.primitives import gemm
+
+    monkeypatch.setenv("CODA_CACHE_DIR", str(tmp_path))
+    tuning._MEMO.clear()
+    A = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
+    B = torch.randn(256, 384, device="cuda", dtype=torch.bfloat16)
+    gemm(A, B)
+    assert not list(tmp_path.glob("tuning/*.json"))
+    with tuning.autotune() as record:
+        gemm(A, B, accumulate_into=torch.zeros(512, 384, device="cuda", dtype=torch.bfloat16))
+        assert record == []
+        gemm(A, B)
+        gemm(A, B)
+    assert len(record) == 1 and record[0]["MNK"] == [512, 384, 256]
+    assert len(list(tmp_path.glob("tuning/*.json"))) == 1
     tuning._MEMO.clear()

@@ -15,6 +15,7 @@ except :func:`xent_grad_`, which on CUDA tensors is one Triton kernel
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
@@ -28,10 +29,10 @@ def _aux(fn: Callable) -> Callable:
 
     def run(*args, **kwargs):  # noqa: ANN002, ANN003
         tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-        if current_lowering(*tensors) == "compile":
-            with torch.no_grad():
-                return fn(*args, **kwargs)  # cheap on the small compile shapes; keeps shapes right
-        with launching("aux", name), torch.no_grad():
+        # Compile-only runs still compute (cheap at the small compile shapes, and it
+        # keeps every later shape right) but launch nothing worth recording.
+        compiling = current_lowering(*tensors) == "compile"
+        with contextlib.nullcontext() if compiling else launching("aux", name), torch.no_grad():
             return fn(*args, **kwargs)
 
     run.__name__ = name

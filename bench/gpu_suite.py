@@ -1,15 +1,17 @@
 """Every expert program of the suite through the verifier on the H200, in one go.
 
-Pass 1 runs the candidates concurrently (the child processes compile on the
-CPU cores side by side) through the stages whose verdict does not depend on a
-quiet GPU: static, reference, compile, correctness, launch audit.  Pass 2 runs
-them one at a time through every stage, performance included, with quack's
-compile cache now warm: its wall time is the cost of verifying a new
-candidate of a known shape, and its reports are the ones recorded.
+Pass 1 (optional) runs the candidates concurrently through the stages whose
+verdict does not depend on a quiet GPU: static, reference, compile,
+correctness, launch audit.  Pass 2 runs every stage, performance included,
+``--workers`` candidates at a time: their CPU stages overlap, and the
+verifier's GPU lock (verifier/gpu_lock.py) gives each performance stage the
+device alone.  Its reports are the ones recorded.  ``--solo TASK`` finally
+verifies one candidate with nothing else running: the cost of verifying a new
+candidate with warm compile caches.
 Each report is written to ``OUT/reports/<task>.json`` as soon as it exists, so
 a run cut short by its time limit still leaves every finished verdict.
 
-Usage on the device: ``python3 bench/gpu_suite.py OUT [--sets small,ragged,llama3-1b]``
+Usage on the device: ``python3 bench/gpu_suite.py OUT [--sets small,ragged,llama3-1b] [--pass1]``
 """
 
 from __future__ import annotations
@@ -31,16 +33,28 @@ def _write(out: Path, name: str, payload: dict) -> None:
         fh.write(json.dumps(payload) + "\n")
 
 
+def _row(task, report, which, t0: float) -> dict:  # noqa: ANN001
+    failed = report.failed_stage
+    perf = report.stage("performance")
+    row = {"task": task.name, "pass": which, "outcome": report.outcome,
+           "wall_s": round(time.perf_counter() - t0, 1),
+           "failed": f"{failed.name}: {failed.message[:400]}" if failed else None,
+           "stages_s": {s.name: round(s.seconds, 1) for s in report.stages},
+           "gpu_wait_s": {s.name: s.details["gpu_wait_s"] for s in report.stages
+                          if "gpu_wait_s" in s.details},
+           "performance": perf.details if perf else None}
+    print(json.dumps({k: row[k] for k in ("task", "pass", "outcome", "wall_s", "failed")}), flush=True)
+    return row
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--sets", default="small,ragged,llama3-1b")
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--tasks", default="")
-    ap.add_argument("--pass2-budget-s", type=float, default=1e9,
-                    help="stop starting pass-2 checks after this many seconds")
-    ap.add_argument("--pass2-first", default="",
-                    help="comma-separated tasks to time first in pass 2 (the rest follow)")
+    ap.add_argument("--pass1", action="store_true", help="run the GPU-quiet stages first, concurrently")
+    ap.add_argument("--solo", default="", help="comma-separated tasks to verify again alone at the end")
     args = ap.parse_args()
     out = Path(args.out)
     (out / "reports").mkdir(parents=True, exist_ok=True)
@@ -48,45 +62,33 @@ def main() -> int:
     suite = [t for t in load_suite(SUITE_DIR) if not wanted or t.name in wanted]
     sets = tuple(args.sets.split(","))
 
-    gpu_free = [s for s in STAGES if s != "performance"]
-    first = Verifier(stages=gpu_free, cache=False, shape_sets=sets)
+    if args.pass1:
+        first = Verifier(stages=[s for s in STAGES if s != "performance"], cache=False, shape_sets=sets)
 
-    def check(task):  # noqa: ANN001, ANN202
-        t0 = time.perf_counter()
-        report = first.check(task, task.expert_path.read_text())
-        failed = report.failed_stage
-        row = {"task": task.name, "pass": 1, "outcome": report.outcome,
-               "passed": [s.name for s in report.stages if s.status == "passed"],
-               "wall_s": round(time.perf_counter() - t0, 1),
-               "failed": f"{failed.name}: {failed.message[:400]}" if failed else None,
-               "stages_s": {s.name: round(s.seconds, 1) for s in report.stages}}
-        _write(out, "suite.jsonl", row)
-        print(json.dumps(row), flush=True)
-        return report
+        def check(task):  # noqa: ANN001, ANN202
+            t0 = time.perf_counter()
+            report = first.check(task, task.expert_path.read_text())
+            _write(out, "suite.jsonl", _row(task, report, 1, t0))
+            return report
 
-    with ThreadPoolExecutor(args.workers) as pool:
-        list(pool.map(check, suite))
+        with ThreadPoolExecutor(args.workers) as pool:
+            list(pool.map(check, suite))
 
     full = Verifier(cache=False, shape_sets=sets)
-    first_names = [n for n in args.pass2_first.split(",") if n]
-    ordered = sorted(suite, key=lambda t: first_names.index(t.name) if t.name in first_names else len(first_names))
-    start = time.perf_counter()
-    for task in ordered:
-        if time.perf_counter() - start > args.pass2_budget_s:
-            _write(out, "suite.jsonl", {"task": task.name, "pass": 2, "outcome": "not run (time budget)"})
-            continue
+
+    def verify(task):  # noqa: ANN001, ANN202
         t0 = time.perf_counter()
         report = full.check(task, task.expert_path.read_text())
         (out / "reports" / f"{task.name}.json").write_text(report.model_dump_json(indent=1))
-        perf = report.stage("performance")
-        failed = report.failed_stage
-        row = {"task": task.name, "pass": 2, "outcome": report.outcome,
-               "wall_s": round(time.perf_counter() - t0, 1),
-               "failed": f"{failed.name}: {failed.message[:400]}" if failed else None,
-               "stages_s": {s.name: round(s.seconds, 1) for s in report.stages},
-               "performance": perf.details if perf else None}
-        _write(out, "suite.jsonl", row)
-        print(json.dumps({k: row[k] for k in ("task", "outcome", "wall_s", "failed")}), flush=True)
+        _write(out, "suite.jsonl", _row(task, report, 2, t0))
+
+    with ThreadPoolExecutor(args.workers) as pool:
+        list(pool.map(verify, suite))
+    for name in filter(None, args.solo.split(",")):
+        task = next(t for t in load_suite(SUITE_DIR) if t.name == name)
+        t0 = time.perf_counter()
+        report = full.check(task, task.expert_path.read_text())
+        _write(out, "suite.jsonl", _row(task, report, "solo", t0))
     return 0
 
 

@@ -35,16 +35,31 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def stats(fn: Callable[[], Any], reps: int) -> dict:
-    """Median/p10/p90 ms of fn() with the L2 flushed before every rep."""
-    from coda_agent.primitives.tuning import device_times
+def stats(fn: Callable[[], Any], reps: int, device: str = "cuda") -> dict:
+    """Median/p10/p90 ms of fn() with the L2 flushed before every rep, plus the
+    host time to enqueue one call.  On CPU (``--dry-run``) wall-clock times:
+    they check that the benchmark runs, not how fast anything is."""
+    if device == "cuda":
+        from coda_agent.primitives.tuning import device_times, enqueue_ms
 
-    times = device_times(fn, reps)
+        times = device_times(fn, reps)
+        host = enqueue_ms(fn)
+    else:
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        times.sort()
+        host = times[len(times) // 2]
     q = lambda p: times[min(len(times) - 1, int(p * len(times)))]  # noqa: E731
-    return {"median_ms": q(0.5), "p10_ms": q(0.1), "p90_ms": q(0.9), "reps": reps}
+    return {"median_ms": q(0.5), "p10_ms": q(0.1), "p90_ms": q(0.9), "host_ms": host, "reps": reps}
 
 
-def peak_mem_gib(fn: Callable[[], Any]) -> float:
+def peak_mem_gib(fn: Callable[[], Any], device: str = "cuda") -> float | None:
+    """Peak memory (GiB) allocated during fn() beyond what was live before it."""
+    if device != "cuda":
+        return None
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -53,27 +68,28 @@ def peak_mem_gib(fn: Callable[[], Any]) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**30
 
 
-def bench_task(task: Any, shape_set: str, reps: int, tune: bool) -> dict:
+def bench_task(task: Any, shape_set: str, reps: int, tune: bool, device: str = "cuda") -> dict:
     from coda_agent.primitives import gemm, launch_ledger, load_program, lowering
     from coda_agent.verifier.inputs import make_grads, make_inputs
 
     spec = task.spec
     prog = load_program(task.expert_path.read_text(), task.name)
-    inputs = make_inputs(spec, shape_set, seed=int(time.time()) & 0xFFFF, device="cuda")
+    low = "cute" if device == "cuda" else "reference"
+    inputs = make_inputs(spec, shape_set, seed=int(time.time()) & 0xFFFF, device=device)
     params = dict(spec.params)
-    grads = make_grads(spec, shape_set, seed=7, device="cuda") if spec.has_backward else {}
+    grads = make_grads(spec, shape_set, seed=7, device=device) if spec.has_backward else {}
     row: dict[str, Any] = {"task": spec.name, "shape_set": shape_set, "shapes": spec.shapes[shape_set],
                            "gflop": spec.flops(shape_set) / 1e9}
 
     def fused() -> Any:
-        with lowering("cute"):
+        with lowering(low):
             out = prog.forward(**inputs, **params)
             if spec.has_backward:
                 saved = {**inputs, **params, **out}
                 prog.backward(saved, **grads)
             return out
 
-    if tune:
+    if tune and device == "cuda":
         from coda_agent.primitives import tuning
 
         with tuning.autotune() as tuned:  # every untuned GEMM call: tune once, cache on disk
@@ -82,15 +98,15 @@ def bench_task(task: Any, shape_set: str, reps: int, tune: bool) -> dict:
     with launch_ledger() as ledger:
         fused()
     row["configs"] = [f"{l.name}: {l.config}" for l in ledger if l.kind == "gemm"]
-    row["fused"] = stats(fused, reps)
-    row["fused_peak_gib"] = peak_mem_gib(fused)
+    row["fused"] = stats(fused, reps, device)
+    row["fused_peak_gib"] = peak_mem_gib(fused, device)
 
     # Speed of light: the plain GEMMs the math needs.
-    mats = [(torch.randn(m, k, device="cuda", dtype=torch.bfloat16),
-             torch.randn(k, n, device="cuda", dtype=torch.bfloat16)) for m, n, k in spec.gemm_shapes(shape_set)]
-    row["gemm_cublas"] = stats(lambda: [a @ b for a, b in mats], reps)
-    with lowering("cute"):
-        row["gemm_quack"] = stats(lambda: [gemm(a, b) for a, b in mats], reps)
+    mats = [(torch.randn(m, k, device=device, dtype=torch.bfloat16),
+             torch.randn(k, n, device=device, dtype=torch.bfloat16)) for m, n, k in spec.gemm_shapes(shape_set)]
+    row["gemm_cublas"] = stats(lambda: [a @ b for a, b in mats], reps, device)
+    with lowering(low):
+        row["gemm_quack"] = stats(lambda: [gemm(a, b) for a, b in mats], reps, device)
 
     ref = task.reference_fn
     float_inputs = [k for k, v in inputs.items() if v.is_floating_point()]
@@ -106,8 +122,10 @@ def bench_task(task: Any, shape_set: str, reps: int, tune: bool) -> dict:
             return out
         return run
 
-    row["eager"] = stats(torch_run(ref), reps)
-    row["eager_peak_gib"] = peak_mem_gib(torch_run(ref))
+    row["eager"] = stats(torch_run(ref), reps, device)
+    row["eager_peak_gib"] = peak_mem_gib(torch_run(ref), device)
+    if device != "cuda":  # a dry run checks the plumbing; torch.compile and Liger need the GPU
+        return _ratios(spec, shape_set, row)
     try:
         compiled = torch.compile(ref)
         torch_run(compiled)()
@@ -125,6 +143,10 @@ def bench_task(task: Any, shape_set: str, reps: int, tune: bool) -> dict:
             row["liger_peak_gib"] = peak_mem_gib(lambda: fn(inputs, params, grads, dims))
     except Exception as e:  # noqa: BLE001
         row["liger_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    return _ratios(spec, shape_set, row)
+
+
+def _ratios(spec: Any, shape_set: str, row: dict) -> dict:
     f, g = row["fused"]["median_ms"], min(row["gemm_cublas"]["median_ms"], row["gemm_quack"]["median_ms"])
     row["fused_over_gemm"] = f / g
     row["tflops"] = spec.flops(shape_set) / (f * 1e-3) / 1e12
@@ -142,7 +164,7 @@ def versions() -> dict:
     from importlib import metadata
 
     out = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-           "gpu": torch.cuda.get_device_name(0)}
+           "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none (dry run)"}
     for pkg in ("quack-kernels", "nvidia-cutlass-dsl", "liger-kernel", "triton"):
         try:
             out[pkg] = metadata.version(pkg)
@@ -163,7 +185,11 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--no-tune", action="store_true")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--dry-run", action="store_true",
+                    help="on CPU with the reference lowering and wall-clock times: checks the "
+                         "benchmark's plumbing (CI runs it on the small shape set), measures nothing")
     args = ap.parse_args()
+    device = "cpu" if args.dry_run else "cuda"
     sys.path.insert(0, str(Path(__file__).parent))
     from coda_agent.tasks import SUITE_DIR, load_suite
 
@@ -174,14 +200,14 @@ def main() -> int:
                "rows": []}
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"h200-{results['date']}.json"
+    path = out_dir / f"{'h200' if device == 'cuda' else 'dryrun'}-{results['date']}.json"
     for task in suite:
         for shape_set in args.sets.split(","):
             if shape_set not in task.spec.shapes:
                 continue
             t0 = time.time()
             try:
-                row = bench_task(task, shape_set, args.reps, tune=not args.no_tune)
+                row = bench_task(task, shape_set, args.reps, tune=not args.no_tune, device=device)
             except Exception as e:  # noqa: BLE001 - one task's failure is a row, not a crash
                 traceback.print_exc(limit=4)
                 row = {"task": task.name, "shape_set": shape_set, "error": f"{type(e).__name__}: {str(e)[:400]}"}
@@ -189,7 +215,8 @@ def main() -> int:
             results["rows"].append(row)
             print(json.dumps({k: row.get(k) for k in ("task", "shape_set", "fused_over_gemm",
                                                       "speedup_vs_compile", "error")}), flush=True)
-            torch.cuda.empty_cache()
+            if device == "cuda":
+                torch.cuda.empty_cache()
             path.write_text(json.dumps(results, indent=1))
     print(f"wrote {path}")
     return 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import torch
@@ -42,11 +43,18 @@ class TileConfig:
                 f"{'pingpong' if self.pingpong else 'cooperative'}")
 
     def to_quack(self) -> Any:
-        from quack.gemm_config import GemmConfig
+        """quack's GemmConfig, one object per distinct config: quack's eager fast
+        path keys pinned configs by identity, so a fresh object per call would
+        miss it every time (a full cold dispatch per GEMM) and grow its cache."""
+        return _quack_config(self)
 
-        return GemmConfig(tile_m=self.tile_m, tile_n=self.tile_n, cluster_m=self.cluster_m,
-                          cluster_n=self.cluster_n, pingpong=self.pingpong,
-                          is_dynamic_persistent=False)
+
+@lru_cache(maxsize=None)
+def _quack_config(cfg: TileConfig) -> Any:
+    from quack.gemm_config import GemmConfig
+
+    return GemmConfig(tile_m=cfg.tile_m, tile_n=cfg.tile_n, cluster_m=cfg.cluster_m,
+                      cluster_n=cfg.cluster_n, pingpong=cfg.pingpong, is_dynamic_persistent=False)
 
 
 PLAIN_CONFIG = TileConfig()

@@ -97,8 +97,27 @@ class TuningCache:
 # In-process memo of lookups: gemm() consults the cache on every call, and the
 # GPU must never wait on the host for it.  Measured: computing the key reads
 # three packages' metadata (1.7 ms) -- on the H200 that host time showed up as
-# a 3-GEMM program running 13x slower than its GEMMs.
-_MEMO: dict[tuple, TileConfig | None] = {}
+# a 3-GEMM program running 13x slower than its GEMMs.  The memo lives on the
+# epilogue object itself (an id() key could be reused by a later program's
+# epilogue); a new tuning result bumps the generation and so empties every memo.
+_PLAIN_MEMO: dict[tuple, TileConfig | None] = {}
+_generation = 0
+
+
+def _memo(epi: Any) -> dict[tuple, TileConfig | None]:
+    if epi is None:
+        return _PLAIN_MEMO
+    gen, memo = epi._lowered.get("tuning_memo", (None, None))
+    if gen != _generation:
+        memo = {}
+        epi._lowered["tuning_memo"] = (_generation, memo)
+    return memo
+
+
+def _forget_lookups() -> None:
+    global _generation
+    _generation += 1
+    _PLAIN_MEMO.clear()
 
 
 @lru_cache(maxsize=16)
@@ -116,16 +135,17 @@ def lookup(epi: Any, m: int, n: int, k: int, dtype: Any, device: Any,
     if not _tunable(epi):
         return None
     head_dims = tuple(operands[s] for s in epi.head_stats) if epi is not None else ()
-    memo_key = (id(epi), m, n, k, dtype, getattr(device, "index", None), head_dims)
-    if memo_key in _MEMO:
-        return _MEMO[memo_key]
+    memo = _memo(epi)
+    memo_key = (m, n, k, dtype, getattr(device, "index", None), head_dims)
+    if memo_key in memo:
+        return memo[memo_key]
     try:
         key = tuning_key(epi, m, n, k, dtype, _device_name(device.index or 0))
     except Exception:  # noqa: BLE001 - no key, no cache (fail closed)
         return None
     cfg = TuningCache().get(key)
     cfg = None if cfg is None or any(cfg.tile_n % hd for hd in head_dims) else cfg
-    _MEMO[memo_key] = cfg
+    memo[memo_key] = cfg
     return cfg
 
 
@@ -150,23 +170,63 @@ def autotuning() -> bool:
 
 
 def device_times(fn: Callable[[], Any], reps: int = 20, warmup: int = 3) -> list[float]:
-    """Sorted device times (ms) of ``reps`` calls of ``fn``: CUDA events around each
-    call, a 256 MiB buffer written before each to flush the L2, one sync at the end
-    (so host overhead between calls is not timed as idle GPU)."""
+    """Sorted device times (ms) of ``reps`` calls of ``fn``.
+
+    CUDA events around each call; a 256 MiB buffer written before each to flush
+    the L2; then a spin kernel at least as long as the host needs to enqueue one
+    call, so that ``fn``'s launches are all queued before the start event fires.
+    What is timed is the GPU's work, not the host's launch overhead, and every
+    candidate (program, plain GEMM, eager, compiled) is timed the same way.
+    The host side is measured separately by :func:`enqueue_ms`.
+    """
     import torch
 
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     for _ in range(warmup):
         fn()
+    host = enqueue_ms(fn)
+    cycles = int(min(1.5 * host + 0.05, 200.0) * _cycles_per_ms())
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     for s, e in zip(starts, ends):
         flush.fill_(1)
+        torch.cuda._sleep(cycles)
         s.record()
         fn()
         e.record()
     torch.cuda.synchronize()
     return sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+def enqueue_ms(fn: Callable[[], Any], calls: int = 5) -> float:
+    """Median host wall time (ms) for ``fn`` to enqueue its work, GPU idle
+    before each call.  When it exceeds the device time, the program is
+    launch-bound in eager mode (a CUDA graph or fewer launches would help)."""
+    import torch
+
+    times = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize()
+    return sorted(times)[len(times) // 2]
+
+
+@lru_cache(maxsize=1)
+def _cycles_per_ms() -> float:
+    """Clock cycles of ``torch.cuda._sleep`` per millisecond on this GPU."""
+    import torch
+
+    cycles = 20_000_000
+    torch.cuda._sleep(1000)
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    torch.cuda._sleep(cycles)
+    e.record()
+    torch.cuda.synchronize()
+    return cycles / max(s.elapsed_time(e), 1e-3)
 
 
 def time_ms(fn: Callable[[], Any], reps: int = 20, warmup: int = 3) -> float:
@@ -205,7 +265,7 @@ def tune(epi: Any, A: Any, B: Any, operands: dict[str, Any], reps: int = 10,
         raise RuntimeError("no candidate config ran")
     key = tuning_key(epi, m, n, k, A.dtype, _device_name(A.device.index or 0))
     TuningCache().put(key, best, times)
-    _MEMO.clear()  # later lookups see the new winner
+    _forget_lookups()  # later lookups see the new winner
     record = _autotune.get()
     if record is not None:
         record.append({"epilogue": getattr(epi, "name", "plain"), "MNK": [m, n, k], "best": str(best),

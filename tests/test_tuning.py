@@ -38,7 +38,7 @@ def test_key_changes_with_shape_and_program():
 def test_lookup_computes_the_key_once_per_call_shape(tmp_path, monkeypatch):
     monkeypatch.setenv("CODA_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(tuning, "_device_name", lambda index: "NVIDIA H200")
-    tuning._MEMO.clear()
+    tuning._forget_lookups()
     epi = load_program(SRC).residual_rms
     key = tuning.tuning_key(epi, 64, 96, 128, torch.bfloat16, "NVIDIA H200")
     tuning.TuningCache().put(key, TileConfig(128, 128, 1, 1, True), {})
@@ -50,7 +50,7 @@ def test_lookup_computes_the_key_once_per_call_shape(tmp_path, monkeypatch):
         cfg = tuning.lookup(epi, 64, 96, 128, torch.bfloat16, device, {})
     assert cfg == TileConfig(128, 128, 1, 1, True)
     assert len(calls) == 1
-    tuning._MEMO.clear()
+    tuning._forget_lookups()
 
 
 def test_autotune_is_scoped():
@@ -68,7 +68,7 @@ def test_gemm_tunes_a_cache_miss_only_inside_autotune(tmp_path, monkeypatch):
     from coda_agent.primitives import gemm
 
     monkeypatch.setenv("CODA_CACHE_DIR", str(tmp_path))
-    tuning._MEMO.clear()
+    tuning._forget_lookups()
     A = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
     B = torch.randn(256, 384, device="cuda", dtype=torch.bfloat16)
     gemm(A, B)
@@ -80,4 +80,21 @@ def test_gemm_tunes_a_cache_miss_only_inside_autotune(tmp_path, monkeypatch):
         gemm(A, B)
     assert len(record) == 1 and record[0]["MNK"] == [512, 384, 256]
     assert len(list(tmp_path.glob("tuning/*.json"))) == 1
-    tuning._MEMO.clear()
+    tuning._forget_lookups()
+
+
+def test_lookup_memo_belongs_to_its_epilogue(tmp_path, monkeypatch):
+    """A memo keyed by id() could hand a later program an earlier program's config
+    (ids are reused once an object dies); the memo lives on the epilogue instead."""
+    monkeypatch.setenv("CODA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(tuning, "_device_name", lambda index: "NVIDIA H200")
+    tuning._forget_lookups()
+    device = torch.device("cuda", 0)
+    first = load_program(SRC).residual_rms
+    key = tuning.tuning_key(first, 64, 96, 128, torch.bfloat16, "NVIDIA H200")
+    tuning.TuningCache().put(key, TileConfig(256, 128, 2, 1, False), {})
+    assert tuning.lookup(first, 64, 96, 128, torch.bfloat16, device, {}) == TileConfig(256, 128, 2, 1, False)
+    del first
+    other = load_program(SRC.replace("h * h", "h * h * 2.0")).residual_rms
+    assert tuning.lookup(other, 64, 96, 128, torch.bfloat16, device, {}) is None
+    tuning._forget_lookups()

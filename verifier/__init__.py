@@ -5,7 +5,8 @@ PyTorch interpreter of the catalogue vs the task's reference) -> compile
 (sm_90a, SASS gate) -> correctness, launch audit, performance (Hopper GPU).
 Everything after static runs in a child process with a time limit
 (:mod:`.harness`, :mod:`.worker`, :mod:`.stages`).  Verdicts are cached on a
-fail-closed key (:mod:`.cache`); :mod:`.feedback` renders a report for the LLM
+fail-closed key (:mod:`.cache`), and so are passed compile-stage results
+(:mod:`.compile_cache`); :mod:`.feedback` renders a report for the LLM
 and :mod:`.cli` for people.  Tests: tests/test_verifier*.py and the corpus of
 bad programs in tests/bad_programs/.
 """

@@ -24,6 +24,8 @@ def verify(
     json_out: bool = typer.Option(False, "--json", help="print the Report as JSON"),
     timeout: float = typer.Option(900.0, help="seconds the candidate may run before it is killed"),
     no_cache: bool = typer.Option(False, "--no-cache", help="ignore and do not write cached verdicts"),
+    no_compile_cache: bool = typer.Option(False, "--no-compile-cache",
+                                          help="recompile even if an identical compile passed before"),
     fail_on_target: bool = typer.Option(False, help="fail the performance stage when the target is missed"),
 ) -> None:
     """Verify PROGRAM against TASK. Exit 0 accepted, 3 cpu_passed (GPU stages skipped), 1 rejected, 2 error."""
@@ -35,7 +37,8 @@ def verify(
         loaded = load_task(task)
         source = program.read_text()
         verifier = Verifier(stages=[s.strip() for s in stages.split(",") if s.strip()] or None,
-                            timeout_s=timeout, cache=not no_cache, fail_on_target=fail_on_target)
+                            timeout_s=timeout, cache=not no_cache, fail_on_target=fail_on_target,
+                            compile_cache=not no_compile_cache)
     except (TaskSpecError, OSError, ValueError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None

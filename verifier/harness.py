@@ -32,7 +32,11 @@ DEFAULT_SHAPE_SETS = ("small", "ragged", "llama3-1b", "llama3-8b")
 class Verifier:
     def __init__(self, stages: list[str] | tuple[str, ...] | None = None, timeout_s: float = 900.0,
                  cache: bool = True, shape_sets: tuple[str, ...] | list[str] = DEFAULT_SHAPE_SETS,
-                 reps: int = 20, fail_on_target: bool = False):
+                 reps: int = 20, fail_on_target: bool = False, compile_cache: bool = True):
+        """``cache``: reuse and store whole verdicts (:mod:`.cache`).  ``compile_cache``:
+        reuse and store passed compile-stage results (:mod:`.compile_cache`), on its own
+        switch because a pass with ``cache=False`` (a fresh verdict) still gains from
+        not recompiling identical kernels; its key is just as fail-closed."""
         unknown = set(stages or ()) - set(STAGES)
         if unknown:
             raise ValueError(f"unknown stages {sorted(unknown)}; choose from {', '.join(STAGES)}")
@@ -42,6 +46,7 @@ class Verifier:
         self.shape_sets = list(shape_sets)
         self.reps = max(int(reps), 20)
         self.fail_on_target = fail_on_target
+        self.compile_cache = compile_cache
 
     def config(self) -> dict:
         return {"stages": self.stages, "shape_sets": self.shape_sets, "reps": self.reps,
@@ -99,7 +104,8 @@ class Verifier:
             req.write_text(json.dumps({
                 "task_path": str(task.path), "source": source, "stages": stages,
                 "seeds": [secrets.randbits(31) for _ in range(4)], "shape_sets": self.shape_sets,
-                "reps": self.reps, "fail_on_target": self.fail_on_target}))
+                "reps": self.reps, "fail_on_target": self.fail_on_target,
+                "compile_cache": self.compile_cache}))
             env = dict(os.environ)
             # The child sees the modules the harness sees (a task reference may live in tests/).
             env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)

@@ -14,7 +14,7 @@ import json
 import sys
 import traceback
 
-from coda_agent.verifier.report import StageResult
+from coda_agent.verifier.report import GPU_STAGES, StageResult
 
 
 def _append(path: str, obj: dict) -> None:
@@ -23,19 +23,36 @@ def _append(path: str, obj: dict) -> None:
         f.flush()
 
 
+def _release_gpu_memory(stage: str) -> None:
+    """Hand the caching allocator's blocks back before giving up the GPU lock:
+    a candidate waiting for its next GPU stage must not hold the memory that a
+    neighbour's correctness stage sizes its shape sets by."""
+    import torch
+
+    if stage in GPU_STAGES and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
 def main(request_path: str, results_path: str) -> int:
     with open(request_path) as f:
         req = json.load(f)
     from coda_agent.tasks.spec import load_task
+    from coda_agent.verifier.gpu_lock import gpu_lock
     from coda_agent.verifier.stages import STAGE_FUNCTIONS, Context
 
     task = load_task(req["task_path"])
     ctx = Context(task=task, source=req["source"], seeds=req["seeds"], shape_sets=req["shape_sets"],
-                  reps=req["reps"], fail_on_target=req["fail_on_target"])
+                  reps=req["reps"], fail_on_target=req["fail_on_target"],
+                  compile_cache=req.get("compile_cache", False))
     for stage in req["stages"]:
         _append(results_path, {"start": stage})
         try:
-            res = STAGE_FUNCTIONS[stage](ctx)
+            with gpu_lock(stage) as waited:  # other candidates may be verified side by side
+                res = STAGE_FUNCTIONS[stage](ctx)
+                _release_gpu_memory(stage)
+            if waited[0] > 0.01:
+                res.details["gpu_wait_s"] = round(waited[0], 2)
         except Exception as e:  # noqa: BLE001 - an escape from a stage is the harness's bug
             res = StageResult(name=stage, status="error",
                               message=f"verifier error in stage {stage}: {type(e).__name__}: {e}",

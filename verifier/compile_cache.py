@@ -1,0 +1,138 @@
+"""Cached compile-stage results: one JSON file per key under ``<verdict cache dir>/compile/``.
+
+Why: the compile stage recompiles every GEMM of a program for sm_90a in-process
+(5-26 s; quack's own disk cache cannot be used because the SASS gate needs the
+cubin).  The verdict cache (:mod:`.cache`) only helps when the *whole* verdict
+repeats; a second pass over the same program (the GPU pass after a CPU pass, a
+re-check with other shape sets or stages) would recompile the same kernels.
+This cache keeps the compile stage's passed :class:`StageResult` so that pass
+reuses it.
+
+Fail closed, like verdict keys.  The key covers everything the stage's result
+depends on: the program source; the task (name and its whole spec, hence the
+``cpu_shape_set`` shapes and dtypes the stage compiles for); the catalogue and
+library versions (:func:`.cache.library_versions`) plus the cuobjdump wheel
+(whether the SASS gate can run); the target (the architecture the compile
+path will use and the device, "cpu" without CUDA); and a digest of
+coda_agent's own code in ``primitives/``, ``verifier/`` and ``tasks/``: the
+tile configuration a GEMM compiles with is chosen there
+(``primitives.gemm.default_config``; the compile lowering never reads the
+tuning cache), and that code changes without a version bump.  If any part
+cannot be computed, :func:`compile_key` raises and the stage runs uncached.
+The stage's random input values are not part of the key: under the compile
+lowering, kernels depend on shapes and dtypes only.
+
+Only passed results are stored (a failure is cheap to reproduce, and its log
+is the point).  A hit is marked in the result: ``details["cached"]``,
+``details["compile_seconds"]`` (the original compile time) and a note in the
+message; the stage's ``seconds`` is the time the hit took.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import os
+import tempfile
+from functools import lru_cache
+from importlib import metadata
+from pathlib import Path
+
+from coda_agent.tasks.spec import Task
+from coda_agent.verifier import cache as verdict_cache
+from coda_agent.verifier.report import StageResult
+
+KEY_FORMAT = 1
+# coda_agent's code the compile result depends on (relative to the package root).
+CODE_DIRS = ("primitives", "verifier", "tasks")
+
+
+def cache_dir() -> Path:
+    return verdict_cache.cache_dir() / "compile"
+
+
+@lru_cache(maxsize=1)
+def code_digest() -> str:
+    """sha256 over coda_agent's ``*.py`` files in :data:`CODE_DIRS` (paths and contents)."""
+    import coda_agent
+
+    root = Path(coda_agent.__file__).resolve().parent
+    h = hashlib.sha256()
+    files = sorted(p for d in CODE_DIRS for p in (root / d).rglob("*.py") if "__pycache__" not in p.parts)
+    if not files:
+        raise verdict_cache.CacheKeyError(f"no source files under {root} to fingerprint")
+    for p in files:
+        h.update(str(p.relative_to(root)).encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def target() -> dict[str, str]:
+    """The architecture the compile path targets, and the device it runs on."""
+    import torch
+
+    import coda_agent.primitives  # noqa: F401 - on a CPU, its import sets CUTE_DSL_ARCH
+
+    if torch.cuda.is_available():  # quack reads the target from the carriers' device
+        major, minor = torch.cuda.get_device_capability(0)
+        arch = f"sm_{major}{minor}" + ("a" if major == 9 else "")
+    else:  # compile-only on a CPU: set by coda_agent.primitives on import
+        arch = os.environ.get("CUTE_DSL_ARCH", "")
+    if not arch:
+        raise verdict_cache.CacheKeyError("cannot tell the compile target architecture")
+    return {"arch": arch, "device": verdict_cache.device_name(),
+            "CUTE_DSL_ARCH": os.environ.get("CUTE_DSL_ARCH", ""), "QUACK_ARCH": os.environ.get("QUACK_ARCH", "")}
+
+
+def compile_key(task: Task, source: str) -> str:
+    """The fail-closed key of the compile stage's result; raises if a part is unknown."""
+    versions = verdict_cache.library_versions()
+    try:
+        versions["nvidia-cuda-cuobjdump"] = metadata.version("nvidia-cuda-cuobjdump")
+    except metadata.PackageNotFoundError:
+        versions["nvidia-cuda-cuobjdump"] = "absent"  # the SASS gate is skipped, and the result says so
+    spec = task.spec
+    blob = json.dumps({"format": KEY_FORMAT, "stage": "compile", "source": source, "task": task.name,
+                       "spec": spec.model_dump_json(), "shape_set": spec.cpu_shape_set,
+                       "shapes": spec.shapes[spec.cpu_shape_set], "versions": versions,
+                       "target": target(), "code": code_digest()}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def get(key: str) -> StageResult | None:
+    """The stored passed result for ``key``, marked as a hit; None on a miss or an unreadable file."""
+    try:
+        data = json.loads((cache_dir() / f"{key}.json").read_text())
+        if data.get("format") != KEY_FORMAT or data.get("key") != key:
+            return None
+        res = StageResult.model_validate(data["result"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    if res.name != "compile" or res.status != "passed":
+        return None
+    details = {**res.details, "cached": True, "compile_seconds": res.seconds,
+               "cached_utc": data.get("created_utc", "")}
+    return res.model_copy(update={
+        "details": details, "seconds": 0.0,
+        "message": f"{res.message} (reused from the compile cache: identical source, task, libraries "
+                   f"and target; the compile took {res.seconds:.1f} s)"})
+
+
+def put(key: str, result: StageResult) -> None:
+    """Store a passed result atomically; any failure to write just means no cache."""
+    if result.name != "compile" or result.status != "passed":
+        return
+    d = cache_dir()
+    tmp = None
+    try:
+        payload = json.dumps({"format": KEY_FORMAT, "key": key,
+                              "created_utc": dt.datetime.now(dt.timezone.utc).isoformat(),
+                              "result": result.model_dump()}, indent=1)
+        d.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{key}.", suffix=".tmp")
+        with os.fdopen(fd, "w") as fh:
+            fh.write(payload)
+        os.replace(tmp, d / f"{key}.json")
+    except (OSError, TypeError, ValueError):
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)

@@ -58,23 +58,43 @@ def _quack_config(cfg: TileConfig) -> Any:
 
 
 PLAIN_CONFIG = TileConfig()
-EPILOGUE_HEAVY_CONFIG = TileConfig(tile_n=128, cluster_m=1)
+PAIRED_TILE_CONFIG = TileConfig(tile_n=128, cluster_m=2)
+NARROW_CONFIG = TileConfig(tile_n=128, cluster_m=1)
+PARTIALS_CONFIG = TileConfig(tile_n=128, cluster_m=1)
 
 
-def default_config(epi: Epilogue | None, operands: dict[str, Any]) -> TileConfig:
-    """Heuristic until tuned: epilogues that read a paired tile or fold reductions
-    keep more live registers per element and run best on the narrower tile; a
-    head statistic needs whole heads per tile."""
+def default_config(epi: Epilogue | None, operands: dict[str, Any], n: int | None = None) -> TileConfig:
+    """The tile configuration when nothing is tuned: rules read off the H200
+    tuning sweeps of the suite (bench/results/h200-2026-11-29-b, LLaMA-3 1B,
+    times in ms for the best rule config vs the runner-up rule):
+
+    - a PairedTile epilogue (reads a packed tile as C, writes packed pairs) keeps
+      twice the live registers per element: 128x128 (dSwiGLU 1.09 at c2, 1.11 at
+      c1, 2.86 at 128x192);
+    - N of at most 128 (a head-dim wide output) wastes a third of a 192 tile:
+      128x128 (RoPE backward, N = 128: 0.162 vs 0.234);
+    - an epilogue exposing reduction partials keeps 128-wide tiles, because the
+      partials' layout (one column per N tile) is part of the program's contract;
+    - a head statistic needs whole heads per tile: 192 when the head divides it,
+      else 128 (QK-norm + RoPE at head_dim 64 tuned to 128x192);
+    - everything else, row reductions included, runs best on quack's plain
+      128x192 with a 2-CTA cluster (online LSE + target select 12.1 vs 16.1 at
+      128x128; the RMSNorm dx epilogue 1.47 vs 2.06), even where the wider tile
+      spills a few registers (the logits + LSE epilogue: 26 STL/LDL, still the
+      fastest).  The compile stage reports spills; ``bench/run.py`` tunes.
+    """
     if epi is None:
         return PLAIN_CONFIG
     if epi.head_stats:
         hd = operands[next(iter(epi.head_stats))]
-        return TileConfig(tile_n=128 if 128 % hd == 0 else hd, cluster_m=1)
-    # Recorded on an H200 (shared GPU notes): SwiGLU forward (pairs only) ran at
-    # GEMM speed on the plain config; the dSwiGLU backward (paired tile + a row
-    # reduction) was 2.3x faster at 128x128 than at 128x192.
-    heavy = epi.pairs not in (None, "acc") or bool(epi.reductions) or len(epi.operands) >= 3
-    return EPILOGUE_HEAVY_CONFIG if heavy else PLAIN_CONFIG
+        return TileConfig(tile_n=192 if 192 % hd == 0 else (128 if 128 % hd == 0 else hd))
+    if epi.pairs not in (None, "acc"):
+        return PAIRED_TILE_CONFIG
+    if any(r.partials for r in epi.reductions.values()):
+        return PARTIALS_CONFIG
+    if n is not None and n <= 128:
+        return NARROW_CONFIG
+    return PLAIN_CONFIG
 
 
 def _check_matrix(name: str, t: object) -> torch.Tensor:
@@ -202,7 +222,7 @@ def gemm(A: torch.Tensor, B: torch.Tensor, epilogue: Epilogue | None = None, *,
 
             if autotuning():
                 cfg, _ = tune(epilogue, A, B, operands, out_dtype=out_dtype)
-    cfg = cfg or default_config(epilogue, operands)
+    cfg = cfg or default_config(epilogue, operands, n)
     for name in epilogue.head_stats if epilogue is not None else ():
         hd = operands[name]
         if cfg.tile_n % hd:

@@ -98,3 +98,31 @@ def test_lookup_memo_belongs_to_its_epilogue(tmp_path, monkeypatch):
     other = load_program(SRC.replace("h * h", "h * h * 2.0")).residual_rms
     assert tuning.lookup(other, 64, 96, 128, torch.bfloat16, device, {}) is None
     tuning._forget_lookups()
+
+
+def test_default_config_rules():
+    """The untuned heuristic, rule by rule (each rule's H200 evidence is in
+    default_config's docstring)."""
+    from coda_agent.primitives.gemm import default_config
+
+    prog = load_program(SRC + '''
+@epilogue()
+def dswiglu(acc, dpre: PairedTile):
+    g, u = unpack(dpre)
+    return {"D": pack(acc * u, acc * g)}
+
+@epilogue(reductions={"sq": col_sum(partials=True)})
+def partial_sq(acc):
+    return {"D": acc, "sq": acc * acc}
+
+@epilogue(pairs="acc")
+def rot(acc, cs: Tile):
+    e, o = unpack(acc)
+    return {"D": pack(e * cs, o * cs)}
+''')
+    assert default_config(None, {}) == TileConfig(128, 192, 2, 1, True)
+    assert default_config(prog.residual_rms, {}, n=4096) == TileConfig(128, 192, 2, 1, True)
+    assert default_config(prog.dswiglu, {}, n=8192).tile_n == 128
+    assert default_config(prog.partial_sq, {}, n=4096).tile_n == 128  # partial layout is contract
+    assert default_config(prog.rot, {}, n=128).tile_n == 128
+    assert default_config(prog.rot, {}, n=4096).tile_n == 192

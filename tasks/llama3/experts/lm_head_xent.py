@@ -48,4 +48,8 @@ def forward(x, w, target, dloss):
             dw = gemm(dlogits.t(), x_c, out_dtype="fp32")["D"]
         else:
             gemm(dlogits.t(), x_c, accumulate_into=dw)
+        # Drop this chunk's logits before the next chunk's GEMM allocates its own:
+        # otherwise two chunks are live at once (measured on the H200: 3.0 GiB peak
+        # instead of 2.0 at LLaMA-3 1B).
+        del res, dlogits
     return {"loss": concat_rows(losses), "dx": dx, "dw": dw}

@@ -2,7 +2,9 @@
 
 The table sits between two marker lines so the prose around it is kept:
 ``<!-- bench-table:start -->`` and ``<!-- bench-table:end -->``.
-Usage: ``python bench/table.py [results.json]`` (default: the newest h200-*.json).
+Usage: ``python bench/table.py [results.json[=title] ...]`` (default: the newest
+bench/results/h200-*.json); each file becomes a section with the issue's targets
+checked under it.
 """
 
 from __future__ import annotations
@@ -33,49 +35,94 @@ def geomean(values: list[float]) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
 
 
-def render(results: dict) -> str:
+BACKWARD = ("swiglu_bwd", "rmsnorm_bwd", "rope_bwd")  # backward math, one direction
+BLOCKS = ("mlp_block", "llama3_block")  # forward + backward of a whole block
+
+
+def _kind(task: str) -> str:
+    return "block" if task in BLOCKS else "backward" if task in BACKWARD or task == "lm_head_xent" else "forward"
+
+
+def _gib(row: dict, key: str) -> str:
+    v = row.get(key)
+    return f"{v:.2f}" if isinstance(v, (int, float)) else "-"
+
+
+def render(results: dict, title: str = "") -> str:
     v = results["versions"]
-    lines = [f"Run {results['date']} on {v['gpu']}: torch {v['torch']} (CUDA {v['cuda']}), quack "
-             f"{v['quack-kernels']}, cutlass-dsl {v['nvidia-cutlass-dsl']}, liger {v['liger-kernel']}, "
-             f"catalogue {v['catalogue']}. {results['method']}, {results['reps']} reps. "
-             "Times in ms: median (p10-p90). Ratios: fused/GEMM (target <= 1.05), speedups "
-             "= baseline time / fused time.", "",
-             "| task | shapes | fused | plain GEMMs (cuBLAS) | quack GEMM | eager | compile | liger "
-             "| fused/GEMM | vs compile | vs eager | vs liger | TFLOP/s | configs |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ([f"#### {title}", ""] if title else []) + [
+        f"Run {results['date']} on {v['gpu']}: torch {v['torch']} (CUDA {v['cuda']}), quack "
+        f"{v['quack-kernels']}, cutlass-dsl {v['nvidia-cutlass-dsl']}, liger {v['liger-kernel']}, "
+        f"catalogue {v['catalogue']}. {results['method']}, {results['reps']} reps. "
+        "Times in ms: median (p10-p90); host = ms the host needs to enqueue one fused call "
+        "(not part of the device time). Ratios: fused/GEMM (target <= 1.05), speedups = "
+        "baseline time / fused time. Peak: GiB allocated beyond what was live before the call.", "",
+        "| task | kind | shapes | fused | host | plain GEMMs (cuBLAS) | quack GEMM | eager | compile | liger "
+        "| fused/GEMM | vs compile | vs eager | vs liger | TFLOP/s | peak fused / compile / liger | configs |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results["rows"]:
         if "error" in r:
-            lines.append(f"| {r['task']} | {r['shape_set']} | error: {r['error'][:80]} |" + " |" * 11)
+            lines.append(f"| {r['task']} | | {r['shape_set']} | error: {r['error'][:80]} |" + " |" * 13)
             continue
         cfgs = "; ".join(sorted(set(r.get("configs", []))))
+        host = r["fused"].get("host_ms")
         lines.append(
-            f"| {r['task']} | {r['shape_set']} | {_ms(r, 'fused')} | {_ms(r, 'gemm_cublas')} | "
+            f"| {r['task']} | {_kind(r['task'])} | {r['shape_set']} | {_ms(r, 'fused')} | "
+            f"{f'{host:.2f}' if host is not None else '-'} | {_ms(r, 'gemm_cublas')} | "
             f"{_ms(r, 'gemm_quack')} | {_ms(r, 'eager')} | {_ms(r, 'compile')} | {_ms(r, 'liger')} | "
             f"{_x(r, 'fused_over_gemm')} | {_x(r, 'speedup_vs_compile')} | {_x(r, 'speedup_vs_eager')} | "
-            f"{_x(r, 'speedup_vs_liger')} | {_x(r, 'tflops')} | {cfgs} |")
+            f"{_x(r, 'speedup_vs_liger')} | {_x(r, 'tflops')} | {_gib(r, 'fused_peak_gib')} / "
+            f"{_gib(r, 'compile_peak_gib')} / {_gib(r, 'liger_peak_gib')} | {cfgs} |")
     ok = [r for r in results["rows"] if "error" not in r]
-    lines += ["", f"Geomean over {len(ok)} rows: fused/GEMM "
-              f"{geomean([r['fused_over_gemm'] for r in ok]):.3f}, speedup vs torch.compile "
-              f"{geomean([r.get('speedup_vs_compile', 0) for r in ok]):.3f}, vs eager "
-              f"{geomean([r['speedup_vs_eager'] for r in ok]):.3f}."]
-    flagged = [r for r in ok if "flag" in r]
-    for r in flagged:
+    lines += ["", *targets(ok)]
+    for r in (r for r in ok if "flag" in r):
         lines.append(f"- flagged: {r['task']} {r['shape_set']}: {r['flag']}")
     return "\n".join(lines)
 
 
+def targets(rows: list[dict]) -> list[str]:
+    """The issue's targets, met or missed, for the rows of one run."""
+    def gm(key: str, kind: str | None = None) -> tuple[float, int]:
+        vals = [r.get(key, 0) for r in rows if kind is None or _kind(r["task"]) == kind]
+        return geomean(vals), len(vals)
+
+    def line(text: str, value: float, n: int, ok: bool) -> str:
+        return f"- {text}: **{value:.3f}** over {n} rows, {'met' if ok else 'missed'}"
+
+    out = []
+    v, n = gm("fused_over_gemm")
+    out.append(line("geomean fused / plain GEMM (target <= 1.05)", v, n, v <= 1.05))
+    for kind, goal in (("forward", 1.2), ("backward", 1.15), ("block", 1.15)):
+        v, n = gm("speedup_vs_compile", kind)
+        if n:
+            out.append(line(f"geomean speedup over torch.compile, {kind} tasks (target >= {goal})",
+                            v, n, v >= goal))
+    for r in rows:
+        if r["task"] == "lm_head_xent" and r["shape_set"] == "llama3-1b":
+            ms, peak = r["fused"]["median_ms"], r.get("fused_peak_gib")
+            out.append(f"- LM head + cross-entropy forward+backward at 1B: **{ms:.1f} ms** (target <= 40, "
+                       f"{'met' if ms <= 40 else 'missed'}), peak **{peak:.2f} GiB** beyond the inputs "
+                       f"(target <= 1, {'met' if peak is not None and peak <= 1 else 'missed'})")
+    return out
+
+
 def main() -> int:
-    paths = [Path(p) for p in sys.argv[1:]] or sorted((ROOT / "bench" / "results").glob("h200-*.json"))[-1:]
-    if not paths:
+    """``python bench/table.py [RESULTS.json[=TITLE] ...]``: one section per file."""
+    args = sys.argv[1:] or [str(p) for p in sorted((ROOT / "bench" / "results").glob("h200-*.json"))[-1:]]
+    if not args:
         print("no results in bench/results/")
         return 1
-    table = render(json.loads(paths[-1].read_text()))
+    sections = []
+    for arg in args:
+        path, _, title = arg.partition("=")
+        sections.append(render(json.loads(Path(path).read_text()), title))
     doc = ROOT / "BENCHMARKS.md"
     text = doc.read_text()
     head, _, rest = text.partition(START)
     _, _, tail = rest.partition(END)
-    doc.write_text(f"{head}{START}\n{table}\n{END}{tail}")
-    print(f"updated {doc} from {paths[-1].name}")
+    body = "\n\n".join(sections)
+    doc.write_text(f"{head}{START}\n{body}\n{END}{tail}")
+    print(f"updated {doc} from {', '.join(a.partition('=')[0] for a in args)}")
     return 0
 
 

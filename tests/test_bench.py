@@ -40,7 +40,7 @@ def test_dry_run_covers_the_suite_and_renders_a_table(tmp_path):
         sys.path.pop(0)
     text = table.render(results)
     assert all(f"| {r['task']} | small |" in text for r in rows)
-    assert "Geomean over" in text
+    assert "geomean fused / plain GEMM (target <= 1.05)" in text
 
 
 def test_tile_config_maps_to_one_quack_object():

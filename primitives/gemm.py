@@ -75,8 +75,9 @@ def default_config(epi: Epilogue | None, operands: dict[str, Any], n: int | None
       128x128 (RoPE backward, N = 128: 0.162 vs 0.234);
     - an epilogue exposing reduction partials keeps 128-wide tiles, because the
       partials' layout (one column per N tile) is part of the program's contract;
-    - a head statistic needs whole heads per tile: 192 when the head divides it,
-      else 128 (QK-norm + RoPE at head_dim 64 tuned to 128x192);
+    - a head statistic needs whole heads per tile: 128 (QK-norm + RoPE at
+      head_dim 64: 0.197 at 128x128 c2, spill-free; 0.191 at 128x192, which
+      spills);
     - everything else, row reductions included, runs best on quack's plain
       128x192 with a 2-CTA cluster (online LSE + target select 12.1 vs 16.1 at
       128x128; the RMSNorm dx epilogue 1.47 vs 2.06), even where the wider tile
@@ -87,7 +88,7 @@ def default_config(epi: Epilogue | None, operands: dict[str, Any], n: int | None
         return PLAIN_CONFIG
     if epi.head_stats:
         hd = operands[next(iter(epi.head_stats))]
-        return TileConfig(tile_n=192 if 192 % hd == 0 else (128 if 128 % hd == 0 else hd))
+        return TileConfig(tile_n=128 if 128 % hd == 0 else hd)
     if epi.pairs not in (None, "acc"):
         return PAIRED_TILE_CONFIG
     if any(r.partials for r in epi.reductions.values()):

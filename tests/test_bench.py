@@ -39,7 +39,7 @@ def test_dry_run_covers_the_suite_and_renders_a_table(tmp_path):
     finally:
         sys.path.pop(0)
     text = table.render(results)
-    assert all(f"| {r['task']} | small |" in text for r in rows)
+    assert all(f"| {r['task']} | {table._kind(r['task'])} | small |" in text for r in rows)
     assert "geomean fused / plain GEMM (target <= 1.05)" in text
 
 

@@ -40,10 +40,9 @@ def stats(fn: Callable[[], Any], reps: int, device: str = "cuda") -> dict:
     host time to enqueue one call.  On CPU (``--dry-run``) wall-clock times:
     they check that the benchmark runs, not how fast anything is."""
     if device == "cuda":
-        from coda_agent.primitives.tuning import device_times, enqueue_ms
+        from coda_agent.primitives.tuning import measure
 
-        times = device_times(fn, reps)
-        host = enqueue_ms(fn)
+        times, host = measure(fn, reps)
     else:
         times = []
         for _ in range(reps):

@@ -169,15 +169,15 @@ def autotuning() -> bool:
     return _autotune.get() is not None
 
 
-def device_times(fn: Callable[[], Any], reps: int = 20, warmup: int = 3) -> list[float]:
-    """Sorted device times (ms) of ``reps`` calls of ``fn``.
+def measure(fn: Callable[[], Any], reps: int = 20, warmup: int = 3) -> tuple[list[float], float]:
+    """(sorted device times in ms of ``reps`` calls of ``fn``, host ms to enqueue one call).
 
     CUDA events around each call; a 256 MiB buffer written before each to flush
     the L2; then a spin kernel at least as long as the host needs to enqueue one
     call, so that ``fn``'s launches are all queued before the start event fires.
     What is timed is the GPU's work, not the host's launch overhead, and every
     candidate (program, plain GEMM, eager, compiled) is timed the same way.
-    The host side is measured separately by :func:`enqueue_ms`.
+    The host side is the :func:`enqueue_ms` this sizing needs anyway.
     """
     import torch
 
@@ -195,7 +195,7 @@ def device_times(fn: Callable[[], Any], reps: int = 20, warmup: int = 3) -> list
         fn()
         e.record()
     torch.cuda.synchronize()
-    return sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
+    return sorted(s.elapsed_time(e) for s, e in zip(starts, ends)), host
 
 
 def enqueue_ms(fn: Callable[[], Any], calls: int = 5) -> float:
@@ -230,8 +230,8 @@ def _cycles_per_ms() -> float:
 
 
 def time_ms(fn: Callable[[], Any], reps: int = 20, warmup: int = 3) -> float:
-    """Median of :func:`device_times`."""
-    times = device_times(fn, reps, warmup)
+    """Median device time of :func:`measure`."""
+    times, _ = measure(fn, reps, warmup)
     return times[len(times) // 2]
 
 

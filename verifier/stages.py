@@ -496,7 +496,7 @@ def _performance(ctx: Context) -> StageResult:
     if skip := _gpu_required("performance"):
         return skip
     from coda_agent.primitives import launch_ledger, lowering
-    from coda_agent.primitives.tuning import enqueue_ms
+    from coda_agent.primitives.tuning import measure
 
     spec = ctx.task.spec
     sets, _ = fitting_shape_sets(ctx)
@@ -507,8 +507,8 @@ def _performance(ctx: Context) -> StageResult:
     details: dict[str, Any] = {"shape_set": shape_set, "reps": ctx.reps}
     with lowering("cute"):
         mod = load(ctx, "performance")
-        t_prog = bench(lambda: call_program(ctx, mod, inputs, grads), ctx.reps)
-        host_ms = enqueue_ms(lambda: call_program(ctx, mod, inputs, grads))
+        times, host_ms = measure(lambda: call_program(ctx, mod, inputs, grads), ctx.reps)
+        t_prog = times[len(times) // 2]
         with launch_ledger() as ledger:
             got = call_program(ctx, mod, inputs, grads)  # re-check after timing
         torch.cuda.synchronize()

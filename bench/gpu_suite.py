@@ -59,7 +59,8 @@ def main() -> int:
     out = Path(args.out)
     (out / "reports").mkdir(parents=True, exist_ok=True)
     wanted = set(filter(None, args.tasks.split(",")))
-    suite = [t for t in load_suite(SUITE_DIR) if not wanted or t.name in wanted]
+    every = {t.name: t for t in load_suite(SUITE_DIR)}
+    suite = [t for t in every.values() if not wanted or t.name in wanted]
     sets = tuple(args.sets.split(","))
 
     if args.pass1:
@@ -85,7 +86,7 @@ def main() -> int:
     with ThreadPoolExecutor(args.workers) as pool:
         list(pool.map(verify, suite))
     for name in filter(None, args.solo.split(",")):
-        task = next(t for t in load_suite(SUITE_DIR) if t.name == name)
+        task = every[name]
         t0 = time.perf_counter()
         report = full.check(task, task.expert_path.read_text())
         _write(out, "suite.jsonl", _row(task, report, "solo", t0))

@@ -59,11 +59,26 @@ def _quack_config(cfg: TileConfig) -> Any:
 
 PLAIN_CONFIG = TileConfig()
 PAIRED_TILE_CONFIG = TileConfig(tile_n=128, cluster_m=2)
+SQUARE_CONFIG = TileConfig(tile_n=128, cluster_m=2)
 NARROW_CONFIG = TileConfig(tile_n=128, cluster_m=1)
+NARROWEST_CONFIG = TileConfig(tile_n=64, cluster_m=1)
 PARTIALS_CONFIG = TileConfig(tile_n=128, cluster_m=1)
 
 
-def default_config(epi: Epilogue | None, operands: dict[str, Any], n: int | None = None) -> TileConfig:
+WIDE_TILE_GAIN = 1.08  # 128x192 over 128x128 throughput at equal wave count (H200 sweep)
+H100_SMS = 132  # H100/H200 SXM; the count when no GPU is visible (compiling for sm_90a on CPU)
+
+
+def _wave_cost(m: int, n: int, tile_m: int, tile_n: int, sms: int) -> int:
+    """Tile area each SM works through: full waves of output tiles.  A persistent
+    kernel with fewer tiles than SMs leaves the rest idle, and a last partial
+    wave costs a whole one."""
+    tiles = -(-m // tile_m) * -(-n // tile_n)
+    return -(-tiles // sms) * tile_m * tile_n
+
+
+def default_config(epi: Epilogue | None, operands: dict[str, Any], n: int | None = None,
+                   m: int | None = None, sms: int = H100_SMS) -> TileConfig:
     """The tile configuration when nothing is tuned: rules read off the H200
     tuning sweeps of the suite (bench/results/h200-2026-11-29-b, LLaMA-3 1B,
     times in ms for the best rule config vs the runner-up rule):
@@ -72,7 +87,8 @@ def default_config(epi: Epilogue | None, operands: dict[str, Any], n: int | None
       twice the live registers per element: 128x128 (dSwiGLU 1.09 at c2, 1.11 at
       c1, 2.86 at 128x192);
     - N of at most 128 (a head-dim wide output) wastes a third of a 192 tile:
-      128x128 (RoPE backward, N = 128: 0.162 vs 0.234);
+      128x128 (RoPE backward, N = 128: 0.140 vs 0.179), and N of at most 64
+      half of that: 128x64 (N = 64: 0.136 vs 0.161; cuBLAS's plain GEMM 0.133);
     - an epilogue exposing reduction partials keeps 128-wide tiles, because the
       partials' layout (one column per N tile) is part of the program's contract;
     - a head statistic needs whole heads per tile: 128 (QK-norm + RoPE at
@@ -83,9 +99,14 @@ def default_config(epi: Epilogue | None, operands: dict[str, Any], n: int | None
       128x128; the RMSNorm dx epilogue 1.47 vs 2.06), even where the wider tile
       spills a few registers (the logits + LSE epilogue: 26 STL/LDL, still the
       fastest).  The compile stage reports spills; ``bench/run.py`` tunes.
+    - except where that tile leaves SMs idle: with few output tiles (the dx GEMM
+      of a 1024-row LM-head chunk: 88 tiles of 128x192 on 132 SMs, 128 of
+      128x128), 128x128 c2 when its whole waves cost less, counting the wide
+      tile's better throughput (WIDE_TILE_GAIN).  (1024, 2048, 128256): 0.679
+      vs 0.879; N = 4096: 1.379 vs 1.863; N = 8192, about even: 2.987 vs 3.036.
     """
     if epi is None:
-        return PLAIN_CONFIG
+        return _fill_the_sms(m, n, sms)
     if epi.head_stats:
         hd = operands[next(iter(epi.head_stats))]
         return TileConfig(tile_n=128 if 128 % hd == 0 else hd)
@@ -93,9 +114,19 @@ def default_config(epi: Epilogue | None, operands: dict[str, Any], n: int | None
         return PAIRED_TILE_CONFIG
     if any(r.partials for r in epi.reductions.values()):
         return PARTIALS_CONFIG
+    if n is not None and n <= 64:
+        return NARROWEST_CONFIG
     if n is not None and n <= 128:
         return NARROW_CONFIG
-    return PLAIN_CONFIG
+    return _fill_the_sms(m, n, sms)
+
+
+def _fill_the_sms(m: int | None, n: int | None, sms: int) -> TileConfig:
+    if m is None or n is None:
+        return PLAIN_CONFIG
+    wide = _wave_cost(m, n, PLAIN_CONFIG.tile_m, PLAIN_CONFIG.tile_n, sms)
+    square = _wave_cost(m, n, SQUARE_CONFIG.tile_m, SQUARE_CONFIG.tile_n, sms)
+    return SQUARE_CONFIG if square * WIDE_TILE_GAIN < wide else PLAIN_CONFIG
 
 
 def _check_matrix(name: str, t: object) -> torch.Tensor:
@@ -179,6 +210,17 @@ def _check_alignment(epi: Epilogue | None, A: torch.Tensor, B: torch.Tensor,
                 "hidden size) to a multiple of 8.")
 
 
+def _sm_count(A: torch.Tensor) -> int:
+    if A.is_cuda:
+        return _device_sms(A.device.index if A.device.index is not None else torch.cuda.current_device())
+    return H100_SMS
+
+
+@lru_cache(maxsize=None)
+def _device_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def _tunable(epi: Epilogue | None) -> bool:
     # Exposed partials are laid out per tile_n: part of the program's contract.
     return epi is None or not any(r.partials for r in epi.reductions.values())
@@ -223,7 +265,7 @@ def gemm(A: torch.Tensor, B: torch.Tensor, epilogue: Epilogue | None = None, *,
 
             if autotuning():
                 cfg, _ = tune(epilogue, A, B, operands, out_dtype=out_dtype)
-    cfg = cfg or default_config(epilogue, operands, n)
+    cfg = cfg or default_config(epilogue, operands, n, m, _sm_count(A))
     for name in epilogue.head_stats if epilogue is not None else ():
         hd = operands[name]
         if cfg.tile_n % hd:

@@ -125,4 +125,19 @@ def rot(acc, cs: Tile):
     assert default_config(prog.dswiglu, {}, n=8192).tile_n == 128
     assert default_config(prog.partial_sq, {}, n=4096).tile_n == 128  # partial layout is contract
     assert default_config(prog.rot, {}, n=128).tile_n == 128
+    assert default_config(prog.rot, {}, n=64).tile_n == 64
     assert default_config(prog.rot, {}, n=4096).tile_n == 192
+
+
+def test_default_config_fills_the_sms_when_output_tiles_are_few():
+    from coda_agent.primitives.gemm import TileConfig, _wave_cost, default_config
+
+    # dx of a 1024-row LM-head chunk at LLaMA-3 1B: 88 wide tiles leave 44 of 132 SMs idle.
+    assert _wave_cost(1024, 2048, 128, 192, 132) == 128 * 192
+    assert default_config(None, {}, n=2048, m=1024) == TileConfig(128, 128, 2, 1, True)
+    assert default_config(None, {}, n=4096, m=1024).tile_n == 128
+    # Many waves: quantization is noise, the wide tile's throughput wins.
+    assert default_config(None, {}, n=2048, m=16384).tile_n == 192
+    assert default_config(None, {}, n=8192, m=16384).tile_n == 192
+    # A GPU with fewer SMs changes the answer: 88 tiles fill 88 SMs exactly.
+    assert default_config(None, {}, n=2048, m=1024, sms=88).tile_n == 192

@@ -13,13 +13,18 @@ gradient can be formed while the logits chunk is still in memory:
         dx[c] = dlogits @ w             GEMM 2, into its slice of dx
         dw   += dlogits^T @ x_c         GEMM 3, accumulated in fp32
 
-Only one (chunk, V) logits buffer exists at a time.
+Only one (chunk, V) logits buffer exists at a time, sized by LOGITS_BYTES:
+2048 rows at V = 128256 (490 MiB).  Beyond that the step holds only its
+outputs: dx (bf16) and dw (fp32, 0.98 GiB at LLaMA-3 1B, the largest term).
+The budget is the fastest measured (H200, LLaMA-3 1B, bench/sweep.py): 37.0 ms
+at 512 MiB, 40.9 at 256 MiB (twice the chunks: every chunk re-reads and
+rewrites the whole fp32 dw), 39.1 at 1 GiB.
 """
 
 from coda_agent.primitives import (concat_rows, epilogue, gemm, online_lse, select_col, xent_grad_,
                                    xent_loss, zeros_like)
 
-MAX_CHUNK = 4096  # rows per chunk: 4096 * 128256 * 2 bytes = 1 GiB of bf16 logits
+LOGITS_BYTES = 512 * 2**20  # the bf16 logits chunk alive at once
 
 
 @epilogue(reductions={"lse": online_lse(), "target_logit": select_col("target")})
@@ -28,11 +33,12 @@ def logits_lse(acc):
 
 
 def forward(x, w, target, dloss):
-    t = x.shape[0]
-    # At least two chunks (so small problems exercise the chunk loop too), rows a
-    # multiple of 128 except the last, at most MAX_CHUNK.
+    t, v = x.shape[0], w.shape[0]
+    # Rows a multiple of 128 (whole M tiles) except the last, within LOGITS_BYTES,
+    # and at least two chunks so small problems exercise the chunk loop too.
+    fit = max(128, LOGITS_BYTES // (2 * v) // 128 * 128)
     half = (t + 1) // 2
-    chunk = min(MAX_CHUNK, max(128, (half + 127) // 128 * 128))
+    chunk = min(fit, max(128, (half + 127) // 128 * 128))
     dx = zeros_like(x)
     dw = None
     losses = []

@@ -11,29 +11,22 @@ pair's value on both lanes).  v is a plain GEMM.  The three weights are
 separate tensors, so one fused QKV GEMM would need a copy of them per call;
 three GEMMs over the same x cost the same FLOPs.
 
-The angle is reduced to [-pi, pi] (k = round(a / 2pi) by the 1.5 * 2**23
-trick, two-part 2pi) before sin/cos: positions reach 1e5.
+sin/cos take the raw angle: the catalogue reduces it by 2*pi (positions reach 1e5).
 """
 
 from coda_agent.primitives import (ColVec, HeadStat, RowVec, cos, epilogue, gemm, head_rstd,
                                    interleave_columns, pack, sin, unpack)
 
 EPS = 1e-6  # the task's eps: head_rstd bakes it into the kernel (checked in forward)
-INV_2PI = 0.15915494309189535
-TWO_PI_HI = 6.28125  # 8 significant bits: k * TWO_PI_HI is exact for |k| < 2**16
-TWO_PI_LO = 0.0019353071795864769
-ROUND = 12582912.0  # 1.5 * 2**23: (x + ROUND) - ROUND rounds x to an integer in fp32
 
 
 @epilogue(pairs="acc", head_stats={"rstd": head_rstd(eps=EPS)})
 def norm_rope(acc, rstd: HeadStat, gamma: RowVec, pos: ColVec, freq: RowVec):
     e, o = unpack(acc * rstd * gamma)
     f, _ = unpack(freq)
-    a = pos * f
-    k = (a * INV_2PI + ROUND) - ROUND
-    r = (a - k * TWO_PI_HI) - k * TWO_PI_LO
-    c = cos(r)
-    s = sin(r)
+    a = pos * f  # fp32; sin/cos reduce it by 2*pi themselves (angles reach ~1e5 rad)
+    c = cos(a)
+    s = sin(a)
     return {"D": pack(e * c - o * s, e * s + o * c)}
 
 

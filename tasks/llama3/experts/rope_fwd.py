@@ -1,32 +1,23 @@
-"""QKV GEMM + RoPE on adjacent column pairs (2j, 2j+1), angle reduced in the epilogue.
+"""QKV GEMM + RoPE on adjacent column pairs (2j, 2j+1), rotated in the epilogue.
 
 The rotation angle is computed in the epilogue: position (ColVec, fp32, one per
 row) times the pair's frequency (RowVec, fp32), exactly the fp32 product a
 cos/sin table would be built from, but reading O(T + N) values instead of two
-(T, N) tables.  The angle is reduced to [-pi, pi] before the precise sin/cos
-(k = round(a / 2pi) with the 1.5 * 2**23 rounding trick, then a - k * 2pi with a
-two-part 2pi whose high part times k is exact), so their slow large-argument
-path (|a| > ~1e5 rad, long contexts) is never taken.  The per-pair frequencies
+(T, N) tables.  The catalogue's sin/cos reduce the angle by 2*pi themselves
+(angles reach ~1e5 rad at long contexts).  The per-pair frequencies
 (N/2) are duplicated onto both lanes of each pair once per call (an O(N) aux
 kernel); the V columns carry frequency 0 (identity)."""
 
 from coda_agent.primitives import ColVec, RowVec, cos, epilogue, gemm, interleave_columns, pack, sin, unpack
-
-INV_2PI = 0.15915494309189535
-TWO_PI_HI = 6.28125  # 8 significant bits: k * TWO_PI_HI is exact for |k| < 2**16
-TWO_PI_LO = 0.0019353071795864769
-ROUND = 12582912.0  # 1.5 * 2**23: (x + ROUND) - ROUND rounds x to an integer in fp32
 
 
 @epilogue(pairs="acc")
 def rope(acc, pos: ColVec, freq: RowVec):
     e, o = unpack(acc)
     f, _ = unpack(freq)
-    a = pos * f
-    k = (a * INV_2PI + ROUND) - ROUND
-    r = (a - k * TWO_PI_HI) - k * TWO_PI_LO
-    c = cos(r)
-    s = sin(r)
+    a = pos * f  # fp32; sin/cos reduce it by 2*pi themselves (angles reach ~1e5 rad)
+    c = cos(a)
+    s = sin(a)
     return {"D": pack(e * c - o * s, e * s + o * c)}
 
 

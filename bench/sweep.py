@@ -1,0 +1,168 @@
+"""Targeted H200 sweeps behind the tile heuristic and the experts' knobs.
+
+``bench/run.py`` times whole tasks with the configs the heuristic picks; this
+script asks narrower questions, each an experiment writing one JSON section:
+
+- ``few_tiles``: plain GEMMs with few output tiles (the dx GEMM of a 1024-row
+  LM-head chunk: M = 1024, K = V) against full-size controls, every candidate
+  config: does a 128x128 tile that fills the SMs beat the wide 128x192 tile
+  (``primitives/gemm.py: WIDE_TILE_GAIN``)?
+- ``narrow_n``: the RoPE backward epilogue at N = head_dim (64, 128): is a tile
+  as narrow as the output better than 128?
+- ``lm_head_chunks``: the lm_head_xent expert at LLaMA-3 1B with its logits
+  chunk budget at 256 MiB / 512 MiB / 1 GiB: time and peak memory.
+
+Usage on the device: ``python3 bench/sweep.py OUT.json [EXPERIMENT ...]``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+V, T = 128256, 16384
+
+
+def _time(fn: Callable[[], Any], reps: int = 20) -> dict:
+    from coda_agent.primitives.tuning import measure
+
+    times, host = measure(fn, reps)
+    return {"median_ms": times[len(times) // 2], "p10_ms": times[len(times) // 10],
+            "p90_ms": times[(9 * len(times)) // 10], "host_ms": host}
+
+
+def _configs(extra: tuple = ()) -> list:
+    from coda_agent.primitives.tuning import CANDIDATES
+
+    return list(CANDIDATES) + list(extra)
+
+
+def _sweep(call: Callable[[Any], Any], configs: list) -> dict:
+    out: dict[str, Any] = {}
+    for cfg in configs:
+        try:
+            out[str(cfg)] = _time(lambda: call(cfg))
+        except Exception as e:  # noqa: BLE001 - a config the shape cannot use is a row, not a crash
+            out[str(cfg)] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+    return out
+
+
+def few_tiles() -> list[dict]:
+    from coda_agent.primitives import gemm, lowering
+    from coda_agent.primitives.gemm import default_config
+
+    rows = []
+    for m, n, k in [(1024, 2048, V), (1024, 4096, V), (1024, 8192, V),
+                    (T, 2048, 2048), (T, 8192, 2048)]:
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+        with lowering("cute"):
+            times = _sweep(lambda cfg: gemm(a, b, config=cfg), _configs())
+        cublas = _time(lambda: a @ b)
+        rows.append({"MNK": [m, n, k], "heuristic": str(default_config(None, {}, n, m)),
+                     "cublas": cublas, "configs": times})
+        del a, b
+        torch.cuda.empty_cache()
+    return rows
+
+
+def narrow_n() -> list[dict]:
+    from coda_agent.primitives import TileConfig, gemm, load_program, lowering
+
+    task = _task("rope_bwd")
+    prog = load_program(task.expert_path.read_text(), task.name)
+    rows = []
+    for d in (64, 128):
+        dS = torch.randn(T, T, device="cuda", dtype=torch.bfloat16) / T ** 0.5
+        k = torch.randn(T, d, device="cuda", dtype=torch.bfloat16)
+        pos = torch.randint(0, 131072, (T,), device="cuda").float()
+        freq = torch.rand(d, device="cuda")
+        extra = (TileConfig(128, 64, 1, 1, True), TileConfig(128, 64, 2, 1, True),
+                 TileConfig(64, 128, 1, 1, False))
+        with lowering("cute"):
+            times = _sweep(lambda cfg: gemm(dS, k, prog.rope_inverse, config=cfg, pos=pos, freq=freq),
+                           _configs(extra))
+        rows.append({"MNK": [T, d, T], "epilogue": "rope_inverse", "cublas_plain": _time(lambda: dS @ k),
+                     "configs": times})
+        del dS
+        torch.cuda.empty_cache()
+    return rows
+
+
+def lm_head_chunks() -> list[dict]:
+    from coda_agent.primitives import launch_ledger, load_program, lowering
+    from coda_agent.verifier.inputs import make_inputs
+
+    task = _task("lm_head_xent")
+    inputs = make_inputs(task.spec, "llama3-1b", seed=11, device="cuda")
+    rows = []
+    for budget in (256 * 2**20, 512 * 2**20, 2**30):
+        prog = load_program(task.expert_path.read_text(), task.name)
+        prog.LOGITS_BYTES = budget  # the module global the expert sizes its chunk by
+
+        def step() -> Any:
+            with lowering("cute"):
+                return prog.forward(**inputs)
+
+        with launch_ledger() as ledger:
+            out = step()
+        outputs_gib = sum(t.nbytes for t in out.values()) / 2**30
+        del out
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+        rows.append({"logits_bytes": budget, "time": _time(step, reps=10), "peak_gib": peak,
+                     "outputs_gib": outputs_gib,
+                     "configs": sorted({f"{l.name}: {l.config}" for l in ledger if l.kind == "gemm"})})
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _task(name: str) -> Any:
+    from coda_agent.tasks import SUITE_DIR, load_suite
+
+    return next(t for t in load_suite(SUITE_DIR) if t.name == name)
+
+
+EXPERIMENTS = {"few_tiles": few_tiles, "narrow_n": narrow_n, "lm_head_chunks": lm_head_chunks}
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0].startswith("-"):
+        print(__doc__)
+        return 2
+    path, wanted = Path(argv[0]), argv[1:] or list(EXPERIMENTS)
+    unknown = [w for w in wanted if w not in EXPERIMENTS]
+    if unknown:
+        print(f"unknown experiment(s) {unknown}; choose from {list(EXPERIMENTS)}")
+        return 2
+    sys.path.insert(0, str(Path(__file__).parent))
+    from run import versions  # type: ignore[import-not-found]  # bench/run.py
+
+    result: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "versions": versions()}
+    for name in wanted:
+        t0 = time.time()
+        try:
+            result[name] = EXPERIMENTS[name]()
+        except Exception as e:  # noqa: BLE001 - keep the other experiments
+            traceback.print_exc(limit=5)
+            result[name] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+        result[f"{name}_s"] = round(time.time() - t0, 1)
+        path.write_text(json.dumps(result, indent=1))
+        print(f"{name}: {result[f'{name}_s']} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

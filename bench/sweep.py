@@ -9,6 +9,9 @@ script asks narrower questions, each an experiment writing one JSON section:
   (``primitives/gemm.py: WIDE_TILE_GAIN``)?
 - ``narrow_n``: the RoPE backward epilogue at N = head_dim (64, 128): is a tile
   as narrow as the output better than 128?
+- ``paired_tile``: the dSwiGLU backward (PairedTile in, packed pairs out, a
+  row reduction) at LLaMA-3 1B, the suite's worst fused / GEMM ratio, over
+  the candidates and narrower or differently clustered tiles;
 - ``lm_head_chunks``: the lm_head_xent expert at LLaMA-3 1B with its logits
   chunk budget at 256 MiB / 512 MiB / 1 GiB: time and peak memory.
 
@@ -96,6 +99,24 @@ def narrow_n() -> list[dict]:
     return rows
 
 
+def paired_tile() -> list[dict]:
+    from coda_agent.primitives import TileConfig, gemm, load_program, lowering
+
+    task = _task("swiglu_bwd")
+    prog = load_program(task.expert_path.read_text(), task.name)
+    h, i = 2048, 8192  # LLaMA-3 1B: the suite's worst fused / GEMM ratio
+    dout = torch.randn(T, h, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(h, i, device="cuda", dtype=torch.bfloat16) / h ** 0.5
+    pre = torch.randn(T, 2 * i, device="cuda", dtype=torch.bfloat16)
+    extra = (TileConfig(128, 64, 1, 1, True), TileConfig(128, 64, 2, 1, True),
+             TileConfig(128, 96, 2, 1, True), TileConfig(128, 128, 1, 2, True),
+             TileConfig(256, 64, 2, 1, False))
+    with lowering("cute"):
+        times = _sweep(lambda cfg: gemm(dout, w, prog.dswiglu, config=cfg, pre=pre), _configs(extra))
+    return [{"MNK": [T, i, h], "epilogue": "dswiglu", "cublas_plain": _time(lambda: dout @ w),
+             "configs": times}]
+
+
 def lm_head_chunks() -> list[dict]:
     from coda_agent.primitives import launch_ledger, load_program, lowering
     from coda_agent.verifier.inputs import make_inputs
@@ -135,7 +156,8 @@ def _task(name: str) -> Any:
     return next(t for t in load_suite(SUITE_DIR) if t.name == name)
 
 
-EXPERIMENTS = {"few_tiles": few_tiles, "narrow_n": narrow_n, "lm_head_chunks": lm_head_chunks}
+EXPERIMENTS = {"few_tiles": few_tiles, "narrow_n": narrow_n, "paired_tile": paired_tile,
+               "lm_head_chunks": lm_head_chunks}
 
 
 def main(argv: list[str]) -> int:

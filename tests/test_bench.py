@@ -41,6 +41,28 @@ def test_dry_run_covers_the_suite_and_renders_a_table(tmp_path):
     text = table.render(results)
     assert all(f"| {r['task']} | {table._kind(r['task'])} | small |" in text for r in rows)
     assert "geomean fused / plain GEMM (target <= 1.05)" in text
+    lm = next(r for r in rows if r["task"] == "lm_head_xent")
+    assert lm["fused_output_gib"] is None or lm["fused_output_gib"] >= 0
+
+
+def test_targets_say_what_plain_gemm_speed_would_score():
+    """The speedup-over-compile lines carry the ceiling a kernel at exactly the
+    plain GEMMs' speed would reach: the part of a miss no epilogue can win."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import table
+    finally:
+        sys.path.pop(0)
+
+    def row(task, fused, gemm, compile_ms):
+        return {"task": task, "fused_over_gemm": fused / gemm, "speedup_vs_compile": compile_ms / fused,
+                "fused": {"median_ms": fused}, "gemm_cublas": {"median_ms": gemm},
+                "gemm_quack": {"median_ms": gemm * 1.1}, "compile": {"median_ms": compile_ms}}
+
+    lines = table.targets([row("rmsnorm_bwd", 3.0, 2.9, 3.19), row("swiglu_bwd", 1.1, 0.7, 1.2)])
+    (bwd,) = [line for line in lines if "backward tasks" in line]
+    ceiling = (3.19 / 2.9 * 1.2 / 0.7) ** 0.5
+    assert f"(at plain-GEMM speed: {ceiling:.3f})" in bwd and "missed" in bwd
 
 
 def test_tile_config_maps_to_one_quack_object():

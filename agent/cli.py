@@ -1,9 +1,11 @@
 """``coda-agent solve``: one task, the LLM loop (or an offline author), one run directory.
 
-Exit status: 0 when some sample was accepted, 1 when none was (``cpu_passed``
-included: it is not an acceptance), 2 for a problem the user must fix (no
-model configured, an unreachable endpoint before any run, a bad task file),
-printed as one line that names the fix.  ``CODA_DEBUG=1`` shows tracebacks.
+Exit status: 0 when some sample was accepted; 3 when none was but one passed
+every stage this machine can run (``cpu_passed``: no GPU, so not an acceptance,
+yet not a failure either: scripts can tell the two apart); 1 when none did;
+2 for a problem the user must fix (no model configured, an unreachable endpoint
+before any run, a bad task file), printed as one line that names the fix.
+``CODA_DEBUG=1`` shows tracebacks.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import typer
 from coda_agent.tasks.spec import TaskSpecError
 
 from .protocols import CodaError
+
+EXIT_CPU_PASSED = 3
 
 
 class Author(str, Enum):
@@ -75,7 +79,10 @@ def solve(
     cost = "unknown" if summary["cost_usd"] is None else f"${summary['cost_usd']:.4f}"
     typer.echo(f"accepted {summary['accepted']}/{summary['samples']}; tokens "
                f"{summary['prompt_tokens']}+{summary['completion_tokens']}, cost {cost}, {summary['wall_s']:.1f}s")
-    raise typer.Exit(0 if summary["accepted"] else 1)
+    if summary["accepted"]:
+        raise typer.Exit(0)
+    cpu_passed = any(r["stop_reason"] == "cpu_passed" for r in summary["results"])
+    raise typer.Exit(EXIT_CPU_PASSED if cpu_passed else 1)
 
 
 def _fail(e: Exception) -> None:

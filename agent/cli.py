@@ -20,9 +20,11 @@ import typer
 
 from coda_agent.tasks.spec import TaskSpecError
 
+from coda_agent.verifier.cli import EXIT_CODES
+
 from .protocols import CodaError
 
-EXIT_CPU_PASSED = 3
+EXIT_CPU_PASSED = EXIT_CODES["cpu_passed"]  # the code `coda-agent verify` gives the same outcome
 
 
 class Author(str, Enum):

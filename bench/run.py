@@ -12,8 +12,9 @@ inputs (never zeros), with spread (p10/p90):
 - the PyTorch reference, eager and under ``torch.compile`` (default mode);
 - Liger, where it has the op (``bench/liger_baselines.py``).
 
-Writes ``bench/results/h200-<date>.json`` and regenerates the table in
-BENCHMARKS.md (``python -m coda_agent.bench.table``).  Usage on the device::
+Writes ``bench/results/h200-<date>.json``; with ``--update-benchmarks`` it
+also regenerates the table in BENCHMARKS.md from that file (``bench/table.py``
+renders several runs side by side).  Usage on the device::
 
     source scripts/gpu-env.sh && python3 bench/run.py --sets llama3-1b,llama3-8b
 """
@@ -190,6 +191,8 @@ def main() -> int:
     ap.add_argument("--dry-run", action="store_true",
                     help="on CPU with the reference lowering and wall-clock times: checks the "
                          "benchmark's plumbing (CI runs it on the small shape set), measures nothing")
+    ap.add_argument("--update-benchmarks", action="store_true",
+                    help="regenerate BENCHMARKS.md's table from this run when it ends")
     args = ap.parse_args()
     device = "cpu" if args.dry_run else "cuda"
     sys.path.insert(0, str(Path(__file__).parent))
@@ -221,6 +224,11 @@ def main() -> int:
                 torch.cuda.empty_cache()
             path.write_text(json.dumps(results, indent=1))
     print(f"wrote {path}")
+    if args.update_benchmarks:
+        import table  # bench/table.py, on the path above
+
+        table.update([f"{path}={results['versions']['gpu']}, {args.sets}, "
+                      f"{'untuned' if args.no_tune else 'tuned'}"])
     return 0
 
 

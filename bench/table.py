@@ -121,18 +121,22 @@ def main() -> int:
     if not args:
         print("no results in bench/results/")
         return 1
+    update(args)
+    return 0
+
+
+def update(args: list[str], doc: Path = ROOT / "BENCHMARKS.md") -> None:
+    """Replace ``doc``'s table section with one section per ``FILE[=TITLE]``."""
     sections = []
     for arg in args:
         path, _, title = arg.partition("=")
         sections.append(render(json.loads(Path(path).read_text()), title))
-    doc = ROOT / "BENCHMARKS.md"
     text = doc.read_text()
     head, _, rest = text.partition(START)
     _, _, tail = rest.partition(END)
     body = "\n\n".join(sections)
     doc.write_text(f"{head}{START}\n{body}\n{END}{tail}")
     print(f"updated {doc} from {', '.join(a.partition('=')[0] for a in args)}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -41,6 +41,12 @@ def test_dry_run_covers_the_suite_and_renders_a_table(tmp_path):
     text = table.render(results)
     assert all(f"| {r['task']} | {table._kind(r['task'])} | small |" in text for r in rows)
     assert "geomean fused / plain GEMM (target <= 1.05)" in text
+    doc = tmp_path / "BENCHMARKS.md"
+    doc.write_text(f"# prose kept\n{table.START}\nold table\n{table.END}\nmore prose\n")
+    table.update([f"{path}=Dry run"], doc=doc)
+    updated = doc.read_text()
+    assert updated.startswith("# prose kept\n") and updated.endswith("more prose\n")
+    assert "old table" not in updated and "#### Dry run" in updated
     lm = next(r for r in rows if r["task"] == "lm_head_xent")
     assert lm["fused_output_gib"] is None or lm["fused_output_gib"] >= 0
 

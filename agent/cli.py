@@ -19,7 +19,6 @@ from typing import Any, Optional
 import typer
 
 from coda_agent.tasks.spec import TaskSpecError
-
 from coda_agent.verifier.cli import EXIT_CODES
 
 from .protocols import CodaError

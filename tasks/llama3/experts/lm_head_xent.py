@@ -14,7 +14,7 @@ gradient can be formed while the logits chunk is still in memory:
         dw   += dlogits^T @ x_c         GEMM 3, accumulated in fp32
 
 Only one (chunk, V) logits buffer exists at a time, sized by LOGITS_BYTES:
-2048 rows at V = 128256 (490 MiB).  Beyond that the step holds only its
+2048 rows at V = 128256 (501 MiB).  Beyond that the step holds only its
 outputs: dx (bf16) and dw (fp32, 0.98 GiB at LLaMA-3 1B, the largest term).
 The budget is the fastest measured (H200, LLaMA-3 1B, bench/sweep.py): 37.0 ms
 at 512 MiB, 40.9 at 256 MiB (twice the chunks: every chunk re-reads and

@@ -13,7 +13,9 @@ script asks narrower questions, each an experiment writing one JSON section:
   row reduction) at LLaMA-3 1B, the suite's worst fused / GEMM ratio, over
   the candidates and narrower or differently clustered tiles;
 - ``lm_head_chunks``: the lm_head_xent expert at LLaMA-3 1B with its logits
-  chunk budget at 256 MiB / 512 MiB / 1 GiB: time and peak memory.
+  chunk budget at 256 MiB / 512 MiB / 1 GiB: time and peak memory;
+- ``contention``: a launch-heavy small program timed alone and with every CPU
+  core busy, at the shipped spin margin (``tuning.SPIN_FACTOR``) and twice it.
 
 Usage on the device: ``python3 bench/sweep.py OUT.json [EXPERIMENT ...]``.
 """
@@ -150,6 +152,48 @@ def lm_head_chunks() -> list[dict]:
     return rows
 
 
+def _burn() -> None:
+    while True:
+        pass
+
+
+def contention() -> list[dict]:
+    """rope_bwd at LLaMA-3 70B (0.27 ms of GPU work, 0.3-0.4 ms of host work:
+    the case most exposed to launch gaps) timed alone and with every CPU core
+    busy, as the verifier's side-by-side workers make it, at two spin margins."""
+    import multiprocessing as mp
+    import os
+
+    from coda_agent.primitives import load_program, lowering, tuning
+    from coda_agent.verifier.inputs import make_inputs
+
+    task = _task("rope_bwd")
+    prog = load_program(task.expert_path.read_text(), task.name)
+    inputs = make_inputs(task.spec, "llama3-70b", seed=5, device="cuda")
+
+    def call() -> Any:
+        with lowering("cute"):
+            return prog.forward(**inputs)
+
+    rows = []
+    for busy in (0, os.cpu_count() or 16):
+        burners = [mp.Process(target=_burn, daemon=True) for _ in range(busy)]
+        for b in burners:
+            b.start()
+        try:
+            for factor, floor in ((tuning.SPIN_FACTOR, tuning.SPIN_FLOOR_MS), (3.0, 0.1)):
+                saved = tuning.SPIN_FACTOR, tuning.SPIN_FLOOR_MS
+                tuning.SPIN_FACTOR, tuning.SPIN_FLOOR_MS = factor, floor
+                try:
+                    rows.append({"busy_cores": busy, "spin": [factor, floor], **_time(call, reps=50)})
+                finally:
+                    tuning.SPIN_FACTOR, tuning.SPIN_FLOOR_MS = saved
+        finally:
+            for b in burners:
+                b.terminate()
+    return rows
+
+
 def _task(name: str) -> Any:
     from coda_agent.tasks import SUITE_DIR, load_suite
 
@@ -157,7 +201,7 @@ def _task(name: str) -> Any:
 
 
 EXPERIMENTS = {"few_tiles": few_tiles, "narrow_n": narrow_n, "paired_tile": paired_tile,
-               "lm_head_chunks": lm_head_chunks}
+               "lm_head_chunks": lm_head_chunks, "contention": contention}
 
 
 def main(argv: list[str]) -> int:

@@ -169,12 +169,21 @@ def autotuning() -> bool:
     return _autotune.get() is not None
 
 
+# The spin before each timed call: a multiple of the measured host enqueue time
+# plus a floor, so a launch never trails it (that would time an idle gap).  The
+# spin itself is never timed.  1.5x held with every CPU core busy: rope_bwd at
+# 70B (0.27 ms of GPU work, 0.25-0.34 ms of host work) timed 0.274 ms alone and
+# under load at 1.5x and at 3x (bench/sweep.py contention, H200).
+SPIN_FACTOR, SPIN_FLOOR_MS = 1.5, 0.05
+
+
 def measure(fn: Callable[[], Any], reps: int = 20, warmup: int = 3) -> tuple[list[float], float]:
     """(sorted device times in ms of ``reps`` calls of ``fn``, host ms to enqueue one call).
 
     CUDA events around each call; a 256 MiB buffer written before each to flush
-    the L2; then a spin kernel at least as long as the host needs to enqueue one
-    call, so that ``fn``'s launches are all queued before the start event fires.
+    the L2; then a spin kernel longer than the host needs to enqueue one call
+    (SPIN_FACTOR), so that ``fn``'s launches are all queued before the start
+    event fires.
     What is timed is the GPU's work, not the host's launch overhead, and every
     candidate (program, plain GEMM, eager, compiled) is timed the same way.
     The host side is the :func:`enqueue_ms` this sizing needs anyway.
@@ -185,7 +194,7 @@ def measure(fn: Callable[[], Any], reps: int = 20, warmup: int = 3) -> tuple[lis
     for _ in range(warmup):
         fn()
     host = enqueue_ms(fn)
-    cycles = int(min(1.5 * host + 0.05, 200.0) * _cycles_per_ms())
+    cycles = int(min(SPIN_FACTOR * host + SPIN_FLOOR_MS, 200.0) * _cycles_per_ms())
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     for s, e in zip(starts, ends):

@@ -68,6 +68,11 @@ def peak_mem_gib(fn: Callable[[], Any], device: str = "cuda") -> float | None:
     return (torch.cuda.max_memory_allocated() - base) / 2**30
 
 
+def outputs_gib(outputs: dict) -> float:
+    """GiB held by a call's result tensors: what its peak must hold anyway."""
+    return sum(t.nbytes for t in outputs.values() if isinstance(t, torch.Tensor)) / 2**30
+
+
 def bench_task(task: Any, shape_set: str, reps: int, tune: bool, device: str = "cuda") -> dict:
     from coda_agent.primitives import gemm, launch_ledger, load_program, lowering
     from coda_agent.verifier.inputs import make_grads, make_inputs
@@ -97,8 +102,7 @@ def bench_task(task: Any, shape_set: str, reps: int, tune: bool, device: str = "
         row["tuned"] = tuned
     with launch_ledger() as ledger:
         outputs = fused()
-    # What the peak must hold anyway: the results (e.g. lm_head_xent's fp32 dw).
-    row["fused_output_gib"] = sum(t.nbytes for t in outputs.values() if isinstance(t, torch.Tensor)) / 2**30
+    row["fused_output_gib"] = outputs_gib(outputs)  # e.g. lm_head_xent's fp32 dw
     del outputs
     row["configs"] = [f"{l.name}: {l.config}" for l in ledger if l.kind == "gemm"]
     row["fused"] = stats(fused, reps, device)

@@ -31,16 +31,11 @@ from typing import Any, Callable
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).parent))
+from run import outputs_gib, peak_mem_gib, stats, versions  # noqa: E402  # bench/run.py
+
 ROOT = Path(__file__).resolve().parent.parent
 V, T = 128256, 16384
-
-
-def _time(fn: Callable[[], Any], reps: int = 20) -> dict:
-    from coda_agent.primitives.tuning import measure
-
-    times, host = measure(fn, reps)
-    return {"median_ms": times[len(times) // 2], "p10_ms": times[len(times) // 10],
-            "p90_ms": times[(9 * len(times)) // 10], "host_ms": host}
 
 
 def _configs(extra: tuple = ()) -> list:
@@ -53,7 +48,7 @@ def _sweep(call: Callable[[Any], Any], configs: list) -> dict:
     out: dict[str, Any] = {}
     for cfg in configs:
         try:
-            out[str(cfg)] = _time(lambda: call(cfg))
+            out[str(cfg)] = stats(lambda: call(cfg), 20)
         except Exception as e:  # noqa: BLE001 - a config the shape cannot use is a row, not a crash
             out[str(cfg)] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
     return out
@@ -70,7 +65,7 @@ def few_tiles() -> list[dict]:
         b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
         with lowering("cute"):
             times = _sweep(lambda cfg: gemm(a, b, config=cfg), _configs())
-        cublas = _time(lambda: a @ b)
+        cublas = stats(lambda: a @ b, 20)
         rows.append({"MNK": [m, n, k], "heuristic": str(default_config(None, {}, n, m)),
                      "cublas": cublas, "configs": times})
         del a, b
@@ -94,7 +89,7 @@ def narrow_n() -> list[dict]:
         with lowering("cute"):
             times = _sweep(lambda cfg: gemm(dS, k, prog.rope_inverse, config=cfg, pos=pos, freq=freq),
                            _configs(extra))
-        rows.append({"MNK": [T, d, T], "epilogue": "rope_inverse", "cublas_plain": _time(lambda: dS @ k),
+        rows.append({"MNK": [T, d, T], "epilogue": "rope_inverse", "cublas_plain": stats(lambda: dS @ k, 20),
                      "configs": times})
         del dS
         torch.cuda.empty_cache()
@@ -115,7 +110,7 @@ def paired_tile() -> list[dict]:
              TileConfig(256, 64, 2, 1, False))
     with lowering("cute"):
         times = _sweep(lambda cfg: gemm(dout, w, prog.dswiglu, config=cfg, pre=pre), _configs(extra))
-    return [{"MNK": [T, i, h], "epilogue": "dswiglu", "cublas_plain": _time(lambda: dout @ w),
+    return [{"MNK": [T, i, h], "epilogue": "dswiglu", "cublas_plain": stats(lambda: dout @ w, 20),
              "configs": times}]
 
 
@@ -136,17 +131,11 @@ def lm_head_chunks() -> list[dict]:
 
         with launch_ledger() as ledger:
             out = step()
-        outputs_gib = sum(t.nbytes for t in out.values()) / 2**30
+        held = outputs_gib(out)
         del out
-        torch.cuda.synchronize()
         torch.cuda.empty_cache()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        step()
-        torch.cuda.synchronize()
-        peak = (torch.cuda.max_memory_allocated() - base) / 2**30
-        rows.append({"logits_bytes": budget, "time": _time(step, reps=10), "peak_gib": peak,
-                     "outputs_gib": outputs_gib,
+        rows.append({"logits_bytes": budget, "time": stats(step, 10), "peak_gib": peak_mem_gib(step),
+                     "outputs_gib": held,
                      "configs": sorted({f"{l.name}: {l.config}" for l in ledger if l.kind == "gemm"})})
         torch.cuda.empty_cache()
     return rows
@@ -185,7 +174,7 @@ def contention() -> list[dict]:
                 saved = tuning.SPIN_FACTOR, tuning.SPIN_FLOOR_MS
                 tuning.SPIN_FACTOR, tuning.SPIN_FLOOR_MS = factor, floor
                 try:
-                    rows.append({"busy_cores": busy, "spin": [factor, floor], **_time(call, reps=50)})
+                    rows.append({"busy_cores": busy, "spin": [factor, floor], **stats(call, 50)})
                 finally:
                     tuning.SPIN_FACTOR, tuning.SPIN_FLOOR_MS = saved
         finally:
@@ -213,9 +202,6 @@ def main(argv: list[str]) -> int:
     if unknown:
         print(f"unknown experiment(s) {unknown}; choose from {list(EXPERIMENTS)}")
         return 2
-    sys.path.insert(0, str(Path(__file__).parent))
-    from run import versions  # type: ignore[import-not-found]  # bench/run.py
-
     result: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "versions": versions()}
     for name in wanted:
         t0 = time.time()

@@ -58,11 +58,11 @@ def _quack_config(cfg: TileConfig) -> Any:
 
 
 PLAIN_CONFIG = TileConfig()
-PAIRED_TILE_CONFIG = TileConfig(tile_n=128, cluster_m=2)
 SQUARE_CONFIG = TileConfig(tile_n=128, cluster_m=2)
+PAIRED_TILE_CONFIG = SQUARE_CONFIG
 NARROW_CONFIG = TileConfig(tile_n=128, cluster_m=1)
 NARROWEST_CONFIG = TileConfig(tile_n=64, cluster_m=1)
-PARTIALS_CONFIG = TileConfig(tile_n=128, cluster_m=1)
+PARTIALS_CONFIG = NARROW_CONFIG
 
 
 WIDE_TILE_GAIN = 1.08  # 128x192 over 128x128 throughput at equal wave count (H200 sweep)

@@ -27,6 +27,35 @@ def task(name: str):
     return load_task(SUITE_DIR / f"{name}.yaml")
 
 
+SHAPE_SETS = ("small", "ragged", "llama3-1b", "llama3-8b", "llama3-70b")
+
+
+def check_spec(name: str) -> None:
+    """The spec loads with its expert, every shape set has positive sizes and
+    FLOPs, and the ragged set really is ragged (a size that is not a multiple of
+    the 128 or 192 tile)."""
+    t = task(name)
+    spec = t.spec
+    assert spec.name == name
+    assert t.expert_path.is_file()
+    tensors = [*spec.inputs.values(), *spec.outputs.values()]
+    for s in SHAPE_SETS:
+        assert s in spec.shapes, f"{name}: shape set {s} missing"
+        for ts in tensors:
+            assert all(d > 0 for d in spec.shape_of(ts, s)), (name, s)
+        assert spec.flops(s) > 0
+    assert any(v % 128 for v in spec.shapes["ragged"].values()), "ragged must have a non-multiple of 128"
+    assert any(d % 128 and d % 192 for ts in tensors for d in spec.shape_of(ts, "ragged"))
+
+
+def static_violations(name: str) -> list[str]:
+    """What the verifier's static stage says of the task's expert program."""
+    from coda_agent.verifier.static import check_source
+
+    t = task(name)
+    return [str(v) for v in check_source(t.expert_path.read_text(), t.spec)]
+
+
 def load_expert(t, source: str | None = None, tag: str | None = None) -> ModuleType:
     """The task's expert program (or ``source``, e.g. a mutant of it) as a module."""
     return load_program(t.expert_path.read_text() if source is None else source,

@@ -15,7 +15,7 @@ import math
 
 import pytest
 import torch
-from suite_checks import draw, load_expert, problems, run_program
+from suite_checks import check_spec, draw, load_expert, problems, run_program, static_violations
 from suite_checks import task as _task
 
 from coda_agent.primitives import lowering
@@ -30,28 +30,12 @@ TASKS = ["out_proj_residual", "residual_rmsnorm", "swiglu_fwd", "swiglu_bwd", "r
 
 @pytest.mark.parametrize("name", TASKS)
 def test_spec_loads(name):
-    task = _task(name)
-    spec = task.spec
-    assert spec.name == name
-    assert task.expert_path.is_file()
-    for s in ("small", "ragged", "llama3-1b", "llama3-8b", "llama3-70b"):
-        assert s in spec.shapes, s
-        for t in [*spec.inputs.values(), *spec.outputs.values()]:
-            assert all(d > 0 for d in spec.shape_of(t, s))
-        assert spec.flops(s) > 0
-    # ragged really is ragged
-    dims = [d for t in [*spec.inputs.values(), *spec.outputs.values()]
-            for d in spec.shape_of(t, "ragged")]
-    assert any(d % 128 and d % 192 for d in dims)
+    check_spec(name)
 
 
-def test_expert_programs_pass_static_stage():
-    from coda_agent.verifier.static import check_source
-
-    for name in TASKS:
-        task = _task(name)
-        violations = check_source(task.expert_path.read_text(), task.spec)
-        assert not violations, f"{name}: {[str(v) for v in violations]}"
+@pytest.mark.parametrize("name", TASKS)
+def test_expert_is_static_clean(name):
+    assert not static_violations(name)
 
 
 # --------------------------------------------------------------------------- experts vs references

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from suite_checks import draw, load_expert, problems, run_program
+from suite_checks import check_spec, draw, load_expert, problems, run_program, static_violations
 from suite_checks import task as _task
 
 from coda_agent.primitives import compile_only
@@ -27,23 +27,12 @@ CPU_SETS = ["small", "ragged"]
 
 @pytest.mark.parametrize("name", TASKS)
 def test_spec_loads(name):
-    task = _task(name)
-    spec = task.spec
-    assert spec.name == name
-    assert task.expert_path.is_file()
-    for s in ("small", "ragged", "llama3-1b", "llama3-8b", "llama3-70b"):
-        assert s in spec.shapes, f"{name}: shape set {s} missing"
-        assert spec.flops(s) > 0
-    ragged = spec.shapes["ragged"]
-    assert any(v % 128 for v in ragged.values()), "ragged must have a non-multiple of 128"
+    check_spec(name)
 
 
 @pytest.mark.parametrize("name", TASKS)
 def test_expert_is_static_clean(name):
-    static = pytest.importorskip("coda_agent.verifier.static")
-    task = _task(name)
-    violations = static.check_source(task.expert_path.read_text(), task.spec)
-    assert not violations, "\n".join(map(str, violations))
+    assert not static_violations(name)
 
 
 @pytest.mark.parametrize("shape_set", CPU_SETS)

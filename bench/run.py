@@ -134,7 +134,11 @@ def bench_task(task: Any, shape_set: str, reps: int, tune: bool, device: str = "
     if device != "cuda":  # a dry run checks the plumbing; torch.compile and Liger need the GPU
         return _ratios(spec, shape_set, row)
     try:
-        compiled = torch.compile(ref)
+        # Static shapes, as a single-shape training run gets: without dynamic=False the
+        # second shape set in one process recompiles the reference with dynamic shapes,
+        # whose kernels ran up to 1.4x slower on the H200 (swiglu_bwd at 8B: 5.23 vs
+        # 3.77 ms, bench/results/h200-2026-11-29-d).
+        compiled = torch.compile(ref, dynamic=False)
         torch_run(compiled)()
         row["compile"] = stats(torch_run(compiled), reps)
         row["compile_peak_gib"] = peak_mem_gib(torch_run(compiled))

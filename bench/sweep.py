@@ -12,6 +12,9 @@ script asks narrower questions, each an experiment writing one JSON section:
 - ``paired_tile``: the dSwiGLU backward (PairedTile in, packed pairs out, a
   row reduction) at LLaMA-3 1B, the suite's worst fused / GEMM ratio, over
   the candidates and narrower or differently clustered tiles;
+- ``dswiglu_parts``: the same GEMM with parts of that epilogue (the
+  pre-activation round trip alone, the math alone, all of it, all of it with an
+  IEEE division) at four configs: what the epilogue's time is spent on;
 - ``lm_head_chunks``: the lm_head_xent expert at LLaMA-3 1B with its logits
   chunk budget at 256 MiB / 512 MiB / 1 GiB: time and peak memory;
 - ``contention``: a launch-heavy small program timed alone and with every CPU
@@ -114,6 +117,70 @@ def paired_tile() -> list[dict]:
              "configs": times}]
 
 
+# Variants of the dSwiGLU epilogue, to split its cost: the pre-activation round
+# trip alone, the math without the extra output and the reduction, the expert's
+# full epilogue, and the full epilogue with an IEEE division in its sigmoid (the
+# catalogue's sigmoid before 2026.11.29-4).
+DSWIGLU_PARTS = '''
+from coda_agent.primitives import PairedTile, col_sum, epilogue, exp, pack, sigmoid, unpack
+
+
+@epilogue()
+def copy(acc, pre: PairedTile):
+    g, u = unpack(pre)
+    return {"D": pack(acc * g, acc * u)}
+
+
+@epilogue()
+def math_only(acc, pre: PairedTile):
+    g, u = unpack(pre)
+    sg = sigmoid(g)
+    return {"D": pack(acc * u * sg * (1.0 + g * (1.0 - sg)), acc * g * sg)}
+
+
+@epilogue(outputs={"postact": "bf16"}, reductions={"s": col_sum()})
+def ieee_division(acc, pre: PairedTile):
+    g, u = unpack(pre)
+    sg = 1.0 / (1.0 + exp(-g))
+    act = g * sg
+    dg = acc * u * sg * (1.0 + g * (1.0 - sg))
+    du = acc * act
+    return {"D": pack(dg, du), "postact": act * u, "s": dg * g + du * u}
+'''
+
+
+def dswiglu_parts() -> list[dict]:
+    """Where the dSwiGLU epilogue's time goes at LLaMA-3 1B, per tile config."""
+    from coda_agent.primitives import TileConfig, gemm, load_program, lowering
+
+    task = _task("swiglu_bwd")
+    full = load_program(task.expert_path.read_text(), task.name).dswiglu
+    parts = load_program(DSWIGLU_PARTS, "dswiglu_parts")
+    h, i = 2048, 8192
+    dout = torch.randn(T, h, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(h, i, device="cuda", dtype=torch.bfloat16) / h ** 0.5
+    pre = torch.randn(T, 2 * i, device="cuda", dtype=torch.bfloat16)
+    variants = {"plain": None, "copy": parts.copy, "math_only": parts.math_only, "full": full,
+                "ieee_division": parts.ieee_division}
+    configs = [TileConfig(128, 128, 2, 1, True), TileConfig(128, 128, 1, 2, True),
+               TileConfig(128, 192, 2, 1, True), TileConfig(256, 128, 2, 1, False)]
+    rows = []
+    for cfg in configs:
+        row: dict[str, Any] = {"config": str(cfg)}
+        for name, epi in variants.items():
+            if name == "ieee_division" and cfg != configs[0]:
+                continue
+            ops = {} if epi is None else {"pre": pre}
+            try:
+                with lowering("cute"):
+                    row[name] = stats(lambda: gemm(dout, w, epi, config=cfg, **ops), 20)
+            except Exception as e:  # noqa: BLE001 - a config the epilogue cannot use is a row
+                row[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+        rows.append(row)
+    rows.append({"config": "cuBLAS", "plain": stats(lambda: dout @ w, 20)})
+    return rows
+
+
 def lm_head_chunks() -> list[dict]:
     from coda_agent.primitives import launch_ledger, load_program, lowering
     from coda_agent.verifier.inputs import make_inputs
@@ -190,6 +257,7 @@ def _task(name: str) -> Any:
 
 
 EXPERIMENTS = {"few_tiles": few_tiles, "narrow_n": narrow_n, "paired_tile": paired_tile,
+               "dswiglu_parts": dswiglu_parts,
                "lm_head_chunks": lm_head_chunks, "contention": contention}
 
 

@@ -50,8 +50,8 @@ from .errors import CatalogueError  # noqa: E402
 from .gemm import TileConfig, gemm  # noqa: E402
 from .lowering import (CompiledKernel, Launch, SassReport, compile_only, current_lowering,  # noqa: E402
                        launch_ledger, lowering)
-from .math import (cos, exp, exp2, fma, gelu_tanh, log, maximum, minimum, rsqrt, sigmoid,  # noqa: E402
-                   silu, sin, sqrt, tanh, where)
+from .math import (cos, exp, exp2, fma, gelu_tanh, log, maximum, minimum, reciprocal, rsqrt,  # noqa: E402
+                   sigmoid, silu, sin, sqrt, tanh, where)
 from .operands import (ColVec, HeadStat, PairedTile, RowVec, Scalar, Tile, col_max, col_sum,  # noqa: E402
                        head_rstd, online_lse, row_sum, select_col)
 from .program import load_program  # noqa: E402
@@ -70,7 +70,7 @@ PROGRAM_API = (
     "epilogue", "gemm", "TileConfig", "unpack", "pack",
     "Tile", "RowVec", "ColVec", "Scalar", "PairedTile", "HeadStat",
     "col_sum", "col_max", "row_sum", "head_rstd", "online_lse", "select_col",
-    "exp", "exp2", "log", "rsqrt", "sqrt", "tanh", "sin", "cos", "sigmoid", "silu", "gelu_tanh",
+    "exp", "exp2", "log", "rsqrt", "sqrt", "reciprocal", "tanh", "sin", "cos", "sigmoid", "silu", "gelu_tanh",
     "maximum", "minimum", "where", "fma",
     "rms_rstd", "rms_prepare", "xent_loss", "xent_grad_", "column_index", "to_fp32",
     "interleave_columns", "deinterleave_columns", "zeros_like", "add", "concat_rows",

@@ -360,4 +360,5 @@ def inspect_cubin(cubin: bytes) -> SassReport | None:
         registers=int(usage.get("REG", -1)),
         local_bytes=int(usage.get("LOCAL", 0)),
         instructions=len(ops),
+        calls=sum(o.startswith("CALL") for o in ops),
     )

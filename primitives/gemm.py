@@ -59,7 +59,7 @@ def _quack_config(cfg: TileConfig) -> Any:
 
 PLAIN_CONFIG = TileConfig()
 SQUARE_CONFIG = TileConfig(tile_n=128, cluster_m=2)
-PAIRED_TILE_CONFIG = SQUARE_CONFIG
+PAIRED_TILE_CONFIG = TileConfig(tile_n=128, cluster_m=1, cluster_n=2)
 NARROW_CONFIG = TileConfig(tile_n=128, cluster_m=1)
 NARROWEST_CONFIG = TileConfig(tile_n=64, cluster_m=1)
 PARTIALS_CONFIG = NARROW_CONFIG
@@ -84,8 +84,10 @@ def default_config(epi: Epilogue | None, operands: dict[str, Any], n: int | None
     times in ms for the best rule config vs the runner-up rule):
 
     - a PairedTile epilogue (reads a packed tile as C, writes packed pairs) keeps
-      twice the live registers per element: 128x128 (dSwiGLU 1.09 at c2, 1.11 at
-      c1, 2.86 at 128x192);
+      twice the live registers per element: 128x128, clustered along N (dSwiGLU
+      with the fast reciprocal, bench/results/h200-2026-11-29-d: 0.867 at c1x2,
+      0.885 at c2x1, 1.31 at 128x192, 1.68 at 256x128 cooperative; c1x2 was
+      also ahead in the sweep before, 1.088 vs 1.100);
     - N of at most 128 (a head-dim wide output) wastes a third of a 192 tile:
       128x128 (RoPE backward, N = 128: 0.140 vs 0.179), and N of at most 64
       half of that: 128x64 (N = 64: 0.136 vs 0.161; cuBLAS's plain GEMM 0.133);

@@ -46,6 +46,9 @@ class SassReport:
     registers: int
     local_bytes: int
     instructions: int = 0
+    # CALLs in the SASS: the slow-path subroutines of IEEE division (``a / b``)
+    # and friends, each wrapped in a convergence barrier; a fast epilogue has none.
+    calls: int = 0
 
 
 @dataclass

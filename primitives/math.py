@@ -15,8 +15,10 @@ explicitly (``__quack_semantic_key__``: name + catalogue version), so editing
 the catalogue's math changes every kernel's cache key.
 
 Precision choices (both lowerings agree to fp32 rounding, not bitwise):
-``exp``/``exp2``/``log``/``tanh``/``rsqrt``/``sqrt`` use the fast hardware
-approximations on the GPU (relative error ~1e-7..1e-6, far below bf16);
+``exp``/``exp2``/``log``/``tanh``/``rsqrt``/``sqrt``/``reciprocal`` (and
+``sigmoid``/``silu`` built on them) use the fast hardware approximations on the
+GPU (relative error ~1e-7..1e-6, far below bf16), never the IEEE-exact
+sequences with a per-element slow-path call;
 ``sin``/``cos`` reduce the angle by 2*pi first (RoPE angles reach 1e5 rad)
 and then use the fast versions, avoiding the precise versions' local-memory
 slow path.
@@ -89,8 +91,15 @@ def _f32(x: Any) -> Any:
     return Float32(x)
 
 
+def _rcp_cute(x: Any) -> Any:
+    # MUFU.RCP (rcp.approx.ftz, ~1 ulp).  A plain `1.0 / x` lowers to the IEEE
+    # division: a Newton step plus a slow-path CALL wrapped in BSSY/BSYNC per
+    # element, which serialises the epilogue's instruction stream.
+    return _cm().arch.rcp_approx(_f32(x))
+
+
 def _sigmoid_cute(x: Any) -> Any:
-    return 1.0 / (1.0 + _cm().math.exp(-x, fastmath=True))
+    return _rcp_cute(1.0 + _cm().math.exp(-x, fastmath=True))
 
 
 def _where_cute(c: Any, a: Any, b: Any) -> Any:
@@ -154,6 +163,9 @@ sin = MathFn("sin", 1, torch.sin, lambda x: _cm().math.sin(_reduce_angle(x), fas
              "Sine; accurate for large angles (reduced by 2*pi first).", "sin(pos * freq)")
 cos = MathFn("cos", 1, torch.cos, lambda x: _cm().math.cos(_reduce_angle(x), fastmath=True),
              "Cosine; accurate for large angles (reduced by 2*pi first).", "cos(pos * freq)")
+reciprocal = MathFn("reciprocal", 1, torch.reciprocal, _rcp_cute,
+                    "1 / x with the hardware reciprocal (~1 ulp); write it instead of `1.0 / x`, "
+                    "whose IEEE division calls a slow path per element.", "acc * reciprocal(norm)")
 sigmoid = MathFn("sigmoid", 1, torch.sigmoid, _sigmoid_cute,
                  "1 / (1 + exp(-x)).", "sigmoid(acc)")
 silu = MathFn("silu", 1, lambda x: x * torch.sigmoid(x), lambda x: x * _sigmoid_cute(x),
@@ -172,5 +184,5 @@ where = MathFn("where", 3, _where_torch, _where_cute,
 fma = MathFn("fma", 3, lambda a, b, c: a * b + c, lambda a, b, c: _f32(a) * b + c,
              "a * b + c.", "fma(acc, scale, bias)")
 
-VOCABULARY: tuple[MathFn, ...] = (exp, exp2, log, rsqrt, sqrt, tanh, sin, cos, sigmoid, silu,
+VOCABULARY: tuple[MathFn, ...] = (exp, exp2, log, rsqrt, sqrt, reciprocal, tanh, sin, cos, sigmoid, silu,
                                   gelu_tanh, maximum, minimum, where, fma)

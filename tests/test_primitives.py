@@ -60,7 +60,7 @@ def vocab(acc):
     return {"D": exp(x) + exp2(x), "a": log(x * x + 1.0), "b": rsqrt(x * x + 1.0) + sqrt(x * x),
             "c": tanh(x) + sigmoid(x), "d": silu(x), "e": gelu_tanh(x),
             "f": maximum(x, 0.25) + minimum(x, -0.25), "g": where(x > 0.0, x, 0.1 * x),
-            "h": fma(x, x, 1.0), "i": sin(x) + cos(x)}
+            "h": fma(x, x, 1.0), "i": sin(x) + cos(x) + reciprocal(x * x + 1.0)}
 '''.replace('"c": "fp32", ', '"c2": "fp32", ').replace('"c": tanh', '"c2": tanh'))
     A, B, acc = operands_for(M, N, K, dtype, gen)
     out = gemm(A, B, P.vocab, out_dtype="fp32")
@@ -70,7 +70,7 @@ def vocab(acc):
         "c2": torch.tanh(x) + torch.sigmoid(x), "d": torch.nn.functional.silu(x),
         "e": torch.nn.functional.gelu(x, approximate="tanh"),
         "f": x.clamp_min(0.25) + x.clamp_max(-0.25), "g": torch.where(x > 0, x, 0.1 * x),
-        "h": x * x + 1, "i": torch.sin(x) + torch.cos(x)}
+        "h": x * x + 1, "i": torch.sin(x) + torch.cos(x) + 1 / (x * x + 1)}
     for k, v in want.items():
         close(out[k], v, torch.float32)
 

@@ -66,6 +66,7 @@ def test_expert_compiles_for_sm90(name):
         seen.add(key)
         assert k.sass is not None, "cuobjdump missing (pip install nvidia-cuda-cuobjdump)"
         assert k.sass.sm90a and k.sass.hgmma > 0, f"{name}/{k.epilogue}: no HGMMA in SASS"
+        assert k.sass.calls == 0, f"{name}/{k.epilogue} [{k.config}]: {k.sass.calls} slow-path CALLs"
         spills = k.sass.spill_stores + k.sass.spill_loads
         allowed = MEASURED_SPILLS.get((k.epilogue, k.config), 0)
         assert spills <= allowed, f"{name}/{k.epilogue} [{k.config}]: register spills {k.sass}"

@@ -122,7 +122,7 @@ def rot(acc, cs: Tile):
 ''')
     assert default_config(None, {}) == TileConfig(128, 192, 2, 1, True)
     assert default_config(prog.residual_rms, {}, n=4096) == TileConfig(128, 192, 2, 1, True)
-    assert default_config(prog.dswiglu, {}, n=8192).tile_n == 128
+    assert default_config(prog.dswiglu, {}, n=8192) == TileConfig(128, 128, 1, 2, True)
     assert default_config(prog.partial_sq, {}, n=4096).tile_n == 128  # partial layout is contract
     assert default_config(prog.rot, {}, n=128).tile_n == 128
     assert default_config(prog.rot, {}, n=64).tile_n == 64

@@ -182,6 +182,20 @@ def test_expert_compiles_for_sm90a(task):
                                              shape_sets=["small"]))
     assert res.status == "passed", res.message + res.log
     assert len(res.details["kernels"]) == 3 and all(k["hgmma"] > 0 for k in res.details["kernels"])
+    assert "slow_calls" not in res.details and all(k["calls"] == 0 for k in res.details["kernels"])
+
+
+@pytest.mark.slow
+def test_compile_stage_names_slow_path_division(task):
+    """`a / b` in an epilogue compiles (it is correct) but to an IEEE division with a
+    slow-path CALL per element; the compile stage says so and names the fix."""
+    from coda_agent.verifier.stages import STAGE_FUNCTIONS, Context
+
+    source = EXPERT_PATH.read_text().replace("acc + residual", "acc + residual / (acc * acc + 1.0)")
+    res = STAGE_FUNCTIONS["compile"](Context(task=task, source=source, seeds=[1], shape_sets=["small"]))
+    assert res.status == "passed", res.message + res.log
+    assert res.details["slow_calls"]["add_residual"] > 0
+    assert "slow-path CALLs in add_residual" in res.message and "reciprocal(b)" in res.message
 
 
 @pytest.mark.gpu

@@ -292,6 +292,9 @@ def _compile(ctx: Context) -> StageResult:
               if k.sass is not None and (k.sass.spill_stores or k.sass.spill_loads)}
     if spills:
         details["spills"] = spills
+    calls = {k.epilogue: k.sass.calls for k in kernels if k.sass is not None and k.sass.calls}
+    if calls:
+        details["slow_calls"] = calls
     if problems:
         return StageResult(name="compile", status="failed", message="; ".join(problems), log=log,
                            details=details)
@@ -300,6 +303,9 @@ def _compile(ctx: Context) -> StageResult:
     note = ("; SASS gate NOT run (install nvidia-cuda-cuobjdump)" if details.get("sass_unavailable") else "")
     note += (f"; register spills in {', '.join(f'{e} ({n} STL/LDL)' for e, n in spills.items())}: "
             "simplify the epilogue or keep fewer values live") if spills else ""
+    note += (f"; slow-path CALLs in {', '.join(f'{e} ({n})' for e, n in calls.items())}: an IEEE "
+             "division `a / b` calls a subroutine per element; write `a * reciprocal(b)`, or pass "
+             "a precomputed reciprocal as a Scalar/vector") if calls else ""
     return StageResult(name="compile", status="passed", log=log, details=details,
                        message=f"{len(kernels)} GEMM kernel(s) compiled for sm_90a with HGMMA{note}")
 
@@ -563,7 +569,9 @@ def _performance(ctx: Context) -> StageResult:
 
 def _torch_baseline(task: Task, inputs, grads, compiled: bool) -> Callable[[], Any]:
     spec = task.spec
-    ref = torch.compile(task.reference_fn) if compiled else task.reference_fn
+    # dynamic=False: a worker that already compiled this reference at another shape
+    # would otherwise recompile it with dynamic shapes, a slower baseline.
+    ref = torch.compile(task.reference_fn, dynamic=False) if compiled else task.reference_fn
     x = {k: v.detach().clone() for k, v in inputs.items()}
     if not grads:
         return lambda: ref(**x, **spec.params)

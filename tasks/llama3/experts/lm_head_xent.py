@@ -11,20 +11,23 @@ gradient can be formed while the logits chunk is still in memory:
         logits -> dlogits               aux xent_grad_, in place:
                                         (softmax - onehot) * dloss
         dx[c] = dlogits @ w             GEMM 2, into its slice of dx
-        dw   += dlogits^T @ x_c         GEMM 3, accumulated in fp32
+        dw   += dlogits^T @ x_c         GEMM 3, reduce-added into the bf16 dw
 
 Only one (chunk, V) logits buffer exists at a time, sized by LOGITS_BYTES:
-2048 rows at V = 128256 (501 MiB).  Beyond that the step holds only its
-outputs: dx (bf16) and dw (fp32, 0.98 GiB at LLaMA-3 1B, the largest term).
-The budget is the fastest measured (H200, LLaMA-3 1B, bench/sweep.py): 37.0 ms
-at 512 MiB, 40.9 at 256 MiB (twice the chunks: every chunk re-reads and
-rewrites the whole fp32 dw), 39.1 at 1 GiB.
+1024 rows at V = 128256 (250 MiB).  Beyond that the step holds only its
+outputs, dx and dw in bf16 (0.49 GiB at LLaMA-3 1B, the largest term): dw is
+summed across chunks in bf16 by the reduce-add store, 1.1-1.3x the bf16
+reference's error at 1B (bench/results/h200-2026-11-29-d, lm_head_bf16_dw).
+The budget is the fastest measured with the bf16 dw (H200, LLaMA-3 1B,
+bench/sweep.py): 37.4 ms and 0.80 GiB peak at 256 MiB, 38.1 ms and 1.05 GiB
+at 512 MiB.  (With an fp32 dw, every chunk re-read and rewrote 1 GiB of it and
+512 MiB was fastest: 37.0 ms, 1.54 GiB.)
 """
 
 from coda_agent.primitives import (concat_rows, epilogue, gemm, online_lse, select_col, xent_grad_,
                                    xent_loss, zeros_like)
 
-LOGITS_BYTES = 512 * 2**20  # the bf16 logits chunk alive at once
+LOGITS_BYTES = 256 * 2**20  # the bf16 logits chunk alive at once
 
 
 @epilogue(reductions={"lse": online_lse(), "target_logit": select_col("target")})
@@ -51,7 +54,7 @@ def forward(x, w, target, dloss):
         dlogits = xent_grad_(res["D"], res["lse"], t_c, dloss[r0:r1])
         gemm(dlogits, w, accumulate_into=dx[r0:r1])
         if dw is None:
-            dw = gemm(dlogits.t(), x_c, out_dtype="fp32")["D"]
+            dw = gemm(dlogits.t(), x_c)["D"]
         else:
             gemm(dlogits.t(), x_c, accumulate_into=dw)
         # Drop this chunk's logits before the next chunk's GEMM allocates its own:

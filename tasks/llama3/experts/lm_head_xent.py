@@ -37,11 +37,9 @@ def logits_lse(acc):
 
 def forward(x, w, target, dloss):
     t, v = x.shape[0], w.shape[0]
-    # Rows a multiple of 128 (whole M tiles) except the last, within LOGITS_BYTES,
-    # and at least two chunks so small problems exercise the chunk loop too.
-    fit = max(128, LOGITS_BYTES // (2 * v) // 128 * 128)
-    half = (t + 1) // 2
-    chunk = min(fit, max(128, (half + 127) // 128 * 128))
+    # Rows a multiple of 128 (whole M tiles) within LOGITS_BYTES; a problem whose
+    # logits fit the budget runs as one chunk (dw is then one GEMM, rounded once).
+    chunk = min(t, max(128, LOGITS_BYTES // (2 * v) // 128 * 128))
     dx = zeros_like(x)
     dw = None
     losses = []

@@ -102,7 +102,7 @@ def bench_task(task: Any, shape_set: str, reps: int, tune: bool, device: str = "
         row["tuned"] = tuned
     with launch_ledger() as ledger:
         outputs = fused()
-    row["fused_output_gib"] = outputs_gib(outputs)  # e.g. lm_head_xent's fp32 dw
+    row["fused_output_gib"] = outputs_gib(outputs)  # what the task must hold: the memory floor
     del outputs
     row["configs"] = [f"{l.name}: {l.config}" for l in ledger if l.kind == "gemm"]
     row["fused"] = stats(fused, reps, device)

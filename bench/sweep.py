@@ -218,7 +218,7 @@ def lm_head_bf16_dw() -> list[dict]:
     off) of the expert's dlogits, which is what the kernels compute up to
     summation order:
 
-    - ``fp32``: an fp32 dw (the expert before 2026-11-29-d);
+    - ``fp32``: an fp32 dw (what the expert returned before run 4 of 2026-11-29);
     - ``bf16_one_rounding``: dw kept in bf16, each chunk's fp32 product added to it in
       fp32 and rounded once (a GEMM reading the running dw as its C operand);
     - ``bf16_reduce_add``: each chunk's product rounded to bf16, then added into the

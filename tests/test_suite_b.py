@@ -132,7 +132,7 @@ MUTANTS = [
     # (task, original, mutant): each plausible slip must fail the check.
     ("mlp_block", "hr * rstd * s * inv_dim", "hr * rstd * 0.0 * inv_dim"),  # RMSNorm backward without s
     ("qk_norm_rope", "e * s + o * c", "e * s - o * c"),  # RoPE sign
-    # lm_head_xent's chunk slip is in test_lm_head_chunk_loop_sums_dw_across_chunks: the
+    # lm_head_xent's chunk slip is in test_lm_head_chunk_slip_is_caught: the
     # CPU shapes run one chunk, where every chunk *is* the first.
     ("llama3_block", '{"s": du * u}', '{"s": du}'),  # QKV-side statistic without the saved output
 ]

@@ -3,7 +3,10 @@
 For every task of ``tasks/llama3`` and every LLaMA-3 shape set it has
 (1B / 8B / 70B at 16384 tokens by default), time with device events, L2
 flushed before every rep, medians over ``--reps`` runs on freshly drawn
-inputs (never zeros), with spread (p10/p90):
+inputs (never zeros), with spread (p10/p90).  The contenders are timed
+interleaved, one rep of each per round, and the GPU's SM clock, power and
+temperature are sampled alongside (``bench/clocks.py``), so a row's ratios
+compare runs at the same clock and the record says which clock that was:
 
 - the fused program (forward; forward+backward where the task has gradients),
   with the tile configuration tuned once per (program, shape) and cached;
@@ -22,8 +25,10 @@ renders several runs side by side).  Usage on the device::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
+import os
 import platform
 import sys
 import time
@@ -36,24 +41,35 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def stats(fn: Callable[[], Any], reps: int, device: str = "cuda") -> dict:
-    """Median/p10/p90 ms of fn() with the L2 flushed before every rep, plus the
-    host time to enqueue one call.  On CPU (``--dry-run``) wall-clock times:
-    they check that the benchmark runs, not how fast anything is."""
+def stats(fns: dict[str, Callable[[], Any]], reps: int, device: str = "cuda") -> dict[str, dict]:
+    """Median/p10/p90 ms of each contender with the L2 flushed before every rep,
+    plus the host time to enqueue one call, timed interleaved (round-robin, see
+    ``measure_each``) so clock drift lands on all alike.  On CPU (``--dry-run``)
+    wall-clock times: they check that the benchmark runs, not how fast anything is."""
     if device == "cuda":
-        from coda_agent.primitives.tuning import measure
+        from coda_agent.primitives.tuning import measure_each
 
-        times, host = measure(fn, reps)
+        measured = measure_each(fns, reps)
     else:
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        times.sort()
-        host = times[len(times) // 2]
-    q = lambda p: times[min(len(times) - 1, int(p * len(times)))]  # noqa: E731
-    return {"median_ms": q(0.5), "p10_ms": q(0.1), "p90_ms": q(0.9), "host_ms": host, "reps": reps}
+        measured = {}
+        for name, fn in fns.items():
+            times = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+            times.sort()
+            measured[name] = (times, times[len(times) // 2])
+    out = {}
+    for name, (times, host) in measured.items():
+        q = lambda p: times[min(len(times) - 1, int(p * len(times)))]  # noqa: E731
+        out[name] = {"median_ms": q(0.5), "p10_ms": q(0.1), "p90_ms": q(0.9), "host_ms": host, "reps": reps}
+    return out
+
+
+def stat(fn: Callable[[], Any], reps: int, device: str = "cuda") -> dict:
+    """:func:`stats` of one contender."""
+    return stats({"fn": fn}, reps, device)["fn"]
 
 
 def peak_mem_gib(fn: Callable[[], Any], device: str = "cuda") -> float | None:
@@ -73,7 +89,8 @@ def outputs_gib(outputs: dict) -> float:
     return sum(t.nbytes for t in outputs.values() if isinstance(t, torch.Tensor)) / 2**30
 
 
-def bench_task(task: Any, shape_set: str, reps: int, tune: bool, device: str = "cuda") -> dict:
+def bench_task(task: Any, shape_set: str, reps: int, tune: bool, device: str = "cuda",
+               sampler: Any = None) -> dict:
     from coda_agent.primitives import gemm, launch_ledger, load_program, lowering
     from coda_agent.verifier.inputs import make_grads, make_inputs
 
@@ -105,15 +122,14 @@ def bench_task(task: Any, shape_set: str, reps: int, tune: bool, device: str = "
     row["fused_output_gib"] = outputs_gib(outputs)  # what the task must hold: the memory floor
     del outputs
     row["configs"] = [f"{l.name}: {l.config}" for l in ledger if l.kind == "gemm"]
-    row["fused"] = stats(fused, reps, device)
-    row["fused_peak_gib"] = peak_mem_gib(fused, device)
 
     # Speed of light: the plain GEMMs the math needs.
     mats = [(torch.randn(m, k, device=device, dtype=torch.bfloat16),
              torch.randn(k, n, device=device, dtype=torch.bfloat16)) for m, n, k in spec.gemm_shapes(shape_set)]
-    row["gemm_cublas"] = stats(lambda: [a @ b for a, b in mats], reps, device)
-    with lowering(low):
-        row["gemm_quack"] = stats(lambda: [gemm(a, b) for a, b in mats], reps, device)
+
+    def quack_gemms() -> Any:
+        with lowering(low):
+            return [gemm(a, b) for a, b in mats]
 
     ref = task.reference_fn
     float_inputs = [k for k, v in inputs.items() if v.is_floating_point()]
@@ -129,31 +145,37 @@ def bench_task(task: Any, shape_set: str, reps: int, tune: bool, device: str = "
             return out
         return run
 
-    row["eager"] = stats(torch_run(ref), reps, device)
-    row["eager_peak_gib"] = peak_mem_gib(torch_run(ref), device)
-    if device != "cuda":  # a dry run checks the plumbing; torch.compile and Liger need the GPU
-        return _ratios(spec, shape_set, row)
-    try:
-        # Static shapes, as a single-shape training run gets: without dynamic=False the
-        # second shape set in one process recompiles the reference with dynamic shapes,
-        # whose kernels ran up to 1.4x slower on the H200 (swiglu_bwd at 8B: 5.23 vs
-        # 3.77 ms, bench/results/h200-2026-11-29-d).
-        compiled = torch.compile(ref, dynamic=False)
-        torch_run(compiled)()
-        row["compile"] = stats(torch_run(compiled), reps)
-        row["compile_peak_gib"] = peak_mem_gib(torch_run(compiled))
-    except Exception as e:  # noqa: BLE001 - record, keep benchmarking
-        row["compile_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-    try:
-        from liger_baselines import LIGER  # type: ignore[import-not-found]
+    contenders: dict[str, Callable[[], Any]] = {
+        "fused": fused, "gemm_cublas": lambda: [a @ b for a, b in mats], "gemm_quack": quack_gemms,
+        "eager": torch_run(ref)}
+    if device == "cuda":  # a dry run checks the plumbing; torch.compile and Liger need the GPU
+        try:
+            # Static shapes, as a single-shape training run gets: without dynamic=False the
+            # second shape set in one process recompiles the reference with dynamic shapes,
+            # whose kernels ran up to 1.4x slower on the H200 (swiglu_bwd at 8B: 5.23 vs
+            # 3.77 ms, bench/results/h200-2026-11-29-d).
+            contenders["compile"] = torch_run(torch.compile(ref, dynamic=False))
+            contenders["compile"]()
+        except Exception as e:  # noqa: BLE001 - record, keep benchmarking
+            contenders.pop("compile", None)
+            row["compile_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        try:
+            from liger_baselines import LIGER  # type: ignore[import-not-found]
 
-        if spec.name in LIGER:
-            fn = LIGER[spec.name]
-            dims = spec.shapes[shape_set]
-            row["liger"] = stats(lambda: fn(inputs, params, grads, dims), reps)
-            row["liger_peak_gib"] = peak_mem_gib(lambda: fn(inputs, params, grads, dims))
-    except Exception as e:  # noqa: BLE001
-        row["liger_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            if spec.name in LIGER:
+                fn, dims = LIGER[spec.name], spec.shapes[shape_set]
+                contenders["liger"] = lambda: fn(inputs, params, grads, dims)
+                contenders["liger"]()
+        except Exception as e:  # noqa: BLE001
+            contenders.pop("liger", None)
+            row["liger_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    t0 = time.time()
+    row.update(stats(contenders, reps, device))
+    if sampler is not None and (clock := sampler.summary(t0, time.time())):
+        row["clock"] = clock  # what the GPU ran at while this row was timed
+    for name in ("fused", "eager", "compile", "liger"):
+        if name in contenders:
+            row[f"{name}_peak_gib"] = peak_mem_gib(contenders[name], device)
     return _ratios(spec, shape_set, row)
 
 
@@ -209,18 +231,21 @@ def main() -> int:
     wanted = set(filter(None, args.tasks.split(",")))
     suite = [t for t in load_suite(SUITE_DIR) if not wanted or t.name in wanted]
     results = {"date": dt.date.today().isoformat(), "versions": versions(), "reps": args.reps,
-               "method": "torch.cuda.Event, 256 MiB L2 flush before each rep, median (p10/p90)",
+               "method": "torch.cuda.Event, 256 MiB L2 flush before each rep, contenders interleaved "
+                         "round-robin, median (p10/p90)",
                "rows": []}
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{'h200' if device == 'cuda' else 'dryrun'}-{results['date']}.json"
-    for task in suite:
-        for shape_set in args.sets.split(","):
-            if shape_set not in task.spec.shapes:
-                continue
+    from clocks import ClockSampler  # bench/clocks.py, on the path above
+
+    gpu = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
+    with ClockSampler(gpu) if device == "cuda" else contextlib.nullcontext() as sampler:
+        for task, shape_set in ((t, s) for t in suite for s in args.sets.split(",") if s in t.spec.shapes):
             t0 = time.time()
             try:
-                row = bench_task(task, shape_set, args.reps, tune=not args.no_tune, device=device)
+                row = bench_task(task, shape_set, args.reps, tune=not args.no_tune, device=device,
+                                 sampler=sampler)
             except Exception as e:  # noqa: BLE001 - one task's failure is a row, not a crash
                 traceback.print_exc(limit=4)
                 row = {"task": task.name, "shape_set": shape_set, "error": f"{type(e).__name__}: {str(e)[:400]}"}
@@ -231,6 +256,9 @@ def main() -> int:
             if device == "cuda":
                 torch.cuda.empty_cache()
             path.write_text(json.dumps(results, indent=1))
+    if sampler is not None and sampler.error:
+        results["clock_error"] = sampler.error  # rows without "clock": the sampler stopped here
+        path.write_text(json.dumps(results, indent=1))
     print(f"wrote {path}")
     if args.update_benchmarks:
         import table  # bench/table.py, on the path above

@@ -20,7 +20,11 @@ script asks narrower questions, each an experiment writing one JSON section:
 - ``lm_head_bf16_dw``: the LM head's dw summed across chunks in fp32 or bf16
   (two ways of rounding) at LLaMA-3 1B: the verifier's verdict, three seeds;
 - ``contention``: a launch-heavy small program timed alone and with every CPU
-  core busy, at the shipped spin margin (``tuning.SPIN_FACTOR``) and twice it.
+  core busy, at the shipped spin margin (``tuning.SPIN_FACTOR``) and twice it;
+- ``power``: the dSwiGLU GEMM with and without its epilogue, each run back to
+  back for seconds at LLaMA-3 1B and 8B while ``bench/clocks.py`` reads the SM
+  clock and board power: is what the epilogue costs its traffic's power, paid
+  as a lower clock at the power cap?
 
 Usage on the device: ``python3 bench/sweep.py OUT.json [EXPERIMENT ...]``.
 """
@@ -37,7 +41,7 @@ from typing import Any, Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from run import outputs_gib, peak_mem_gib, stats, versions  # noqa: E402  # bench/run.py
+from run import outputs_gib, peak_mem_gib, stat, versions  # noqa: E402  # bench/run.py
 
 ROOT = Path(__file__).resolve().parent.parent
 V, T = 128256, 16384
@@ -53,7 +57,7 @@ def _sweep(call: Callable[[Any], Any], configs: list) -> dict:
     out: dict[str, Any] = {}
     for cfg in configs:
         try:
-            out[str(cfg)] = stats(lambda: call(cfg), 20)
+            out[str(cfg)] = stat(lambda: call(cfg), 20)
         except Exception as e:  # noqa: BLE001 - a config the shape cannot use is a row, not a crash
             out[str(cfg)] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
     return out
@@ -70,7 +74,7 @@ def few_tiles() -> list[dict]:
         b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
         with lowering("cute"):
             times = _sweep(lambda cfg: gemm(a, b, config=cfg), _configs())
-        cublas = stats(lambda: a @ b, 20)
+        cublas = stat(lambda: a @ b, 20)
         rows.append({"MNK": [m, n, k], "heuristic": str(default_config(None, {}, n, m)),
                      "cublas": cublas, "configs": times})
         del a, b
@@ -94,7 +98,7 @@ def narrow_n() -> list[dict]:
         with lowering("cute"):
             times = _sweep(lambda cfg: gemm(dS, k, prog.rope_inverse, config=cfg, pos=pos, freq=freq),
                            _configs(extra))
-        rows.append({"MNK": [T, d, T], "epilogue": "rope_inverse", "cublas_plain": stats(lambda: dS @ k, 20),
+        rows.append({"MNK": [T, d, T], "epilogue": "rope_inverse", "cublas_plain": stat(lambda: dS @ k, 20),
                      "configs": times})
         del dS
         torch.cuda.empty_cache()
@@ -115,7 +119,7 @@ def paired_tile() -> list[dict]:
              TileConfig(256, 64, 2, 1, False))
     with lowering("cute"):
         times = _sweep(lambda cfg: gemm(dout, w, prog.dswiglu, config=cfg, pre=pre), _configs(extra))
-    return [{"MNK": [T, i, h], "epilogue": "dswiglu", "cublas_plain": stats(lambda: dout @ w, 20),
+    return [{"MNK": [T, i, h], "epilogue": "dswiglu", "cublas_plain": stat(lambda: dout @ w, 20),
              "configs": times}]
 
 
@@ -175,11 +179,11 @@ def dswiglu_parts() -> list[dict]:
             ops = {} if epi is None else {"pre": pre}
             try:
                 with lowering("cute"):
-                    row[name] = stats(lambda: gemm(dout, w, epi, config=cfg, **ops), 20)
+                    row[name] = stat(lambda: gemm(dout, w, epi, config=cfg, **ops), 20)
             except Exception as e:  # noqa: BLE001 - a config the epilogue cannot use is a row
                 row[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
         rows.append(row)
-    rows.append({"config": "cuBLAS", "plain": stats(lambda: dout @ w, 20)})
+    rows.append({"config": "cuBLAS", "plain": stat(lambda: dout @ w, 20)})
     return rows
 
 
@@ -203,7 +207,7 @@ def lm_head_chunks() -> list[dict]:
         held = outputs_gib(out)
         del out
         torch.cuda.empty_cache()
-        rows.append({"logits_bytes": budget, "time": stats(step, 10), "peak_gib": peak_mem_gib(step),
+        rows.append({"logits_bytes": budget, "time": stat(step, 10), "peak_gib": peak_mem_gib(step),
                      "outputs_gib": held,
                      "configs": sorted({f"{l.name}: {l.config}" for l in ledger if l.kind == "gemm"})})
         torch.cuda.empty_cache()
@@ -310,12 +314,77 @@ def contention() -> list[dict]:
                 saved = tuning.SPIN_FACTOR, tuning.SPIN_FLOOR_MS
                 tuning.SPIN_FACTOR, tuning.SPIN_FLOOR_MS = factor, floor
                 try:
-                    rows.append({"busy_cores": busy, "spin": [factor, floor], **stats(call, 50)})
+                    rows.append({"busy_cores": busy, "spin": [factor, floor], **stat(call, 50)})
                 finally:
                     tuning.SPIN_FACTOR, tuning.SPIN_FLOOR_MS = saved
         finally:
             for b in burners:
                 b.terminate()
+    return rows
+
+
+def _steady(fn: Callable[[], Any], seconds: float, depth: int = 4) -> tuple[float, int, float, float]:
+    """Run ``fn`` back to back for ``seconds`` (no L2 flush: a training step's
+    steady state), keeping ``depth`` calls queued so the GPU never idles.
+    Returns (device ms per call, calls, wall start, wall end)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    fn()
+    torch.cuda.synchronize()
+    queued: list[Any] = []
+    calls, t0 = 0, time.time()
+    start.record()
+    while time.time() - t0 < seconds:
+        fn()
+        calls += 1
+        queued.append(torch.cuda.Event())
+        queued[-1].record()
+        if len(queued) > depth:
+            queued.pop(0).synchronize()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / calls, calls, t0, time.time()
+
+
+def power(seconds: float = 3.0, settle: float = 1.0) -> list[dict]:
+    """Each contender runs alone for ``seconds``; the clock summary covers the
+    part after ``settle`` seconds (board power is a one-second average).  Two
+    passes in opposite orders, so a drift over the experiment shows as a
+    difference between them."""
+    import os
+
+    from clocks import ClockSampler  # bench/clocks.py
+    from coda_agent.primitives import TileConfig, gemm, load_program, lowering
+
+    task = _task("swiglu_bwd")
+    full = load_program(task.expert_path.read_text(), task.name).dswiglu
+    parts = load_program(DSWIGLU_PARTS, "dswiglu_parts")
+    paired = TileConfig(128, 128, 1, 2, True)  # what the heuristic gives the expert
+    rows: list[dict] = []
+    gpu = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
+    with ClockSampler(gpu, period_s=0.05) as sampler:
+        for shapes, (h, i) in {"llama3-1b": (2048, 8192), "llama3-8b": (4096, 14336)}.items():
+            dout = torch.randn(T, h, device="cuda", dtype=torch.bfloat16)
+            w = torch.randn(h, i, device="cuda", dtype=torch.bfloat16) / h ** 0.5
+            pre = torch.randn(T, 2 * i, device="cuda", dtype=torch.bfloat16)
+
+            def quack(epi: Any, **ops: Any) -> Callable[[], Any]:
+                def run() -> Any:
+                    with lowering("cute"):
+                        return gemm(dout, w, epi, config=paired, **ops)
+                return run
+
+            contenders = {"cublas_plain": lambda: dout @ w, "quack_plain": quack(None),
+                          "pre_round_trip": quack(parts.copy, pre=pre), "full_epilogue": quack(full, pre=pre)}
+            names = list(contenders)
+            for order in (names, names[::-1]):
+                for name in order:
+                    ms, calls, t0, t1 = _steady(contenders[name], seconds)
+                    rows.append({"shapes": shapes, "MNK": [T, i, h], "config": str(paired), "contender": name,
+                                 "pass": 0 if order is names else 1, "ms_per_call": ms, "calls": calls,
+                                 "clock": sampler.summary(t0 + settle, t1)})
+                    print(json.dumps(rows[-1]), flush=True)
+    if sampler.error:
+        rows.append({"clock_error": sampler.error})
     return rows
 
 
@@ -327,7 +396,7 @@ def _task(name: str) -> Any:
 
 EXPERIMENTS = {"few_tiles": few_tiles, "narrow_n": narrow_n, "paired_tile": paired_tile,
                "dswiglu_parts": dswiglu_parts, "lm_head_bf16_dw": lm_head_bf16_dw,
-               "lm_head_chunks": lm_head_chunks, "contention": contention}
+               "lm_head_chunks": lm_head_chunks, "contention": contention, "power": power}
 
 
 def main(argv: list[str]) -> int:

@@ -58,11 +58,12 @@ def render(results: dict, title: str = "") -> str:
         "(not part of the device time). Ratios: fused/GEMM (target <= 1.05), speedups = "
         "baseline time / fused time. Peak: GiB allocated beyond what was live before the call.", "",
         "| task | kind | shapes | fused | host | plain GEMMs (cuBLAS) | quack GEMM | eager | compile | liger "
-        "| fused/GEMM | vs compile | vs eager | vs liger | TFLOP/s | peak fused / compile / liger | configs |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        "| fused/GEMM | vs compile | vs eager | vs liger | TFLOP/s | SM MHz | peak fused / compile / liger "
+        "| configs |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results["rows"]:
         if "error" in r:
-            lines.append(f"| {r['task']} | | {r['shape_set']} | error: {r['error'][:80]} |" + " |" * 13)
+            lines.append(f"| {r['task']} | | {r['shape_set']} | error: {r['error'][:80]} |" + " |" * 14)
             continue
         cfgs = "; ".join(sorted(set(r.get("configs", []))))
         host = r["fused"].get("host_ms")
@@ -71,13 +72,34 @@ def render(results: dict, title: str = "") -> str:
             f"{f'{host:.2f}' if host is not None else '-'} | {_ms(r, 'gemm_cublas')} | "
             f"{_ms(r, 'gemm_quack')} | {_ms(r, 'eager')} | {_ms(r, 'compile')} | {_ms(r, 'liger')} | "
             f"{_x(r, 'fused_over_gemm')} | {_x(r, 'speedup_vs_compile')} | {_x(r, 'speedup_vs_eager')} | "
-            f"{_x(r, 'speedup_vs_liger')} | {_x(r, 'tflops')} | {_gib(r, 'fused_peak_gib')} / "
+            f"{_x(r, 'speedup_vs_liger')} | {_x(r, 'tflops')} | {_clock(r)} | {_gib(r, 'fused_peak_gib')} / "
             f"{_gib(r, 'compile_peak_gib')} / {_gib(r, 'liger_peak_gib')} | {cfgs} |")
     ok = [r for r in results["rows"] if "error" not in r]
-    lines += ["", *targets(ok)]
+    lines += ["", *targets(ok), *clock_lines(ok)]
     for r in (r for r in ok if "flag" in r):
         lines.append(f"- flagged: {r['task']} {r['shape_set']}: {r['flag']}")
     return "\n".join(lines)
+
+
+def _clock(row: dict) -> str:
+    """The SM clock while the row was timed: median (lowest)."""
+    c = row.get("clock")
+    return f"{c['sm_mhz_median']:.0f} ({c['sm_mhz_min']:.0f})" if c else "-"
+
+
+def clock_lines(rows: list[dict]) -> list[str]:
+    """One line on the clock the whole run ran at, and what held it down."""
+    clocked = [r for r in rows if r.get("clock")]
+    if not clocked:
+        return []
+    mhz = sorted(r["clock"]["sm_mhz_median"] for r in clocked)
+    held: dict[str, int] = {}
+    for r in clocked:
+        for reason in r["clock"]["reasons"]:
+            held[reason] = held.get(reason, 0) + 1
+    why = "; ".join(f"{k} in {v} of {len(clocked)} rows" for k, v in sorted(held.items())) or "none reported"
+    return [f"- SM clock while timed (median per row): {mhz[0]:.0f}-{mhz[-1]:.0f} MHz, rated "
+            f"{clocked[0]['clock']['sm_mhz_max_rated']:.0f}; reasons the driver held it down: {why}"]
 
 
 def _ceiling(rows: list[dict], kind: str) -> str:

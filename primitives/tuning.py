@@ -33,7 +33,7 @@ import tempfile
 import time
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 from .gemm import TileConfig
 from .version import CATALOGUE_VERSION
@@ -188,23 +188,46 @@ def measure(fn: Callable[[], Any], reps: int = 20, warmup: int = 3) -> tuple[lis
     candidate (program, plain GEMM, eager, compiled) is timed the same way.
     The host side is the :func:`enqueue_ms` this sizing needs anyway.
     """
+    return measure_each({"fn": fn}, reps, warmup)["fn"]
+
+
+def measure_each(fns: Mapping[str, Callable[[], Any]], reps: int = 20, warmup: int = 3
+                 ) -> dict[str, tuple[list[float], float]]:
+    """:func:`measure` for several contenders, interleaved: round ``r`` times each
+    contender once, in an order that rotates by one every round, before round
+    ``r + 1`` starts.  Returns ``{name: (sorted ms, host ms)}``.
+
+    Why interleave: the H200's clock follows its power and temperature over a
+    run, and a comparison timed in blocks can give one contender the cool GPU
+    and the next the throttled one (at LLaMA-3 70B one contender's p10-p90
+    spread reached 30%, bench/results/h200-2026-11-29-d).  Interleaved, drift
+    lands on every contender alike, so the ratios compare like with like.  The
+    device is synchronized after every call, so no contender's work (a stray
+    side stream included) runs inside another's timing window.
+    """
     import torch
 
+    names = list(fns)
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    for _ in range(warmup):
-        fn()
-    host = enqueue_ms(fn)
-    cycles = int(min(SPIN_FACTOR * host + SPIN_FLOOR_MS, 200.0) * _cycles_per_ms())
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for s, e in zip(starts, ends):
-        flush.fill_(1)
-        torch.cuda._sleep(cycles)
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    return sorted(s.elapsed_time(e) for s, e in zip(starts, ends)), host
+    spin: dict[str, int] = {}
+    host: dict[str, float] = {}
+    for name in names:
+        for _ in range(warmup):
+            fns[name]()
+        host[name] = enqueue_ms(fns[name])
+        spin[name] = int(min(SPIN_FACTOR * host[name] + SPIN_FLOOR_MS, 200.0) * _cycles_per_ms())
+    times: dict[str, list[float]] = {name: [] for name in names}
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for r in range(reps):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            flush.fill_(1)
+            torch.cuda._sleep(spin[name])
+            start.record()
+            fns[name]()
+            end.record()
+            torch.cuda.synchronize()
+            times[name].append(start.elapsed_time(end))
+    return {name: (sorted(times[name]), host[name]) for name in names}
 
 
 def enqueue_ms(fn: Callable[[], Any], calls: int = 5) -> float:
@@ -238,40 +261,42 @@ def _cycles_per_ms() -> float:
     return cycles / max(s.elapsed_time(e), 1e-3)
 
 
-def time_ms(fn: Callable[[], Any], reps: int = 20, warmup: int = 3) -> float:
-    """Median device time of :func:`measure`."""
-    times, _ = measure(fn, reps, warmup)
-    return times[len(times) // 2]
-
-
 def tune(epi: Any, A: Any, B: Any, operands: dict[str, Any], reps: int = 10,
          out_dtype: str | None = None) -> tuple[TileConfig, dict]:
-    """Time :data:`CANDIDATES` for one call, store and return the fastest."""
+    """Time :data:`CANDIDATES` for one call, interleaved (:func:`measure_each`),
+    store and return the fastest."""
     from .gemm import gemm
     from .lowering import lowering
 
     m, k = A.shape
     n = B.shape[1]
     times: dict[str, float] = {}
-    best: TileConfig | None = None
     head_dims = [operands[s] for s in epi.head_stats] if epi is not None else []
+
+    def call(cfg: TileConfig) -> Callable[[], Any]:
+        def run() -> Any:
+            with lowering("cute"):
+                return gemm(A, B, epi, config=cfg, out_dtype=out_dtype, **operands)
+        return run
+
+    runnable: dict[str, Callable[[], Any]] = {}
+    configs: dict[str, TileConfig] = {}
     for cfg in CANDIDATES:
         if any(cfg.tile_n % hd for hd in head_dims):
             continue  # a head statistic needs whole heads per tile
         try:
-            with lowering("cute"):
-                t = time_ms(lambda: gemm(A, B, epi, config=cfg, out_dtype=out_dtype, **operands),
-                            reps=reps)
-        except Exception as e:  # noqa: BLE001 - a config this shape cannot use is skipped
+            call(cfg)()  # compiles; a config this shape cannot use is skipped
+        except Exception as e:  # noqa: BLE001
             times[str(cfg)] = float("nan")
             logging.getLogger(__name__).warning("tune: %s failed: %s: %s", cfg, type(e).__name__,
                                                 str(e)[:200])
             continue
-        times[str(cfg)] = t
-        if best is None or t < times[str(best)]:
-            best = cfg
-    if best is None:
+        runnable[str(cfg)], configs[str(cfg)] = call(cfg), cfg
+    if not runnable:
         raise RuntimeError("no candidate config ran")
+    for name, (t, _) in measure_each(runnable, reps).items():
+        times[name] = t[len(t) // 2]
+    best = configs[min(runnable, key=times.__getitem__)]
     key = tuning_key(epi, m, n, k, A.dtype, _device_name(A.device.index or 0))
     TuningCache().put(key, best, times)
     _forget_lookups()  # later lookups see the new winner

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 
@@ -78,3 +79,88 @@ def test_tile_config_maps_to_one_quack_object():
     assert a.to_quack() is b.to_quack()
     assert a.to_quack() is not TileConfig(128, 192, 2, 1, True).to_quack()
     assert a.to_quack().tile_n == 128 and not a.to_quack().is_dynamic_persistent
+
+
+def _bench_module(name: str):
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.pop(0)
+
+
+def _fake_nvidia_smi(tmp_path: Path, body: str) -> str:
+    """An executable standing in for nvidia-smi: the sampler runs it as it would the real one."""
+    path = tmp_path / "nvidia-smi"
+    path.write_text("#!/usr/bin/env bash\n" + body)
+    path.chmod(0o755)
+    return str(path)
+
+
+def _sample_for(sampler, seconds: float) -> tuple[float, float]:
+    t0 = time.time()
+    with sampler:
+        deadline = time.time() + 20
+        while len(sampler.samples) < 3 and sampler.error is None and time.time() < deadline:
+            time.sleep(seconds)
+    return t0, time.time()
+
+
+def test_clock_sampler_summarizes_what_the_gpu_ran_at(tmp_path):
+    """Clock, power, temperature and the driver's reasons for holding the clock
+    down (its power cap here; "idle" between reps is not a reason worth reporting)."""
+    clocks = _bench_module("clocks")
+    fake = _fake_nvidia_smi(tmp_path, 'case "$*" in *"-i 3 "*) ;; *) echo "wrong GPU: $*" >&2; exit 6;; esac\n'
+                                      'echo "1755, 1980, 689.50, 61, 0x0000000000000005"\n')
+    sampler = clocks.ClockSampler(gpu=3, period_s=0.01, command=fake)
+    t0, t1 = _sample_for(sampler, 0.05)
+    assert sampler.error is None and len(sampler.samples) >= 3
+    got = sampler.summary(t0, t1)
+    assert got["sm_mhz_median"] == 1755 and got["sm_mhz_min"] == 1755 and got["sm_mhz_max_rated"] == 1980
+    assert got["power_w_median"] == 689.5 and got["temp_c_max"] == 61
+    assert got["reasons"] == ["power cap"]
+    assert sampler.summary(t1 + 1, t1 + 2) is None  # no samples in a window: no claim
+
+
+def test_clock_sampler_keeps_sampling_without_the_reasons_field(tmp_path):
+    """An older driver rejects clocks_event_reasons.active: the sampler drops that
+    field and keeps the rest, instead of stopping."""
+    clocks = _bench_module("clocks")
+    fake = _fake_nvidia_smi(tmp_path, 'case "$*" in *clocks_event_reasons*) '
+                                      'echo "Field is not a valid field to query." >&2; exit 2;; esac\n'
+                                      'echo "1410, 1980, 700.00, 70"\n')
+    sampler = clocks.ClockSampler(period_s=0.01, command=fake)
+    t0, t1 = _sample_for(sampler, 0.05)
+    assert sampler.error is None
+    got = sampler.summary(t0, t1)
+    assert got["sm_mhz_median"] == 1410 and got["reasons"] == []
+
+
+def test_clock_sampler_stops_and_says_why_when_the_gpu_cannot_be_queried(tmp_path):
+    clocks = _bench_module("clocks")
+    fake = _fake_nvidia_smi(tmp_path, 'echo "NVIDIA-SMI has failed because it could not communicate" >&2; exit 9\n')
+    sampler = clocks.ClockSampler(period_s=0.01, command=fake)
+    t0, t1 = _sample_for(sampler, 0.05)
+    assert "could not communicate" in sampler.error and sampler.summary(t0, t1) is None
+    assert "not found" in clocks.ClockSampler(command="no-such-nvidia-smi").error
+
+
+def test_table_shows_the_clock_each_row_ran_at():
+    table = _bench_module("table")
+
+    def row(task, mhz, reasons):
+        return {"task": task, "shape_set": "llama3-8b", "fused_over_gemm": 1.0, "speedup_vs_compile": 1.1,
+                "speedup_vs_eager": 1.2, "tflops": 700.0, "fused": {"median_ms": 1.0, "p10_ms": 1.0,
+                                                                     "p90_ms": 1.0, "host_ms": 0.1},
+                "clock": {"samples": 5, "sm_mhz_median": mhz, "sm_mhz_min": mhz - 100,
+                          "sm_mhz_max_rated": 1980, "power_w_median": 690, "temp_c_max": 60,
+                          "reasons": reasons}}
+
+    results = {"date": "2026-11-29", "reps": 20, "method": "m",
+               "versions": {"gpu": "NVIDIA H200", "torch": "t", "cuda": "c", "quack-kernels": "q",
+                            "nvidia-cutlass-dsl": "d", "liger-kernel": "l", "catalogue": "x"},
+               "rows": [row("swiglu_fwd", 1755, ["power cap"]), row("rope_fwd", 1980, [])]}
+    text = table.render(results)
+    assert "| 1755 (1655) |" in text and "| 1980 (1880) |" in text
+    assert ("SM clock while timed (median per row): 1755-1980 MHz, rated 1980; reasons the driver "
+            "held it down: power cap in 1 of 2 rows") in text

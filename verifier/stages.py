@@ -491,18 +491,11 @@ def _launch_audit(ctx: Context) -> StageResult:
 
 # --------------------------------------------------------------------------- 6. performance
 
-def bench(fn: Callable[[], Any], reps: int) -> float:
-    """Median milliseconds over ``reps`` calls, L2 flushed before each."""
-    from coda_agent.primitives.tuning import time_ms
-
-    return time_ms(fn, reps)
-
-
 def _performance(ctx: Context) -> StageResult:
     if skip := _gpu_required("performance"):
         return skip
     from coda_agent.primitives import launch_ledger, lowering
-    from coda_agent.primitives.tuning import measure
+    from coda_agent.primitives.tuning import measure_each
 
     spec = ctx.task.spec
     sets, _ = fitting_shape_sets(ctx)
@@ -513,11 +506,33 @@ def _performance(ctx: Context) -> StageResult:
     details: dict[str, Any] = {"shape_set": shape_set, "reps": ctx.reps}
     with lowering("cute"):
         mod = load(ctx, "performance")
-        times, host_ms = measure(lambda: call_program(ctx, mod, inputs, grads), ctx.reps)
-        t_prog = times[len(times) // 2]
-        with launch_ledger() as ledger:
-            got = call_program(ctx, mod, inputs, grads)  # re-check after timing
-        torch.cuda.synchronize()
+
+    def program() -> Any:
+        with lowering("cute"):
+            return call_program(ctx, mod, inputs, grads)
+
+    dtype = TORCH_DTYPES[next(iter(spec.inputs.values())).dtype]
+    dtype = dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+    mats = [(torch.randn(m, k, device="cuda", dtype=dtype), torch.randn(k, n, device="cuda", dtype=dtype))
+            for m, n, k in spec.gemm_shapes(shape_set)]
+    contenders: dict[str, Callable[[], Any]] = {"program": program,
+                                                "gemm": lambda: [a @ b for a, b in mats]}
+    for base in spec.baselines:
+        if base in ("eager", "compile"):
+            try:
+                contenders[base] = _torch_baseline(ctx.task, inputs, grads, compiled=base == "compile")
+                contenders[base]()  # compiles here, so a failure is the baseline's, not the timing's
+            except Exception as e:  # noqa: BLE001 - a baseline that cannot run is reported, not fatal
+                contenders.pop(base, None)
+                details[f"{base}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    # Interleaved (measure_each): program and baselines at the same clock, and the
+    # device synchronized between calls, so none runs inside another's window.
+    measured = measure_each(contenders, ctx.reps)
+    times = {name: t[len(t) // 2] for name, (t, _) in measured.items()}
+    t_prog, host_ms = times["program"], measured["program"][1]
+    with lowering("cute"), launch_ledger() as ledger:
+        got = call_program(ctx, mod, inputs, grads)  # re-check after timing
+    torch.cuda.synchronize()
     details["configs"] = [f"{entry.name}: {entry.config}" for entry in ledger if entry.kind == "gemm"]
     details["host_ms"] = round(host_ms, 4)
     hi = run_reference(ctx.task, inputs, grads, torch.float32)
@@ -526,18 +541,6 @@ def _performance(ctx: Context) -> StageResult:
     if ms:
         return StageResult(name="performance", status="failed", mismatches=ms,
                            message="after timing: " + _mismatch_message(ms))
-    dtype = TORCH_DTYPES[next(iter(spec.inputs.values())).dtype]
-    dtype = dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
-    mats = [(torch.randn(m, k, device="cuda", dtype=dtype), torch.randn(k, n, device="cuda", dtype=dtype))
-            for m, n, k in spec.gemm_shapes(shape_set)]
-    times = {"program": t_prog, "gemm": bench(lambda: [a @ b for a, b in mats], ctx.reps)}
-    for base in spec.baselines:
-        if base in ("eager", "compile"):
-            try:
-                fn = _torch_baseline(ctx.task, inputs, grads, compiled=base == "compile")
-                times[base] = bench(fn, ctx.reps)
-            except Exception as e:  # noqa: BLE001 - a baseline that cannot run is reported, not fatal
-                details[f"{base}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
     flops = spec.flops(shape_set)
     details["ms"] = {k: round(v, 4) for k, v in times.items()}
     details["tflops"] = round(flops / (t_prog * 1e-3) / 1e12, 1)

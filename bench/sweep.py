@@ -10,8 +10,9 @@ script asks narrower questions, each an experiment writing one JSON section:
 - ``narrow_n``: the RoPE backward epilogue at N = head_dim (64, 128): is a tile
   as narrow as the output better than 128?
 - ``paired_tile``: the dSwiGLU backward (PairedTile in, packed pairs out, a
-  row reduction) at LLaMA-3 1B, the suite's worst fused / GEMM ratio, over
-  the candidates and narrower or differently clustered tiles;
+  row reduction) at LLaMA-3 1B and 8B, the suite's worst fused / GEMM ratios,
+  over the candidates and narrower or differently clustered tiles, timed
+  interleaved;
 - ``dswiglu_parts``: the same GEMM with parts of that epilogue (the
   pre-activation round trip alone, the math alone, all of it, all of it with an
   IEEE division) at four configs: what the epilogue's time is spent on;
@@ -41,7 +42,7 @@ from typing import Any, Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from run import outputs_gib, peak_mem_gib, stat, versions  # noqa: E402  # bench/run.py
+from run import outputs_gib, peak_mem_gib, stat, stats, versions  # noqa: E402  # bench/run.py
 
 ROOT = Path(__file__).resolve().parent.parent
 V, T = 128256, 16384
@@ -54,12 +55,17 @@ def _configs(extra: tuple = ()) -> list:
 
 
 def _sweep(call: Callable[[Any], Any], configs: list) -> dict:
+    """Every config that runs, timed interleaved (``stats``); one that cannot
+    run at this shape is a row with its error, not a crash."""
     out: dict[str, Any] = {}
+    runnable: dict[str, Callable[[], Any]] = {}
     for cfg in configs:
         try:
-            out[str(cfg)] = stat(lambda: call(cfg), 20)
-        except Exception as e:  # noqa: BLE001 - a config the shape cannot use is a row, not a crash
+            call(cfg)  # compiles
+            runnable[str(cfg)] = lambda cfg=cfg: call(cfg)
+        except Exception as e:  # noqa: BLE001
             out[str(cfg)] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+    out.update(stats(runnable, 20))
     return out
 
 
@@ -110,17 +116,24 @@ def paired_tile() -> list[dict]:
 
     task = _task("swiglu_bwd")
     prog = load_program(task.expert_path.read_text(), task.name)
-    h, i = 2048, 8192  # LLaMA-3 1B: the suite's worst fused / GEMM ratio
-    dout = torch.randn(T, h, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(h, i, device="cuda", dtype=torch.bfloat16) / h ** 0.5
-    pre = torch.randn(T, 2 * i, device="cuda", dtype=torch.bfloat16)
     extra = (TileConfig(128, 64, 1, 1, True), TileConfig(128, 64, 2, 1, True),
              TileConfig(128, 96, 2, 1, True), TileConfig(128, 128, 1, 2, True),
-             TileConfig(256, 64, 2, 1, False))
-    with lowering("cute"):
-        times = _sweep(lambda cfg: gemm(dout, w, prog.dswiglu, config=cfg, pre=pre), _configs(extra))
-    return [{"MNK": [T, i, h], "epilogue": "dswiglu", "cublas_plain": stat(lambda: dout @ w, 20),
-             "configs": times}]
+             TileConfig(256, 64, 2, 1, False), TileConfig(128, 128, 2, 2, True),
+             TileConfig(128, 64, 1, 2, True), TileConfig(128, 192, 1, 2, True))
+    rows = []
+    # LLaMA-3 1B, the suite's worst fused / GEMM ratio, and 8B, where it decides
+    # whether the backward tasks reach their target.
+    for h, i in ((2048, 8192), (4096, 14336)):
+        dout = torch.randn(T, h, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(h, i, device="cuda", dtype=torch.bfloat16) / h ** 0.5
+        pre = torch.randn(T, 2 * i, device="cuda", dtype=torch.bfloat16)
+        with lowering("cute"):
+            times = _sweep(lambda cfg: gemm(dout, w, prog.dswiglu, config=cfg, pre=pre), _configs(extra))
+            plain = _sweep(lambda cfg: gemm(dout, w, config=cfg), [TileConfig(128, 128, 1, 2, True),
+                                                                   TileConfig(128, 192, 2, 1, True)])
+        rows.append({"MNK": [T, i, h], "epilogue": "dswiglu", "cublas_plain": stat(lambda: dout @ w, 20),
+                     "quack_plain": plain, "configs": times})
+    return rows
 
 
 # Variants of the dSwiGLU epilogue, to split its cost: the pre-activation round

@@ -43,8 +43,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def stats(fns: dict[str, Callable[[], Any]], reps: int, device: str = "cuda") -> dict[str, dict]:
     """Median/p10/p90 ms of each contender with the L2 flushed before every rep,
-    plus the host time to enqueue one call, timed interleaved (round-robin, see
-    ``measure_each``) so clock drift lands on all alike.  On CPU (``--dry-run``)
+    plus the host time to enqueue one call, timed interleaved (one rep of each
+    per round, in random order, see ``measure_each``) so clock drift lands on all alike.  On CPU (``--dry-run``)
     wall-clock times: they check that the benchmark runs, not how fast anything is."""
     if device == "cuda":
         from coda_agent.primitives.tuning import measure_each
@@ -232,7 +232,7 @@ def main() -> int:
     suite = [t for t in load_suite(SUITE_DIR) if not wanted or t.name in wanted]
     results = {"date": dt.date.today().isoformat(), "versions": versions(), "reps": args.reps,
                "method": "torch.cuda.Event, 256 MiB L2 flush before each rep, contenders interleaved "
-                         "round-robin, median (p10/p90)",
+                         "(one rep of each per round, random order), median (p10/p90)",
                "rows": []}
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -29,6 +29,7 @@ import hashlib
 import json
 import logging
 import os
+import random
 import tempfile
 import time
 from functools import lru_cache
@@ -194,16 +195,19 @@ def measure(fn: Callable[[], Any], reps: int = 20, warmup: int = 3) -> tuple[lis
 def measure_each(fns: Mapping[str, Callable[[], Any]], reps: int = 20, warmup: int = 3
                  ) -> dict[str, tuple[list[float], float]]:
     """:func:`measure` for several contenders, interleaved: round ``r`` times each
-    contender once, in an order that rotates by one every round, before round
-    ``r + 1`` starts.  Returns ``{name: (sorted ms, host ms)}``.
+    contender once, in a fresh (seeded) random order, before round ``r + 1``
+    starts.  Returns ``{name: (sorted ms, host ms)}``.
 
-    Why interleave: the H200's clock follows its power and temperature over a
-    run, and a comparison timed in blocks can give one contender the cool GPU
-    and the next the throttled one (at LLaMA-3 70B one contender's p10-p90
-    spread reached 30%, bench/results/h200-2026-11-29-d).  Interleaved, drift
-    lands on every contender alike, so the ratios compare like with like.  The
-    device is synchronized after every call, so no contender's work (a stray
-    side stream included) runs inside another's timing window.
+    Why interleave: the H200 runs its big GEMMs at its 700 W power cap, and its
+    SM clock follows power and temperature over a run; a comparison timed in
+    blocks can give one contender the cool GPU and the next the throttled one
+    (at LLaMA-3 70B one contender's p10-p90 spread reached 30%,
+    bench/results/h200-2026-11-29-d).  Interleaved, drift lands on every
+    contender alike.  Why a random order: the clock a call gets also depends on
+    the power its predecessor drew, and a fixed or rotating order would give
+    each contender the same predecessor every round.  The device is
+    synchronized after every call, so no contender's work (a stray side stream
+    included) runs inside another's timing window.
     """
     import torch
 
@@ -218,8 +222,9 @@ def measure_each(fns: Mapping[str, Callable[[], Any]], reps: int = 20, warmup: i
         spin[name] = int(min(SPIN_FACTOR * host[name] + SPIN_FLOOR_MS, 200.0) * _cycles_per_ms())
     times: dict[str, list[float]] = {name: [] for name in names}
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for r in range(reps):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+    order = random.Random(0)
+    for _ in range(reps):
+        for name in order.sample(names, len(names)):
             flush.fill_(1)
             torch.cuda._sleep(spin[name])
             start.record()

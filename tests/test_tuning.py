@@ -89,7 +89,7 @@ def test_measure_each_interleaves_so_drift_lands_on_every_contender():
     """Two identical contenders on a GPU that "slows down" with every call (each
     call sleeps longer than the last, as a heating GPU's clock would make it):
     timed one after the other, the second would read ~1.7x the first; interleaved
-    with a rotating order, they read the same."""
+    in a random order each round, they read the same."""
     calls = [0]
 
     def drifting() -> None:

@@ -44,8 +44,9 @@ ROOT = Path(__file__).resolve().parent.parent
 def stats(fns: dict[str, Callable[[], Any]], reps: int, device: str = "cuda") -> dict[str, dict]:
     """Median/p10/p90 ms of each contender with the L2 flushed before every rep,
     plus the host time to enqueue one call, timed interleaved (one rep of each
-    per round, in random order, see ``measure_each``) so clock drift lands on all alike.  On CPU (``--dry-run``)
-    wall-clock times: they check that the benchmark runs, not how fast anything is."""
+    per round, in random order, see ``measure_each``) so clock drift lands on
+    all alike.  On CPU (``--dry-run``) wall-clock times: they check that the
+    benchmark runs, not how fast anything is."""
     if device == "cuda":
         from coda_agent.primitives.tuning import measure_each
 

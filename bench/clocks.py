@@ -63,7 +63,11 @@ class ClockSampler:
     """Polls one GPU every ``period_s`` seconds while running (a context manager).
     Without nvidia-smi (a CPU machine) it samples nothing and summarizes to None."""
 
-    def __init__(self, gpu: int | str = 0, period_s: float = 0.2, command: str = "nvidia-smi"):
+    def __init__(self, gpu: int | str | None = None, period_s: float = 0.2, command: str = "nvidia-smi"):
+        if gpu is None:  # the first GPU this process may use, as nvidia-smi numbers it
+            from coda_agent.eval.pool import visible_gpus
+
+            gpu = (visible_gpus() or ["0"])[0]
         self.gpu, self.period_s = str(gpu), period_s
         self.command = shutil.which(command)
         self.samples: list[Sample] = []

@@ -28,7 +28,6 @@ import argparse
 import contextlib
 import datetime as dt
 import json
-import os
 import platform
 import sys
 import time
@@ -240,8 +239,7 @@ def main() -> int:
     path = out_dir / f"{'h200' if device == 'cuda' else 'dryrun'}-{results['date']}.json"
     from clocks import ClockSampler  # bench/clocks.py, on the path above
 
-    gpu = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
-    with ClockSampler(gpu) if device == "cuda" else contextlib.nullcontext() as sampler:
+    with ClockSampler() if device == "cuda" else contextlib.nullcontext() as sampler:
         for task, shape_set in ((t, s) for t in suite for s in args.sets.split(",") if s in t.spec.shapes):
             t0 = time.time()
             try:

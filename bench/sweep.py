@@ -363,8 +363,6 @@ def power(seconds: float = 3.0, settle: float = 1.0) -> list[dict]:
     part after ``settle`` seconds (board power is a one-second average).  Two
     passes in opposite orders, so a drift over the experiment shows as a
     difference between them."""
-    import os
-
     from clocks import ClockSampler  # bench/clocks.py
     from coda_agent.primitives import TileConfig, gemm, load_program, lowering
 
@@ -373,8 +371,7 @@ def power(seconds: float = 3.0, settle: float = 1.0) -> list[dict]:
     parts = load_program(DSWIGLU_PARTS, "dswiglu_parts")
     paired = TileConfig(128, 128, 1, 2, True)  # what the heuristic gives the expert
     rows: list[dict] = []
-    gpu = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
-    with ClockSampler(gpu, period_s=0.05) as sampler:
+    with ClockSampler(period_s=0.05) as sampler:
         for shapes, (h, i) in {"llama3-1b": (2048, 8192), "llama3-8b": (4096, 14336)}.items():
             dout = torch.randn(T, h, device="cuda", dtype=torch.bfloat16)
             w = torch.randn(h, i, device="cuda", dtype=torch.bfloat16) / h ** 0.5

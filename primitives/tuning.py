@@ -289,14 +289,15 @@ def tune(epi: Any, A: Any, B: Any, operands: dict[str, Any], reps: int = 10,
     for cfg in CANDIDATES:
         if any(cfg.tile_n % hd for hd in head_dims):
             continue  # a head statistic needs whole heads per tile
+        run = call(cfg)
         try:
-            call(cfg)()  # compiles; a config this shape cannot use is skipped
+            run()  # compiles; a config this shape cannot use is skipped
         except Exception as e:  # noqa: BLE001
             times[str(cfg)] = float("nan")
             logging.getLogger(__name__).warning("tune: %s failed: %s: %s", cfg, type(e).__name__,
                                                 str(e)[:200])
             continue
-        runnable[str(cfg)], configs[str(cfg)] = call(cfg), cfg
+        runnable[str(cfg)], configs[str(cfg)] = run, cfg
     if not runnable:
         raise RuntimeError("no candidate config ran")
     for name, (t, _) in measure_each(runnable, reps).items():

@@ -111,7 +111,12 @@ class ClockSampler:
 
     def summary(self, t0: float, t1: float) -> dict | None:
         """What the GPU ran at between wall-clock times ``t0`` and ``t1``."""
-        inside = [s for s in self.samples if t0 <= s.t <= t1]
+        return self.summary_over([(t0, t1)])
+
+    def summary_over(self, windows: list[tuple[float, float]]) -> dict | None:
+        """:meth:`summary` of the samples inside any of ``windows``: one
+        contender's share of a run that timed several in turns."""
+        inside = [s for s in self.samples if any(t0 <= s.t <= t1 for t0, t1 in windows)]
         if not inside:
             return None
         mask = 0

@@ -29,6 +29,7 @@ import contextlib
 import datetime as dt
 import json
 import platform
+import random
 import sys
 import time
 import traceback
@@ -67,6 +68,48 @@ def stats(fns: dict[str, Callable[[], Any]], reps: int, device: str = "cuda") ->
     return out
 
 
+def steady_stats(fns: dict[str, Callable[[], Any]], seconds: float, sampler: Any = None,
+                 passes: int = 2, device: str = "cuda") -> dict[str, dict]:
+    """Each contender back to back for ``seconds`` (``measure_steady``: the
+    regime of a training step, where a kernel's own power draw sets its clock),
+    one contender after another, the second pass in the reverse order of the
+    first so that a drift over the row shows as a gap between passes.  Per
+    contender: the mean ms per call over the passes (``median_ms``, so tables
+    read it like the flushed regime's), the passes' range (``p10_ms``/``p90_ms``),
+    the host's enqueue time, and the clock it ran at.  On CPU (``--dry-run``)
+    the same loop on wall-clock time, which checks the plumbing only."""
+    from coda_agent.primitives.tuning import enqueue_ms, measure_steady
+
+    measure = measure_steady if device == "cuda" else _wall_steady
+    names = list(fns)
+    order = random.Random(0).sample(names, len(names))
+    runs: dict[str, list] = {name: [] for name in names}
+    for p in range(passes):
+        for name in order if p % 2 == 0 else order[::-1]:
+            runs[name].append(measure(fns[name], seconds))
+    out = {}
+    for name in names:
+        ms = [r.ms for r in runs[name]]
+        mean = sum(ms) / len(ms)
+        host = enqueue_ms(fns[name]) if device == "cuda" else mean  # on CPU all of it is the host's
+        out[name] = {"median_ms": mean, "p10_ms": min(ms), "p90_ms": max(ms), "passes_ms": ms,
+                     "host_ms": host, "reps": sum(r.calls for r in runs[name])}
+        if sampler is not None and (clock := sampler.summary_over([r.wall for r in runs[name]])):
+            out[name]["clock"] = clock
+    return out
+
+
+def _wall_steady(fn: Callable[[], Any], seconds: float) -> Any:
+    """``measure_steady`` on the host's clock, for a dry run on CPU."""
+    from coda_agent.primitives.tuning import Steady
+
+    calls, t0 = 0, time.time()
+    while not calls or time.time() - t0 < seconds:
+        fn()
+        calls += 1
+    return Steady((time.time() - t0) * 1e3 / calls, calls, (t0, time.time()))
+
+
 def stat(fn: Callable[[], Any], reps: int, device: str = "cuda") -> dict:
     """:func:`stats` of one contender."""
     return stats({"fn": fn}, reps, device)["fn"]
@@ -90,7 +133,7 @@ def outputs_gib(outputs: dict) -> float:
 
 
 def bench_task(task: Any, shape_set: str, reps: int, tune: bool, device: str = "cuda",
-               sampler: Any = None) -> dict:
+               sampler: Any = None, steady_s: float | None = None) -> dict:
     from coda_agent.primitives import gemm, launch_ledger, load_program, lowering
     from coda_agent.verifier.inputs import make_grads, make_inputs
 
@@ -170,9 +213,17 @@ def bench_task(task: Any, shape_set: str, reps: int, tune: bool, device: str = "
             contenders.pop("liger", None)
             row["liger_error"] = f"{type(e).__name__}: {str(e)[:300]}"
     t0 = time.time()
-    row.update(stats(contenders, reps, device))
-    if sampler is not None and (clock := sampler.summary(t0, time.time())):
-        row["clock"] = clock  # what the GPU ran at while this row was timed
+    if steady_s is not None:
+        row.update(steady_stats(contenders, steady_s, sampler, device=device))
+        if "clock" in row["fused"]:
+            row["clock"] = row["fused"]["clock"]  # each contender ran at its own clock; show the program's
+        # A contender whose host enqueues slower than its GPU runs leaves the GPU idle
+        # between calls: its steady time is the host's, not the kernels'.
+        row["host_bound"] = [n for n in contenders if row[n]["host_ms"] >= 0.9 * row[n]["median_ms"]]
+    else:
+        row.update(stats(contenders, reps, device))
+        if sampler is not None and (clock := sampler.summary(t0, time.time())):
+            row["clock"] = clock  # what the GPU ran at while this row was timed
     for name in ("fused", "eager", "compile", "liger"):
         if name in contenders:
             row[f"{name}_peak_gib"] = peak_mem_gib(contenders[name], device)
@@ -217,6 +268,10 @@ def main() -> int:
     ap.add_argument("--sets", default="llama3-1b,llama3-8b,llama3-70b")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--no-tune", action="store_true")
+    ap.add_argument("--steady", type=float, default=None, metavar="SECONDS",
+                    help="time each contender back to back for SECONDS (after a settling half "
+                         "second, two passes) instead of one flushed call at a time: a training "
+                         "step's regime, where each kernel runs at the clock its own power draw allows")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--dry-run", action="store_true",
                     help="on CPU with the reference lowering and wall-clock times: checks the "
@@ -234,9 +289,14 @@ def main() -> int:
                "method": "torch.cuda.Event, 256 MiB L2 flush before each rep, contenders interleaved "
                          "(one rep of each per round, random order), median (p10/p90)",
                "rows": []}
+    if args.steady is not None:
+        results.update(regime="steady", steady_s=args.steady,
+                       method=f"torch.cuda.Event, each contender back to back for {args.steady:g} s after "
+                              "0.5 s settling, no L2 flush, two passes in opposite orders")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{'h200' if device == 'cuda' else 'dryrun'}-{results['date']}.json"
+    suffix = "-steady" if args.steady is not None else ""
+    path = out_dir / f"{'h200' if device == 'cuda' else 'dryrun'}-{results['date']}{suffix}.json"
     from clocks import ClockSampler  # bench/clocks.py, on the path above
 
     with ClockSampler() if device == "cuda" else contextlib.nullcontext() as sampler:
@@ -244,7 +304,7 @@ def main() -> int:
             t0 = time.time()
             try:
                 row = bench_task(task, shape_set, args.reps, tune=not args.no_tune, device=device,
-                                 sampler=sampler)
+                                 sampler=sampler, steady_s=args.steady)
             except Exception as e:  # noqa: BLE001 - one task's failure is a row, not a crash
                 traceback.print_exc(limit=4)
                 row = {"task": task.name, "shape_set": shape_set, "error": f"{type(e).__name__}: {str(e)[:400]}"}

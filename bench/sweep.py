@@ -336,35 +336,15 @@ def contention() -> list[dict]:
     return rows
 
 
-def _steady(fn: Callable[[], Any], seconds: float, depth: int = 4) -> tuple[float, int, float, float]:
-    """Run ``fn`` back to back for ``seconds`` (no L2 flush: a training step's
-    steady state), keeping ``depth`` calls queued so the GPU never idles.
-    Returns (device ms per call, calls, wall start, wall end)."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    fn()
-    torch.cuda.synchronize()
-    queued: list[Any] = []
-    calls, t0 = 0, time.time()
-    start.record()
-    while time.time() - t0 < seconds:
-        fn()
-        calls += 1
-        queued.append(torch.cuda.Event())
-        queued[-1].record()
-        if len(queued) > depth:
-            queued.pop(0).synchronize()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / calls, calls, t0, time.time()
-
-
 def power(seconds: float = 3.0, settle: float = 1.0) -> list[dict]:
-    """Each contender runs alone for ``seconds``; the clock summary covers the
-    part after ``settle`` seconds (board power is a one-second average).  Two
+    """Each contender runs alone, back to back, for ``seconds``; its time and the
+    clock summary cover the part after ``settle`` seconds (board power is a
+    one-second average; ``tuning.measure_steady``).  Two
     passes in opposite orders, so a drift over the experiment shows as a
     difference between them."""
     from clocks import ClockSampler  # bench/clocks.py
     from coda_agent.primitives import TileConfig, gemm, load_program, lowering
+    from coda_agent.primitives.tuning import measure_steady
 
     task = _task("swiglu_bwd")
     full = load_program(task.expert_path.read_text(), task.name).dswiglu
@@ -388,10 +368,10 @@ def power(seconds: float = 3.0, settle: float = 1.0) -> list[dict]:
             names = list(contenders)
             for order in (names, names[::-1]):
                 for name in order:
-                    ms, calls, t0, t1 = _steady(contenders[name], seconds)
+                    run = measure_steady(contenders[name], seconds - settle, settle)
                     rows.append({"shapes": shapes, "MNK": [T, i, h], "config": str(paired), "contender": name,
-                                 "pass": 0 if order is names else 1, "ms_per_call": ms, "calls": calls,
-                                 "clock": sampler.summary(t0 + settle, t1)})
+                                 "pass": 0 if order is names else 1, "ms_per_call": run.ms, "calls": run.calls,
+                                 "clock": sampler.summary(*run.wall)})
                     print(json.dumps(rows[-1]), flush=True)
     if sampler.error:
         rows.append({"clock_error": sampler.error})

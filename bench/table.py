@@ -50,11 +50,14 @@ def _gib(row: dict, key: str) -> str:
 
 def render(results: dict, title: str = "") -> str:
     v = results["versions"]
+    steady = results.get("regime") == "steady"
     lines = ([f"#### {title}", ""] if title else []) + [
         f"Run {results['date']} on {v['gpu']}: torch {v['torch']} (CUDA {v['cuda']}), quack "
         f"{v['quack-kernels']}, cutlass-dsl {v['nvidia-cutlass-dsl']}, liger {v['liger-kernel']}, "
-        f"catalogue {v['catalogue']}. {results['method']}, {results['reps']} reps. "
-        "Times in ms: median (p10-p90); host = ms the host needs to enqueue one fused call "
+        f"catalogue {v['catalogue']}. {results['method']}"
+        + ("; the SM clock is the fused program's. Times in ms per call: mean (range of the passes)"
+           if steady else f", {results['reps']} reps. Times in ms: median (p10-p90)")
+        + "; host = ms the host needs to enqueue one fused call "
         "(not part of the device time). Ratios: fused/GEMM (target <= 1.05), speedups = "
         "baseline time / fused time. Peak: GiB allocated beyond what was live before the call.", "",
         "| task | kind | shapes | fused | host | plain GEMMs (cuBLAS) | quack GEMM | eager | compile | liger "
@@ -78,6 +81,9 @@ def render(results: dict, title: str = "") -> str:
     lines += ["", *targets(ok), *clock_lines(ok)]
     for r in (r for r in ok if "flag" in r):
         lines.append(f"- flagged: {r['task']} {r['shape_set']}: {r['flag']}")
+    for r in (r for r in ok if r.get("host_bound")):
+        lines.append(f"- host-bound back to back (the GPU idles while the host enqueues, so these "
+                     f"times are the host's): {r['task']} {r['shape_set']}: {', '.join(r['host_bound'])}")
     return "\n".join(lines)
 
 

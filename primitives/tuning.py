@@ -32,9 +32,10 @@ import os
 import random
 import tempfile
 import time
+from collections import deque
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, NamedTuple
 
 from .gemm import TileConfig
 from .version import CATALOGUE_VERSION
@@ -233,6 +234,53 @@ def measure_each(fns: Mapping[str, Callable[[], Any]], reps: int = 20, warmup: i
             torch.cuda.synchronize()
             times[name].append(start.elapsed_time(end))
     return {name: (sorted(times[name]), host[name]) for name in names}
+
+
+class Steady(NamedTuple):
+    """What :func:`measure_steady` saw."""
+
+    ms: float  # device ms per call over the timed window
+    calls: int  # calls inside that window
+    wall: tuple[float, float]  # time.time() at the window's ends, for a clock sampler's summary
+
+
+def measure_steady(fn: Callable[[], Any], seconds: float = 1.5, settle: float = 0.5, depth: int = 4
+                   ) -> Steady:
+    """Device ms per call of ``fn`` run back to back, as a training step runs
+    its kernels: no L2 flush, no spin, ``depth`` calls kept queued so the GPU
+    does not idle while the host enqueues.  The first ``settle`` seconds are
+    run but not timed: the SM clock needs them to come down to what the power
+    cap allows for this work (bench/results/h200-2026-11-29-e, ``power``).
+
+    :func:`measure_each` times one call on a rested GPU, fairly against its
+    rivals; this times the regime a call lives in during training, where each
+    kernel pays for its own power draw.  When the host needs longer to enqueue
+    a call than the GPU needs to run it, the GPU idles between calls and the
+    time is the host's: compare with :func:`enqueue_ms`.
+    """
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    queued: deque[Any] = deque()
+    t0, started, calls = time.time(), None, 0
+    while True:
+        now = time.time()
+        if started is None and now - t0 >= settle:
+            start.record()
+            started = now
+        if started is not None and calls and now - started >= seconds:
+            break
+        fn()
+        calls += started is not None
+        queued.append(torch.cuda.Event())
+        queued[-1].record()
+        if len(queued) > depth:
+            queued.popleft().synchronize()
+    end.record()
+    torch.cuda.synchronize()
+    return Steady(start.elapsed_time(end) / calls, calls, (started, time.time()))
 
 
 def enqueue_ms(fn: Callable[[], Any], calls: int = 5) -> float:

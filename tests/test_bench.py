@@ -164,3 +164,40 @@ def test_table_shows_the_clock_each_row_ran_at():
     assert "| 1755 (1655) |" in text and "| 1980 (1880) |" in text
     assert ("SM clock while timed (median per row): 1755-1980 MHz, rated 1980; reasons the driver "
             "held it down: power cap in 1 of 2 rows") in text
+
+
+def test_steady_regime_times_each_contender_back_to_back_in_two_passes(tmp_path):
+    """``--steady SECONDS``: the training-step regime.  The dry run takes the
+    same path on wall-clock time: two passes per contender, their range kept,
+    its own file, and a table that says how it was timed and which contenders
+    the host (not the GPU) set the pace of."""
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "run.py"), "--dry-run", "--sets", "small",
+                           "--tasks", "swiglu_fwd", "--steady", "0.05", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (path,) = tmp_path.glob("dryrun-*-steady.json")
+    results = json.loads(path.read_text())
+    assert results["regime"] == "steady" and results["steady_s"] == 0.05
+    (row,) = results["rows"]
+    for key in ("fused", "gemm_cublas", "gemm_quack", "eager"):
+        got = row[key]
+        assert len(got["passes_ms"]) == 2 and got["reps"] >= 2, key
+        assert got["p10_ms"] == min(got["passes_ms"]) and got["p90_ms"] == max(got["passes_ms"])
+        assert got["median_ms"] == sum(got["passes_ms"]) / 2
+    # On the host's clock every contender is "host-bound": the flag's rule at work.
+    assert set(row["host_bound"]) == {"fused", "gemm_cublas", "gemm_quack", "eager"}
+    text = _bench_module("table").render(results)
+    assert "Times in ms per call: mean (range of the passes)" in text and " reps." not in text
+    assert "host-bound back to back" in text and "swiglu_fwd small: fused, " in text
+
+
+def test_clock_summary_over_several_windows_keeps_only_their_samples():
+    """A steady-state row times each contender in two separate windows; its
+    clock is what the GPU ran at inside those, not between them."""
+    clocks = _bench_module("clocks")
+    sampler = clocks.ClockSampler(command="no-such-nvidia-smi")
+    sampler.samples = [clocks.Sample(t, mhz, 1980, 690, 60, 0x4 if mhz < 1500 else 0)
+                       for t, mhz in ((1.0, 1400), (2.0, 1900), (3.0, 1410), (4.0, 1980))]
+    got = sampler.summary_over([(0.5, 1.5), (2.5, 3.5)])
+    assert got["samples"] == 2 and got["sm_mhz_median"] == 1405 and got["reasons"] == ["power cap"]
+    assert sampler.summary(1.5, 4.5)["samples"] == 3

@@ -63,6 +63,7 @@ PAIRED_TILE_CONFIG = TileConfig(tile_n=128, cluster_m=1, cluster_n=2)
 NARROW_CONFIG = TileConfig(tile_n=128, cluster_m=1)
 NARROWEST_CONFIG = TileConfig(tile_n=64, cluster_m=1)
 PARTIALS_CONFIG = NARROW_CONFIG
+WIDE_COOPERATIVE_CONFIG = TileConfig(tile_n=256, cluster_m=1, pingpong=False)
 
 
 WIDE_TILE_GAIN = 1.08  # 128x192 over 128x128 throughput at equal wave count (H200 sweep)
@@ -106,9 +107,18 @@ def default_config(epi: Epilogue | None, operands: dict[str, Any], n: int | None
       128x128), 128x128 c2 when its whole waves cost less, counting the wide
       tile's better throughput (WIDE_TILE_GAIN).  (1024, 2048, 128256): 0.679
       vs 0.879; N = 4096: 1.379 vs 1.863; N = 8192, about even: 2.987 vs 3.036.
+    - a plain GEMM whose N the 192 tile pads by 10% or more (N = 512, 1024: the
+      K/V projections) and a 256 tile divides: 128x256 cooperative, which pads
+      nothing and has the wide tile's throughput (bench/results/h200-2026-11-29-f
+      and -b, tuned; 128x256 coop / 128x128 c2 / 128x192 c2): (16384, 1024,
+      4096) 0.181 / 0.199 / 0.207; K = 8192: 0.366 / 0.390 / 0.407; (16384,
+      512, 2048) 0.050 / 0.052 / 0.057.  Not with an epilogue: a cooperative
+      kernel's epilogue does not overlap the next tile's mainloop (dSwiGLU
+      1.62 vs 1.09 at 128x128), and not where 192 pads little: (16384, 8192,
+      2048) 0.716 vs 0.684, (2048, 16384, 16384) 1.543 vs 1.427.
     """
     if epi is None:
-        return _fill_the_sms(m, n, sms)
+        return _fill_the_sms(m, n, sms, wide=_wide_plain(n))
     if epi.head_stats:
         hd = operands[next(iter(epi.head_stats))]
         return TileConfig(tile_n=128 if 128 % hd == 0 else hd)
@@ -123,12 +133,21 @@ def default_config(epi: Epilogue | None, operands: dict[str, Any], n: int | None
     return _fill_the_sms(m, n, sms)
 
 
-def _fill_the_sms(m: int | None, n: int | None, sms: int) -> TileConfig:
+def _wide_plain(n: int | None) -> TileConfig:
+    """The wide tile for a plain GEMM: 128x192, or 128x256 cooperative where
+    192 would pad N by 10% or more and 256 pads nothing."""
+    if n is not None and n % 256 == 0 and -(-n // PLAIN_CONFIG.tile_n) * PLAIN_CONFIG.tile_n >= 1.1 * n:
+        return WIDE_COOPERATIVE_CONFIG
+    return PLAIN_CONFIG
+
+
+def _fill_the_sms(m: int | None, n: int | None, sms: int, wide: TileConfig = PLAIN_CONFIG) -> TileConfig:
+    """``wide``, or 128x128 c2 where its whole waves cost less (see default_config)."""
     if m is None or n is None:
-        return PLAIN_CONFIG
-    wide = _wave_cost(m, n, PLAIN_CONFIG.tile_m, PLAIN_CONFIG.tile_n, sms)
+        return wide
+    wide_cost = _wave_cost(m, n, wide.tile_m, wide.tile_n, sms)
     square = _wave_cost(m, n, SQUARE_CONFIG.tile_m, SQUARE_CONFIG.tile_n, sms)
-    return SQUARE_CONFIG if square * WIDE_TILE_GAIN < wide else PLAIN_CONFIG
+    return SQUARE_CONFIG if square * WIDE_TILE_GAIN < wide_cost else wide
 
 
 def _check_matrix(name: str, t: object) -> torch.Tensor:

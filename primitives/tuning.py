@@ -50,6 +50,14 @@ CANDIDATES: tuple[TileConfig, ...] = (
 )
 
 
+def candidates_for(epi: Any, operands: Mapping[str, Any]) -> list[TileConfig]:
+    """The :data:`CANDIDATES` :func:`tune` may pick for this epilogue: a head
+    statistic needs whole heads per tile.  (An epilogue exposing reduction
+    partials is never tuned at all: ``gemm._tunable``.)"""
+    head_dims = [operands[s] for s in epi.head_stats] if epi is not None else []
+    return [cfg for cfg in CANDIDATES if not any(cfg.tile_n % hd for hd in head_dims)]
+
+
 def cache_dir() -> Path:
     base = os.environ.get("CODA_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "coda-agent")
@@ -324,7 +332,6 @@ def tune(epi: Any, A: Any, B: Any, operands: dict[str, Any], reps: int = 10,
     m, k = A.shape
     n = B.shape[1]
     times: dict[str, float] = {}
-    head_dims = [operands[s] for s in epi.head_stats] if epi is not None else []
 
     def call(cfg: TileConfig) -> Callable[[], Any]:
         def run() -> Any:
@@ -334,9 +341,7 @@ def tune(epi: Any, A: Any, B: Any, operands: dict[str, Any], reps: int = 10,
 
     runnable: dict[str, Callable[[], Any]] = {}
     configs: dict[str, TileConfig] = {}
-    for cfg in CANDIDATES:
-        if any(cfg.tile_n % hd for hd in head_dims):
-            continue  # a head statistic needs whole heads per tile
+    for cfg in candidates_for(epi, operands):
         run = call(cfg)
         try:
             run()  # compiles; a config this shape cannot use is skipped

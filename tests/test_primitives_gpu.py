@@ -12,8 +12,9 @@ import os
 import pytest
 import torch
 
-from coda_agent.primitives import TileConfig, gemm, load_program, lowering
+from coda_agent.primitives import TileConfig, gemm, load_program, lowering, tuning
 from coda_agent.primitives.catalogue import EXAMPLES
+from coda_agent.primitives.gemm import _tunable
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -47,6 +48,11 @@ CASES = {**EXAMPLES, **EXTRA}
 SHAPES = {"even": (1024, 1536, 512), "ragged": (1000, 1264, 200)}
 
 
+def _epilogue(case: str):
+    P = load_program(HEADER + CASES[case], case)
+    return next(v for v in vars(P).values() if type(v).__name__ == "Epilogue")
+
+
 def _record(entry: dict) -> None:
     out = os.environ.get("CODA_GPU_RESULTS")
     if out:
@@ -77,8 +83,39 @@ def _operands(epi, M, N, dtype, gen):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", list(CASES))
 def test_cute_matches_reference(case, dtype, shape):
-    P = load_program(HEADER + CASES[case], case)
-    epi = next(v for v in vars(P).values() if type(v).__name__ == "Epilogue")
+    epi = _epilogue(case)
+    cfg = TileConfig(tile_n=128, cluster_m=1) if "part" in epi.reductions else None
+    _check(case, epi, dtype, shape, cfg)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if _tunable(_epilogue(c))])
+def test_cute_matches_reference_at_every_config_the_tuner_may_pick(case):
+    """``tune()`` (and so the benchmark and the verifier's cache) may run an
+    epilogue at any candidate config it allows, cooperative 128x256 and
+    256x128 included, so every family must be right at each, not only at the
+    heuristic's pick.  The ragged shape puts partial tiles on every edge."""
+    epi = _epilogue(case)
+    M, N, _ = SHAPES["ragged"]
+    operands = _operands(epi, M, N, torch.bfloat16, torch.Generator(device="cuda").manual_seed(0))
+    for cfg in tuning.candidates_for(epi, operands):
+        _check(case, epi, torch.bfloat16, "ragged", cfg)
+
+
+def test_plain_gemm_at_every_config_the_tuner_may_pick():
+    """The plain GEMM too: the heuristic sends N = 512 / 1024 to 128x256 cooperative."""
+    M, N, K = SHAPES["ragged"]
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    A = torch.randn(M, K, generator=gen, device="cuda").to(torch.bfloat16)
+    B = (torch.randn(K, N, generator=gen, device="cuda") / math.sqrt(K)).to(torch.bfloat16)
+    want = A.float() @ B.float()
+    for cfg in tuning.candidates_for(None, {}):
+        with lowering("cute"):
+            got = gemm(A, B, config=cfg)["D"].float()
+        rel = ((got - want).norm() / want.norm()).item()
+        assert rel < 8e-3, (str(cfg), rel)
+
+
+def _check(case: str, epi, dtype, shape: str, cfg: TileConfig | None) -> None:
     M, N, K = SHAPES[shape]
     if epi.head_stats:
         N -= N % 128  # whole heads (the ragged edge is then in M and K only)
@@ -86,7 +123,6 @@ def test_cute_matches_reference(case, dtype, shape):
     A = torch.randn(M, K, generator=gen, device="cuda").to(dtype)
     B = (torch.randn(K, N, generator=gen, device="cuda") / math.sqrt(K)).to(dtype)
     ops = _operands(epi, M, N, dtype, gen)
-    cfg = TileConfig(tile_n=128, cluster_m=1) if "part" in epi.reductions else None
     with lowering("cute"):
         got = gemm(A, B, epi, config=cfg, **ops)
     torch.cuda.synchronize()
@@ -108,5 +144,6 @@ def test_cute_matches_reference(case, dtype, shape):
             limit = 8e-3 if got[k].dtype == torch.bfloat16 else 2e-3
         if case == "rope" or k == "e":
             limit = max(limit, 4e-3)  # sin/cos of large angles: argument error scales with |angle|
-        assert rel < limit, (case, k, errs[k])
-    _record({"case": case, "dtype": str(dtype), "shape": shape, "MNK": [M, N, K], "errors": errs})
+        assert rel < limit, (case, str(cfg), k, errs[k])
+    _record({"case": case, "dtype": str(dtype), "shape": shape, "MNK": [M, N, K], "config": str(cfg),
+             "errors": errs})

@@ -185,3 +185,20 @@ def test_default_config_fills_the_sms_when_output_tiles_are_few():
     assert default_config(None, {}, n=8192, m=16384).tile_n == 192
     # A GPU with fewer SMs changes the answer: 88 tiles fill 88 SMs exactly.
     assert default_config(None, {}, n=2048, m=1024, sms=88).tile_n == 192
+
+
+def test_default_config_gives_a_padded_plain_n_the_256_cooperative_tile():
+    """N = 1024 (a K/V projection): 6 tiles of 192 pad it by 12.5%, 4 of 256 by
+    nothing.  Only for plain GEMMs, only where the padding is large, and only
+    where the 256 tiles still fill the SMs."""
+    from coda_agent.primitives.gemm import default_config
+
+    coop = TileConfig(128, 256, 1, 1, False)
+    assert default_config(None, {}, n=1024, m=16384) == coop
+    assert default_config(None, {}, n=512, m=16384) == coop
+    assert default_config(None, {}, n=1024) == coop  # no M given: N decides alone
+    assert default_config(None, {}, n=2048, m=16384).tile_n == 192  # 192 pads 3%
+    assert default_config(None, {}, n=16384, m=2048).tile_n == 192
+    assert default_config(None, {}, n=1024, m=1024) == TileConfig(128, 128, 2, 1, True)  # 32 tiles, 132 SMs
+    prog = load_program(SRC)
+    assert default_config(prog.residual_rms, {}, n=1024, m=16384).pingpong  # an epilogue stays pingpong

@@ -83,8 +83,6 @@ def few_tiles() -> list[dict]:
         cublas = stat(lambda: a @ b, 20)
         rows.append({"MNK": [m, n, k], "heuristic": str(default_config(None, {}, n, m)),
                      "cublas": cublas, "configs": times})
-        del a, b
-        torch.cuda.empty_cache()
     return rows
 
 
@@ -106,8 +104,6 @@ def narrow_n() -> list[dict]:
                            _configs(extra))
         rows.append({"MNK": [T, d, T], "epilogue": "rope_inverse", "cublas_plain": stat(lambda: dS @ k, 20),
                      "configs": times})
-        del dS
-        torch.cuda.empty_cache()
     return rows
 
 

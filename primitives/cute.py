@@ -188,10 +188,55 @@ def _caller_results(epi: Epilogue, bufs: dict[str, torch.Tensor]) -> dict[str, t
     return result
 
 
+MIN_AB_STAGES = 2
+
+
+@lru_cache(maxsize=1)
+def _guard_pipeline_depth() -> None:
+    """Refuse, at compile time, a kernel left with fewer than MIN_AB_STAGES A/B
+    pipeline stages.
+
+    quack sizes the mainloop's A/B ring from the shared memory the epilogue's
+    staging buffers leave over.  An epilogue with many wide outputs (five fp32
+    tiles besides D) on a cooperative 256-wide tile leaves room for one stage,
+    and that kernel never finished on the H200: a deadlock, not a slow kernel
+    (bench/results/h200-2026-11-29-f, ``hang.log``).  The same epilogue gets four
+    stages at 128x128 pingpong.  The tuner tries cooperative configs, so a
+    one-stage kernel would hang it; refusing it while compiling turns the hang
+    into an error that ``tune()`` skips and the verifier reports.  The check
+    wraps quack's stage computation (``GemmSm90._setup_attributes``, which sets
+    ``ab_stage``); if a later quack renames either, the guard stays off and the
+    verifier's timeout is what catches a hang.
+    """
+    try:
+        from quack.gemm_sm90 import GemmSm90
+    except ImportError:
+        return
+    setup = getattr(GemmSm90, "_setup_attributes", None)
+    if setup is None or getattr(setup, "_coda_guard", False):
+        return
+
+    def checked(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = setup(self, *args, **kwargs)
+        stages = getattr(self, "ab_stage", None)
+        if isinstance(stages, int) and stages < MIN_AB_STAGES:
+            tile = "x".join(str(d) for d in tuple(self.cta_tile_shape_mnk)[:2])
+            raise CatalogueError(
+                f"tile config {tile} leaves {stages} A/B pipeline stage once this epilogue's output "
+                f"staging buffers take their shared memory; the SM90 mainloop needs at least "
+                f"{MIN_AB_STAGES} (with one it deadlocked on the H200). Use a 128-wide pingpong config "
+                "(the default), or write fewer or narrower extra outputs (bf16 instead of fp32).")
+        return result
+
+    checked._coda_guard = True  # type: ignore[attr-defined]
+    GemmSm90._setup_attributes = checked
+
+
 def _prepare(epi: Epilogue, A: torch.Tensor, B: torch.Tensor, operands: dict[str, Any],
              out_dtype: torch.dtype, config: TileConfig, accumulate_into: torch.Tensor | None,
              empty: bool) -> tuple:
     """(mod, C, operand kwargs, output buffers, D, caller-owned sink buffers) for one call."""
+    _guard_pipeline_depth()
     m, n = A.shape[0], B.shape[1]
     C, kw = _quack_operands(epi, operands)
     out = _buffers(epi, m, n, operands, config, A.device, empty=empty)

@@ -141,7 +141,6 @@ def test_resume_judges_a_logged_reply_without_asking_again(agent_task, openai_se
             raise KeyboardInterrupt  # stands in for a kill between logging the reply and judging it
 
     from coda_agent.agent import OpenAIModel, RunDir, load_config, solve as run_loop
-    from agent_fixtures import RuleVerifier
 
     cfg = load_config({"llm": {"base_url": openai_server.base_url, "model": "test-model"}}).check()
     run = RunDir.create(tmp_path / "runs", agent_task, "test-model", cfg.model_dump(mode="json"))

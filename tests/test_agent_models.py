@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 
 import pytest
-from agent_fixtures import GOOD, fenced
+from agent_fixtures import GOOD
 
 from coda_agent.agent import ExpertModel, LLMConfig, ModelError, OpenAIModel, ReplayModel
 from coda_agent.agent.prompt import extract_program

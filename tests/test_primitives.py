@@ -365,3 +365,26 @@ def test_every_catalogue_example_compiles_for_sm90a_with_hgmma(family, gen):
         assert k.sass is not None, "cuobjdump wheel missing: pip install nvidia-cuda-cuobjdump"
         assert k.sass.sm90a and k.sass.hgmma > 0
     assert narrow.sass.spill_stores == 0 and narrow.sass.spill_loads == 0, narrow.sass
+
+
+WIDE_OUTPUTS = HEADER + '''
+@epilogue(outputs={"a": "fp32", "b": "fp32", "c2": "fp32", "d": "fp32", "e": "fp32"})
+def wide(acc):
+    return {"D": acc, "a": acc * 2.0, "b": acc * 3.0, "c2": acc * 4.0, "d": acc * 5.0, "e": acc * 6.0}
+'''
+
+
+@pytest.mark.slow
+def test_a_config_left_one_pipeline_stage_is_refused_while_compiling(gen):
+    """Five fp32 output tiles besides D on a cooperative 256-wide tile leave quack's
+    mainloop one A/B stage, and such a kernel never finished on the H200 (the
+    GPU tier's every-config test hung there).  The compile refuses it and names
+    the fix, so ``tune()`` skips that candidate instead of hanging; the default
+    128x128 pingpong config of the same epilogue compiles."""
+    epi = load_program(WIDE_OUTPUTS, "wide").wide
+    A, B = rand(1000, 200, dtype=torch.bfloat16), rand(200, 1264, dtype=torch.bfloat16)
+    with compile_only() as kernels:
+        with pytest.raises(CatalogueError, match=r"256x128 leaves 1 A/B pipeline stage.*128-wide pingpong"):
+            gemm(A, B, epi, config=TileConfig(256, 128, 2, 1, False))
+        gemm(A, B, epi, config=TileConfig(128, 128, 2, 1, True))
+    assert len(kernels) == 1 and kernels[0].sass.hgmma > 0

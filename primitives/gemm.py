@@ -112,9 +112,9 @@ def default_config(epi: Epilogue | None, operands: dict[str, Any], n: int | None
       nothing and has the wide tile's throughput (bench/results/h200-2026-11-29-f
       and -b, tuned; 128x256 coop / 128x128 c2 / 128x192 c2): (16384, 1024,
       4096) 0.181 / 0.199 / 0.207; K = 8192: 0.366 / 0.390 / 0.407; (16384,
-      512, 2048) 0.050 / 0.052 / 0.057.  Not with an epilogue: a cooperative
-      kernel's epilogue does not overlap the next tile's mainloop (dSwiGLU
-      1.62 vs 1.09 at 128x128), and not where 192 pads little: (16384, 8192,
+      512, 2048) 0.050 / 0.052 / 0.057.  Not with an epilogue: both warpgroups
+      of a cooperative kernel run the epilogue while its tensor cores idle
+      (dSwiGLU 1.62 vs 1.09 at 128x128), and not where 192 pads little: (16384, 8192,
       2048) 0.716 vs 0.684, (2048, 16384, 16384) 1.543 vs 1.427.
     """
     if epi is None:

@@ -201,35 +201,39 @@ def _guard_pipeline_depth() -> None:
     tiles besides D) on a cooperative 256-wide tile leaves room for one stage,
     and that kernel never finished on the H200: a deadlock, not a slow kernel
     (bench/results/h200-2026-11-29-f, ``hang.log``).  The same epilogue gets four
-    stages at 128x128 pingpong.  The tuner tries cooperative configs, so a
-    one-stage kernel would hang it; refusing it while compiling turns the hang
-    into an error that ``tune()`` skips and the verifier reports.  The check
-    wraps quack's stage computation (``GemmSm90._setup_attributes``, which sets
-    ``ab_stage``); if a later quack renames either, the guard stays off and the
+    stages at 128x128 pingpong.  With a Tile operand loaded as well there is
+    room for none, and quack fails with a bare "size ... got 0".  The tuner
+    tries cooperative configs, so a one-stage kernel would hang it; refusing
+    both while compiling turns them into one error that names the fix, which
+    ``tune()`` skips and the verifier reports.  The check wraps quack's stage
+    computation (``GemmSm90._compute_stages``, whose first result is the A/B
+    stage count); if a later quack changes it, the guard stays off and the
     verifier's timeout is what catches a hang.
     """
     try:
         from quack.gemm_sm90 import GemmSm90
     except ImportError:
         return
-    setup = getattr(GemmSm90, "_setup_attributes", None)
-    if setup is None or getattr(setup, "_coda_guard", False):
+    compute = GemmSm90.__dict__.get("_compute_stages")
+    if not isinstance(compute, classmethod) or getattr(compute.__func__, "_coda_guard", False):
         return
+    stages_of = compute.__func__
 
-    def checked(self: Any, *args: Any, **kwargs: Any) -> Any:
-        result = setup(self, *args, **kwargs)
-        stages = getattr(self, "ab_stage", None)
+    def checked(cls: Any, cta_tile_shape_mnk: Any, *args: Any, **kwargs: Any) -> Any:
+        result = stages_of(cls, cta_tile_shape_mnk, *args, **kwargs)
+        stages = result[0] if isinstance(result, tuple) and result else None
         if isinstance(stages, int) and stages < MIN_AB_STAGES:
-            tile = "x".join(str(d) for d in tuple(self.cta_tile_shape_mnk)[:2])
+            tile = "x".join(str(d) for d in tuple(cta_tile_shape_mnk)[:2])
             raise CatalogueError(
-                f"tile config {tile} leaves {stages} A/B pipeline stage once this epilogue's output "
-                f"staging buffers take their shared memory; the SM90 mainloop needs at least "
-                f"{MIN_AB_STAGES} (with one it deadlocked on the H200). Use a 128-wide pingpong config "
-                "(the default), or write fewer or narrower extra outputs (bf16 instead of fp32).")
+                f"tile config {tile} leaves {stages} A/B pipeline stage{'s' if stages != 1 else ''} once "
+                f"this epilogue's staging buffers take their shared memory; the SM90 mainloop needs at "
+                f"least {MIN_AB_STAGES} (with one it deadlocked on the H200). Use a 128-wide pingpong "
+                "config (the default), or stage less: fewer or narrower extra outputs (bf16 instead of "
+                "fp32), fewer Tile operands.")
         return result
 
     checked._coda_guard = True  # type: ignore[attr-defined]
-    GemmSm90._setup_attributes = checked
+    GemmSm90._compute_stages = classmethod(checked)
 
 
 def _prepare(epi: Epilogue, A: torch.Tensor, B: torch.Tensor, operands: dict[str, Any],

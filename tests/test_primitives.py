@@ -387,4 +387,10 @@ def test_a_config_left_one_pipeline_stage_is_refused_while_compiling(gen):
         with pytest.raises(CatalogueError, match=r"256x128 leaves 1 A/B pipeline stage.*128-wide pingpong"):
             gemm(A, B, epi, config=TileConfig(256, 128, 2, 1, False))
         gemm(A, B, epi, config=TileConfig(128, 128, 2, 1, True))
+        # With a Tile operand staged too there is room for no stage at all; quack alone
+        # would fail with a bare "Expected size in shape to be strictly positive".
+        with_tile = load_program(WIDE_OUTPUTS.replace("def wide(acc):", "def wide(acc, r: Tile):")
+                                 .replace('"D": acc,', '"D": acc + r,'), "wide").wide
+        with pytest.raises(CatalogueError, match=r"128x256 leaves 0 A/B pipeline stages"):
+            gemm(A, B, with_tile, config=TileConfig(128, 256, 1, 1, False), r=rand(1000, 1264, dtype=torch.bfloat16))
     assert len(kernels) == 1 and kernels[0].sass.hgmma > 0

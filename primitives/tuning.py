@@ -54,8 +54,17 @@ def candidates_for(epi: Any, operands: Mapping[str, Any]) -> list[TileConfig]:
     """The :data:`CANDIDATES` :func:`tune` may pick for this epilogue: a head
     statistic needs whole heads per tile.  (An epilogue exposing reduction
     partials is never tuned at all: ``gemm._tunable``.)"""
-    head_dims = [operands[s] for s in epi.head_stats] if epi is not None else []
-    return [cfg for cfg in CANDIDATES if not any(cfg.tile_n % hd for hd in head_dims)]
+    head_dims = _head_dims(epi, operands)
+    return [cfg for cfg in CANDIDATES if _whole_heads(cfg, head_dims)]
+
+
+def _head_dims(epi: Any, operands: Mapping[str, Any]) -> tuple[int, ...]:
+    return tuple(operands[s] for s in epi.head_stats) if epi is not None else ()
+
+
+def _whole_heads(cfg: TileConfig, head_dims: tuple[int, ...]) -> bool:
+    """A head statistic needs whole heads per tile (``gemm`` refuses any other config)."""
+    return not any(cfg.tile_n % hd for hd in head_dims)
 
 
 def cache_dir() -> Path:
@@ -144,7 +153,7 @@ def lookup(epi: Any, m: int, n: int, k: int, dtype: Any, device: Any,
 
     if not _tunable(epi):
         return None
-    head_dims = tuple(operands[s] for s in epi.head_stats) if epi is not None else ()
+    head_dims = _head_dims(epi, operands)
     memo = _memo(epi)
     memo_key = (m, n, k, dtype, getattr(device, "index", None), head_dims)
     if memo_key in memo:
@@ -154,7 +163,7 @@ def lookup(epi: Any, m: int, n: int, k: int, dtype: Any, device: Any,
     except Exception:  # noqa: BLE001 - no key, no cache (fail closed)
         return None
     cfg = TuningCache().get(key)
-    cfg = None if cfg is None or any(cfg.tile_n % hd for hd in head_dims) else cfg
+    cfg = cfg if cfg is not None and _whole_heads(cfg, head_dims) else None
     memo[memo_key] = cfg
     return cfg
 

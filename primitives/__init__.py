@@ -25,45 +25,35 @@ Two lowerings (:mod:`.lowering`): ``cute`` (quack's SM90 GEMM + CuTeDSL, on
 Hopper; or compile-only for sm_90a on any machine) and ``reference`` (a
 PyTorch interpreter, any device).  ``coda-agent catalogue`` renders this API
 from the code (:mod:`.catalogue`); the LLM's prompt uses the same text.
+
+Importing the catalogue loads torch and nothing of quack or CuTeDSL, and
+changes nothing in the process: the settings quack needs (the compile target
+without a GPU, the cubin for the SASS gate, the pipeline-depth guard) are
+entered around each compile and launch and undone after it (:mod:`.dsl_scope`).
+
+The modules, each built only on those before it (tests/test_primitives_scope.py
+holds them to it): ``errors``, ``version`` -> ``pair`` -> ``reductions`` ->
+``operands`` -> ``epilogue`` -> ``tile_config``, ``lowering``, ``math``,
+``program`` -> ``reference``, ``dsl_scope``, ``sass`` -> ``cute`` -> ``tuning``
+-> ``gemm`` -> ``aux`` (with its Triton kernel, ``xent_triton``) -> ``catalogue``.
 """
 
-import os as _os
-
-# Without a GPU the DSL must be told which architecture to compile for (unset,
-# it targets sm_100a and quack's SM90 GEMM refuses it).  Must precede the
-# first cutlass import, which the modules below trigger.
-if not _os.environ.get("CUDA_VISIBLE_DEVICES", "x") or not _os.path.exists("/dev/nvidia0"):
-    _os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-    _os.environ.setdefault("QUACK_ARCH", "90")
-# Keep the cubin for the SASS gate, with or without a GPU (seen on the H200: without
-# it the compile stage there had no cubin to read). The dump directory must exist
-# or the DSL silently writes nothing.
-_os.environ.setdefault("CUTE_DSL_KEEP", "cubin")
-_os.makedirs(_os.environ.setdefault(
-    "CUTE_DSL_DUMP_DIR", _os.path.join(__import__("tempfile").gettempdir(), "coda-cutedsl-dump")),
-    exist_ok=True)
-
-from .aux import (add, column_index, concat_rows, deinterleave_columns, interleave_columns, rms_prepare,  # noqa: E402
+from .aux import (add, column_index, concat_rows, deinterleave_columns, interleave_columns, rms_prepare,
                   rms_rstd, to_fp32, xent_grad_, xent_loss, zeros_like)
-from .epilogue import Epilogue, epilogue, pack, unpack  # noqa: E402
-from .errors import CatalogueError  # noqa: E402
-from .gemm import TileConfig, gemm  # noqa: E402
-from .lowering import (CompiledKernel, Launch, SassReport, compile_only, current_lowering,  # noqa: E402
-                       launch_ledger, lowering)
-from .math import (cos, exp, exp2, fma, gelu_tanh, log, maximum, minimum, reciprocal, rsqrt,  # noqa: E402
-                   sigmoid, silu, sin, sqrt, tanh, where)
-from .operands import (ColVec, HeadStat, PairedTile, RowVec, Scalar, Tile, col_max, col_sum,  # noqa: E402
-                       head_rstd, online_lse, row_sum, select_col)
-from .program import load_program  # noqa: E402
-from .version import CATALOGUE_VERSION  # noqa: E402
-
-
-def render_catalogue() -> str:
-    """The catalogue as Markdown (signatures, semantics, constraints, examples)."""
-    from .catalogue import render
-
-    return render()
-
+from .catalogue import render as render_catalogue
+from .dsl_scope import compile_target
+from .epilogue import Epilogue, epilogue
+from .errors import CatalogueError
+from .gemm import gemm
+from .lowering import CompiledKernel, Launch, SassReport, compile_only, current_lowering, launch_ledger, lowering
+from .math import (cos, exp, exp2, fma, gelu_tanh, log, maximum, minimum, reciprocal, rsqrt, sigmoid, silu, sin,
+                   sqrt, tanh, where)
+from .operands import ColVec, HeadStat, PairedTile, RowVec, Scalar, Tile
+from .pair import pack, unpack
+from .program import load_program
+from .reductions import col_max, col_sum, head_rstd, online_lse, row_sum, select_col
+from .tile_config import TileConfig
+from .version import CATALOGUE_VERSION
 
 # What a program may import (the verifier's static stage enforces it).
 PROGRAM_API = (
@@ -77,5 +67,5 @@ PROGRAM_API = (
 )
 
 __all__ = [*PROGRAM_API, "CATALOGUE_VERSION", "CatalogueError", "CompiledKernel", "Epilogue", "Launch",
-           "SassReport", "compile_only", "current_lowering", "launch_ledger", "load_program",
+           "SassReport", "compile_only", "compile_target", "current_lowering", "launch_ledger", "load_program",
            "lowering", "render_catalogue"]

@@ -11,10 +11,11 @@ from __future__ import annotations
 import inspect
 import textwrap
 
-from . import aux, operands
+from . import aux, operands, reductions
 from .epilogue import epilogue as _epilogue
-from .gemm import TileConfig, gemm
+from .gemm import gemm
 from .math import VOCABULARY
+from .tile_config import TileConfig
 from .version import CATALOGUE_VERSION
 
 # One runnable example per family: (title, program source, call used by the tests).
@@ -100,6 +101,7 @@ def _sig(fn: object) -> str:
 
 
 def render() -> str:
+    """The catalogue as Markdown (signatures, semantics, constraints, examples)."""
     out: list[str] = [f"# The epilogue catalogue (version {CATALOGUE_VERSION})", ""]
     out += ["A program is one Python module that imports only from `coda_agent.primitives` "
             "(and `math`). It declares epilogue fns and composes them in `forward` "
@@ -115,9 +117,9 @@ def render() -> str:
     for kind in operands.KINDS.values():
         out += [f"- `{kind.name}`: {_doc(kind)}"]
     out += ["", "## Families 4-5: reductions, per-head statistics, stateful transforms", "",
-            "Reductions (family 4)" + _doc(operands).split("Reductions (family 4)", 1)[-1], ""]
-    for fn in (operands.col_sum, operands.col_max, operands.row_sum, operands.head_rstd,
-               operands.online_lse, operands.select_col):
+            "Reductions (family 4)" + _doc(reductions).split("Reductions (family 4)", 1)[-1], ""]
+    for fn in (reductions.col_sum, reductions.col_max, reductions.row_sum, reductions.head_rstd,
+               reductions.online_lse, reductions.select_col):
         out += [f"- `{_sig(fn)}`: {_doc(fn)}"]
     out += ["", "## Family 1: math vocabulary (inside epilogue fns)", "",
             "Arithmetic `+ - * /`, comparisons (only as `where` conditions) and:", ""]

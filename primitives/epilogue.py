@@ -38,10 +38,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
-from quack.epilogue.math import Pair
 
 from .errors import CatalogueError
-from .operands import KINDS, OUTPUT_DTYPES, HeadRms, HeadStat, Kind, PairedTile, Reduction
+from .operands import KINDS, OUTPUT_DTYPES, HeadStat, Kind, PairedTile
+from .pair import Pair
+from .reductions import HeadRms, Reduction
 
 RESERVED = {"acc", "D", "c"}
 
@@ -66,20 +67,6 @@ _BANNED_NODES: dict[type, str] = {
 }
 
 
-def unpack(value: Any) -> tuple[Any, Any]:
-    """Split a Pair into its two lanes: ``g, u = unpack(acc)``."""
-    if not isinstance(value, Pair):
-        raise CatalogueError(
-            "unpack() got a value that is not a Pair. Pairs exist only with "
-            "@epilogue(pairs='acc') (adjacent accumulator columns) or for a PairedTile operand.")
-    return value.a, value.b
-
-
-def pack(a: Any, b: Any) -> Pair:
-    """Join two lanes into a Pair: ``return {"D": pack(dg, du)}``."""
-    return Pair(a, b)
-
-
 @dataclass
 class Epilogue:
     """A validated epilogue program: the fn plus its declarations."""
@@ -99,16 +86,43 @@ class Epilogue:
         return self.fn.__name__
 
     @property
+    def pairs_acc(self) -> bool:
+        """Adjacent accumulator columns form one Pair (``pairs="acc"``)."""
+        return self.pairs == "acc"
+
+    @property
+    def paired_operand(self) -> str | None:
+        """The PairedTile operand the epilogue reads its Pairs from, if any."""
+        return None if self.pairs in (None, "acc") else self.pairs
+
+    @property
     def mode(self) -> str:
         """quack's name for the pairing mode."""
         if self.pairs is None:
             return "element"
-        return "acc_pair" if self.pairs == "acc" else "packed_cd_b16x2"
+        return "acc_pair" if self.pairs_acc else "packed_cd_b16x2"
+
+    def d_shape(self, m: int, n: int) -> tuple[int, int]:
+        """D's shape for an (M, N) GEMM: a PairedTile epilogue writes D at that tile's width."""
+        return (m, 2 * n) if self.paired_operand else (m, n)
+
+    def output_width(self, n: int) -> int:
+        """Columns of each extra output: one per Pair when the accumulator is paired."""
+        return n // 2 if self.pairs_acc else n
 
     @property
     def index_operands(self) -> tuple[str, ...]:
         """Int operands consumed by select_col reductions (the fn never sees them)."""
         return tuple(r.index for r in self.reductions.values() if r.index is not None)
+
+    def tile_arguments(self, acc: torch.Tensor, operands: dict[str, Any]) -> dict[str, Any]:
+        """The fn's keyword arguments for one call on the whole fp32 (M, N)
+        accumulator ``acc`` (the reference lowering and the dry run)."""
+        args: dict[str, Any] = {"acc": Pair.of_columns(acc) if self.pairs_acc else acc}
+        for name, kind in self.operands.items():
+            args[name] = kind.reference_argument(operands[name], acc, self.pairs_acc,
+                                                 self.head_stats.get(name))
+        return args
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         raise CatalogueError(f"epilogue {self.name!r} is not called directly; pass it to "
@@ -223,7 +237,7 @@ def epilogue(outputs: dict[str, str] | None = None,
         mode_pairs = pairs or (paired[0] if paired else None)
         if mode_pairs is not None:
             for name, red in reductions.items():
-                if red.axis == "rows" or red.partials or red.combine in ("lse", "select"):
+                if not red.pairable:
                     raise CatalogueError(
                         f"epilogue {fn.__name__!r}: reduction {name!r} ({red.describe()}) is not "
                         "available in a paired epilogue; only col_sum()/col_max() are", line=line)
@@ -239,13 +253,9 @@ def epilogue(outputs: dict[str, str] | None = None,
 
 def _dry_run(epi: Epilogue) -> bool:
     """Call the fn once on tiny tensors; check the returned keys. Returns whether D is stored."""
-    from .reference import fn_arguments
-
     m, n = 2, 4
-    dummy = {"scalar": 1.0, "head": 2}
-    args = fn_arguments(epi, torch.randn(m, n), {
-        name: dummy.get(kind.port) or torch.randn(kind.expected_shape(m, n))
-        for name, kind in epi.operands.items()})
+    args = epi.tile_arguments(torch.randn(m, n), {name: kind.dry_run_value(m, n)
+                                                  for name, kind in epi.operands.items()})
     try:
         result = epi.fn(**args)
     except CatalogueError as e:

@@ -23,6 +23,8 @@ import contextvars
 from dataclasses import dataclass, field
 from typing import Iterator
 
+import torch
+
 LOWERINGS = ("auto", "reference", "cute", "compile")
 
 _lowering: contextvars.ContextVar[str] = contextvars.ContextVar("coda_lowering", default="auto")
@@ -77,8 +79,6 @@ def current_lowering(*tensors: object) -> str:
     name = _lowering.get()
     if name != "auto":
         return name
-    import torch
-
     on_gpu = any(isinstance(t, torch.Tensor) and t.is_cuda for t in tensors)
     return "cute" if on_gpu else "reference"
 
@@ -118,7 +118,5 @@ def launching(kind: str, name: str, config: str = "") -> Iterator[None]:
     sink = _ledger.get()
     if sink is not None:
         sink.append(Launch(kind, name, config))
-    import torch
-
     with torch.profiler.record_function(f"coda::{kind}::{name}"):
         yield

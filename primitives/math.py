@@ -30,8 +30,9 @@ import math as _m
 from typing import Any, Callable
 
 import torch
-from quack.epilogue.math import Pair
 
+from .errors import CatalogueError
+from .pair import Pair
 from .version import CATALOGUE_VERSION
 
 _GELU_C = _m.sqrt(2.0 / _m.pi)
@@ -59,8 +60,6 @@ class MathFn:
 
     def __call__(self, *args: Any) -> Any:
         if len(args) != self.arity:
-            from .errors import CatalogueError
-
             raise CatalogueError(f"{self.name}() takes {self.arity} argument(s), got {len(args)}")
         pairs = [a for a in args if isinstance(a, Pair)]
         if pairs:
@@ -79,6 +78,8 @@ class MathFn:
         return f"<catalogue math {self.name}>"
 
 
+# cutlass is imported when a cute trace first calls in: importing the catalogue
+# must not load it (the DSL takes seconds to import).
 def _cm():
     import cutlass.cute as cute
 

@@ -1,4 +1,4 @@
-"""Operand kinds, output dtypes and reduction declarations (catalogue families 2-5).
+"""Operand kinds and output dtypes (catalogue families 2-3).
 
 Every operand an epilogue reads is *declared* with a kind annotation; nothing
 is inferred from shapes (M == N happens, and a silent row/col mix-up is the
@@ -16,54 +16,48 @@ kind           tensor shape         what the epilogue fn sees per element (m, n)
                                     pre-activation of a gated unit (family 1)
 =============  ===================  ==============================================
 
-Reductions (family 4) are declared per returned name; the fn returns the
-per-element value to fold and the kernel folds it per output tile; the
-finished value comes back from ``gemm``:
-
-- ``col_sum()``/``col_max()``: fold across the columns of each row -> (M,) fp32
-  (a column vector: one value per row; e.g. sum of squares for RMSNorm).
-- ``row_sum()``: fold down the rows of each column -> (N,) fp32 (e.g. the
-  gamma-gradient of RMSNorm).
-- ``col_sum(partials=True)``: the per-N-tile partials (M, ceil(N / tile_n))
-  instead of the finished sum, laid out exactly as the kernel writes them.
-
-Per-head statistics (family 4, finished in-kernel):
-
-- ``head_rstd(eps)``: declared with ``@epilogue(head_stats={"rstd": ...})`` and
-  read by a ``rstd: HeadStat`` parameter: for each row and each group of
-  ``head_dim`` adjacent columns (a head), ``rsqrt(mean(acc**2) + eps)`` of the
-  *raw* accumulator, computed in a pre-pass over the tile before any store, so
-  QK-norm needs one GEMM.  The head width is given at the call,
-  ``gemm(..., rstd=head_dim)``; it must divide N and the tile's N.  With
-  ``save=True`` gemm also returns it as (M, N / head_dim) fp32 (for backward).
-
-Stateful transforms (family 5):
-
-- ``online_lse()``: online log-sum-exp across all N tiles -> (M,) fp32.
-- ``select_col("target")``: the value at column ``target[m]`` -> (M,) fp32, where
-  ``target`` is an int32/int64 (M,) operand passed to ``gemm`` (never seen by
-  the fn).  Rows whose target lies outside [0, N) are left untouched.
+Reductions and per-head statistics are declared in :mod:`.reductions`.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from .errors import CatalogueError
+from .pair import Pair
+from .reductions import HeadRms
 
 OUTPUT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-TORCH_TO_NAME = {v: k for k, v in OUTPUT_DTYPES.items()}
 INPUT_DTYPES = (torch.bfloat16, torch.float16)
 
 
+def row_bytes(t: torch.Tensor) -> int:
+    """Bytes between consecutive rows of the tensor's non-contiguous dimension."""
+    major = t.stride(0) if t.stride(-1) == 1 else t.stride(-1)
+    return major * t.element_size()
+
+
+def _per_column(v: Any, pairs_acc: bool) -> Any:
+    """In a ``pairs="acc"`` epilogue a per-column value is seen as a Pair of adjacent columns."""
+    return Pair.of_columns(v) if pairs_acc else v
+
+
 class Kind:
-    """An operand kind: used as an annotation, ``def fn(acc, r: Tile)``."""
+    """An operand kind: used as an annotation, ``def fn(acc, r: Tile)``.
+
+    Everything the catalogue does with an operand of a kind is a method of the
+    kind, so a new kind is one class: its shape and checks at the ``gemm``
+    call, its value in the decoration-time dry run, what the fn sees in the
+    reference lowering, the quack op that loads it in the cute lowering and
+    the layout quack takes it in, and the rows the mainloop's TMA copies.
+    The quack ops are imported where they are built: quack loads only when a
+    cute lowering runs.
+    """
 
     name = ""
-    port = ""  # how the fn sees it: "tile" | "row" | "col" | "scalar" | "paired"
+    hint = ""
 
     def __init_subclass__(cls) -> None:
         cls.name = cls.__name__
@@ -87,52 +81,120 @@ class Kind:
             raise CatalogueError(f"operand {operand!r}: dtype {value.dtype} is not supported; "
                                  "use bf16, fp16 or fp32")
         if value.dim() == 1 and value.numel() > 1 and value.stride(0) != 1:
-            # Seen on an H200: quack refuses a strided vector at launch, so the
-            # reference lowering must refuse it too.
+            # quack refuses a strided vector at launch, so the reference lowering
+            # refuses it too.
             raise CatalogueError(f"operand {operand!r} is a strided view (stride {value.stride(0)}); "
                                  "vectors must be contiguous: slice rows of a (heads, M) tensor, not "
                                  "columns of an (M, heads) one")
 
-    hint = ""
+    @classmethod
+    def dry_run_value(cls, m: int, n: int) -> Any:
+        """A value for the dry run of an (m, n) accumulator at decoration time."""
+        return torch.randn(cls.expected_shape(m, n))
+
+    @classmethod
+    def reference_argument(cls, value: Any, acc: torch.Tensor, pairs_acc: bool, stat: HeadRms | None) -> Any:
+        """What the fn sees in the reference lowering, called once on the whole
+        fp32 (M, N) accumulator ``acc``: fp32, broadcastable against it.
+        ``pairs_acc``: the epilogue pairs adjacent accumulator columns;
+        ``stat``: the head statistic declared under the operand's name."""
+        raise NotImplementedError
+
+    @classmethod
+    def quack_op(cls, name: str, stat: HeadRms | None) -> Any:
+        """The quack EpiOp pinned for this operand (None: quack reads it as the C operand)."""
+        raise NotImplementedError
+
+    @classmethod
+    def quack_parameter(cls, name: str) -> str:
+        """The fn parameter name quack passes the operand under."""
+        return name
+
+    @classmethod
+    def quack_value(cls, value: Any) -> Any:
+        """The operand in the layout quack takes it in."""
+        return value
+
+    @classmethod
+    def tma_row_bytes(cls, value: Any) -> int | None:
+        """Bytes per row the mainloop's TMA copies of it (None: not copied by TMA)."""
+        return None
 
 
 class Tile(Kind):
     """A full (M, N) tensor read alongside the accumulator (residual, saved x)."""
 
-    port = "tile"
     hint = "A Tile has the GEMM output's shape."
 
     @classmethod
     def expected_shape(cls, m: int, n: int) -> tuple[int, ...]:
         return (m, n)
 
+    @classmethod
+    def reference_argument(cls, value: Any, acc: torch.Tensor, pairs_acc: bool, stat: HeadRms | None) -> Any:
+        return _per_column(value.float(), pairs_acc)
+
+    @classmethod
+    def quack_op(cls, name: str, stat: HeadRms | None) -> Any:
+        from quack.epilogue import ops
+
+        return ops.TileLoad(name)
+
+    @classmethod
+    def tma_row_bytes(cls, value: Any) -> int | None:
+        return row_bytes(value)
+
 
 class RowVec(Kind):
     """One value per output column, length N, broadcast down the rows (gamma, bias)."""
 
-    port = "row"
     hint = "A RowVec has one value per output column (length N); per-row values are a ColVec."
 
     @classmethod
     def expected_shape(cls, m: int, n: int) -> tuple[int, ...]:
         return (n,)
 
+    @classmethod
+    def reference_argument(cls, value: Any, acc: torch.Tensor, pairs_acc: bool, stat: HeadRms | None) -> Any:
+        return _per_column(value.float().reshape(1, -1), pairs_acc)
+
+    @classmethod
+    def quack_op(cls, name: str, stat: HeadRms | None) -> Any:
+        from quack.epilogue import ops
+
+        return ops.RowVecLoad(name)
+
+    @classmethod
+    def quack_value(cls, value: Any) -> Any:
+        return value.reshape(1, -1)
+
 
 class ColVec(Kind):
     """One value per output row, length M, broadcast across columns (inverse RMS)."""
 
-    port = "col"
     hint = "A ColVec has one value per output row (length M); per-column values are a RowVec."
 
     @classmethod
     def expected_shape(cls, m: int, n: int) -> tuple[int, ...]:
         return (m,)
 
+    @classmethod
+    def reference_argument(cls, value: Any, acc: torch.Tensor, pairs_acc: bool, stat: HeadRms | None) -> Any:
+        return value.float().reshape(-1, 1)
+
+    @classmethod
+    def quack_op(cls, name: str, stat: HeadRms | None) -> Any:
+        from quack.epilogue import ops
+
+        return ops.ColVecLoad(name)
+
+    @classmethod
+    def quack_value(cls, value: Any) -> Any:
+        return value.reshape(1, -1)
+
 
 class Scalar(Kind):
     """A Python number baked into the kernel (eps, a scale)."""
-
-    port = "scalar"
 
     @classmethod
     def check(cls, operand: str, value: object, m: int, n: int) -> None:
@@ -140,13 +202,26 @@ class Scalar(Kind):
             raise CatalogueError(f"operand {operand!r} is declared Scalar and needs a Python number; "
                                  f"got {type(value).__name__} (pass tensors as Tile/RowVec/ColVec)")
 
+    @classmethod
+    def dry_run_value(cls, m: int, n: int) -> Any:
+        return 1.0
+
+    @classmethod
+    def reference_argument(cls, value: Any, acc: torch.Tensor, pairs_acc: bool, stat: HeadRms | None) -> Any:
+        return float(value)
+
+    @classmethod
+    def quack_op(cls, name: str, stat: HeadRms | None) -> Any:
+        from quack.epilogue import ops
+
+        return ops.Scalar(name)
+
 
 class PairedTile(Kind):
     """A 16-bit (M, 2N) tensor whose adjacent columns form one Pair per output
     element: the saved (gate, up) pre-activation read by the SwiGLU backward.
     At most one per epilogue; the epilogue's D then has this tensor's shape."""
 
-    port = "paired"
     hint = "A PairedTile is twice as wide as the GEMM output (interleaved pairs)."
 
     @classmethod
@@ -161,12 +236,26 @@ class PairedTile(Kind):
             raise CatalogueError(f"operand {operand!r} is a PairedTile and must be bf16 or fp16 "
                                  f"(two 16-bit lanes per 32-bit word); got {value.dtype}")
 
+    @classmethod
+    def reference_argument(cls, value: Any, acc: torch.Tensor, pairs_acc: bool, stat: HeadRms | None) -> Any:
+        return Pair.of_columns(value.float())
+
+    @classmethod
+    def quack_op(cls, name: str, stat: HeadRms | None) -> Any:
+        return None  # quack's packed_cd_b16x2 mode reads it as C, two 16-bit lanes per word
+
+    @classmethod
+    def quack_parameter(cls, name: str) -> str:
+        return "c"
+
+    @classmethod
+    def tma_row_bytes(cls, value: Any) -> int | None:
+        return row_bytes(value)
+
 
 class HeadStat(Kind):
     """The per-head statistic of the element's head, declared in ``head_stats=``;
     gemm takes the head width under its name (the kernel computes the values)."""
-
-    port = "head"
 
     @classmethod
     def check(cls, operand: str, value: object, m: int, n: int) -> None:
@@ -177,88 +266,21 @@ class HeadStat(Kind):
             raise CatalogueError(f"gemm: head statistic {operand!r} groups {value} columns per head, so "
                                  f"N must be a multiple of {value}; got N = {n}")
 
+    @classmethod
+    def dry_run_value(cls, m: int, n: int) -> Any:
+        return 2  # a head width that divides the dry run's N
+
+    @classmethod
+    def reference_argument(cls, value: Any, acc: torch.Tensor, pairs_acc: bool, stat: HeadRms | None) -> Any:
+        assert stat is not None  # the decorator pairs every HeadStat with a head_stats entry
+        return _per_column(stat.values(acc, value).repeat_interleave(value, dim=1), pairs_acc)
+
+    @classmethod
+    def quack_op(cls, name: str, stat: HeadRms | None) -> Any:
+        from quack.epilogue.head_rmsnorm import HeadRstd
+
+        assert stat is not None
+        return HeadRstd(name, eps=stat.eps)
+
 
 KINDS: dict[str, type[Kind]] = {k.name: k for k in (Tile, RowVec, ColVec, Scalar, PairedTile, HeadStat)}
-
-
-# --------------------------------------------------------------------------- reductions
-
-
-@dataclass(frozen=True)
-class Reduction:
-    """A declared fold of the values an epilogue returns under one name."""
-
-    axis: str  # "cols": one value per row (M,);  "rows": one value per column (N,)
-    combine: str  # "add" | "max" | "lse" | "select"
-    partials: bool = False
-    index: str | None = None  # select_col: the int operand naming the column per row
-
-    @property
-    def identity(self) -> float:
-        return 0.0 if self.combine == "add" else -math.inf
-
-    def describe(self) -> str:
-        if self.combine == "select":
-            return f"select_col({self.index!r})"
-        name = {"add": "sum", "max": "max", "lse": "lse"}[self.combine]
-        base = "online_lse" if self.combine == "lse" else f"{'col' if self.axis == 'cols' else 'row'}_{name}"
-        return f"{base}({'partials=True' if self.partials else ''})"
-
-
-def _check_identity(kind: str, identity: float | None, want: float) -> None:
-    # The kernel zero-fills out-of-bounds lanes of a ragged last tile; that is the
-    # identity of a sum but not of a max, so max folds mask those lanes to -inf.
-    # A caller asking for another identity would get wrong answers at ragged edges.
-    if identity is not None and identity != want:
-        raise CatalogueError(
-            f"{kind} folds out-of-bounds lanes of a ragged edge with identity {want}; "
-            f"identity={identity!r} would corrupt rows/columns at the edge. Drop identity= "
-            f"(or pass {want}).")
-
-
-def col_sum(*, partials: bool = False, identity: float | None = None) -> Reduction:
-    """Sum across the columns of each row -> (M,) fp32 (or per-N-tile partials)."""
-    _check_identity("col_sum", identity, 0.0)
-    return Reduction("cols", "add", partials=partials)
-
-
-def col_max(*, identity: float | None = None) -> Reduction:
-    """Max across the columns of each row -> (M,) fp32 (ragged lanes masked to -inf)."""
-    _check_identity("col_max", identity, -math.inf)
-    return Reduction("cols", "max")
-
-
-def row_sum(*, identity: float | None = None) -> Reduction:
-    """Sum down the rows of each column -> (N,) fp32."""
-    _check_identity("row_sum", identity, 0.0)
-    return Reduction("rows", "add")
-
-
-def online_lse() -> Reduction:
-    """Online log-sum-exp across all columns of each row -> (M,) fp32."""
-    return Reduction("cols", "lse")
-
-
-def select_col(index: str) -> Reduction:
-    """The returned value at column ``index[m]`` of each row -> (M,) fp32."""
-    if not isinstance(index, str) or not index.isidentifier():
-        raise CatalogueError("select_col needs the name of the int index operand, e.g. "
-                             "select_col('target'), and gemm(..., target=targets)")
-    return Reduction("cols", "select", index=index)
-
-
-@dataclass(frozen=True)
-class HeadRms:
-    """A declared per-head inverse RMS of the raw accumulator (see the module doc)."""
-
-    eps: float
-    save: bool = False
-
-
-def head_rstd(eps: float = 1e-6, *, save: bool = False) -> HeadRms:
-    """Per-(row, head) ``rsqrt(mean(acc**2 over the head's columns) + eps)``, read by a
-    ``HeadStat`` parameter, head width given at the call (``gemm(..., rstd=128)``);
-    ``save=True`` also returns it (M, N / head_dim) fp32."""
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or eps <= 0:
-        raise CatalogueError(f"head_rstd: eps must be a positive number; got {eps!r}")
-    return HeadRms(float(eps), save)

@@ -3,11 +3,11 @@
 The configuration decides epilogue-heavy speed (an H200 measurement: the
 dSwiGLU backward with its row reduction takes 2.86 ms at quack's default
 128x192 pingpong and 1.26 ms at 128x128 pingpong, against 0.83 ms for the
-plain GEMM), but quack's full autotune took 74 s for one shape.  So:
+plain GEMM), but quack's full autotune takes 74 s for one shape.  So:
 
 1. ``gemm(config=None)`` looks the call up in an on-disk :class:`TuningCache`
    (inside :func:`autotune`, a miss is tuned on the spot);
-2. otherwise, on a miss it uses :func:`coda_agent.primitives.gemm.default_config`, a
+2. otherwise, on a miss it uses :func:`coda_agent.primitives.tile_config.default_config`, a
    heuristic on the epilogue's weight (reductions, paired tiles, operand count);
 3. :func:`tune` times a *pruned* candidate list (:data:`CANDIDATES`, six configs
    that won somewhere on Hopper) with device events on the real shapes and
@@ -37,7 +37,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, NamedTuple
 
-from .gemm import TileConfig
+import torch
+
+from . import cute
+from .tile_config import TileConfig, tunable
 from .version import CATALOGUE_VERSION
 
 CANDIDATES: tuple[TileConfig, ...] = (
@@ -53,7 +56,7 @@ CANDIDATES: tuple[TileConfig, ...] = (
 def candidates_for(epi: Any, operands: Mapping[str, Any]) -> list[TileConfig]:
     """The :data:`CANDIDATES` :func:`tune` may pick for this epilogue: a head
     statistic needs whole heads per tile.  (An epilogue exposing reduction
-    partials is never tuned at all: ``gemm._tunable``.)"""
+    partials is never tuned at all: ``tile_config.tunable``.)"""
     head_dims = _head_dims(epi, operands)
     return [cfg for cfg in CANDIDATES if _whole_heads(cfg, head_dims)]
 
@@ -82,9 +85,7 @@ def _versions() -> tuple[str, ...]:
 
 def tuning_key(epi: Any, m: int, n: int, k: int, dtype: Any, device_name: str) -> str:
     """Fail-closed key: raises if the epilogue cannot be fingerprinted."""
-    from .cute import epimod
-
-    digest = epimod(epi).semantic_digest if epi is not None else "plain"
+    digest = cute.epimod(epi).semantic_digest if epi is not None else "plain"
     raw = json.dumps([digest, CATALOGUE_VERSION, _versions(), device_name, m, n, k, str(dtype)])
     return hashlib.sha256(raw.encode()).hexdigest()[:32]
 
@@ -114,9 +115,9 @@ class TuningCache:
 
 
 # In-process memo of lookups: gemm() consults the cache on every call, and the
-# GPU must never wait on the host for it.  Measured: computing the key reads
-# three packages' metadata (1.7 ms) -- on the H200 that host time showed up as
-# a 3-GEMM program running 13x slower than its GEMMs.  The memo lives on the
+# GPU must never wait on the host for it: computing the key reads three
+# packages' metadata (1.7 ms), and paid on every call that host time makes a
+# 3-GEMM program run 13x slower than its GEMMs on the H200.  The memo lives on the
 # epilogue object itself (an id() key could be reused by a later program's
 # epilogue); a new tuning result bumps the generation and so empties every memo.
 _PLAIN_MEMO: dict[tuple, TileConfig | None] = {}
@@ -141,17 +142,13 @@ def _forget_lookups() -> None:
 
 @lru_cache(maxsize=16)
 def _device_name(index: int) -> str:
-    import torch
-
     return torch.cuda.get_device_name(index)
 
 
 def lookup(epi: Any, m: int, n: int, k: int, dtype: Any, device: Any,
            operands: dict[str, Any]) -> TileConfig | None:
     """The cached config for this call, or None (never raises: a miss is a miss)."""
-    from .gemm import _tunable
-
-    if not _tunable(epi):
+    if not tunable(epi):
         return None
     head_dims = _head_dims(epi, operands)
     memo = _memo(epi)
@@ -192,34 +189,29 @@ def autotuning() -> bool:
 # plus a floor, so a launch never trails it (that would time an idle gap).  The
 # spin itself is never timed.  1.5x held with every CPU core busy: rope_bwd at
 # 70B (0.27 ms of GPU work, 0.25-0.34 ms of host work) timed 0.274 ms alone and
-# under load at 1.5x and at 3x (bench/sweep.py contention, H200).
+# under load at 1.5x and at 3x on the H200
+# (bench/results/h200-2026-11-29-c/sweep-contention.json).
 SPIN_FACTOR, SPIN_FLOOR_MS = 1.5, 0.05
-
-
-def measure(fn: Callable[[], Any], reps: int = 20, warmup: int = 3) -> tuple[list[float], float]:
-    """(sorted device times in ms of ``reps`` calls of ``fn``, host ms to enqueue one call).
-
-    CUDA events around each call; a 256 MiB buffer written before each to flush
-    the L2; then a spin kernel longer than the host needs to enqueue one call
-    (SPIN_FACTOR), so that ``fn``'s launches are all queued before the start
-    event fires.
-    What is timed is the GPU's work, not the host's launch overhead, and every
-    candidate (program, plain GEMM, eager, compiled) is timed the same way.
-    The host side is the :func:`enqueue_ms` this sizing needs anyway.
-    """
-    return measure_each({"fn": fn}, reps, warmup)["fn"]
 
 
 def measure_each(fns: Mapping[str, Callable[[], Any]], reps: int = 20, warmup: int = 3
                  ) -> dict[str, tuple[list[float], float]]:
-    """:func:`measure` for several contenders, interleaved: round ``r`` times each
+    """Device times of several contenders, interleaved: ``{name: (sorted ms of
+    ``reps`` calls, host ms to enqueue one call)}``.  Round ``r`` times each
     contender once, in a fresh (seeded) random order, before round ``r + 1``
-    starts.  Returns ``{name: (sorted ms, host ms)}``.
+    starts.
+
+    Each call is timed with CUDA events, after a 256 MiB buffer written to flush
+    the L2 and a spin kernel longer than the host needs to enqueue the call
+    (SPIN_FACTOR x :func:`enqueue_ms`), so the call's launches are all queued
+    before the start event fires: what is timed is the GPU's work, not the
+    host's launch overhead, and every contender (program, plain GEMM, eager,
+    compiled) is timed the same way.
 
     Why interleave: the H200 runs its big GEMMs at its 700 W power cap, and its
     SM clock follows power and temperature over a run; a comparison timed in
     blocks can give one contender the cool GPU and the next the throttled one
-    (at LLaMA-3 70B one contender's p10-p90 spread reached 30%,
+    (timed in blocks at LLaMA-3 70B, one contender's p10-p90 spread is 30%,
     bench/results/h200-2026-11-29-d).  Interleaved, drift lands on every
     contender alike.  Why a random order: the clock a call gets also depends on
     the power its predecessor drew, and a fixed or rotating order would give
@@ -227,8 +219,6 @@ def measure_each(fns: Mapping[str, Callable[[], Any]], reps: int = 20, warmup: i
     synchronized after every call, so no contender's work (a stray side stream
     included) runs inside another's timing window.
     """
-    import torch
-
     names = list(fns)
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     spin: dict[str, int] = {}
@@ -275,8 +265,6 @@ def measure_steady(fn: Callable[[], Any], seconds: float = 1.5, settle: float = 
     a call than the GPU needs to run it, the GPU idles between calls and the
     time is the host's: compare with :func:`enqueue_ms`.
     """
-    import torch
-
     fn()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -304,8 +292,6 @@ def enqueue_ms(fn: Callable[[], Any], calls: int = 5) -> float:
     """Median host wall time (ms) for ``fn`` to enqueue its work, GPU idle
     before each call.  When it exceeds the device time, the program is
     launch-bound in eager mode (a CUDA graph or fewer launches would help)."""
-    import torch
-
     times = []
     for _ in range(calls):
         torch.cuda.synchronize()
@@ -319,8 +305,6 @@ def enqueue_ms(fn: Callable[[], Any], calls: int = 5) -> float:
 @lru_cache(maxsize=1)
 def _cycles_per_ms() -> float:
     """Clock cycles of ``torch.cuda._sleep`` per millisecond on this GPU."""
-    import torch
-
     cycles = 20_000_000
     torch.cuda._sleep(1000)
     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -331,21 +315,17 @@ def _cycles_per_ms() -> float:
     return cycles / max(s.elapsed_time(e), 1e-3)
 
 
-def tune(epi: Any, A: Any, B: Any, operands: dict[str, Any], reps: int = 10,
-         out_dtype: str | None = None) -> tuple[TileConfig, dict]:
-    """Time :data:`CANDIDATES` for one call, interleaved (:func:`measure_each`),
-    store and return the fastest."""
-    from .gemm import gemm
-    from .lowering import lowering
-
+def tune(epi: Any, A: Any, B: Any, operands: dict[str, Any], out_dtype: Any, reps: int = 10
+         ) -> tuple[TileConfig, dict]:
+    """Time :data:`CANDIDATES` for one call that ``gemm`` has validated (D in
+    ``out_dtype``), interleaved (:func:`measure_each`), store and return the fastest."""
     m, k = A.shape
     n = B.shape[1]
     times: dict[str, float] = {}
 
     def call(cfg: TileConfig) -> Callable[[], Any]:
         def run() -> Any:
-            with lowering("cute"):
-                return gemm(A, B, epi, config=cfg, out_dtype=out_dtype, **operands)
+            return cute.run(epi, A, B, operands, out_dtype=out_dtype, config=cfg, accumulate_into=None)
         return run
 
     runnable: dict[str, Callable[[], Any]] = {}

@@ -350,7 +350,8 @@ def test_every_catalogue_example_compiles_for_sm90a_with_hgmma(family, gen):
     A, B = rand(M, K, dtype=torch.bfloat16), rand(K, N, dtype=torch.bfloat16)
     ops = {}
     for name, kind in epi.operands.items():
-        ops[name] = {"scalar": 0.5, "head": 128}.get(kind.port) or rand(*kind.expected_shape(M, N), dtype=torch.bfloat16)
+        ops[name] = {"Scalar": 0.5, "HeadStat": 128}.get(kind.name) or rand(*kind.expected_shape(M, N),
+                                                                          dtype=torch.bfloat16)
     for idx in epi.index_operands:
         ops[idx] = torch.randint(0, N, (M,), dtype=torch.int32)
     with compile_only() as kernels:

@@ -12,9 +12,9 @@ import os
 import pytest
 import torch
 
-from coda_agent.primitives import CatalogueError, TileConfig, gemm, load_program, lowering, tuning
+from coda_agent.primitives import CatalogueError, HeadStat, Scalar, TileConfig, gemm, load_program, lowering, tuning
 from coda_agent.primitives.catalogue import EXAMPLES
-from coda_agent.primitives.gemm import _tunable
+from coda_agent.primitives.tile_config import tunable
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -64,9 +64,9 @@ def _record(entry: dict) -> None:
 def _operands(epi, M, N, dtype, gen):
     ops = {}
     for name, kind in epi.operands.items():
-        if kind.port == "head":
+        if kind is HeadStat:
             ops[name] = 128  # the head width
-        elif kind.port == "scalar":
+        elif kind is Scalar:
             ops[name] = 0.75
         elif name == "pos":
             ops[name] = torch.randint(0, 8192, (M,), generator=gen, device="cuda").float()
@@ -88,16 +88,16 @@ def test_cute_matches_reference(case, dtype, shape):
     _check(case, epi, dtype, shape, cfg)
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if _tunable(_epilogue(c))])
+@pytest.mark.parametrize("case", [c for c in CASES if tunable(_epilogue(c))])
 def test_cute_matches_reference_at_every_config_the_tuner_may_pick(case):
     """``tune()`` (and so the benchmark and the verifier's cache) may run an
     epilogue at any candidate config it allows, cooperative 128x256 and
     256x128 included, so every family must be right at each, not only at the
     heuristic's pick.  The ragged shape puts partial tiles on every edge.  A
     config the compile refuses for leaving one A/B pipeline stage (the
-    vocabulary's five fp32 outputs at a cooperative tile: that kernel deadlocked
-    here before the refusal existed) is one ``tune()`` skips: refused is fine,
-    wrong or hung is not."""
+    vocabulary's five fp32 outputs at a cooperative tile: such a kernel
+    deadlocks on the H200) is one ``tune()`` skips: refused is fine, wrong or
+    hung is not."""
     epi = _epilogue(case)
     M, N, _ = SHAPES["ragged"]
     operands = _operands(epi, M, N, torch.bfloat16, torch.Generator(device="cuda").manual_seed(0))
@@ -157,3 +157,36 @@ def _check(case: str, epi, dtype, shape: str, cfg: TileConfig | None) -> None:
         assert rel < limit, (case, str(cfg), k, errs[k])
     _record({"case": case, "dtype": str(dtype), "shape": shape, "MNK": [M, N, K], "config": str(cfg),
              "errors": errs})
+
+
+def test_launch_and_compile_leave_quack_and_the_environment_as_they_found_them():
+    """On the GPU as on the CPU (tests/test_primitives_scope.py): the pipeline
+    guard, the kept cubin and quack's disk-cache switch hold only while a
+    catalogue call runs, a launch that compiles (a shape not seen before) and
+    a compile-only call alike."""
+    import quack.cache
+    from cutlass.cutlass_dsl import CuTeDSL
+    from quack.gemm_sm90 import GemmSm90
+
+    from coda_agent.primitives import compile_only
+
+    envar = CuTeDSL._get_dsl().envar
+
+    def state() -> dict:
+        return {"environ": dict(os.environ), "compute_stages": GemmSm90.__dict__["_compute_stages"],
+                "cache": quack.cache.CACHE_ENABLED, "keep_cubin": envar.keep_cubin, "dump_dir": envar.dump_dir}
+
+    before = state()
+    epi = _epilogue("tile")
+    A = torch.randn(520, 264, device="cuda").to(torch.bfloat16)
+    B = torch.randn(264, 648, device="cuda").to(torch.bfloat16)
+    r = torch.randn(520, 648, device="cuda").to(torch.bfloat16)
+    with lowering("cute"):
+        gemm(A, B, epi, residual=r)
+    torch.cuda.synchronize()
+    assert state() == before
+    with compile_only() as kernels:
+        gemm(A[:, :200], B[:200], epi, residual=r, config=TileConfig(tile_n=128, cluster_m=1))
+    assert kernels[0].sass is not None and kernels[0].sass.hgmma > 0
+    assert state() == before
+

@@ -147,7 +147,7 @@ def test_lookup_memo_belongs_to_its_epilogue(tmp_path, monkeypatch):
 def test_default_config_rules():
     """The untuned heuristic, rule by rule (each rule's H200 evidence is in
     default_config's docstring)."""
-    from coda_agent.primitives.gemm import default_config
+    from coda_agent.primitives.tile_config import default_config
 
     prog = load_program(SRC + '''
 @epilogue()
@@ -174,7 +174,7 @@ def rot(acc, cs: Tile):
 
 
 def test_default_config_fills_the_sms_when_output_tiles_are_few():
-    from coda_agent.primitives.gemm import TileConfig, _wave_cost, default_config
+    from coda_agent.primitives.tile_config import TileConfig, _wave_cost, default_config
 
     # dx of a 1024-row LM-head chunk at LLaMA-3 1B: 88 wide tiles leave 44 of 132 SMs idle.
     assert _wave_cost(1024, 2048, 128, 192, 132) == 128 * 192
@@ -191,7 +191,7 @@ def test_default_config_gives_a_padded_plain_n_the_256_cooperative_tile():
     """N = 1024 (a K/V projection): 6 tiles of 192 pad it by 12.5%, 4 of 256 by
     nothing.  Only for plain GEMMs, only where the padding is large, and only
     where the 256 tiles still fill the SMs."""
-    from coda_agent.primitives.gemm import default_config
+    from coda_agent.primitives.tile_config import default_config
 
     coop = TileConfig(128, 256, 1, 1, False)
     assert default_config(None, {}, n=1024, m=16384) == coop

@@ -16,7 +16,7 @@ library versions (:func:`.cache.library_versions`) plus the cuobjdump wheel
 path will use and the device, "cpu" without CUDA); and a digest of
 coda_agent's own code in ``primitives/``, ``verifier/`` and ``tasks/``: the
 tile configuration a GEMM compiles with is chosen there
-(``primitives.gemm.default_config``; the compile lowering never reads the
+(``primitives.tile_config.default_config``; the compile lowering never reads the
 tuning cache), and that code changes without a version bump.  If any part
 cannot be computed, :func:`compile_key` raises and the stage runs uncached.
 The stage's random input values are not part of the key: under the compile
@@ -69,19 +69,9 @@ def code_digest() -> str:
 
 def target() -> dict[str, str]:
     """The architecture the compile path targets, and the device it runs on."""
-    import torch
+    from coda_agent.primitives import compile_target
 
-    import coda_agent.primitives  # noqa: F401 - on a CPU, its import sets CUTE_DSL_ARCH
-
-    if torch.cuda.is_available():  # quack reads the target from the carriers' device
-        major, minor = torch.cuda.get_device_capability(0)
-        arch = f"sm_{major}{minor}" + ("a" if major == 9 else "")
-    else:  # compile-only on a CPU: set by coda_agent.primitives on import
-        arch = os.environ.get("CUTE_DSL_ARCH", "")
-    if not arch:
-        raise verdict_cache.CacheKeyError("cannot tell the compile target architecture")
-    return {"arch": arch, "device": verdict_cache.device_name(),
-            "CUTE_DSL_ARCH": os.environ.get("CUTE_DSL_ARCH", ""), "QUACK_ARCH": os.environ.get("QUACK_ARCH", "")}
+    return {"arch": compile_target(), "device": verdict_cache.device_name()}
 
 
 def compile_key(task: Task, source: str) -> str:

@@ -5,7 +5,7 @@ Layout (format 1)::
     runs/<utc>-<task>-<author>/         author: the model name, "expert" or "replay"
       task.yaml          the task spec as used (a byte copy of the YAML)
       config.json        the merged AgentConfig (never the API key), the task's path, format
-      versions.json      coda-agent, quack, cutlass, torch, openai, python, GPU name or "none"
+      versions.json      python, coda-agent, quack, cutlass, torch, triton, openai, CUDA, GPU name or "none"
       summary.json       all samples: their results, totals, how many accepted
       # the trajectory; with --samples k > 1 each one lives in sample-0 .. sample-(k-1)/
       transcript.jsonl   one JSON event per line, appended and fsynced as it happens
@@ -33,14 +33,14 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import re
 import shutil
-import tempfile
 from datetime import datetime, timezone
-from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from coda_agent.storage import write_atomic, write_json
+from coda_agent.versions import environment
 
 from .protocols import CodaError
 
@@ -49,24 +49,6 @@ RUN_FORMAT = 1
 
 def utc_now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
-
-
-def write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def write_json(path: Path, data: Any) -> None:
-    write_atomic(path, json.dumps(data, indent=2, default=str) + "\n")
 
 
 def read_events(path: Path) -> list[dict[str, Any]]:
@@ -175,7 +157,7 @@ class RunDir:
         shutil.copyfile(task.path, path / "task.yaml")
         write_json(path / "config.json", {"format": RUN_FORMAT, "task_path": str(Path(task.path).resolve()),
                                           "created_utc": utc_now(), "config": config})
-        write_json(path / "versions.json", versions())
+        write_json(path / "versions.json", environment())
         return cls(path, config["budget"]["samples"])
 
     @classmethod
@@ -201,24 +183,3 @@ class RunDir:
     def read_summary(self) -> dict[str, Any] | None:
         p = self.path / "summary.json"
         return json.loads(p.read_text()) if p.is_file() else None
-
-
-def versions() -> dict[str, str]:
-    out = {"python": platform.python_version()}
-    for key, dist in [("coda-agent", "coda-agent"), ("quack", "quack-kernels"),
-                      ("cutlass", "nvidia-cutlass-dsl"), ("torch", "torch"), ("openai", "openai")]:
-        try:
-            out[key] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            out[key] = "not installed"
-    if out["coda-agent"] == "not installed":  # running from a checkout that is not pip-installed
-        import coda_agent
-
-        out["coda-agent"] = coda_agent.__version__
-    try:
-        import torch
-
-        out["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
-    except Exception as e:  # noqa: BLE001 - a broken torch must not stop a run from being recorded
-        out["gpu"] = f"unknown ({type(e).__name__})"
-    return out

@@ -24,6 +24,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+from coda_agent.devices import visible_gpus
+
 FIELDS = "clocks.sm,clocks.max.sm,power.draw,temperature.gpu"
 REASONS_FIELD = "clocks_event_reasons.active"
 
@@ -65,8 +67,6 @@ class ClockSampler:
 
     def __init__(self, gpu: int | str | None = None, period_s: float = 0.2, command: str = "nvidia-smi"):
         if gpu is None:  # the first GPU this process may use, as nvidia-smi numbers it
-            from coda_agent.eval.pool import visible_gpus
-
             gpu = (visible_gpus() or ["0"])[0]
         self.gpu, self.period_s = str(gpu), period_s
         self.command = shutil.which(command)

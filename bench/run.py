@@ -28,7 +28,6 @@ import argparse
 import contextlib
 import datetime as dt
 import json
-import platform
 import random
 import sys
 import time
@@ -37,6 +36,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+
+from coda_agent.storage import write_atomic
+from coda_agent.versions import environment
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -245,21 +247,10 @@ def _ratios(spec: Any, shape_set: str, row: dict) -> dict:
 
 
 def versions() -> dict:
-    from importlib import metadata
-
-    out = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-           "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none (dry run)"}
-    for pkg in ("quack-kernels", "nvidia-cutlass-dsl", "liger-kernel", "triton"):
-        try:
-            out[pkg] = metadata.version(pkg)
-        except metadata.PackageNotFoundError:
-            out[pkg] = "absent"
-    from coda_agent import __version__
+    """What the run ran on: libraries, CUDA, the GPU, and the catalogue's version."""
     from coda_agent.primitives import CATALOGUE_VERSION
 
-    out["coda-agent"] = __version__
-    out["catalogue"] = CATALOGUE_VERSION
-    return out
+    return {**environment(), "catalogue": CATALOGUE_VERSION}
 
 
 def main() -> int:
@@ -314,10 +305,10 @@ def main() -> int:
                                                       "speedup_vs_compile", "error")}), flush=True)
             if device == "cuda":
                 torch.cuda.empty_cache()
-            path.write_text(json.dumps(results, indent=1))
+            write_atomic(path, json.dumps(results, indent=1))
     if sampler is not None and sampler.error:
         results["clock_error"] = sampler.error  # rows without "clock": the sampler stopped here
-        path.write_text(json.dumps(results, indent=1))
+        write_atomic(path, json.dumps(results, indent=1))
     print(f"wrote {path}")
     if args.update_benchmarks:
         import table  # bench/table.py, on the path above

@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from coda_agent.agent.protocols import CodaError
-from coda_agent.agent.rundir import RunDir, utc_now, write_json
+from coda_agent.agent.rundir import RunDir, utc_now
+from coda_agent.storage import write_json
 
 if TYPE_CHECKING:
     from coda_agent.tasks.spec import Task

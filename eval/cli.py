@@ -112,7 +112,7 @@ def report(
     html: Optional[Path] = typer.Option(None, help="Where the HTML page goes [BATCH/report.html]."),
 ) -> None:
     """Print a batch's summary as Markdown and write it as one self-contained HTML page with plots."""
-    from coda_agent.agent.rundir import write_atomic
+    from coda_agent.storage import write_atomic
 
     from . import summary as batch_summary
     from .batch import BatchDir

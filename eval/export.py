@@ -30,7 +30,7 @@ from pathlib import Path
 import yaml
 
 from coda_agent.agent.protocols import CodaError
-from coda_agent.agent.rundir import write_atomic, write_json
+from coda_agent.storage import write_atomic, write_json
 
 from .review import CPU_ONLY_BANNER, candidate
 

@@ -45,25 +45,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from coda_agent.agent.protocols import CodaError
+from coda_agent.devices import visible_gpus
 from coda_agent.verifier.report import GPU_STAGES, STAGES, Report, StageResult
 
 if TYPE_CHECKING:
     from coda_agent.tasks.spec import Task
 
 CPU_STAGES = tuple(s for s in STAGES if s not in GPU_STAGES)
-
-
-def visible_gpus() -> list[str]:
-    """The GPU ids this process may use: ``CUDA_VISIBLE_DEVICES`` when set, else every CUDA device."""
-    env = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if env is not None:
-        return [d.strip() for d in env.split(",") if d.strip() and d.strip() != "-1"]
-    try:
-        import torch
-
-        return [str(i) for i in range(torch.cuda.device_count())]
-    except Exception:  # noqa: BLE001 - a broken CUDA install means no GPU workers, not a crash
-        return []
 
 
 def default_cpu_workers(gpus: int) -> int:

@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from coda_agent.agent.protocols import CodaError
-from coda_agent.agent.rundir import read_events, utc_now, write_json
+from coda_agent.agent.rundir import read_events, utc_now
+from coda_agent.storage import write_json
 
 CPU_ONLY_BANNER = "NOT ACCEPTED: CPU stages only (no GPU ran correctness, launch audit or performance)"
 

@@ -31,7 +31,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from coda_agent.agent.rundir import write_atomic, write_json
+from coda_agent.storage import write_atomic, write_json
 
 from .batch import BatchDir
 

@@ -28,9 +28,7 @@ import contextvars
 import hashlib
 import json
 import logging
-import os
 import random
-import tempfile
 import time
 from collections import deque
 from functools import lru_cache
@@ -38,6 +36,9 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, NamedTuple
 
 import torch
+
+from coda_agent.storage import cache_dir, write_atomic
+from coda_agent.versions import versions
 
 from . import cute
 from .tile_config import TileConfig, tunable
@@ -70,17 +71,9 @@ def _whole_heads(cfg: TileConfig, head_dims: tuple[int, ...]) -> bool:
     return not any(cfg.tile_n % hd for hd in head_dims)
 
 
-def cache_dir() -> Path:
-    base = os.environ.get("CODA_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "coda-agent")
-    return Path(base) / "tuning"
-
-
 @lru_cache(maxsize=1)
 def _versions() -> tuple[str, ...]:
-    from importlib import metadata
-
-    return tuple(metadata.version(p) for p in ("quack-kernels", "nvidia-cutlass-dsl", "torch"))
+    return tuple(versions(("quack-kernels", "nvidia-cutlass-dsl", "torch")).values())
 
 
 def tuning_key(epi: Any, m: int, n: int, k: int, dtype: Any, device_name: str) -> str:
@@ -94,7 +87,7 @@ class TuningCache:
     """One JSON file per key: {"config": {...}, "times_ms": {...}, "created": ...}."""
 
     def __init__(self, directory: Path | None = None):
-        self.directory = directory or cache_dir()
+        self.directory = directory or cache_dir("tuning")
 
     def get(self, key: str) -> TileConfig | None:
         path = self.directory / f"{key}.json"
@@ -105,13 +98,9 @@ class TuningCache:
             return None
 
     def put(self, key: str, config: TileConfig, times_ms: dict[str, float]) -> None:
-        self.directory.mkdir(parents=True, exist_ok=True)
         payload = {"config": config.__dict__, "times_ms": times_ms,
                    "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-        fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
-        with os.fdopen(fd, "w") as fh:
-            json.dump(payload, fh)
-        os.replace(tmp, self.directory / f"{key}.json")
+        write_atomic(self.directory / f"{key}.json", json.dumps(payload))
 
 
 # In-process memo of lookups: gemm() consults the cache on every call, and the

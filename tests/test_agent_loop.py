@@ -48,7 +48,7 @@ def test_wrong_then_fixed_after_feedback_is_accepted(agent_task, openai_server, 
     result = json.loads((path / "result.json").read_text())
     assert result["stop_reason"] == "accepted" and result["prompt_tokens"] == 200
     assert json.loads((path / "summary.json").read_text())["accepted"] == 1
-    assert set(json.loads((path / "versions.json").read_text())) >= {"coda-agent", "quack", "cutlass", "torch", "gpu"}
+    assert set(json.loads((path / "versions.json").read_text())) >= {"coda-agent", "quack-kernels", "nvidia-cutlass-dsl", "torch", "gpu"}
     assert (path / "task.yaml").read_text() == agent_task.path.read_text()
     events = read_events(path / "transcript.jsonl")
     kinds = [e.get("kind") for e in events if e["event"] == "message"]

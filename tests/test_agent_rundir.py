@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from coda_agent.agent import CodaError
-from coda_agent.agent.rundir import Transcript, find_transcript, read_events, write_atomic
+from coda_agent.agent.rundir import Transcript, find_transcript, read_events
+from coda_agent.storage import write_atomic
 
 
 def test_write_atomic_replaces_and_leaves_no_temp_files(tmp_path):

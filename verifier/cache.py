@@ -1,5 +1,5 @@
-"""Cached verdicts: one JSON report per key under ``$CODA_CACHE_DIR`` (default
-``~/.cache/coda-agent/verdicts``).
+"""Cached verdicts: one JSON report per key under ``storage.cache_dir("verdicts")``
+(default ``~/.cache/coda-agent/verdicts``).
 
 Fail closed.  Reusing a stale PASS is the worst bug a verifier can have, so the
 key covers everything a verdict depends on: the program source, the catalogue
@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-from importlib import metadata
 from pathlib import Path
 
+from coda_agent import storage
 from coda_agent.verifier.report import Report
+from coda_agent.versions import ABSENT, versions
 
 KEY_FORMAT = 1
 
@@ -27,22 +27,16 @@ class CacheKeyError(RuntimeError):
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("CODA_CACHE_DIR") or Path.home() / ".cache" / "coda-agent" / "verdicts")
+    return storage.cache_dir("verdicts")
 
 
 def library_versions() -> dict[str, str]:
     from coda_agent.primitives.version import CATALOGUE_VERSION
 
-    out = {"catalogue": CATALOGUE_VERSION}
-    for dist in ("coda-agent", "quack-kernels", "nvidia-cutlass-dsl", "torch"):
-        try:
-            out[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            if dist != "coda-agent":
-                raise CacheKeyError(f"cannot read the version of {dist}") from None
-            import coda_agent
-
-            out[dist] = coda_agent.__version__
+    out = {"catalogue": CATALOGUE_VERSION, **versions()}
+    for dist, version in out.items():
+        if version == ABSENT:
+            raise CacheKeyError(f"cannot read the version of {dist}")
     return out
 
 
@@ -78,8 +72,4 @@ def get(key: str) -> Report | None:
 def put(key: str, report: Report) -> None:
     if report.outcome == "error":
         return
-    d = cache_dir()
-    d.mkdir(parents=True, exist_ok=True)
-    tmp = d / f".{key}.{os.getpid()}.tmp"
-    tmp.write_text(report.model_dump_json(indent=1))
-    tmp.replace(d / f"{key}.json")
+    storage.write_atomic(cache_dir() / f"{key}.json", report.model_dump_json(indent=1))

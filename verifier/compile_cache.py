@@ -1,4 +1,4 @@
-"""Cached compile-stage results: one JSON file per key under ``<verdict cache dir>/compile/``.
+"""Cached compile-stage results: one JSON file per key under ``storage.cache_dir("compile")``.
 
 Why: the compile stage recompiles every GEMM of a program for sm_90a in-process
 (5-26 s; quack's own disk cache cannot be used because the SASS gate needs the
@@ -33,15 +33,14 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
-import os
-import tempfile
 from functools import lru_cache
-from importlib import metadata
 from pathlib import Path
 
+from coda_agent import storage
 from coda_agent.tasks.spec import Task
 from coda_agent.verifier import cache as verdict_cache
 from coda_agent.verifier.report import StageResult
+from coda_agent.versions import versions as installed_versions
 
 KEY_FORMAT = 1
 # coda_agent's code the compile result depends on (relative to the package root).
@@ -49,7 +48,7 @@ CODE_DIRS = ("primitives", "verifier", "tasks")
 
 
 def cache_dir() -> Path:
-    return verdict_cache.cache_dir() / "compile"
+    return storage.cache_dir("compile")
 
 
 @lru_cache(maxsize=1)
@@ -76,11 +75,8 @@ def target() -> dict[str, str]:
 
 def compile_key(task: Task, source: str) -> str:
     """The fail-closed key of the compile stage's result; raises if a part is unknown."""
-    versions = verdict_cache.library_versions()
-    try:
-        versions["nvidia-cuda-cuobjdump"] = metadata.version("nvidia-cuda-cuobjdump")
-    except metadata.PackageNotFoundError:
-        versions["nvidia-cuda-cuobjdump"] = "absent"  # the SASS gate is skipped, and the result says so
+    # An absent cuobjdump skips the SASS gate, and the result says so.
+    versions = {**verdict_cache.library_versions(), **installed_versions(("nvidia-cuda-cuobjdump",))}
     spec = task.spec
     blob = json.dumps({"format": KEY_FORMAT, "stage": "compile", "source": source, "task": task.name,
                        "spec": spec.model_dump_json(), "shape_set": spec.cpu_shape_set,
@@ -112,17 +108,10 @@ def put(key: str, result: StageResult) -> None:
     """Store a passed result atomically; any failure to write just means no cache."""
     if result.name != "compile" or result.status != "passed":
         return
-    d = cache_dir()
-    tmp = None
     try:
         payload = json.dumps({"format": KEY_FORMAT, "key": key,
                               "created_utc": dt.datetime.now(dt.timezone.utc).isoformat(),
                               "result": result.model_dump()}, indent=1)
-        d.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{key}.", suffix=".tmp")
-        with os.fdopen(fd, "w") as fh:
-            fh.write(payload)
-        os.replace(tmp, d / f"{key}.json")
+        storage.write_atomic(cache_dir() / f"{key}.json", payload)
     except (OSError, TypeError, ValueError):
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
+        pass

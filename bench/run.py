@@ -37,34 +37,23 @@ from typing import Any, Callable
 
 import torch
 
+from coda_agent.primitives import CATALOGUE_VERSION, gemm, launch_ledger, load_program, lowering, tuning
+from coda_agent.primitives.timing import enqueue_ms, measure_each, measure_steady
 from coda_agent.storage import write_atomic
+from coda_agent.tasks import SUITE_DIR, load_suite
+from coda_agent.verifier.inputs import make_grads, make_inputs
 from coda_agent.versions import environment
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def stats(fns: dict[str, Callable[[], Any]], reps: int, device: str = "cuda") -> dict[str, dict]:
-    """Median/p10/p90 ms of each contender with the L2 flushed before every rep,
-    plus the host time to enqueue one call, timed interleaved (one rep of each
-    per round, in random order, see ``measure_each``) so clock drift lands on
-    all alike.  On CPU (``--dry-run``) wall-clock times: they check that the
-    benchmark runs, not how fast anything is."""
-    if device == "cuda":
-        from coda_agent.primitives.tuning import measure_each
-
-        measured = measure_each(fns, reps)
-    else:
-        measured = {}
-        for name, fn in fns.items():
-            times = []
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1e3)
-            times.sort()
-            measured[name] = (times, times[len(times) // 2])
+    """Median/p10/p90 ms of each contender and the host ms to enqueue one call,
+    from ``measure_each`` (flushed, interleaved: clock drift lands on all
+    alike).  On CPU (``--dry-run``) the times are the host's: they check that
+    the benchmark runs, not how fast anything is."""
     out = {}
-    for name, (times, host) in measured.items():
+    for name, (times, host) in measure_each(fns, reps, device=device).items():
         q = lambda p: times[min(len(times) - 1, int(p * len(times)))]  # noqa: E731
         out[name] = {"median_ms": q(0.5), "p10_ms": q(0.1), "p90_ms": q(0.9), "host_ms": host, "reps": reps}
     return out
@@ -78,17 +67,13 @@ def steady_stats(fns: dict[str, Callable[[], Any]], seconds: float, sampler: Any
     first so that a drift over the row shows as a gap between passes.  Per
     contender: the mean ms per call over the passes (``median_ms``, so tables
     read it like the flushed regime's), the passes' range (``p10_ms``/``p90_ms``),
-    the host's enqueue time, and the clock it ran at.  On CPU (``--dry-run``)
-    the same loop on wall-clock time, which checks the plumbing only."""
-    from coda_agent.primitives.tuning import enqueue_ms, measure_steady
-
-    measure = measure_steady if device == "cuda" else _wall_steady
+    the host's enqueue time, and the clock it ran at."""
     names = list(fns)
     order = random.Random(0).sample(names, len(names))
     runs: dict[str, list] = {name: [] for name in names}
     for p in range(passes):
         for name in order if p % 2 == 0 else order[::-1]:
-            runs[name].append(measure(fns[name], seconds))
+            runs[name].append(measure_steady(fns[name], seconds, device=device))
     out = {}
     for name in names:
         ms = [r.ms for r in runs[name]]
@@ -99,22 +84,6 @@ def steady_stats(fns: dict[str, Callable[[], Any]], seconds: float, sampler: Any
         if sampler is not None and (clock := sampler.summary_over([r.wall for r in runs[name]])):
             out[name]["clock"] = clock
     return out
-
-
-def _wall_steady(fn: Callable[[], Any], seconds: float) -> Any:
-    """``measure_steady`` on the host's clock, for a dry run on CPU."""
-    from coda_agent.primitives.tuning import Steady
-
-    calls, t0 = 0, time.time()
-    while not calls or time.time() - t0 < seconds:
-        fn()
-        calls += 1
-    return Steady((time.time() - t0) * 1e3 / calls, calls, (t0, time.time()))
-
-
-def stat(fn: Callable[[], Any], reps: int, device: str = "cuda") -> dict:
-    """:func:`stats` of one contender."""
-    return stats({"fn": fn}, reps, device)["fn"]
 
 
 def peak_mem_gib(fn: Callable[[], Any], device: str = "cuda") -> float | None:
@@ -136,9 +105,6 @@ def outputs_gib(outputs: dict) -> float:
 
 def bench_task(task: Any, shape_set: str, reps: int, tune: bool, device: str = "cuda",
                sampler: Any = None, steady_s: float | None = None) -> dict:
-    from coda_agent.primitives import gemm, launch_ledger, load_program, lowering
-    from coda_agent.verifier.inputs import make_grads, make_inputs
-
     spec = task.spec
     prog = load_program(task.expert_path.read_text(), task.name)
     low = "cute" if device == "cuda" else "reference"
@@ -157,8 +123,6 @@ def bench_task(task: Any, shape_set: str, reps: int, tune: bool, device: str = "
             return out
 
     if tune and device == "cuda":
-        from coda_agent.primitives import tuning
-
         with tuning.autotune() as tuned:  # every untuned GEMM call: tune once, cache on disk
             fused()
         row["tuned"] = tuned
@@ -197,7 +161,7 @@ def bench_task(task: Any, shape_set: str, reps: int, tune: bool, device: str = "
         try:
             # Static shapes, as a single-shape training run gets: without dynamic=False the
             # second shape set in one process recompiles the reference with dynamic shapes,
-            # whose kernels ran up to 1.4x slower on the H200 (swiglu_bwd at 8B: 5.23 vs
+            # whose kernels run up to 1.4x slower on the H200 (swiglu_bwd at 8B: 5.23 vs
             # 3.77 ms, bench/results/h200-2026-11-29-d).
             contenders["compile"] = torch_run(torch.compile(ref, dynamic=False))
             contenders["compile"]()
@@ -248,8 +212,6 @@ def _ratios(spec: Any, shape_set: str, row: dict) -> dict:
 
 def versions() -> dict:
     """What the run ran on: libraries, CUDA, the GPU, and the catalogue's version."""
-    from coda_agent.primitives import CATALOGUE_VERSION
-
     return {**environment(), "catalogue": CATALOGUE_VERSION}
 
 
@@ -272,8 +234,6 @@ def main() -> int:
     args = ap.parse_args()
     device = "cpu" if args.dry_run else "cuda"
     sys.path.insert(0, str(Path(__file__).parent))
-    from coda_agent.tasks import SUITE_DIR, load_suite
-
     wanted = set(filter(None, args.tasks.split(",")))
     suite = [t for t in load_suite(SUITE_DIR) if not wanted or t.name in wanted]
     results = {"date": dt.date.today().isoformat(), "versions": versions(), "reps": args.reps,

@@ -34,7 +34,7 @@ entered around each compile and launch and undone after it (:mod:`.dsl_scope`).
 The modules, each built only on those before it (tests/test_primitives_scope.py
 holds them to it): ``errors``, ``version`` -> ``pair`` -> ``reductions`` ->
 ``operands`` -> ``epilogue`` -> ``tile_config``, ``lowering``, ``math``,
-``program`` -> ``reference``, ``dsl_scope``, ``sass`` -> ``cute`` -> ``tuning``
+``program``, ``timing`` -> ``reference``, ``dsl_scope``, ``sass`` -> ``cute`` -> ``tuning``
 -> ``gemm`` -> ``aux`` (with its Triton kernel, ``xent_triton``) -> ``catalogue``.
 """
 

@@ -25,7 +25,7 @@ LAYERS = [
     {"reductions"},
     {"operands"},
     {"epilogue"},
-    {"tile_config", "lowering", "math", "program"},
+    {"tile_config", "lowering", "math", "program", "timing"},
     {"reference", "dsl_scope", "sass"},
     {"cute"},
     {"tuning"},

@@ -495,7 +495,7 @@ def _performance(ctx: Context) -> StageResult:
     if skip := _gpu_required("performance"):
         return skip
     from coda_agent.primitives import launch_ledger, lowering
-    from coda_agent.primitives.tuning import measure_each
+    from coda_agent.primitives.timing import measure_each
 
     spec = ctx.task.spec
     sets, _ = fitting_shape_sets(ctx)

@@ -18,10 +18,11 @@ Only one (chunk, V) logits buffer exists at a time, sized by LOGITS_BYTES:
 outputs, dx and dw in bf16 (0.49 GiB at LLaMA-3 1B, the largest term): dw is
 summed across chunks in bf16 by the reduce-add store, 1.1-1.3x the bf16
 reference's error at 1B (bench/results/h200-2026-11-29-d, lm_head_bf16_dw).
-The budget is the fastest measured with the bf16 dw (H200, LLaMA-3 1B,
-bench/sweep.py): 37.4 ms and 0.80 GiB peak at 256 MiB, 38.1 ms and 1.05 GiB
-at 512 MiB.  (With an fp32 dw, every chunk re-read and rewrote 1 GiB of it and
-512 MiB was fastest: 37.0 ms, 1.54 GiB.)
+The budget is the fastest measured with the bf16 dw (H200, LLaMA-3 1B, the
+first of the sweeps in bench/results/h200-2026-11-29-d/lm-head-bf16/): 37.4 ms
+and 0.80 GiB peak at 256 MiB, 38.1 ms and 1.05 GiB at 512 MiB.  (With an fp32
+dw, every chunk re-reads and rewrites 1 GiB of it and 512 MiB is fastest:
+37.0 ms, 1.54 GiB.)
 """
 
 from coda_agent.primitives import (concat_rows, epilogue, gemm, online_lse, select_col, xent_grad_,

@@ -17,8 +17,8 @@ wrapper is also where quack's ``Pair`` and the catalogue's meet: quack's are
 converted on the way in, the catalogue's on the way out.
 
 Every quack call runs inside the scoped settings of :mod:`.dsl_scope` (the
-pipeline-depth guard; for compile-only calls the cubin, the target and the
-driver query below).  Compile-only mode (no GPU): ``EpiMod.plan`` with CPU
+pipeline-depth guard; for compile-only calls also the kept cubin, the target
+and the driver query).  Compile-only mode (no GPU): ``EpiMod.plan`` with CPU
 tensors as shape/dtype carriers compiles for sm_90a in-process, and the cubin
 is read with ``cuobjdump`` for the SASS gate (:mod:`.sass`).  quack is
 imported inside the functions that use it, so importing the catalogue does

@@ -23,9 +23,9 @@ import torch
 
 # The spin before each timed call: a multiple of the measured host enqueue time
 # plus a floor, so a launch never trails it (that would time an idle gap).  The
-# spin itself is never timed.  1.5x held with every CPU core busy: rope_bwd at
-# 70B (0.27 ms of GPU work, 0.25-0.34 ms of host work) timed 0.274 ms alone and
-# under load at 1.5x and at 3x on the H200
+# spin itself is never timed.  1.5x holds with every CPU core busy: rope_bwd at
+# 70B (0.27 ms of GPU work, 0.25-0.34 ms of host work) times 0.274 ms alone and
+# under load, at 1.5x and at 3x, on the H200
 # (bench/results/h200-2026-11-29-c/sweep-contention.json).
 SPIN_FACTOR, SPIN_FLOOR_MS = 1.5, 0.05
 

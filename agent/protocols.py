@@ -9,14 +9,17 @@ model client is one small class.
 Two error channels (mini-swe-agent's rule): what is wrong with a *candidate*
 is data (a Report, rendered into the next message); exceptions are control
 flow (:class:`FormatError`, :class:`LimitsExceeded`) or a problem the *user*
-must fix (:class:`CodaError`, whose message names the fix and which the CLI
-prints without a traceback).
+must fix (:class:`~coda_agent.errors.CodaError`, whose message names the fix
+and which every CLI command prints as one ``error:`` line; :class:`ModelError`
+is the agent's member of that family).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Protocol
+
+from coda_agent.errors import CodaError
 
 if TYPE_CHECKING:
     from coda_agent.tasks.spec import Task
@@ -64,10 +67,6 @@ class Verifier(Protocol):
     """A judge.  Never raises for a bad candidate: that is a rejected Report."""
 
     def check(self, task: "Task", program_source: str) -> "Report": ...
-
-
-class CodaError(Exception):
-    """A problem the user fixes (configuration, endpoint, files); the message says how."""
 
 
 class ModelError(CodaError):

@@ -13,7 +13,6 @@ from coda_agent.tasks.spec import TaskSpec, TensorSpec, eval_expr
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
                 "int32": torch.int32, "int64": torch.int64}
-FLOAT_DTYPES = ("bf16", "fp16", "fp32")
 
 
 def _draw(spec: TaskSpec, t: TensorSpec, shape_set: str, gen: torch.Generator,
@@ -22,6 +21,7 @@ def _draw(spec: TaskSpec, t: TensorSpec, shape_set: str, gen: torch.Generator,
     shape = spec.shape_of(t, shape_set)
     dtype = TORCH_DTYPES[t.dtype]
     scale = float(eval_expr(t.init.scale, env))
+    mean = float(eval_expr(t.init.mean, env))
     dist = t.init.dist
     kw = dict(generator=gen, device=device)
     if dist == "randint":
@@ -31,9 +31,9 @@ def _draw(spec: TaskSpec, t: TensorSpec, shape_set: str, gen: torch.Generator,
         rows = torch.arange(shape[0], device=device).reshape(-1, *([1] * (len(shape) - 1)))
         return rows.expand(shape).to(dtype).contiguous()
     if dist == "normal":
-        x = torch.randn(shape, **kw) * scale
+        x = mean + torch.randn(shape, **kw) * scale
     elif dist == "uniform":
-        x = (torch.rand(shape, **kw) * 2 - 1) * scale
+        x = mean + (torch.rand(shape, **kw) * 2 - 1) * scale
     else:  # ones_plus_noise
         x = 1 + torch.randn(shape, **kw) * scale
     return x.to(dtype)
@@ -45,16 +45,12 @@ def make_inputs(spec: TaskSpec, shape_set: str, seed: int, device: str = "cpu") 
     return {name: _draw(spec, t, shape_set, gen, device) for name, t in spec.inputs.items()}
 
 
-def grad_names(spec: TaskSpec) -> list[str]:
-    """The float outputs, whose gradients ``d<output>`` backward receives."""
-    return [o for o, t in spec.outputs.items() if t.dtype in FLOAT_DTYPES]
-
-
 def make_grads(spec: TaskSpec, shape_set: str, seed: int, device: str = "cpu") -> dict[str, torch.Tensor]:
-    """Random output gradients ``d<output>`` (normal, std 1, in the output's dtype)."""
+    """Random upstream gradients ``d<output>`` of ``spec.grad_outputs`` (normal, std 1, in the
+    output's dtype)."""
     gen = torch.Generator(device=device).manual_seed(seed ^ 0x5EED)
     out = {}
-    for o in grad_names(spec):
+    for o in spec.grad_outputs:
         t = spec.outputs[o]
         out[f"d{o}"] = torch.randn(spec.shape_of(t, shape_set), generator=gen, device=device).to(
             TORCH_DTYPES[t.dtype])
@@ -94,7 +90,7 @@ def run_reference(task, inputs: dict[str, torch.Tensor], grads: dict[str, torch.
                 back = task.backward_reference_fn(**x, **spec.params, **g)
                 result.update({f"d{n}": back[f"d{n}"].detach() for n in spec.gradients})
             else:
-                names = grad_names(spec)
+                names = spec.grad_outputs
                 got = torch.autograd.grad([outs[o] for o in names], [x[n] for n in spec.gradients],
                                           [g[f"d{o}"].to(outs[o].dtype) for o in names],
                                           allow_unused=True)

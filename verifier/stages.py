@@ -20,7 +20,7 @@ from torch.overrides import TorchFunctionMode
 
 from coda_agent.tasks.spec import Task
 from coda_agent.verifier.compare import compare
-from coda_agent.verifier.inputs import TORCH_DTYPES, grad_names, make_grads, make_inputs, run_reference
+from coda_agent.verifier.inputs import TORCH_DTYPES, make_grads, make_inputs, run_reference
 from coda_agent.verifier.report import Mismatch, StageResult
 from coda_agent.verifier.static import epilogue_function_names
 
@@ -186,7 +186,7 @@ def compare_all(ctx: Context, got: dict, hi: dict, lo: dict, shape_set: str,
                 poisoned: bool = False) -> list[Mismatch]:
     out = []
     for k in hi:
-        m = compare(k, shape_set, got[k], hi[k], lo[k], ctx.task.spec.tolerance, poisoned=poisoned)
+        m = compare(k, shape_set, got[k], hi[k], lo[k], ctx.task.spec.tolerance_for(k), poisoned=poisoned)
         if m is not None:
             out.append(m)
     return out
@@ -580,7 +580,7 @@ def _torch_baseline(task: Task, inputs, grads, compiled: bool) -> Callable[[], A
         return lambda: ref(**x, **spec.params)
     for n in spec.gradients:
         x[n].requires_grad_(True)
-    names = grad_names(spec)
+    names = spec.grad_outputs
 
     def fwd_bwd():
         outs = ref(**x, **spec.params)

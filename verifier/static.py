@@ -351,7 +351,7 @@ class _Checker(ast.NodeVisitor):
         else:
             self._check_signature(fwd, wanted, "forward")
         bwd = funcs.get("backward")
-        grads = [f"d{o}" for o, t in spec.outputs.items() if t.dtype in ("bf16", "fp16", "fp32")]
+        grads = [f"d{o}" for o in spec.grad_outputs]
         if spec.has_backward and bwd is None:
             self.bad(fwd or tree, f"the task asks for gradients {spec.gradients}: define "
                      f"`def backward(saved, {', '.join(grads)})` returning "

@@ -27,9 +27,11 @@ money budget on such a model is refused up front rather than silently ignored.
 
 from __future__ import annotations
 
+import importlib
 import os
+from enum import Enum
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -40,7 +42,7 @@ PRICES_FILE = Path(__file__).parent / "prices.yaml"
 
 
 class _Config(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_enum_values=True)
 
 
 class LLMConfig(_Config):
@@ -49,7 +51,7 @@ class LLMConfig(_Config):
     model: str | None = None
     temperature: float | None = None
     top_p: float | None = None
-    max_tokens: int | None = None  # per reply; the run's token budget is Budget.max_tokens
+    max_tokens: int | None = None  # per reply; a trajectory's token budget is Budget.max_tokens
     seed: int | None = None
     timeout_s: float = 600.0
     max_retries: int = 6
@@ -58,8 +60,9 @@ class LLMConfig(_Config):
 
 
 class Budget(_Config):
-    """Turns count model calls per trajectory; tokens, cost and wall time are shared by
-    all samples of a run (they are what the user pays for)."""
+    """What one trajectory may spend: model calls (turns), tokens (prompt + completion),
+    money and wall time.  Per trajectory in ``solve`` and ``eval`` alike: ``--samples k``
+    (and an eval over n tasks) may spend k (n * k) budgets."""
 
     max_turns: int = Field(default=10, ge=1)
     samples: int = Field(default=1, ge=1)
@@ -74,14 +77,37 @@ class Price(_Config):
     output: float  # USD per million completion tokens
 
 
+class Author(str, Enum):
+    """Who writes the programs: an LLM, the task's expert program, or a recorded transcript."""
+
+    llm = "llm"
+    expert = "expert"
+    replay = "replay"
+
+
 class AgentConfig(_Config):
-    author: Literal["llm", "expert", "replay"] = "llm"
+    author: Author = Author.llm
     transcript: str | None = None  # replay: a transcript.jsonl or a run directory
     llm: LLMConfig = LLMConfig()
     budget: Budget = Budget()
     examples: int = Field(default=3, ge=0)  # expert programs of other tasks in the prompt
-    verifier: str = "coda_agent.verifier:Verifier"  # module:factory, called with no arguments
+    verifier: str = "coda_agent.verifier:Verifier"  # module:factory (see load_verifier)
+    shape_sets: list[str] | None = None  # the verifier's (--sets); None: each task's own
     prices: dict[str, Price] = Field(default_factory=dict)
+
+    def load_verifier(self, **options: Any) -> Any:
+        """The Verifier ``module:factory`` builds, with ``shape_sets`` when --sets gave them."""
+        module, _, attr = self.verifier.partition(":")
+        try:
+            factory = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as e:
+            raise CodaError(f"cannot load the verifier {self.verifier!r} ({type(e).__name__}: {e}); "
+                            "check the coda-agent install") from None
+        return factory(**self.verifier_options(), **options)
+
+    def verifier_options(self) -> dict[str, Any]:
+        """Keyword arguments of the verifier factory that follow from this config."""
+        return {} if self.shape_sets is None else {"shape_sets": self.shape_sets}
 
     def price(self, model: str) -> Price | None:
         if model in self.prices:

@@ -15,9 +15,19 @@ message when the reply held no program).  It ends with exactly one stop reason:
 - ``verifier_error``: the harness could not judge (Report outcome ``error`` or a
   crash); the candidate is not blamed and the LLM is not asked to fix it.
 
+The stop's detail says what ran out or failed and, for a trajectory that
+judged something but passed nothing, what its best attempt got to
+(``; best attempt 02: rejected at reference: ...``): it is the message
+``eval`` reports per trajectory.
+
 ``--samples k`` runs k independent trajectories on threads (the time goes into
-the endpoint and the verifier's child processes, not Python).  Turns are per
-trajectory; tokens, cost and wall time are one shared :class:`Spend`.
+the endpoint and the verifier's child processes, not Python).  Every budget
+(turns, tokens, cost, wall time) is per trajectory, in ``solve`` and ``eval``
+alike, so k samples may spend k budgets.  The wall budget is also the model's
+deadline: retries of a failing endpoint stop there (``wall_time``).
+
+Whoever runs the loop may watch it: ``on_event`` receives a :class:`TurnEvent`
+as each turn asks the model, is judged or stops (``solve`` prints them).
 
 Every event is in the transcript before the loop moves on, and ``result.json``
 is rewritten after every turn and in a ``finally``, so a killed run can be
@@ -26,15 +36,16 @@ resumed (see rundir.py): the state below is rebuilt from the transcript.
 
 from __future__ import annotations
 
-import threading
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 from pydantic import BaseModel
 
 from .config import AgentConfig, Budget
+from .display import verdict
 from .prompt import extract_program, feedback_message, format_message, initial_messages
 from .protocols import FormatError, LimitsExceeded, Message, Model, ModelError, Usage, Verifier
 from .rundir import RunDir, TrajectoryDir
@@ -45,6 +56,11 @@ if TYPE_CHECKING:
 
 DONE = ("accepted", "cpu_passed")  # a resumed trajectory that ended so is not continued
 _RANK = {"accepted": 3, "cpu_passed": 2, "rejected": 1, "error": 0}
+
+
+def rank(report: "Report") -> tuple[int, int]:
+    """How good an attempt is, to pick the best: (outcome, stages passed)."""
+    return _RANK[report.outcome], sum(s.status == "passed" for s in report.stages)
 
 
 class TrajectoryResult(BaseModel):
@@ -64,37 +80,26 @@ class TrajectoryResult(BaseModel):
     best_rank: tuple[int, int] | None = None  # (outcome, stages passed): how "best" is chosen
 
 
-class Spend:
-    """Tokens, money and wall time of a whole run, shared by its samples."""
+@dataclass(frozen=True)
+class TurnEvent:
+    """What a trajectory is doing, for a display: ``asking`` the model, ``judging`` a
+    program, ``judged`` (with the report), ``format_error`` or ``stopped`` (with the reason)."""
 
-    def __init__(self, budget: Budget, prior_wall_s: float = 0.0):
-        self.budget, self.prior_wall_s, self.started = budget, prior_wall_s, time.monotonic()
-        self.tokens, self.cost = 0, 0.0
-        self._lock = threading.Lock()
-
-    def add(self, usage: Usage) -> None:
-        with self._lock:
-            self.tokens += usage.tokens
-            self.cost += usage.cost_usd or 0.0
-
-    def wall_s(self) -> float:
-        return self.prior_wall_s + time.monotonic() - self.started
-
-    def check(self) -> None:
-        b = self.budget
-        if b.max_wall_s is not None and self.wall_s() >= b.max_wall_s:
-            raise LimitsExceeded("wall_time", f"{self.wall_s():.0f}s of {b.max_wall_s:.0f}s used")
-        if b.max_tokens is not None and self.tokens >= b.max_tokens:
-            raise LimitsExceeded("token_budget", f"{self.tokens} of {b.max_tokens} tokens used")
-        if b.max_cost is not None and self.cost >= b.max_cost:
-            raise LimitsExceeded("cost_budget", f"${self.cost:.4f} of ${b.max_cost:.4f} spent")
+    sample: int
+    turn: int
+    kind: Literal["asking", "judging", "judged", "format_error", "stopped"]
+    tokens: int  # prompt + completion so far
+    report: "Report | None" = None
+    detail: str = ""
 
 
 class Trajectory:
     def __init__(self, task: "Task", model: Model, verifier: Verifier, budget: Budget, tdir: TrajectoryDir,
-                 spend: Spend, catalogue: str, examples: int = 3, sample: int = 0):
+                 catalogue: str, examples: int = 3, sample: int = 0,
+                 on_event: Callable[[TurnEvent], None] | None = None):
         self.task, self.model, self.verifier, self.budget = task, model, verifier, budget
-        self.tdir, self.spend, self.catalogue, self.examples = tdir, spend, catalogue, examples
+        self.tdir, self.catalogue, self.examples = tdir, catalogue, examples
+        self.on_event = on_event or (lambda event: None)
         self.r = TrajectoryResult(sample=sample)
         self.messages: list[Message] = []
         self.judged_turn = 0  # the turn whose reply the last attempt judged
@@ -125,7 +130,7 @@ class Trajectory:
             self.r.detail = ""
 
     def run(self) -> TrajectoryResult:
-        started = time.monotonic()
+        self.started = time.monotonic()
         try:
             if self.r.stop_reason in DONE:
                 return self.r
@@ -136,37 +141,38 @@ class Trajectory:
                 self._say(user["role"], user["content"], "task")
             while self.r.stop_reason is None:
                 self.step()
-                self._save(started)
+                self._save()
         except LimitsExceeded as e:
-            self._stop(e.reason, str(e))
+            self._stop(e.reason, e.detail)
         except ModelError as e:
             self._stop("model_error", str(e))
         finally:
-            self._save(started)
+            self._save()
         return self.r
 
     def step(self) -> None:
         if self.messages[-1]["role"] != "assistant":  # on resume, a logged reply is judged, not re-asked
-            if self.r.turns >= self.budget.max_turns:
-                raise LimitsExceeded("max_turns", f"{self.r.turns} turns")
-            self.spend.check()
-            reply = self.model.complete(self.messages)
+            self._check_budget()
+            self._event("asking")
+            reply = self.model.complete(self.messages, deadline=self._deadline())
             self.r.turns += 1
             self._say("assistant", reply.text, "assistant", usage=reply.usage.to_dict(),
                       finish_reason=reply.finish_reason)
             self._count(reply.usage)
-            self.spend.add(reply.usage)
         try:
             program = extract_program(self.messages[-1]["content"])
         except FormatError as e:
             self.r.format_errors += 1
+            self._event("format_error", detail=str(e))
             if self.r.format_errors > self.budget.max_format_errors:
                 raise LimitsExceeded("format_errors", str(e)) from None
             self._say("user", format_message(str(e), self.r.format_errors, self.budget.max_format_errors), "format")
             return
+        self._event("judging")
         report = self._judge(program)
         if report is None:
             return
+        self._event("judged", report=report)
         if report.outcome in DONE:
             self._stop(report.outcome, f"attempt {self.r.attempts}")
         elif report.outcome == "error":
@@ -187,16 +193,16 @@ class Trajectory:
                 return None
             self.tdir.write_attempt(n, program, report)
         if not logged:
-            rank = (_RANK[report.outcome], sum(s.status == "passed" for s in report.stages))
+            ranked = rank(report)
             self.tdir.transcript.append({"event": "attempt", "attempt": n, "turn": self.r.turns,
-                                         "outcome": report.outcome, "rank": rank})
+                                         "outcome": report.outcome, "rank": ranked})
             self.r.attempts, self.judged_turn = n, self.r.turns
-            self._rank(n, report.outcome, rank)
+            self._rank(n, report.outcome, ranked)
         return report
 
-    def _rank(self, n: int, outcome: str, rank: tuple[int, int]) -> None:
-        if self.r.best_rank is None or rank >= tuple(self.r.best_rank):  # ties: the later attempt
-            self.r.best_attempt, self.r.best_outcome, self.r.best_rank = n, outcome, rank
+    def _rank(self, n: int, outcome: str, ranked: tuple[int, int]) -> None:
+        if self.r.best_rank is None or ranked >= tuple(self.r.best_rank):  # ties: the later attempt
+            self.r.best_attempt, self.r.best_outcome, self.r.best_rank = n, outcome, ranked
 
     def _say(self, role: str, content: str, kind: str, **extra: Any) -> None:
         self.tdir.transcript.append({"event": "message", "role": role, "content": content, "kind": kind,
@@ -211,35 +217,54 @@ class Trajectory:
         else:
             self.r.cost_usd = round(self.r.cost_usd + usage.cost_usd, 6)
 
+    def _check_budget(self) -> None:
+        """Before each model call: a reply already paid for is always judged."""
+        b, r = self.budget, self.r
+        if r.turns >= b.max_turns:
+            raise LimitsExceeded("max_turns", f"{r.turns} of {b.max_turns} turns used")
+        wall, tokens, cost = self._wall_s(), r.prompt_tokens + r.completion_tokens, r.cost_usd or 0.0
+        if b.max_wall_s is not None and wall >= b.max_wall_s:
+            raise LimitsExceeded("wall_time", f"{wall:.0f}s of {b.max_wall_s:.0f}s used")
+        if b.max_tokens is not None and tokens >= b.max_tokens:
+            raise LimitsExceeded("token_budget", f"{tokens} of {b.max_tokens} tokens used")
+        if b.max_cost is not None and cost >= b.max_cost:
+            raise LimitsExceeded("cost_budget", f"${cost:.4f} of ${b.max_cost:.4f} spent")
+
+    def _wall_s(self) -> float:
+        return self.prior_wall_s + time.monotonic() - self.started
+
+    def _deadline(self) -> float | None:
+        """When the wall budget runs out, on the ``time.monotonic()`` clock."""
+        if self.budget.max_wall_s is None:
+            return None
+        return time.monotonic() + self.budget.max_wall_s - self._wall_s()
+
+    def _event(self, kind: Any, report: "Report | None" = None, detail: str = "") -> None:
+        self.on_event(TurnEvent(self.r.sample, self.r.turns, kind, self.r.prompt_tokens + self.r.completion_tokens,
+                                report, detail))
+
     def _stop(self, reason: str, detail: str) -> None:
-        self.r.stop_reason, self.r.detail, self.r.accepted = reason, detail, reason == "accepted"
-        self.tdir.transcript.append({"event": "stop", "reason": reason, "detail": detail})
         if self.r.best_attempt is not None:
-            from coda_agent.verifier.feedback import report_markdown
-            from coda_agent.verifier.report import Report
+            best = self.tdir.write_final(self.r.best_attempt)
+            if reason not in (*DONE, "verifier_error"):  # what the trajectory got to, in its stop message
+                detail = f"{detail}; best attempt {self.r.best_attempt:02d}: {verdict(best)}"
+        self.r.stop_reason, self.r.detail, self.r.accepted = reason, detail, reason == "accepted"
+        self._event("stopped", detail=f"{reason}: {detail}" if detail else reason)
+        self.tdir.transcript.append({"event": "stop", "reason": reason, "detail": detail})
 
-            d = self.tdir.attempt_dir(self.r.best_attempt)
-            program = (d / "program.py").read_text()
-            report = Report.model_validate_json((d / "report.json").read_text())
-            self.tdir.write_final("accepted" if report.accepted else "best", program,
-                                  report_markdown(report, program))
-
-    def _save(self, started: float) -> None:
-        self.r.wall_s = round(self.prior_wall_s + time.monotonic() - started, 3)
+    def _save(self) -> None:
+        self.r.wall_s = round(self._wall_s(), 3)
         self.tdir.write_result(self.r.model_dump())
 
 
 def solve(task: "Task", cfg: AgentConfig, run: RunDir, model: Model, verifier: Verifier,
-          catalogue: str) -> dict[str, Any]:
+          catalogue: str, on_event: Callable[[TurnEvent], None] | None = None) -> dict[str, Any]:
     """Run (or resume) every sample of a run; returns and writes ``summary.json``."""
+    started = time.monotonic()
     tdirs = [run.trajectory(i) for i in range(cfg.budget.samples)]
-    prior = max([(t.read_result() or {}).get("wall_s", 0.0) for t in tdirs])
-    spend = Spend(cfg.budget, prior_wall_s=prior)
-    trajectories = [Trajectory(task, model, verifier, cfg.budget, t, spend, catalogue, cfg.examples, sample=i)
+    trajectories = [Trajectory(task, model, verifier, cfg.budget, t, catalogue, cfg.examples, sample=i,
+                               on_event=on_event)
                     for i, t in enumerate(tdirs)]
-    for t in trajectories:  # resumed samples: what they already spent counts against the budget
-        spend.add(Usage(prompt_tokens=t.r.prompt_tokens, completion_tokens=t.r.completion_tokens,
-                        cost_usd=t.r.cost_usd))
     if len(trajectories) == 1:
         results = [trajectories[0].run()]
     else:
@@ -250,7 +275,8 @@ def solve(task: "Task", cfg: AgentConfig, run: RunDir, model: Model, verifier: V
                "samples": len(results), "accepted": sum(r.accepted for r in results),
                "prompt_tokens": sum(r.prompt_tokens for r in results),
                "completion_tokens": sum(r.completion_tokens for r in results),
-               "cost_usd": cost, "wall_s": round(spend.wall_s(), 3),
+               "cost_usd": cost,
+               "wall_s": round(max(t.prior_wall_s for t in trajectories) + time.monotonic() - started, 3),
                "results": [r.model_dump() for r in results]}
     run.write_summary(summary)
     return summary

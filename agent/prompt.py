@@ -18,7 +18,6 @@ static stage reports it with its line number, which is better feedback.
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 from string import Template
@@ -46,10 +45,6 @@ def render(template: str, **values: object) -> str:
 
 
 def load_catalogue() -> str:
-    # The agent's own tests set this so they do not import quack (8-10 s on 2 cores)
-    # for a prompt they never send to a real model; everything else renders the real one.
-    if os.environ.get("CODA_CATALOGUE_PLACEHOLDER"):
-        return "(catalogue placeholder for tests: coda_agent.primitives.render_catalogue is not used)"
     try:
         from coda_agent.primitives import render_catalogue
 
@@ -62,10 +57,13 @@ def load_catalogue() -> str:
 def initial_messages(task: "Task", catalogue: str, max_examples: int = 3) -> list[Message]:
     spec = task.spec
     # The same contract the verifier's static stage checks (verifier/static.py).
-    grads_in = [f"d{o}" for o, t in spec.outputs.items() if t.dtype in ("bf16", "fp16", "fp32")]
+    grads_in = [f"d{o}" for o in spec.grad_outputs]
+    saved = [o for o, t in spec.outputs.items() if t.role == "saved"]
     backward = (f"`backward(saved, {', '.join(grads_in)})` returns "
                 f"a dict with {', '.join(repr('d' + g) for g in spec.gradients)}; `saved` holds the forward's "
-                "inputs, params and returned dict." if spec.gradients else "This task has no backward.")
+                "inputs, params and returned dict."
+                + (f" {', '.join(saved)} (role saved) receive no gradient." if saved else "")
+                if spec.gradients else "This task has no backward.")
     examples = example_programs(task, max_examples)
     examples_text = "\n\n".join(f"### {name}\n\n```python\n{src.rstrip()}\n```" for name, src in examples) \
         or "(none available)"
@@ -83,13 +81,12 @@ def example_programs(task: "Task", limit: int) -> list[tuple[str, str]]:
     Never the task's own expert program."""
     from coda_agent.tasks import SUITE_DIR
 
-    own = task.expert_path.resolve()
-    seen, found = {own}, []
+    seen, found = {task.expert_path}, []
     for rank, folder in enumerate(dict.fromkeys([Path(task.path).parent.resolve(), SUITE_DIR.resolve()])):
         for path in sorted(folder.glob("*.yaml")):
             try:  # raw YAML, not load_task: an example must not import references
                 raw = yaml.safe_load(path.read_text())
-                expert = (path.parent / raw["expert"]).resolve()
+                expert = (path.parent / raw["expert"]).resolve()  # a task without one has no example
             except Exception:  # noqa: BLE001 - a broken neighbour just is not an example
                 continue
             if raw.get("name") == task.name or expert in seen or not expert.is_file():

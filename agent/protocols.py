@@ -56,11 +56,14 @@ class Reply:
 
 
 class Model(Protocol):
-    """An author of programs.  ``messages`` is the whole conversation so far."""
+    """An author of programs.  ``messages`` is the whole conversation so far; ``deadline``
+    (on the ``time.monotonic()`` clock, None for none) is when the trajectory's wall budget
+    ends: an author that waits (a slow request, retries) raises ``LimitsExceeded("wall_time")``
+    rather than wait past it."""
 
     name: str
 
-    def complete(self, messages: list[Message]) -> Reply: ...
+    def complete(self, messages: list[Message], deadline: float | None = None) -> Reply: ...
 
 
 class Verifier(Protocol):
@@ -78,8 +81,8 @@ class FormatError(Exception):
 
 
 class LimitsExceeded(Exception):
-    """A budget ran out; ``reason`` is the trajectory's stop reason."""
+    """A budget ran out; ``reason`` is the trajectory's stop reason, ``detail`` what ran out."""
 
     def __init__(self, reason: str, detail: str = ""):
         super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
+        self.reason, self.detail = reason, detail

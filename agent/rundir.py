@@ -2,8 +2,9 @@
 
 Layout (format 1)::
 
-    runs/<utc>-<task>-<author>/         author: the model name, "expert" or "replay"
+    runs/<utc>-<task>-<author>/         author: the model name, "expert", "replay" or "verify"
       task.yaml          the task spec as used (a byte copy of the YAML)
+      reference/         copies of the files the task's reference reads (what the prompt showed)
       config.json        the merged AgentConfig (never the API key), the task's path, format
       versions.json      python, coda-agent, quack, cutlass, torch, triton, openai, CUDA, GPU name or "none"
       summary.json       all samples: their results, totals, how many accepted
@@ -19,6 +20,11 @@ Transcript events: ``{"event": "start"}``, ``{"event": "message", "role",
 "content", "kind": system|task|assistant|feedback|format, "turn", "usage"?,
 "finish_reason"?}``, ``{"event": "attempt", "attempt", "outcome"}``,
 ``{"event": "stop", "reason", "detail"}``; each carries ``time`` (UTC).
+
+``coda-agent verify`` writes the same layout for its one verdict (author
+``verify``; config.json holds the verifier's settings and the program's path;
+one attempt, no transcript), so ``review`` and ``export`` take a hand-written
+program exactly as they take an LLM's.
 
 Resuming (``solve --resume RUN``): every file but the transcript is written
 atomically (temp file + ``os.replace``), so a killed run leaves either the old
@@ -125,9 +131,19 @@ class TrajectoryDir:
             return Report.model_validate_json((d / "report.json").read_text())
         return None
 
-    def write_final(self, kind: str, program: str, report_md: str) -> None:
+    def write_final(self, n: int):
+        """Attempt n as the trajectory's result: ``accepted/`` if it was, else ``best/``;
+        returns its Report."""
+        from coda_agent.verifier.feedback import report_markdown
+        from coda_agent.verifier.report import Report
+
+        d = self.attempt_dir(n)
+        program = (d / "program.py").read_text()
+        report = Report.model_validate_json((d / "report.json").read_text())
+        kind = "accepted" if report.accepted else "best"
         write_atomic(self.path / kind / "program.py", program)
-        write_atomic(self.path / kind / "report.md", report_md)
+        write_atomic(self.path / kind / "report.md", report_markdown(report, program))
+        return report
 
     def write_result(self, result: dict[str, Any]) -> None:
         write_json(self.path / "result.json", result)
@@ -155,6 +171,9 @@ class RunDir:
                 i += 1
                 path = base.with_name(f"{base.name}-{i}")
         shutil.copyfile(task.path, path / "task.yaml")
+        for f in task.reference_files():
+            (path / "reference").mkdir(exist_ok=True)
+            shutil.copyfile(f, path / "reference" / f.name)
         write_json(path / "config.json", {"format": RUN_FORMAT, "task_path": str(Path(task.path).resolve()),
                                           "created_utc": utc_now(), "config": config})
         write_json(path / "versions.json", environment())
@@ -180,6 +199,3 @@ class RunDir:
     def write_summary(self, summary: dict[str, Any]) -> None:
         write_json(self.path / "summary.json", summary)
 
-    def read_summary(self) -> dict[str, Any] | None:
-        p = self.path / "summary.json"
-        return json.loads(p.read_text()) if p.is_file() else None

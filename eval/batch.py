@@ -42,6 +42,16 @@ def sha256_file(path: Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
+def newest_batch(runs_dir: Path) -> Path:
+    """The most recent batch directory under ``runs_dir`` (names sort by their UTC stamp)."""
+    batches = sorted((p for p in runs_dir.glob("batch-*") if (p / "batch.json").is_file()),
+                     key=lambda p: json.loads((p / "batch.json").read_text()).get("created_utc", ""))
+    if not batches:
+        raise CodaError(f"no batch directory under {runs_dir}/; run `coda-agent eval` first, or give BATCH "
+                        "(or --runs-dir where the batches are)")
+    return batches[-1]
+
+
 class BatchDir:
     def __init__(self, path: Path, meta: dict[str, Any]):
         self.path, self.meta = path, meta

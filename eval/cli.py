@@ -1,9 +1,15 @@
 """``coda-agent eval``, ``report``, ``review`` and ``export``.
 
-Exit status: ``eval`` 0 when the batch finished (whatever was accepted: it is
-a measurement, read summary.md), 2 for a problem the user must fix, 130 when
-interrupted (resume with ``--resume BATCH``); ``review``/``report``/``export``
-0, or 2 with one line naming the fix.  ``CODA_DEBUG=1`` shows tracebacks.
+Exit status of ``eval``, as ``solve``'s: 0 when some trajectory was accepted,
+3 when none was but one passed every stage this machine can run
+(``cpu_passed``), 1 when none did (every stop reason is in the output and in
+summary.md/summary.json, with its message), 2 for a problem the user must fix,
+130 when interrupted (resume with ``--resume BATCH``).  ``review``, ``report``
+and ``export``: 0, or 2 with one ``error:`` line naming the fix
+(``coda_agent/errors.py``).
+
+A task file in the folder that cannot be loaded is reported and skipped: one
+bad YAML does not stop the batch.  Budgets are per trajectory, as in ``solve``.
 """
 
 from __future__ import annotations
@@ -15,9 +21,9 @@ from typing import Any, Optional
 
 import typer
 
-from coda_agent.agent.cli import Author, _fail, _load_verifier
+from coda_agent.agent.config import Author
 from coda_agent.agent.protocols import CodaError
-from coda_agent.tasks.spec import TaskSpecError
+from coda_agent.verifier.cli import EXIT_CODES
 
 
 def eval_batch(
@@ -31,9 +37,13 @@ def eval_batch(
     transcript: Optional[Path] = typer.Option(None, help="replay: an earlier batch directory; task T sample i "
                                                          "replays its T/sample-i."),
     resume: Optional[Path] = typer.Option(None, help="Finish a killed batch: runs/batch-<utc>/."),
+    sets: Optional[str] = typer.Option(None, "--sets", help="Shape sets the verifier checks, comma-separated "
+                                                            "[each task's own]."),
     max_turns: Optional[int] = typer.Option(None, help="Model calls per trajectory [10]."),
-    max_tokens: Optional[int] = typer.Option(None, help="Token budget of each trajectory."),
+    max_tokens: Optional[int] = typer.Option(None, help="Token budget (prompt + completion) of each trajectory."),
     max_cost: Optional[float] = typer.Option(None, help="Money budget of each trajectory, USD (needs a price)."),
+    max_wall: Optional[float] = typer.Option(None, help="Wall-time budget of each trajectory, seconds "
+                                                        "(retries of a failing endpoint included)."),
     runs_dir: Path = typer.Option(Path("runs"), help="Where batch directories go."),
     base_url: Optional[str] = typer.Option(None, help="OpenAI-compatible endpoint [OPENAI_BASE_URL]."),
     api_key: Optional[str] = typer.Option(None, help="API key [OPENAI_API_KEY]."),
@@ -46,22 +56,39 @@ def eval_batch(
     flags = {"author": author.value if author else None,
              "transcript": str(transcript.resolve()) if transcript else None, "verifier": verifier,
              "llm": {"base_url": base_url, "api_key": api_key, "model": model, "temperature": temperature},
-             "budget": {"max_turns": max_turns, "max_tokens": max_tokens, "max_cost": max_cost}}
-    try:
-        batch, summary = _eval(tasks, resume, samples, workers, concurrency, runs_dir, config, flags)
-    except (CodaError, TaskSpecError) as e:
-        _fail(e)
+             "budget": {"max_turns": max_turns, "max_tokens": max_tokens, "max_cost": max_cost,
+                        "max_wall_s": max_wall}}
+    batch, summary = _eval(tasks, resume, samples, workers, concurrency, runs_dir, config, sets, flags)
     from .summary import markdown
 
     typer.echo(markdown(summary))
     typer.echo(f"batch: {batch.path}  (summary.json, summary.md; HTML: coda-agent report {batch.path})")
+    s = summary["suite"]
+    if s["accepted_trajectories"]:
+        raise typer.Exit(0)
+    raise typer.Exit(EXIT_CODES["cpu_passed"] if s["cpu_passed_trajectories"] else 1)
+
+
+def _load(tasks_path: Path) -> list:
+    """The tasks of a folder (each bad file reported and skipped) or of one YAML."""
+    from coda_agent.tasks import load_task
+    from coda_agent.tasks.spec import scan_suite
+
+    if not tasks_path.is_dir():
+        return [load_task(tasks_path)]
+    tasks, errors = scan_suite(tasks_path)
+    for e in errors:
+        typer.echo(f"skipped: {e}", err=True)
+    if not tasks:
+        raise CodaError(f"{tasks_path}: none of its task files can be used (each error is above)")
+    return tasks
 
 
 def _eval(tasks_path: Path | None, resume: Path | None, samples: int | None, workers: int | None,
-          concurrency: int, runs_dir: Path, config: Path | None, flags: dict[str, Any]):
+          concurrency: int, runs_dir: Path, config: Path | None, sets: str | None, flags: dict[str, Any]):
     from coda_agent.agent.config import load_config
     from coda_agent.agent.prompt import load_catalogue
-    from coda_agent.tasks import load_suite, load_task
+    from coda_agent.tasks.spec import shape_set_names
 
     from . import summary as batch_summary
     from .batch import BatchDir
@@ -76,19 +103,26 @@ def _eval(tasks_path: Path | None, resume: Path | None, samples: int | None, wor
             raise CodaError(f"--samples: this batch has {batch.samples} samples; it cannot change on resume")
         tasks = batch.load_tasks()
         saved = batch.meta["config"]
+        flags["shape_sets"] = shape_set_names(sets, tasks)
         cfg = load_config(flags, config, saved=saved).check()
         turns_given = batch.meta["turns_given"] or flags["budget"]["max_turns"] is not None
     else:
         if tasks_path is None:
             raise CodaError("give a folder of task YAMLs (e.g. tasks/llama3) or --resume BATCH")
-        tasks = load_suite(tasks_path) if tasks_path.is_dir() else [load_task(tasks_path)]
+        tasks = _load(tasks_path)
+        flags["shape_sets"] = shape_set_names(sets, tasks)
         cfg = load_config(flags, config).check()
         turns_given = flags["budget"]["max_turns"] is not None
     if samples is not None and samples < 1:
         raise CodaError("--samples must be at least 1")
-    _load_verifier(cfg.verifier)  # a bad --verifier fails here, not in every worker process
+    if cfg.author == "expert":
+        lacking = [f"{t.name} ({t.path})" for t in tasks if t.expert_path is None]
+        if lacking:
+            raise CodaError(f"--author expert: {', '.join(lacking)} {'has' if len(lacking) == 1 else 'have'} "
+                            "no expert program; use --author llm, or give each an `expert:` file")
+    cfg.load_verifier()  # a bad --verifier (or --sets it cannot take) fails here, not in every worker
     catalogue = load_catalogue()
-    with VerifierPool(cfg.verifier, cpu_workers=workers) as pool:
+    with VerifierPool(cfg.verifier, cpu_workers=workers, options=cfg.verifier_options()) as pool:
         workers_meta = {"cpu": sum(w.name.startswith("cpu") for w in pool.workers), "gpus": pool.gpus}
         if resume is None:
             batch = BatchDir.create(runs_dir, tasks, samples or 1, cfg.model_dump(mode="json"), turns_given,
@@ -108,20 +142,19 @@ def _eval(tasks_path: Path | None, resume: Path | None, samples: int | None, wor
 
 
 def report(
-    batch: Path = typer.Argument(..., help="A batch directory (runs/batch-<utc>/)."),
+    batch: Optional[Path] = typer.Argument(None, help="A batch directory, runs/batch-<utc>/ [the newest "
+                                                       "under --runs-dir]."),
+    runs_dir: Path = typer.Option(Path("runs"), help="Where to look for the newest batch."),
     html: Optional[Path] = typer.Option(None, help="Where the HTML page goes [BATCH/report.html]."),
 ) -> None:
     """Print a batch's summary as Markdown and write it as one self-contained HTML page with plots."""
     from coda_agent.storage import write_atomic
 
     from . import summary as batch_summary
-    from .batch import BatchDir
+    from .batch import BatchDir, newest_batch
     from .html import render
 
-    try:
-        b = BatchDir.open(batch)
-    except CodaError as e:
-        _fail(e)
+    b = BatchDir.open(batch if batch is not None else newest_batch(runs_dir))
     summary = batch_summary.write(b)
     out = html or b.path / "report.html"
     write_atomic(out, render(summary))
@@ -143,24 +176,21 @@ def review(
     """List kernels awaiting review, show one (program, report, diff to the expert, transcript), decide."""
     from . import review as rv
 
-    try:
-        c = rv.candidate(runs)
-        if approve or reject:
-            if approve and reject:
-                raise CodaError("give --approve or --reject, not both")
-            if c is None:
-                raise CodaError(f"{runs}: not a trajectory directory with an accepted/ (or cpu_passed best/) "
-                                "program; list them with: coda-agent review runs")
-            rec = rv.decide(c, "approved" if approve else "rejected", who or rv.default_who(), why, allow_cpu_only)
-            typer.echo(f"{rec['decision']} by {rec['who']} at {rec['when']}: {c.path / 'review.json'}")
-            return
-        if c is not None:
-            typer.echo(rv.show(c))
-            return
-        if not runs.is_dir():
-            raise CodaError(f"{runs}: no such directory")
-    except CodaError as e:
-        _fail(e)
+    c = rv.candidate(runs)
+    if approve or reject:
+        if approve and reject:
+            raise CodaError("give --approve or --reject, not both")
+        if c is None:
+            raise CodaError(f"{runs}: not a trajectory directory with an accepted/ (or cpu_passed best/) "
+                            "program; list them with: coda-agent review runs")
+        rec = rv.decide(c, "approved" if approve else "rejected", who or rv.default_who(), why, allow_cpu_only)
+        typer.echo(f"{rec['decision']} by {rec['who']} at {rec['when']}: {c.path / 'review.json'}")
+        return
+    if c is not None:
+        typer.echo(rv.show(c))
+        return
+    if not runs.is_dir():
+        raise CodaError(f"{runs}: no such directory")
     _list(rv, runs, all_)
 
 
@@ -191,8 +221,4 @@ def export(
     """Write an approved kernel as an importable module (a torch.autograd.Function) with its report."""
     from .export import export as do_export
 
-    try:
-        path = do_export(run, to, allow_cpu_only)
-    except CodaError as e:
-        _fail(e)
-    typer.echo(f"exported: {path}")
+    typer.echo(f"exported: {do_export(run, to, allow_cpu_only)}")

@@ -16,8 +16,9 @@ while verification is bounded by the workers:
   (the GPU stages come back ``skipped``: ``cpu_passed``, never ``accepted``).
 
 Each worker process (:mod:`.worker`) builds the verifier from the same
-``module:factory`` the agent uses (``factory(stages=...)`` when the stages are
-split between CPU and GPU workers) and answers one JSON line per job on a pipe.
+``module:factory`` the agent uses, with the same ``options`` (``shape_sets``
+from ``--sets``), plus ``stages=...`` when the stages are split between CPU and
+GPU workers, and answers one JSON line per job on a pipe.
 Every report says where it ran: ``report.versions["ran_on"]`` is e.g.
 ``"cpu-0"``, ``"cpu-1 + gpu-3"`` (GPU ids as in the parent's
 ``CUDA_VISIBLE_DEVICES``) or ``"cpu-0 (died) + cpu-1"`` after a retry.
@@ -99,7 +100,7 @@ class _Worker:
         # The worker imports what the parent can (a test's verifier or task reference may live in tests/).
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         return subprocess.Popen([sys.executable, "-m", "coda_agent.eval.worker", self.pool.verifier_target,
-                                 json.dumps(self.pool.stage_split)],
+                                 json.dumps(self.pool.stage_split), json.dumps(self.pool.options)],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True,
                                 start_new_session=True)  # a Ctrl-C in the terminal is the parent's to handle
 
@@ -166,8 +167,8 @@ class VerifierPool:
     """A ``Verifier`` whose ``check`` runs in worker processes (module docstring)."""
 
     def __init__(self, verifier_target: str = "coda_agent.verifier:Verifier", gpus: list[str] | None = None,
-                 cpu_workers: int | None = None, max_retries: int = 2):
-        self.verifier_target, self.max_retries = verifier_target, max_retries
+                 cpu_workers: int | None = None, max_retries: int = 2, options: dict | None = None):
+        self.verifier_target, self.max_retries, self.options = verifier_target, max_retries, options or {}
         self.gpus = visible_gpus() if gpus is None else gpus
         n_cpu = default_cpu_workers(len(self.gpus)) if cpu_workers is None else cpu_workers
         if n_cpu < 1:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from coda_agent.agent.config import AgentConfig
+from coda_agent.agent.loop import DONE
 from coda_agent.agent.protocols import CodaError, Verifier
 
 from .batch import BatchDir
@@ -62,6 +63,15 @@ def finished(batch: BatchDir, task: str, sample: int) -> bool:
     result = batch.result(task, sample) or {}
     # model_error (the endpoint was down or refused) is worth asking again; every other stop is final.
     return result.get("stop_reason") not in (None, "model_error")
+
+
+def trajectory_line(task: str, sample: int, result: dict[str, Any]) -> str:
+    """One finished trajectory: its stop reason, and the message of a stop that passed nothing."""
+    line = f"{task} sample {sample}: {result['stop_reason']} after {result['turns']} turns"
+    detail = result.get("detail", "").strip()
+    if detail and result["stop_reason"] not in DONE:
+        line += f": {detail.splitlines()[-1]}"
+    return line
 
 
 class Progress:
@@ -112,8 +122,7 @@ def run_batch(batch: BatchDir, tasks: list["Task"], cfg: AgentConfig, verifier: 
         task, i, tcfg, model = plan
         run = batch.run(task, i, label or "llm", tcfg.model_dump(mode="json"))
         summary = run_loop(task, tcfg, run, model, verifier, catalogue)
-        r = summary["results"][0]
-        display.print(f"{task.name} sample {i}: {r['stop_reason']} after {r['turns']} turns")
+        display.print(trajectory_line(task.name, i, summary["results"][0]))
 
     with _Display(Progress(batch)) as display:
         if skipped:

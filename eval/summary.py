@@ -63,14 +63,14 @@ def performance(report: dict[str, Any] | None) -> dict[str, float | None]:
 def trajectory_row(batch: BatchDir, task: str, sample: int) -> dict[str, Any]:
     path = batch.run_path(task, sample)
     row: dict[str, Any] = {"sample": sample, "run": str(path.relative_to(batch.path)), "stop_reason": None,
-                           "accepted": False, "cpu_passed": False, "turns": 0, "attempts": 0,
+                           "detail": "", "accepted": False, "cpu_passed": False, "turns": 0, "attempts": 0,
                            "prompt_tokens": 0, "completion_tokens": 0, "cost_usd": 0.0, "wall_s": 0.0,
                            "ran_on": [], "speedup_vs_gemm": None, "speedup_vs_compile": None,
                            "program_ms": None}
     result = batch.result(task, sample)
     if result is None:
         return row
-    row.update({k: result[k] for k in ("stop_reason", "accepted", "turns", "attempts", "prompt_tokens",
+    row.update({k: result[k] for k in ("stop_reason", "detail", "accepted", "turns", "attempts", "prompt_tokens",
                                        "completion_tokens", "cost_usd", "wall_s")})
     row["cpu_passed"] = result["stop_reason"] == "cpu_passed"
     reports = [_read_report(p / "report.json") for p in sorted((path / "attempts").glob("[0-9]*"))]
@@ -133,6 +133,8 @@ def suite_metrics(tasks: list[dict[str, Any]], samples: int) -> dict[str, Any]:
             "solved_tasks": sum(t["solved"] for t in tasks),
             "cpu_passed_trajectories": sum(r["cpu_passed"] for r in rows),
             "cpu_passed_tasks": sum(t["cpu_passed"] > 0 for t in tasks),
+            "stop_reasons": {r: sum(row["stop_reason"] == r for row in rows)
+                             for r in sorted({row["stop_reason"] for row in rows if row["stop_reason"]})},
             "pass_at_k": pass_k, "fast_p": fast_p, "geomean_speedup": geomean, "measured": measured,
             "prompt_tokens": prompt, "completion_tokens": completion, "tokens": prompt + completion,
             "tokens_per_task": round((prompt + completion) / len(tasks), 1) if tasks else 0,
@@ -195,6 +197,7 @@ def suite_lines(summary: dict[str, Any]) -> list[tuple[str, str]]:
                           f"{s['trajectories']} trajectories")]
     lines.append(("cpu_passed (not accepted)", f"{s['cpu_passed_tasks']} tasks, {s['cpu_passed_trajectories']} "
                                                "trajectories"))
+    lines.append(("stop reasons", ", ".join(f"{r} {n}" for r, n in s["stop_reasons"].items()) or "none yet"))
     lines += [(f"pass@{k}", fmt_frac(v)) for k, v in s["pass_at_k"].items()]
     for b, name in BASELINES.items():
         fp = s["fast_p"][b]
@@ -222,12 +225,26 @@ def notes(summary: dict[str, Any]) -> list[str]:
     return out
 
 
+def stop_lines(summary: dict[str, Any]) -> list[str]:
+    """Every trajectory that stopped without passing, with its stop reason and message."""
+    out = []
+    for t in summary["tasks"]:
+        for r in t["trajectories"]:
+            if r["stop_reason"] and r["stop_reason"] not in ("accepted", "cpu_passed"):
+                detail = r["detail"].strip().splitlines()[-1] if r["detail"].strip() else ""
+                out.append(f"{t['task']} sample {r['sample']}: {r['stop_reason']}" + (f": {detail}" if detail else ""))
+    return out
+
+
 def markdown(summary: dict[str, Any]) -> str:
     lines = [f"# {summary['batch']}: {summary['suite']['tasks']} tasks x {summary['samples']} samples "
              f"({summary['model']})", ""]
     lines += [f"> {n}" for n in notes(summary)] + ([""] if notes(summary) else [])
     lines += ["| " + " | ".join(TASK_COLUMNS) + " |", "|" + "---|" * len(TASK_COLUMNS)]
     lines += ["| " + " | ".join(r) + " |" for r in task_table_rows(summary)]
+    stops = stop_lines(summary)
+    if stops:
+        lines += ["", "## Stopped without passing", ""] + [f"- {line}" for line in stops]
     lines += ["", "## Suite", "", "| metric | value |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in suite_lines(summary)]
     lines += ["", "Speedup = baseline time / program time (higher is better; the plain GEMM of the same "

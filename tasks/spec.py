@@ -440,3 +440,19 @@ def load_suite(directory: str | Path) -> list[Task]:
     if errors:
         raise TaskSpecError("\n".join(str(e) for e in errors))
     return tasks
+
+
+def shape_set_names(sets: str | None, tasks: list[Task]) -> list[str] | None:
+    """``--sets small,ragged``: the names, each a shape set of every task; None when not
+    given, which means each task's own sets."""
+    if sets is None:
+        return None
+    names = [s.strip() for s in sets.split(",") if s.strip()]
+    if not names:
+        raise CodaError("--sets: give comma-separated shape set names, e.g. --sets small,ragged")
+    for task in tasks:
+        missing = [n for n in names if n not in task.spec.shapes]
+        if missing:
+            raise CodaError(f"--sets: task {task.name} has no shape set {', '.join(map(repr, missing))} "
+                            f"(its sets: {', '.join(task.spec.shapes)})")
+    return names

@@ -87,8 +87,9 @@ def write_task(folder: Path, name: str = "scale_add", families: str = "elementwi
 
 
 class RuleVerifier:
-    def __init__(self, good_outcome: str = "accepted"):
+    def __init__(self, good_outcome: str = "accepted", shape_sets: list[str] | None = None):
         self.good_outcome = good_outcome  # "accepted" (as on a GPU) or "cpu_passed"
+        self.shape_sets = shape_sets  # recorded in each report, as the real verifier's GPU stages use them
         self.checked: list[str] = []
         self._lock = threading.Lock()
 
@@ -96,8 +97,9 @@ class RuleVerifier:
         with self._lock:
             self.checked.append(program_source)
         stages = self._stages(task, program_source)
+        versions = {} if self.shape_sets is None else {"shape_sets": ",".join(self.shape_sets)}
         return Report(task=task.name, program_sha256=hashlib.sha256(program_source.encode()).hexdigest(),
-                      outcome=Report.outcome_of(stages), stages=stages)
+                      outcome=Report.outcome_of(stages), stages=stages, versions=versions)
 
     def _stages(self, task, source: str) -> list[StageResult]:
         try:
@@ -131,6 +133,6 @@ def _is_epilogue(decorator: ast.expr) -> bool:
     return isinstance(target, ast.Name) and target.id == "epilogue"
 
 
-def cpu_verifier() -> RuleVerifier:
+def cpu_verifier(shape_sets: list[str] | None = None) -> RuleVerifier:
     """A verifier factory for the CLI's ``--verifier``: a machine without a GPU."""
-    return RuleVerifier("cpu_passed")
+    return RuleVerifier("cpu_passed", shape_sets)

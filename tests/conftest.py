@@ -9,11 +9,10 @@ import pytest
 
 @pytest.fixture
 def agent_env(monkeypatch, tmp_path):
-    """No user config, endpoint or model leaks into a test; the catalogue placeholder is allowed."""
+    """No user config, endpoint or model leaks into a test."""
     for var in ("OPENAI_BASE_URL", "OPENAI_API_KEY", "CODA_MODEL", "CODA_CONFIG", "CODA_DEBUG"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
-    monkeypatch.setenv("CODA_CATALOGUE_PLACEHOLDER", "1")
 
 
 @pytest.fixture

@@ -42,15 +42,15 @@ def three_tasks(folder: Path) -> Path:
 
 
 class SimVerifier:
-    def __init__(self, stages: list[str] | None = None):
-        self.stages = stages
+    def __init__(self, stages: list[str] | None = None, shape_sets: list[str] | None = None):
+        self.stages, self.shape_sets = stages, shape_sets
 
     def check(self, task, program_source: str) -> Report:
         _maybe_crash(program_source)
         if self.stages is None:  # the whole check on a machine without CUDA
-            return RuleVerifier("cpu_passed").check(task, program_source)
+            return RuleVerifier("cpu_passed", self.shape_sets).check(task, program_source)
         if not set(self.stages) <= set(GPU_STAGES):  # the CPU half
-            report = RuleVerifier("cpu_passed").check(task, program_source)
+            report = RuleVerifier("cpu_passed", self.shape_sets).check(task, program_source)
             stages = [s for s in report.stages if s.name in self.stages]
             return report.model_copy(update={"stages": stages, "outcome": Report.outcome_of(stages)})
         gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "")

@@ -33,7 +33,7 @@ def only_run(runs: Path) -> Path:
 def test_nothing_configured_is_a_clean_error(agent_task, tmp_path):
     r = solve(agent_task.path, "--runs-dir", tmp_path / "runs")
     assert r.exit_code == 2, r.output
-    assert "Error: no model configured" in r.output and "--author expert" in r.output
+    assert "error: no model configured" in r.output and "--author expert" in r.output
     assert "Traceback" not in r.output and not (tmp_path / "runs").exists()
 
 
@@ -173,3 +173,35 @@ def test_expert_author_passes_the_real_verifier(task, tmp_path):
     r = solve(task, "--author", "expert", "--runs-dir", tmp_path / "runs")
     result = json.loads((only_run(tmp_path / "runs") / "result.json").read_text())
     assert result["stop_reason"] in ("accepted", "cpu_passed"), r.output
+
+
+def test_each_turn_shows_its_stage_verdict_and_tokens(agent_task, openai_server, tmp_path):
+    openai_server.reply(fenced(WRONG), prompt_tokens=100, completion_tokens=50)
+    openai_server.reply(fenced(GOOD), prompt_tokens=200, completion_tokens=50)
+    r = solve(agent_task.path, "--base-url", openai_server.base_url, "--model", "test-model",
+              "--runs-dir", tmp_path / "runs", *RULE)
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("turn 1: "))
+    assert lines[first] == ("turn 1: rejected at reference: no @epilogue function: the math runs outside the "
+                            "GEMM (150 tokens)")
+    assert lines[first + 1] == "turn 2: accepted: passed static, reference, compile, correctness, launch_audit, " \
+                               "performance (400 tokens)"
+
+
+def test_author_expert_needs_an_expert_program(agent_task, tmp_path):
+    agent_task.path.write_text(agent_task.path.read_text().replace("expert: experts/scale_add.py\n", ""))
+    r = solve(agent_task.path, "--author", "expert", "--runs-dir", tmp_path / "runs", *RULE)
+    assert r.exit_code == 2 and "error: --author expert: task scale_add" in r.output, r.output
+    assert "has no expert program" in r.output and not (tmp_path / "runs").exists()
+
+
+def test_sets_reach_the_verifier_and_are_checked_against_the_task(agent_task, tmp_path):
+    runs = tmp_path / "runs"
+    r = solve(agent_task.path, "--author", "expert", "--sets", "small", "--runs-dir", runs,
+              "--verifier", "agent_fixtures:cpu_verifier")
+    assert r.exit_code == 3, r.output
+    report = json.loads((only_run(runs) / "attempts/01/report.json").read_text())
+    assert report["versions"]["shape_sets"] == "small"
+    r = solve(agent_task.path, "--author", "expert", "--sets", "small,huge", "--runs-dir", runs, *RULE)
+    assert r.exit_code == 2 and "--sets: task scale_add has no shape set 'huge' (its sets: small)" in r.output

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 from agent_fixtures import GOOD, SYNTAX_ERROR, WRONG, RuleVerifier, fenced
@@ -13,12 +14,13 @@ from coda_agent.agent.rundir import read_events
 pytestmark = pytest.mark.usefixtures("agent_env")
 
 
-def run(task, server, tmp_path, verifier=None, **budget):
-    cfg = load_config({"llm": {"base_url": server.base_url, "model": "test-model", "retry_base_delay_s": 0.001,
+def run(task, server, tmp_path, verifier=None, on_event=None, retry_delay=0.001, **budget):
+    cfg = load_config({"llm": {"base_url": server.base_url, "model": "test-model", "retry_base_delay_s": retry_delay,
                                "max_retries": 2},
                        "budget": budget}).check()
     rundir = RunDir.create(tmp_path / "runs", task, "test-model", cfg.model_dump(mode="json"))
-    summary = solve(task, cfg, rundir, OpenAIModel(cfg.llm, cost=cfg.cost), verifier or RuleVerifier(), "CATALOGUE")
+    summary = solve(task, cfg, rundir, OpenAIModel(cfg.llm, cost=cfg.cost), verifier or RuleVerifier(), "CATALOGUE",
+                    on_event=on_event)
     return summary, summary["results"][0], rundir.path
 
 
@@ -129,6 +131,21 @@ def test_token_budget(agent_task, openai_server, tmp_path):
     assert (r["stop_reason"], r["turns"]) == ("token_budget", 2)
 
 
+def test_budgets_are_per_trajectory(agent_task, openai_server, tmp_path):
+    openai_server.fallback = ("reply", fenced(WRONG), 100, 50, "stop")
+    summary, _, _ = run(agent_task, openai_server, tmp_path, samples=2, max_tokens=300)
+    assert [(r["stop_reason"], r["turns"]) for r in summary["results"]] == [("token_budget", 2)] * 2
+    assert len(openai_server.requests) == 4 and summary["prompt_tokens"] + summary["completion_tokens"] == 600
+
+
+def test_wall_budget_bounds_the_retries_of_a_failing_endpoint(agent_task, openai_server, tmp_path):
+    openai_server.reply(fenced(WRONG))  # then 500 forever; retries from 0.5 s would take seconds
+    started = time.monotonic()
+    _, r, _ = run(agent_task, openai_server, tmp_path, retry_delay=0.5, max_wall_s=0.8)
+    assert r["stop_reason"] == "wall_time" and "before retry" in r["detail"] and "answered 500" in r["detail"]
+    assert time.monotonic() - started < 3
+
+
 def test_cost_budget(agent_task, openai_server, tmp_path):
     (tmp_path / "xdg/coda-agent").mkdir(parents=True)
     # 100 prompt tokens at $10/M + 50 completion tokens at $20/M = $0.002 a call
@@ -138,6 +155,20 @@ def test_cost_budget(agent_task, openai_server, tmp_path):
     summary, r, _ = run(agent_task, openai_server, tmp_path, max_cost=0.003)
     assert (r["stop_reason"], r["turns"]) == ("cost_budget", 2)
     assert summary["cost_usd"] == pytest.approx(0.004)
+
+
+def test_each_turn_is_reported_as_it_happens(agent_task, openai_server, tmp_path):
+    openai_server.reply("no program here")
+    openai_server.reply(fenced(WRONG))
+    openai_server.reply(fenced(GOOD))
+    events = []
+    run(agent_task, openai_server, tmp_path, on_event=events.append)
+    assert [(e.kind, e.turn) for e in events] == [
+        ("asking", 0), ("format_error", 1), ("asking", 1), ("judging", 2), ("judged", 2), ("asking", 2),
+        ("judging", 3), ("judged", 3), ("stopped", 3)]
+    judged = [e for e in events if e.kind == "judged"]
+    assert [e.report.outcome for e in judged] == ["rejected", "accepted"] and judged[0].tokens == 300
+    assert events[-1].detail == "accepted: attempt 2"
 
 
 def test_cpu_passed_ends_honestly_not_accepted(agent_task, openai_server, tmp_path):

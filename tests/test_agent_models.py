@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import socket
+import time
 
 import pytest
 from agent_fixtures import GOOD
 
-from coda_agent.agent import ExpertModel, LLMConfig, ModelError, OpenAIModel, ReplayModel
+from coda_agent.agent import CodaError, ExpertModel, LimitsExceeded, LLMConfig, ModelError, OpenAIModel, ReplayModel
 from coda_agent.agent.prompt import extract_program
 from coda_agent.agent.rundir import Transcript
 
@@ -67,13 +68,40 @@ def test_refusals_fail_at_once_naming_the_fix(openai_server, status, match):
     assert len(openai_server.requests) == 1
 
 
-def test_unreachable_endpoint_names_the_setting():
+def test_refused_connection_fails_at_once_naming_the_setting():
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cfg = LLMConfig(base_url=f"http://127.0.0.1:{port}/v1", model="m", retry_base_delay_s=0.001, max_retries=1)
-    with pytest.raises(ModelError, match=r"cannot reach http://127.0.0.1:\d+/v1 .*OPENAI_BASE_URL"):
-        OpenAIModel(cfg).complete(HELLO)
+    cfg = LLMConfig(base_url=f"http://127.0.0.1:{port}/v1", model="m")  # the default six retries from 1 s
+    slept = []
+    m = OpenAIModel(cfg)
+    m._sleep = slept.append
+    started = time.monotonic()
+    with pytest.raises(ModelError, match=r"cannot reach http://127.0.0.1:\d+/v1: .*Connection refused; "
+                                         r"is the server running and is OPENAI_BASE_URL / --base-url right"):
+        m.complete(HELLO)
+    assert not slept and time.monotonic() - started < 5  # no retry: nobody is there to answer one
+
+
+def test_retries_stop_at_the_deadline(openai_server):
+    cfg = LLMConfig(base_url=openai_server.base_url, model="m", retry_base_delay_s=0.2, max_retries=6)
+    started = time.monotonic()
+    with pytest.raises(LimitsExceeded, match=r"wall_time: the wall budget runs out before retry \d of a failing "
+                                             r"request .*answered 500"):
+        OpenAIModel(cfg).complete(HELLO, deadline=started + 0.5)
+    assert time.monotonic() - started < 2 and 2 <= len(openai_server.requests) <= 3
+
+
+def test_expert_model_needs_an_expert_program(tmp_path):
+    from agent_fixtures import write_task
+
+    from coda_agent.tasks import load_task
+
+    path = write_task(tmp_path)
+    path.write_text(path.read_text().replace("expert: experts/scale_add.py\n", ""))
+    with pytest.raises(CodaError, match=r"--author expert: task scale_add .* has no expert program; use "
+                                        r"--author llm, or add `expert: path/to/program.py`"):
+        ExpertModel(load_task(path))
 
 
 def test_expert_model_answers_with_the_expert_program(agent_task):

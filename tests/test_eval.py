@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -69,7 +70,7 @@ def test_expert_then_replay_on_a_cpu_machine(tmp_path):
     tasks = three_tasks(tmp_path / "tasks")  # alpha and gamma pass, beta's expert computes outside the epilogue
     runs = tmp_path / "runs"
     r = cli("eval", tasks, "--author", "expert", "--samples", 2, "--workers", 2, "--runs-dir", runs, *SIM)
-    assert r.exit_code == 0, r.output
+    assert r.exit_code == 3, r.output
     batch = only_batch(runs)
     summary = check_summary_against_runs(batch)
     by_task = {t["task"]: t for t in summary["tasks"]}
@@ -90,7 +91,7 @@ def test_expert_then_replay_on_a_cpu_machine(tmp_path):
     # replay the batch: task T sample i replays T/sample-i, with no endpoint
     r = cli("eval", tasks, "--author", "replay", "--transcript", batch, "--samples", 2,
             "--runs-dir", tmp_path / "replays", *SIM)
-    assert r.exit_code == 0, r.output
+    assert r.exit_code == 3, r.output
     replay = only_batch(tmp_path / "replays")
     assert runs_say(replay) == runs_say(batch)
     cfg = json.loads((replay / "gamma/sample-1/config.json").read_text())["config"]
@@ -135,7 +136,7 @@ def test_llm_batch_against_an_endpoint(tmp_path, openai_server):
     openai_server.fallback = ("reply", fenced(GOOD), 100, 50, "stop")
     r = cli("eval", tasks, "--model", "test-model", "--base-url", openai_server.base_url, "--samples", 2,
             "--concurrency", 1, "--runs-dir", tmp_path / "runs", *SIM)
-    assert r.exit_code == 0, r.output
+    assert r.exit_code == 3, r.output
     batch = only_batch(tmp_path / "runs")
     summary = check_summary_against_runs(batch)
     assert len(openai_server.requests) == 7
@@ -180,7 +181,7 @@ def test_kill_halfway_and_resume(tmp_path, openai_server):
     assert r.exit_code == 0 and "Incomplete: 2 of 6 trajectories finished" in r.output, r.output
 
     r = cli("eval", "--resume", batch, *SIM)
-    assert r.exit_code == 0, r.output
+    assert r.exit_code == 3, r.output
     assert "resuming: 2 finished trajectories kept, 4 to run" in r.output
     # the two hung requests are asked again, the two never-started trajectories ask once each
     assert len(openai_server.requests) == 4 + 4
@@ -195,7 +196,7 @@ def test_kill_halfway_and_resume(tmp_path, openai_server):
     assert summary["suite"]["cpu_passed_trajectories"] == 6 and summary["suite"]["accepted_trajectories"] == 0
 
     r = cli("eval", "--resume", batch, *SIM)  # a finished batch stays finished
-    assert r.exit_code == 0 and len(openai_server.requests) == 8, r.output
+    assert r.exit_code == 3 and len(openai_server.requests) == 8, r.output
 
 
 def test_clean_errors(tmp_path):
@@ -214,12 +215,76 @@ def test_resume_asks_again_where_the_endpoint_failed(tmp_path, openai_server):
     openai_server.fallback = ("reply", fenced(GOOD), 100, 50, "stop")
     args = ["--model", "test-model", "--base-url", openai_server.base_url, *SIM]
     r = cli("eval", tasks, "--concurrency", 1, "--runs-dir", tmp_path / "runs", *args)
-    assert r.exit_code == 0 and "alpha sample 0: model_error" in r.output, r.output
+    assert r.exit_code == 3 and "alpha sample 0: model_error" in r.output, r.output
     batch = only_batch(tmp_path / "runs")
     assert runs_say(batch)["alpha"]["stops"] == ["model_error"]
     r = cli("eval", "--resume", batch, "--base-url", openai_server.base_url, *SIM)
-    assert r.exit_code == 0 and "resuming: 2 finished trajectories kept, 1 to run" in r.output, r.output
+    assert r.exit_code == 3 and "resuming: 2 finished trajectories kept, 1 to run" in r.output, r.output
     assert len(openai_server.requests) == 4
     assert {t: w["stops"] for t, w in runs_say(batch).items()} == \
            {"alpha": ["cpu_passed"], "beta": ["cpu_passed"], "gamma": ["cpu_passed"]}
     check_summary_against_runs(batch)
+
+
+def test_nothing_accepted_exits_non_zero_naming_every_stop_and_its_message(tmp_path):
+    tasks = three_tasks(tmp_path / "tasks")
+    with socket.socket() as s:  # a port nobody listens on: connection refused
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}/v1"
+    started = time.monotonic()
+    r = cli("eval", tasks, "--model", "m", "--base-url", url, "--runs-dir", tmp_path / "runs", *SIM)
+    assert time.monotonic() - started < 30  # the default six retries from 1 s would take over a minute
+    assert r.exit_code == 1, r.output
+    why = "cannot reach " + url + ": [Errno 111] Connection refused; is the server running"
+    for task in ("alpha", "beta", "gamma"):
+        assert f"{task} sample 0: model_error after 0 turns: {why}" in r.output
+    batch = only_batch(tmp_path / "runs")
+    summary = json.loads((batch / "summary.json").read_text())
+    assert summary["suite"]["stop_reasons"] == {"model_error": 3}
+    assert all(why in t["trajectories"][0]["detail"] for t in summary["tasks"])
+    md = (batch / "summary.md").read_text()
+    assert "## Stopped without passing" in md and f"- beta sample 0: model_error: {why}" in md
+    assert "| stop reasons | model_error 3 |" in md
+
+
+def test_a_bad_task_file_is_reported_and_skipped(tmp_path):
+    tasks = three_tasks(tmp_path / "tasks")
+    (tasks / "broken.yaml").write_text("name: broken\nsummary: [unclosed\n")
+    r = cli("eval", tasks, "--author", "expert", "--runs-dir", tmp_path / "runs", *SIM)
+    assert r.exit_code == 3, r.output
+    assert f"skipped: {tasks / 'broken.yaml'}: not valid YAML" in r.output
+    assert [t["task"] for t in check_summary_against_runs(only_batch(tmp_path / "runs"))["tasks"]] == \
+           ["alpha", "beta", "gamma"]
+    r = cli("tasks", "list", tasks)
+    assert r.exit_code == 0 and "alpha" in r.output and f"skipped: {tasks / 'broken.yaml'}" in r.output, r.output
+
+
+def test_sets_reach_every_worker_and_must_exist(tmp_path):
+    tasks = three_tasks(tmp_path / "tasks")
+    r = cli("eval", tasks, "--author", "expert", "--sets", "small", "--runs-dir", tmp_path / "runs", *SIM)
+    assert r.exit_code == 3, r.output
+    reports = list(only_batch(tmp_path / "runs").glob("*/sample-0/attempts/01/report.json"))
+    assert len(reports) == 3 and {json.loads(p.read_text())["versions"]["shape_sets"] for p in reports} == {"small"}
+    r = cli("eval", tasks, "--author", "expert", "--sets", "llama3-8b", "--runs-dir", tmp_path / "runs2", *SIM)
+    assert r.exit_code == 2 and "--sets: task alpha has no shape set 'llama3-8b'" in r.output, r.output
+
+
+def test_author_expert_names_the_tasks_without_one(tmp_path):
+    tasks = three_tasks(tmp_path / "tasks")
+    beta = tasks / "beta.yaml"
+    beta.write_text(beta.read_text().replace("expert: experts/beta.py\n", ""))
+    r = cli("eval", tasks, "--author", "expert", "--runs-dir", tmp_path / "runs", *SIM)
+    assert r.exit_code == 2 and f"--author expert: beta ({beta}) has no expert program" in r.output, r.output
+    assert not (tmp_path / "runs").exists()
+
+
+def test_report_without_a_batch_takes_the_newest(tmp_path):
+    runs = tmp_path / "runs"
+    r = cli("report", "--runs-dir", runs)
+    assert r.exit_code == 2 and f"no batch directory under {runs}/" in r.output, r.output
+    first = write_tasks(tmp_path / "one", {"alpha": GOOD})
+    second = write_tasks(tmp_path / "two", {"omega": GOOD})
+    for tasks in (first, second):
+        assert cli("eval", tasks, "--author", "expert", "--runs-dir", runs, *SIM).exit_code == 3
+    r = cli("report", "--runs-dir", runs)
+    assert r.exit_code == 0 and "| omega |" in r.output and "| alpha |" not in r.output, r.output

@@ -29,7 +29,7 @@ def cli(*args):
 
 def batch_of(tmp_path: Path, tasks: Path, *extra) -> Path:
     r = cli("eval", tasks, "--author", "expert", "--runs-dir", tmp_path / "runs", *extra)
-    assert r.exit_code == 0, r.output
+    assert r.exit_code in (0, 3), r.output  # accepted, or cpu_passed (the CPU-only verifiers)
     (batch,) = (tmp_path / "runs").iterdir()
     return batch
 

@@ -11,7 +11,7 @@ and :mod:`.cli` for people.  Tests: tests/test_verifier*.py and the corpus of
 bad programs in tests/bad_programs/.
 """
 
-from coda_agent.verifier.harness import DEFAULT_SHAPE_SETS, Verifier
+from coda_agent.verifier.harness import Verifier
 from coda_agent.verifier.report import GPU_STAGES, STAGES, Mismatch, Report, StageResult
 
-__all__ = ["DEFAULT_SHAPE_SETS", "GPU_STAGES", "STAGES", "Mismatch", "Report", "StageResult", "Verifier"]
+__all__ = ["GPU_STAGES", "STAGES", "Mismatch", "Report", "StageResult", "Verifier"]

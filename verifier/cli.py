@@ -4,23 +4,38 @@ Exit status: 0 accepted (every stage passed on a Hopper GPU); 3 cpu_passed
 (every stage that ran passed, GPU stages skipped: *not* an acceptance); 1
 rejected (a stage failed: the program is wrong, slow or cheats); 2 error (the
 verifier could not judge, or the task file / arguments are unusable).
+
+The verdict is also written as a run directory (unless ``--no-save``), so
+``coda-agent review`` and ``export`` work on a hand-written program.  Run
+directories belong to the agent layer above the verifier, so the writer is
+handed to this command through typer's context object by the top-level CLI
+(``cli.py``: ``ctx.obj["record_verdict"]``, agent/verdict.py).
 """
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Optional
 
 import typer
+
+from coda_agent.errors import CodaError
 
 EXIT_CODES = {"accepted": 0, "rejected": 1, "error": 2, "cpu_passed": 3}
 
 
 def verify(
-    task: Path = typer.Argument(..., help="task YAML, e.g. tasks/llama3/swiglu.yaml"),
+    ctx: typer.Context,
+    task: Path = typer.Argument(..., help="task YAML, e.g. tasks/llama3/swiglu_fwd.yaml"),
     program: Path = typer.Argument(..., help="the epilogue program (a .py file)"),
     stages: str = typer.Option("", help="comma-separated subset of "
                                "static,reference,compile,correctness,launch_audit,performance"),
+    sets: Optional[str] = typer.Option(None, "--sets", help="shape sets to check, comma-separated "
+                                                            "[the task's own]"),
+    runs_dir: Path = typer.Option(Path("runs"), help="where the verdict's run directory goes"),
+    save: bool = typer.Option(True, "--save/--no-save", help="write the verdict as a run directory "
+                                                             "(for review and export)"),
     json_out: bool = typer.Option(False, "--json", help="print the Report as JSON"),
     timeout: float = typer.Option(900.0, help="seconds the candidate may run before it is killed"),
     no_cache: bool = typer.Option(False, "--no-cache", help="ignore and do not write cached verdicts"),
@@ -29,19 +44,20 @@ def verify(
     fail_on_target: bool = typer.Option(False, help="fail the performance stage when the target is missed"),
 ) -> None:
     """Verify PROGRAM against TASK. Exit 0 accepted, 3 cpu_passed (GPU stages skipped), 1 rejected, 2 error."""
-    from coda_agent.tasks.spec import TaskSpecError, load_task
+    from coda_agent.tasks.spec import load_task, shape_set_names
     from coda_agent.verifier import Verifier
     from coda_agent.verifier.feedback import render_feedback
 
+    loaded = load_task(task)
+    if not program.is_file():
+        raise CodaError(f"{program}: no such program file (give the .py file of the epilogue program)")
+    source = program.read_text()
     try:
-        loaded = load_task(task)
-        source = program.read_text()
         verifier = Verifier(stages=[s.strip() for s in stages.split(",") if s.strip()] or None,
                             timeout_s=timeout, cache=not no_cache, fail_on_target=fail_on_target,
-                            compile_cache=not no_compile_cache)
-    except (TaskSpecError, OSError, ValueError) as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
+                            compile_cache=not no_compile_cache, shape_sets=shape_set_names(sets, [loaded]))
+    except ValueError as e:  # an unknown stage
+        raise CodaError(f"--stages: {e}") from None
     report = verifier.check(loaded, source)
     if json_out:
         typer.echo(report.model_dump_json(indent=2))
@@ -53,6 +69,9 @@ def verify(
             typer.echo(f"{s.name:13s} {s.status:8s} {s.seconds:7.1f}s  {s.message}")
         typer.echo(f"outcome: {report.outcome}{' (cached)' if report.cached else ''}")
         typer.echo(render_feedback(report, source))
+    if save:
+        run = ctx.obj["record_verdict"](runs_dir, loaded, program, source, report, verifier.config())
+        typer.echo(f"run: {run}  (coda-agent review {run})", err=json_out)
     raise typer.Exit(EXIT_CODES[report.outcome])
 
 

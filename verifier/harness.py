@@ -26,14 +26,12 @@ from coda_agent.verifier import cache as verdict_cache
 from coda_agent.verifier.report import GPU_STAGES, STAGES, Report, StageResult
 from coda_agent.verifier.static import check_source
 
-DEFAULT_SHAPE_SETS = ("small", "ragged", "llama3-1b", "llama3-8b")
-
-
 class Verifier:
     def __init__(self, stages: list[str] | tuple[str, ...] | None = None, timeout_s: float = 900.0,
-                 cache: bool = True, shape_sets: tuple[str, ...] | list[str] = DEFAULT_SHAPE_SETS,
+                 cache: bool = True, shape_sets: tuple[str, ...] | list[str] | None = None,
                  reps: int = 20, fail_on_target: bool = False, compile_cache: bool = True):
-        """``cache``: reuse and store whole verdicts (:mod:`.cache`).  ``compile_cache``:
+        """``shape_sets``: the sets the GPU stages check; None: each task's own.
+        ``cache``: reuse and store whole verdicts (:mod:`.cache`).  ``compile_cache``:
         reuse and store passed compile-stage results (:mod:`.compile_cache`), on its own
         switch because a pass with ``cache=False`` (a fresh verdict) still gains from
         not recompiling identical kernels; its key is just as fail-closed."""
@@ -43,7 +41,7 @@ class Verifier:
         self.stages = [s for s in STAGES if stages is None or s in stages]
         self.timeout_s = timeout_s
         self.cache = cache
-        self.shape_sets = list(shape_sets)
+        self.shape_sets = None if shape_sets is None else list(shape_sets)
         self.reps = max(int(reps), 20)
         self.fail_on_target = fail_on_target
         self.compile_cache = compile_cache
@@ -103,7 +101,7 @@ class Verifier:
             req, out, err = Path(tmp, "request.json"), Path(tmp, "results.jsonl"), Path(tmp, "stderr.txt")
             req.write_text(json.dumps({
                 "task_path": str(task.path), "source": source, "stages": stages,
-                "seeds": [secrets.randbits(31) for _ in range(4)], "shape_sets": self.shape_sets,
+                "seeds": [secrets.randbits(31) for _ in range(4)], "shape_sets": self._shape_sets(task),
                 "reps": self.reps, "fail_on_target": self.fail_on_target,
                 "compile_cache": self.compile_cache}))
             env = dict(os.environ)
@@ -121,6 +119,13 @@ class Verifier:
                     rc, timed_out = proc.returncode, True
             elapsed = time.perf_counter() - t0
             return _read_results(out, err.read_text(errors="replace"), rc, timed_out, self.timeout_s, elapsed)
+
+
+    def _shape_sets(self, task: Task) -> list[str]:
+        if self.shape_sets is not None:
+            return self.shape_sets
+        # The task's own, smallest first: the performance stage times the last that fits.
+        return sorted(task.spec.shapes, key=task.spec.flops)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

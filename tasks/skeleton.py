@@ -1,0 +1,242 @@
+"""``coda-agent tasks new``: a task file written from its reference.
+
+Given the reference (``ref.py:fn``), its tensor inputs with symbolic shapes
+(``x=T,H``) and shape sets binding the symbols (``small=T:256,H:128``), the
+reference is called on the CPU once per shape set, and what it returns fills
+in the outputs: names, dtypes, and symbolic shapes (each dimension is matched
+against expressions of the symbols, ``T``, ``4*H``, ``T*H``, ``H//2``..., that
+fit *every* shape set, so two sets that differ tell ``T`` from ``2*H``).
+Params are the reference's keyword defaults, or ``--param name=value``.
+
+What a call cannot tell is left as a ``TODO ...`` value for a person:
+``families``, ``gemms`` (with the reference's own matmuls as a hint),
+``target``, an integer input's range, and a summary if the reference has no
+docstring.  ``load_task`` reports every TODO by name, so ``coda-agent tasks
+check`` fails until each is filled in.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import math
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+import yaml
+
+from coda_agent.errors import CodaError
+
+from .sources import ReferenceImportError, import_reference
+from .spec import TODO, Scalar
+
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
+                "int32": torch.int32, "int64": torch.int64}
+DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
+FAMILIES = "elementwise, pairwise, vector, tile, reduction, stateful"
+MATMULS = {"matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "linear", "addmm"}
+
+
+def parse_shapes(specs: list[str]) -> dict[str, dict[str, int]]:
+    """``["small=T:256,H:128", ...]`` -> ``{"small": {"T": 256, "H": 128}, ...}``."""
+    out: dict[str, dict[str, int]] = {}
+    for spec in specs:
+        name, sep, binding = spec.partition("=")
+        try:
+            pairs = [p.split(":") for p in binding.split(",")]
+            out[name.strip()] = {k.strip(): int(v) for k, v in pairs}
+        except ValueError:
+            sep = ""
+        if not sep or not name.strip() or not out.get(name.strip()):
+            raise CodaError(f"--shapes {spec!r}: write NAME=SYMBOL:INT,SYMBOL:INT..., e.g. --shapes small=T:256,H:128")
+    return out
+
+
+def parse_inputs(specs: list[str]) -> dict[str, tuple[list[str], str]]:
+    """``["x=T,H", "w=H,4*H:bf16"]`` -> ``{"x": (["T", "H"], "bf16"), ...}`` (dtype bf16 by default)."""
+    out = {}
+    for spec in specs:
+        name, sep, rest = spec.partition("=")
+        shape, _, dtype = rest.rpartition(":") if rest.rsplit(":", 1)[-1] in TORCH_DTYPES else (rest, "", "bf16")
+        dims = [d.strip() for d in shape.split(",") if d.strip()]
+        if not sep or not name.strip().isidentifier() or not dims:
+            raise CodaError(f"--input {spec!r}: write NAME=DIM,DIM[:DTYPE], e.g. --input x=T,H or "
+                            f"--input target=T:int64 (dtypes: {', '.join(TORCH_DTYPES)})")
+        out[name.strip()] = (dims, dtype)
+    return out
+
+
+def parse_params(specs: list[str]) -> dict[str, Scalar]:
+    """``["eps=1e-6", "causal=true"]`` -> ``{"eps": 1e-06, "causal": True}`` (YAML scalars)."""
+    out = {}
+    for spec in specs:
+        name, sep, value = spec.partition("=")
+        parsed = yaml.safe_load(value) if sep else None
+        if not sep or not name.strip().isidentifier() or not isinstance(parsed, (bool, int, float, str)):
+            raise CodaError(f"--param {spec!r}: write NAME=VALUE with a number, true/false or a word, "
+                            "e.g. --param eps=1e-6")
+        out[name.strip()] = parsed
+    return out
+
+
+# --------------------------------------------------------------------------- symbolic shapes
+
+def _candidates(symbols: list[str]) -> Iterator[str]:
+    """Shape expressions over the symbols, simplest first."""
+    yield from symbols
+    for s, k in itertools.product(symbols, range(2, 9)):
+        yield f"{k}*{s}"
+        yield f"{s}//{k}"
+    for a, b in itertools.permutations(symbols, 2):
+        if a < b:
+            yield f"{a}*{b}"
+            yield f"{a}+{b}"
+        yield f"{a}-{b}"
+
+
+def symbolic(values: dict[str, int], shapes: dict[str, dict[str, int]]) -> tuple[str | int, list[str]]:
+    """The simplest expression equal to ``values[set]`` in every shape set, and the others
+    that fit as well (an ambiguity a further shape set would settle).  A constant when
+    the dimension is the same everywhere and no expression gives it; ``TODO`` if nothing fits."""
+    from .spec import eval_expr
+
+    symbols = sorted(set.intersection(*(set(b) for b in shapes.values())), key=lambda s: (len(s), s))
+    # ``S//k`` fits only where k divides S: compared through the true quotient.
+    fits = [expr for expr in _candidates(symbols)
+            if all(eval_expr(expr.replace("//", "/"), b) == values[name] for name, b in shapes.items())]
+    if fits:
+        return fits[0], fits[1:]
+    if len(set(values.values())) == 1:
+        return next(iter(values.values())), []
+    return f"{TODO} a shape expression giving {values}", []
+
+
+# --------------------------------------------------------------------------- calling the reference
+
+class _MatmulRecorder(torch.overrides.TorchFunctionMode):
+    """The (M, N, K) of every matmul the reference runs (batch dims folded into M)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mnk: list[tuple[int, int, int]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        name = getattr(func, "__name__", "")
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if name in MATMULS and len(tensors) >= 2:
+            a, b = tensors[-2:] if name == "addmm" else tensors[:2]
+            if name == "linear":  # (.., K) x (N, K)
+                self.mnk.append((math.prod(a.shape[:-1]), b.shape[0], b.shape[1]))
+            elif a.dim() >= 2 and b.dim() >= 2:
+                self.mnk.append((math.prod(a.shape[:-1]), b.shape[-1], a.shape[-1]))
+        return func(*args, **(kwargs or {}))
+
+
+def _draw(dims: list[str], dtype: str, binding: dict[str, int], gen: torch.Generator) -> torch.Tensor:
+    from .spec import eval_expr
+
+    shape = tuple(int(eval_expr(d, binding)) for d in dims)
+    if dtype.startswith("int"):  # a valid index into the smallest dimension of the set
+        return torch.randint(0, min(binding.values()), shape, generator=gen).to(TORCH_DTYPES[dtype])
+    return torch.randn(shape, generator=gen).to(TORCH_DTYPES[dtype])
+
+
+def _call(fn: Callable, inputs: dict[str, tuple[list[str], str]], params: dict[str, Scalar],
+          binding: dict[str, int], set_name: str) -> tuple[dict[str, torch.Tensor], list[tuple[int, int, int]]]:
+    gen = torch.Generator().manual_seed(0)
+    args = {k: _draw(dims, dtype, binding, gen) for k, (dims, dtype) in inputs.items()}
+    recorder = _MatmulRecorder()
+    try:
+        with torch.no_grad(), recorder:
+            outs = fn(**args, **params)
+    except Exception as e:  # noqa: BLE001 - the user's reference failing is theirs to see
+        raise CodaError(f"calling the reference on shape set {set_name} {binding} failed: {type(e).__name__}: "
+                        f"{e}; check the --input shapes and --param values") from None
+    if not isinstance(outs, dict) or not all(isinstance(v, torch.Tensor) for v in outs.values()) or not outs:
+        raise CodaError(f"the reference returned {type(outs).__name__}; a task reference returns a dict of "
+                        "its outputs, {'name': tensor, ...}")
+    for name, t in outs.items():
+        if t.dtype not in DTYPE_NAMES:
+            raise CodaError(f"the reference's output {name!r} is {t.dtype}; outputs are "
+                            f"{', '.join(TORCH_DTYPES)} (cast it in the reference)")
+    return outs, recorder.mnk
+
+
+def _signature_inputs(fn: Callable, inputs: dict, params: dict) -> dict[str, Scalar]:
+    """The params: ``--param`` values, then the reference's keyword defaults; every other
+    parameter must be an ``--input``."""
+    found = dict(params)
+    for name, p in inspect.signature(fn).parameters.items():
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or name in inputs or name in found:
+            continue
+        if p.default is not p.empty and isinstance(p.default, (bool, int, float, str)):
+            found[name] = p.default
+        else:
+            raise CodaError(f"the reference takes {name!r}: give --input {name}=SHAPE (e.g. --input {name}=T,H) "
+                            f"or --param {name}=VALUE")
+    unknown = [n for n in [*inputs, *params] if n not in inspect.signature(fn).parameters]
+    if unknown and not any(p.kind is p.VAR_KEYWORD for p in inspect.signature(fn).parameters.values()):
+        raise CodaError(f"the reference does not take {', '.join(unknown)} (its parameters: "
+                        f"{', '.join(inspect.signature(fn).parameters)})")
+    return found
+
+
+# --------------------------------------------------------------------------- the file
+
+def _flow(value: Any) -> str:
+    return yaml.safe_dump(value, default_flow_style=True, width=10_000, sort_keys=False).strip().removesuffix("...").strip()
+
+
+def skeleton(name: str, reference: str, folder: Path, shapes: dict[str, dict[str, int]],
+             inputs: dict[str, tuple[list[str], str]], params: dict[str, Scalar],
+             gradients: list[str]) -> str:
+    """The task file's text; ``reference`` is as the YAML will name it (relative to ``folder``)."""
+    try:
+        fn = import_reference(reference, folder)
+    except ReferenceImportError as e:
+        raise CodaError(f"--reference {reference}: {e}") from None
+    params = _signature_inputs(fn, inputs, params)
+    for g in gradients:
+        if g not in inputs or inputs[g][1].startswith("int"):
+            raise CodaError(f"--gradients: {g!r} is not a float --input")
+    calls = {s: _call(fn, inputs, params, binding, s) for s, binding in shapes.items()}
+    first = next(iter(calls.values()))[0]
+    lines = ["# Written by `coda-agent tasks new` from the reference's outputs on each shape set.",
+             "# Every TODO is for you to fill in; `coda-agent tasks check` lists what is left.",
+             f"name: {_flow(name)}"]
+    doc = inspect.getdoc(fn)
+    summary = " ".join(doc.split("\n\n")[0].split()) if doc else f"{TODO} what the task computes, in a sentence"
+    lines += [f"summary: {_flow(summary)}", f"families: {_flow(f'{TODO} pick from [{FAMILIES}]')}", "inputs:"]
+    for k, (dims, dtype) in inputs.items():
+        init: dict[str, Any] = {"dist": "normal", "scale": 1.0}
+        if dtype.startswith("int"):
+            init = {"dist": "randint", "high": f"{TODO} the exclusive upper bound of {k}'s values (an expression)"}
+        lines.append(f"  {k}: {_flow({'shape': dims, 'dtype': dtype, 'init': init})}")
+    if params:
+        lines.append(f"params: {_flow(params)}")
+    lines.append("outputs:")
+    for out, t in first.items():
+        dims, notes = [], []
+        for d in range(t.dim()):
+            expr, others = symbolic({s: calls[s][0][out].shape[d] for s in calls}, shapes)
+            dims.append(expr)
+            if others:
+                notes.append(f"{expr} could also be {', '.join(others[:3])}")
+        note = f"  # {'; '.join(notes)}: a further shape set tells them apart" if notes else ""
+        lines.append(f"  {out}: {_flow({'shape': dims, 'dtype': DTYPE_NAMES[t.dtype]})}{note}")
+    lines.append("shapes:")
+    lines += [f"  {s}: {_flow(b)}" for s, b in shapes.items()]
+    if "small" not in shapes:
+        lines.append(f"cpu_shape_set: {_flow(next(iter(shapes)))}")
+    lines.append(f"reference: {_flow(reference)}")
+    if gradients:
+        lines.append(f"gradients: {_flow(gradients)}")
+    count = min(len(mnk) for _, mnk in calls.values())
+    matmuls = [[symbolic({s: calls[s][1][i][j] for s in calls}, shapes)[0] for j in range(3)] for i in range(count)]
+    hint = f"; the reference's forward runs {_flow(matmuls)}" if matmuls else ""
+    lines.append(f"gemms: {_flow(f'{TODO} the GEMMs the fused program needs, as [[M, N, K], ...]' + hint)}")
+    target = (f"{TODO} {{vs_gemm: 1.05, vs_compile: 1.2}} (fused / plain GEMM time at most, "
+              "torch.compile / fused time at least), or remove the field for those defaults")
+    lines.append(f"target: {_flow(target)}")
+    return "\n".join(lines) + "\n"

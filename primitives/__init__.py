@@ -38,6 +38,9 @@ holds them to it): ``errors``, ``version`` -> ``pair`` -> ``reductions`` ->
 -> ``gemm`` -> ``aux`` (with its Triton kernel, ``xent_triton``) -> ``catalogue``.
 """
 
+# PROGRAM_API, what a program may import, is the rules table's (the static stage enforces the same).
+from coda_agent.program_rules import PROGRAM_API
+
 from .aux import (add, column_index, concat_rows, deinterleave_columns, interleave_columns, rms_prepare,
                   rms_rstd, to_fp32, xent_grad_, xent_loss, zeros_like)
 from .catalogue import render as render_catalogue
@@ -54,17 +57,6 @@ from .program import load_program
 from .reductions import col_max, col_sum, head_rstd, online_lse, row_sum, select_col
 from .tile_config import TileConfig
 from .version import CATALOGUE_VERSION
-
-# What a program may import (the verifier's static stage enforces it).
-PROGRAM_API = (
-    "epilogue", "gemm", "TileConfig", "unpack", "pack",
-    "Tile", "RowVec", "ColVec", "Scalar", "PairedTile", "HeadStat",
-    "col_sum", "col_max", "row_sum", "head_rstd", "online_lse", "select_col",
-    "exp", "exp2", "log", "rsqrt", "sqrt", "reciprocal", "tanh", "sin", "cos", "sigmoid", "silu", "gelu_tanh",
-    "maximum", "minimum", "where", "fma",
-    "rms_rstd", "rms_prepare", "xent_loss", "xent_grad_", "column_index", "to_fp32",
-    "interleave_columns", "deinterleave_columns", "zeros_like", "add", "concat_rows",
-)
 
 __all__ = [*PROGRAM_API, "CATALOGUE_VERSION", "CatalogueError", "CompiledKernel", "Epilogue", "Launch",
            "SassReport", "compile_only", "compile_target", "current_lowering", "launch_ledger", "load_program",

@@ -1,8 +1,12 @@
 """Render the catalogue as Markdown from the code itself.
 
 The text is built from the objects a program imports (docstrings, signatures,
-each MathFn's example), so the LLM's prompt, ``coda-agent catalogue`` and the
-code cannot drift apart.  Every example program below is real: the tests
+each MathFn's example) and from the program rules table
+(``coda_agent/program_rules.py``: the host-side grammar, the ragged-lane
+behaviour of each reduction, the cases whose ``config=None`` tile is stated,
+computed here by ``default_config``), the same table the verifier's static
+stage enforces, so the LLM's prompt, ``coda-agent catalogue``, the judge and
+the code cannot drift apart.  Every example program below is real: the tests
 compile each one for sm_90a and run it through the reference lowering.
 """
 
@@ -11,11 +15,14 @@ from __future__ import annotations
 import inspect
 import textwrap
 
+from coda_agent import program_rules as rules
+
 from . import aux, operands, reductions
 from .epilogue import epilogue as _epilogue
 from .gemm import gemm
 from .math import VOCABULARY
-from .tile_config import TileConfig
+from .pair import pack, unpack
+from .tile_config import TileConfig, default_config
 from .version import CATALOGUE_VERSION
 
 # One runnable example per family: (title, program source, call used by the tests).
@@ -100,17 +107,68 @@ def _sig(fn: object) -> str:
     return f"{target.__name__}{inspect.signature(target)}"  # type: ignore[attr-defined]
 
 
+def _sample_epilogues() -> dict[str, tuple[object, dict]]:
+    """One epilogue per rule of ``default_config`` (program_rules.CONFIG_CASES names them),
+    with the operands the rule reads."""
+    from .operands import HeadStat, PairedTile, Scalar
+    from .reductions import col_sum, head_rstd
+
+    @_epilogue()
+    def elementwise(acc, scale: Scalar):
+        return {"D": acc * scale}
+
+    @_epilogue()
+    def paired(acc, pre: PairedTile):
+        g, u = unpack(pre)
+        return {"D": pack(acc * g, acc * u)}
+
+    @_epilogue(reductions={"sq": col_sum(partials=True)})
+    def partials(acc):
+        return {"D": acc, "sq": acc * acc}
+
+    @_epilogue(head_stats={"rstd": head_rstd()})
+    def head(acc, rstd: HeadStat):
+        return {"D": acc * rstd}
+
+    return {"elementwise": (elementwise, {}), "paired": (paired, {}), "partials": (partials, {}),
+            "head": (head, {"rstd": 128})}
+
+
+def config_lines() -> list[str]:
+    """What ``config=None`` picks for each of the rules table's cases, computed now."""
+    samples = _sample_epilogues()
+    out = []
+    for case in rules.CONFIG_CASES:
+        epi, operands = samples[case.epilogue] if case.epilogue else (None, {})
+        out.append(f"- {case.what}: `{default_config(epi, operands, case.n, case.m)}`")
+    return out
+
+
+def host_lines() -> list[str]:
+    return [f"- **{r.construct}**: {r.rule}" for r in rules.HOST_RULES]
+
+
+def ragged_lines() -> list[str]:
+    return [f"- `{r.op}`: {r.rule}" for r in rules.RAGGED_LANES]
+
+
 def render() -> str:
     """The catalogue as Markdown (signatures, semantics, constraints, examples)."""
     out: list[str] = [f"# The epilogue catalogue (version {CATALOGUE_VERSION})", ""]
     out += ["A program is one Python module that imports only from `coda_agent.primitives` "
             "(and `math`). It declares epilogue fns and composes them in `forward` "
             "(and `backward`) with `gemm`, the auxiliary kernels and the layout helpers. "
-            "No other computation is allowed: no torch, no tensor methods beyond `.t()`, `.T`, "
-            "`.shape`, `.dtype` and slicing.", ""]
+            "All math on tensors happens in epilogues and auxiliary kernels; the host side only "
+            "composes calls, by the rules below (the verifier enforces the same rules).", ""]
     out += ["## Program skeleton", "", "```python", PROGRAM_SKELETON.strip(), "```", ""]
+    out += ["## The host side: forward and backward", "", *host_lines(), ""]
+    out += ["Names a program may import: " + "; ".join(
+        f"{what}: {', '.join(f'`{n}`' for n in names)}" for what, names in rules.API.items()) + ".", ""]
     out += ["## The fixed mainloop: `gemm`", "", f"`{_sig(gemm)}`", "", _doc(gemm), ""]
     out += [f"Tile configuration: `{_sig(TileConfig)}`", "", _doc(TileConfig), ""]
+    out += ["What `config=None` compiles: the tile is chosen per call from the epilogue and the GEMM's "
+            "M and N (`default_config` in primitives/gemm.py; on a GPU a tuned winner stored by "
+            "bench/run.py takes precedence), for example:", "", *config_lines(), ""]
     out += ["## Declaring an epilogue: `@epilogue`", "", f"`{_sig(_epilogue)}`", "",
             _doc(inspect.getmodule(_epilogue)), ""]
     out += ["## Families 2-3: operand kinds", ""]
@@ -121,6 +179,7 @@ def render() -> str:
     for fn in (reductions.col_sum, reductions.col_max, reductions.row_sum, reductions.head_rstd,
                reductions.online_lse, reductions.select_col):
         out += [f"- `{_sig(fn)}`: {_doc(fn)}"]
+    out += ["", "At the ragged edge (a last tile that sticks out past M or N):", "", *ragged_lines()]
     out += ["", "## Family 1: math vocabulary (inside epilogue fns)", "",
             "Arithmetic `+ - * /`, comparisons (only as `where` conditions) and:", ""]
     for m in VOCABULARY:

@@ -1,0 +1,163 @@
+"""The rules of an epilogue program, as data: one table, read twice.
+
+The catalogue text the model reads (``primitives/catalogue.py``) renders these
+rules, and the verifier's static stage (``verifier/static.py``) takes its
+allow-lists from :func:`static_allow_list`: what the model is told and what the
+judge accepts are one table, so they cannot disagree.
+
+What lives here:
+
+- :data:`API`: every name a program may import from ``coda_agent.primitives``,
+  grouped by what it is; :data:`PROGRAM_API` flattens it; :data:`HARNESS_ONLY`
+  are catalogue names for the verifier, not for programs.
+- :data:`TENSOR_ATTRIBUTES`, :data:`TENSOR_METHODS`, :data:`CONTAINER_METHODS`:
+  what host code (``forward``/``backward``) may touch on a value the catalogue
+  did not make; anything else on a tensor is PyTorch compute.
+- :data:`HOST_RULES`: the host-side grammar, one rule per construct.
+- :data:`RAGGED_LANES`: what each reduction and stateful op does with the padded
+  lanes of a ragged last tile (the kernel's truth, which the CPU reference
+  lowering does not show: it folds the real extent only).
+- :data:`CONFIG_CASES`: the calls whose ``config=None`` tile the catalogue text
+  states; the tiles themselves are computed from ``primitives/gemm.py``
+  ``default_config`` when the text is rendered, so the text is the code's.
+
+This module imports nothing from the package, so the static stage reads it
+without importing the catalogue (and quack).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+CATALOGUE_MODULE = "coda_agent.primitives"
+MATH_MODULE = "math"  # `import math` / `from math import ...`: host-side arithmetic on numbers
+
+API: dict[str, tuple[str, ...]] = {
+    "declaring an epilogue": ("epilogue",),
+    "the mainloop": ("gemm", "TileConfig"),
+    "operand kinds": ("Tile", "RowVec", "ColVec", "Scalar", "PairedTile", "HeadStat"),
+    "reductions and stateful transforms": ("col_sum", "col_max", "row_sum", "head_rstd", "online_lse",
+                                           "select_col"),
+    "math inside epilogue fns": ("unpack", "pack", "exp", "exp2", "log", "rsqrt", "sqrt", "reciprocal", "tanh",
+                                 "sin", "cos", "sigmoid", "silu", "gelu_tanh", "maximum", "minimum", "where",
+                                 "fma"),
+    "auxiliary kernels and layout helpers": ("rms_rstd", "rms_prepare", "xent_loss", "xent_grad_",
+                                             "column_index", "to_fp32", "interleave_columns",
+                                             "deinterleave_columns", "zeros_like", "add", "concat_rows"),
+}
+PROGRAM_API: tuple[str, ...] = tuple(name for names in API.values() for name in names)
+HARNESS_ONLY: tuple[str, ...] = ("load_program", "lowering", "compile_only", "launch_ledger", "CatalogueError")
+
+# On a tensor (or any value the catalogue did not return as a catalogue object), host code may
+# read these attributes and call these methods: metadata and free views, never compute.
+TENSOR_ATTRIBUTES: tuple[str, ...] = ("shape", "dtype", "ndim", "device", "T", "mT")
+TENSOR_METHODS: tuple[str, ...] = ("t", "view", "size", "dim")
+# On the dicts and lists a function builds, and on `saved` (read only).
+CONTAINER_METHODS: tuple[str, ...] = ("items", "keys", "values", "get", "append")
+
+
+@dataclass(frozen=True)
+class Rule:
+    construct: str
+    rule: str
+
+
+def _dotted(names: tuple[str, ...], call: bool) -> str:
+    return ", ".join(f"`.{n}()`" if call else f"`.{n}`" for n in names)
+
+
+HOST_RULES: tuple[Rule, ...] = (
+    Rule("imports", f"`from {CATALOGUE_MODULE} import NAME, ...` (the names below) and `import math` / "
+                    "`from math import ...`; nothing else."),
+    Rule("module level", "the docstring, imports, `def`s, and constants: numbers, strings, tuples of them, "
+                         "arithmetic over them, `math` calls (`GELU_C = math.sqrt(2 / math.pi)`) and catalogue "
+                         "declarations (`SQ = col_sum()`). No module-level dict, list or set: state that survives "
+                         "between calls is the cached-output cheat."),
+    Rule("functions", "`forward(<inputs and params by name>)` returns a dict holding every task output (extra "
+                      "entries are state for backward); `backward(saved, d<output>...)` returns `d<input>` for "
+                      "each task gradient; helper `def`s are fine. Default arguments are constants."),
+    Rule("control flow", "`for` over `range(...)` or over a list (e.g. token chunks), `if` on Python values "
+                         "(shapes, params), `assert`, `return`; Python builtins on numbers (`len`, `min`, `max`, "
+                         "`int`, `range`, `zip`, `enumerate`). No `try`, `with`, classes, `global`/`nonlocal`, "
+                         "`async`, dunder names."),
+    Rule("containers", "dicts and lists the function builds itself (`outs = {}`, `parts = []`, "
+                       f"{_dotted(CONTAINER_METHODS, True)}); item assignment only into those, never into an "
+                       "input, `saved` or a tensor."),
+    Rule("tensors", f"read {_dotted(TENSOR_ATTRIBUTES, False)}; call {_dotted(TENSOR_METHODS, True)}; slice with "
+                    "ints and ranges (`x[r0:r1]`, `w[:, c0:c1]`: views, no copy). Anything else on a tensor "
+                    "(`+`, `.float()`, `.sum()`, `torch.*`) is PyTorch compute: rejected statically, or by the "
+                    "reference stage's audit of the program's own lines."),
+    Rule("gemm operands", "A is (M, K) and B is (K, N), bf16 or fp16; either may be a transposed view: "
+                          "`gemm(x, w.t(), ...)` for a weight stored (N, K), `gemm(dy.t(), x)` for the weight "
+                          "gradient dy^T @ x. Operands are passed by the names the epilogue declares."),
+    Rule("gemm results", "a dict: `'D'` (unless the epilogue returns no D), each declared output and each "
+                         "finished reduction. With `accumulate_into=buf` (an (M, N) tensor, e.g. a slice of a "
+                         "`zeros_like` buffer) D is added into `buf` in place and `'D'` is `buf` itself; the "
+                         "epilogue must return a D."),
+)
+
+
+@dataclass(frozen=True)
+class RaggedLanes:
+    op: str
+    rule: str
+
+
+_PADDED = ("there `acc` is 0 and so are Tile loads (vector and Scalar operands need not be), so return 0 "
+           "there: a product with `acc` or with a Tile is. A constant term (`acc + 1.0`, `exp(acc)`, "
+           "`sigmoid(acc)`) is added once per padded lane: wrong on ragged shapes only, which the CPU reference "
+           "stage (exact over the real extent) cannot show")
+RAGGED_LANES: tuple[RaggedLanes, ...] = (
+    RaggedLanes("col_sum", "folds every lane of the row's last N tile, padded lanes included: " + _PADDED + "."),
+    RaggedLanes("col_sum(partials=True)", "the same per N tile: the last tile's partial includes its padded "
+                                          "lanes."),
+    RaggedLanes("row_sum", "folds every lane of the column's last M tile, padded rows included: " + _PADDED + "."),
+    RaggedLanes("col_max", "padded lanes are masked to -inf: any value is safe."),
+    RaggedLanes("online_lse", "padded lanes are masked to -inf: any value is safe (an unaligned vocabulary "
+                              "is fine)."),
+    RaggedLanes("select_col", "reads only column `index[m]`; a row whose index is outside [0, N) gets 0.0."),
+    RaggedLanes("head_rstd", "whole heads only: N and the tile width are multiples of the head width, so no head "
+                             "straddles the edge."),
+)
+
+
+@dataclass(frozen=True)
+class ConfigCase:
+    """A ``gemm`` call whose ``config=None`` tile the catalogue text states: ``epilogue`` is one of
+    ``primitives/catalogue.py``'s sample epilogues (None: a plain GEMM)."""
+
+    what: str
+    epilogue: str | None
+    m: int
+    n: int
+
+
+CONFIG_CASES: tuple[ConfigCase, ...] = (
+    ConfigCase("a plain GEMM, 16384 x 4096", None, 16384, 4096),
+    ConfigCase("a plain GEMM whose N the 192 tile pads, 16384 x 1024", None, 16384, 1024),
+    ConfigCase("an elementwise epilogue, 16384 x 14336", "elementwise", 16384, 14336),
+    ConfigCase("the same epilogue at a small shape set's 256 x 384 (few tiles: what the compile stage "
+               "compiles)", "elementwise", 256, 384),
+    ConfigCase("an output at most 128 wide, 16384 x 128", "elementwise", 16384, 128),
+    ConfigCase("an output at most 64 wide, 16384 x 64", "elementwise", 16384, 64),
+    ConfigCase("a PairedTile epilogue, 16384 x 14336", "paired", 16384, 14336),
+    ConfigCase("exposed partials, col_sum(partials=True), 16384 x 4096", "partials", 16384, 4096),
+    ConfigCase("a head statistic of 128-wide heads, 16384 x 4096", "head", 16384, 4096),
+)
+
+
+@dataclass(frozen=True)
+class StaticAllowList:
+    """What the static stage accepts, all of it from the tables above."""
+
+    catalogue_module: str
+    math_module: str
+    program_api: frozenset[str]
+    harness_only: frozenset[str]
+    attributes: frozenset[str]  # readable on non-catalogue values
+    methods: frozenset[str]  # callable on non-catalogue values
+
+
+def static_allow_list() -> StaticAllowList:
+    return StaticAllowList(CATALOGUE_MODULE, MATH_MODULE, frozenset(PROGRAM_API), frozenset(HARNESS_ONLY),
+                           frozenset(TENSOR_ATTRIBUTES), frozenset(TENSOR_METHODS + CONTAINER_METHODS))

@@ -8,23 +8,24 @@ environment, introspecting the harness, swallowing errors) or a way to escape
 the sandbox.  Each violation names its line and the fix, because the message is
 what the LLM reads next.
 
-The allow-list, tight on purpose (widen it only with a reason):
+The allow-list, tight on purpose (widen it only with a reason).  Its names
+(the catalogue's importable names and the harness-only ones, the attributes
+and methods allowed on non-catalogue values) come from
+``coda_agent/program_rules.py``, the table the catalogue text the model reads
+is rendered from, so the two cannot disagree:
 
 - imports: ``from coda_agent.primitives import NAME[, ...]`` and ``import math``
-  / ``from math import ...``.  The harness entry points of the catalogue
-  (``load_program``, ``lowering``, ``compile_only``, ``launch_ledger``) are not
+  / ``from math import ...``; the harness entry points of the catalogue are not
   for programs.
 - module level: the docstring, imports, function definitions and assignments
   of constants (numbers, strings, tuples of them, arithmetic over them,
-  ``math`` values and catalogue calls such as operand or reduction
+  ``math`` values and calls such as ``math.sqrt(2 / math.pi)``, and catalogue
   declarations).  A module-level dict/list/set is mutable state that survives
   between calls (the classic cached-output cheat), so it is banned.
-- attribute reads on non-catalogue objects: ``.shape .dtype .ndim .device .T .mT``
-  (metadata and free views).
-- method calls on non-catalogue objects: ``.items() .keys() .values() .get()``
-  (reading ``saved`` and dicts), ``.append()`` (local lists), ``.t()``, ``.view()``,
-  ``.size()``, ``.dim()`` (metadata).  Anything else (``.float()``, ``.to()``,
-  ``.clone()``, ``.sum()``, ``.contiguous()``...) is PyTorch compute.
+- attribute reads and method calls on non-catalogue objects: the table's
+  metadata and free views (``.shape``, ``.t()``, ``.view()``...) and the
+  container methods (``.items()``, ``.append()``...).  Anything else
+  (``.float()``, ``.to()``, ``.clone()``, ``.sum()``...) is PyTorch compute.
 - item assignment only into a dict or list the same function created
   (``outs = {}; outs["y"] = y``); never into an input, ``saved`` or a tensor.
 - no classes, ``global``/``nonlocal``, ``try``, ``with``, ``async``, dunder
@@ -39,28 +40,12 @@ from __future__ import annotations
 
 import ast
 import difflib
-import functools
 from dataclasses import dataclass
-from pathlib import Path
 
+from coda_agent.program_rules import static_allow_list
 from coda_agent.tasks.spec import TaskSpec
 
-CATALOGUE_MODULE = "coda_agent.primitives"
-HARNESS_ONLY = {"load_program", "lowering", "compile_only", "launch_ledger", "CatalogueError"}
-
-
-@functools.lru_cache(maxsize=1)
-def program_api() -> frozenset[str]:
-    """The catalogue's ``PROGRAM_API`` tuple, read from its source (importing the
-    catalogue pulls in quack: seconds; this stage must stay instant)."""
-    init = Path(__file__).resolve().parent.parent / "primitives" / "__init__.py"
-    for node in ast.parse(init.read_text()).body:
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "PROGRAM_API" for t in node.targets):
-            return frozenset(ast.literal_eval(node.value))
-    raise RuntimeError(f"{init} defines no PROGRAM_API; the static stage cannot check imports")
-
-READ_ATTRS = {"shape", "dtype", "ndim", "device", "T", "mT"}
-METHOD_CALLS = {"items", "keys", "values", "get", "append", "view", "size", "dim", "t"}
+ALLOWED = static_allow_list()  # the program rules table: the same one the catalogue text renders
 
 _WHY = {
     "torch": "PyTorch compute is not allowed; express the math in an @epilogue or an auxiliary catalogue kernel",
@@ -149,7 +134,9 @@ class _Checker(ast.NodeVisitor):
 
     def check_module(self, tree: ast.Module) -> None:
         for stmt in tree.body:
-            if isinstance(stmt, (ast.Import, ast.ImportFrom, ast.FunctionDef)):
+            if isinstance(stmt, (ast.Import, ast.ImportFrom)):
+                self.visit(stmt)  # now: the constants below may use what it binds (`math.sqrt`)
+            elif isinstance(stmt, ast.FunctionDef):
                 pass
             elif isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant) \
                     and isinstance(stmt.value.value, str):
@@ -171,7 +158,9 @@ class _Checker(ast.NodeVisitor):
                 self.bad(stmt, f"module-level {type(stmt).__name__} statement: only imports, constants "
                          "and function definitions may appear at module level; move the code into "
                          "forward/backward")
-        self.visit(tree)
+        for stmt in tree.body:
+            if not isinstance(stmt, (ast.Import, ast.ImportFrom)):
+                self.visit(stmt)
 
     def _constant_like(self, node: ast.expr) -> bool:
         if isinstance(node, ast.Constant):
@@ -196,26 +185,26 @@ class _Checker(ast.NodeVisitor):
 
     def visit_Import(self, node: ast.Import) -> None:
         for alias in node.names:
-            if alias.name == "math":
-                self.catalogue_names.add(alias.asname or "math")
+            if alias.name == ALLOWED.math_module:
+                self.catalogue_names.add(alias.asname or alias.name)
             else:
                 self._bad_import(node, alias.name)
 
     def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
         module = node.module or ""
-        if node.level or module not in (CATALOGUE_MODULE, "math"):
+        if node.level or module not in (ALLOWED.catalogue_module, ALLOWED.math_module):
             self._bad_import(node, "." * node.level + module)
             return
         for alias in node.names:
             if alias.name == "*":
                 self.bad(node, f"`from {module} import *`: import the names you use explicitly")
-            elif alias.name in HARNESS_ONLY:
+            elif alias.name in ALLOWED.harness_only:
                 self.bad(node, f"`{alias.name}` is for the verifier, not for programs; remove the import")
-            elif module == CATALOGUE_MODULE and alias.name not in program_api():
-                close = difflib.get_close_matches(alias.name, sorted(program_api()), n=1)
+            elif module == ALLOWED.catalogue_module and alias.name not in ALLOWED.program_api:
+                close = difflib.get_close_matches(alias.name, sorted(ALLOWED.program_api), n=1)
                 hint = f" (did you mean `{close[0]}`?)" if close else ""
                 self.bad(node, f"`{alias.name}` is not in the catalogue{hint}; programs may import "
-                         f"{', '.join(sorted(program_api()))}")
+                         f"{', '.join(sorted(ALLOWED.program_api))}")
                 self.catalogue_names.add(alias.asname or alias.name)
             else:
                 self.catalogue_names.add(alias.asname or alias.name)
@@ -223,8 +212,8 @@ class _Checker(ast.NodeVisitor):
     def _bad_import(self, node: ast.AST, module: str) -> None:
         root = module.split(".")[0]
         why = _WHY.get(BANNED_NAMES.get(root, ""), "")
-        self.bad(node, f"import of `{module}`: programs may import only `from {CATALOGUE_MODULE} "
-                 f"import ...` and `math`" + (f" ({why})" if why else ""))
+        self.bad(node, f"import of `{module}`: programs may import only `from {ALLOWED.catalogue_module} "
+                 f"import ...` and `{ALLOWED.math_module}`" + (f" ({why})" if why else ""))
 
     # ------------------------------------------------------------------ banned statements
 
@@ -289,9 +278,10 @@ class _Checker(ast.NodeVisitor):
         elif isinstance(node.ctx, (ast.Store, ast.Del)):
             self.bad(node, f"assignment to attribute `.{node.attr}`: programs may not set attributes "
                      "(no state on functions or tensors); return values instead")
-        elif not self._on_catalogue(node) and node.attr not in READ_ATTRS and not self._is_call_target(node):
+        elif not self._on_catalogue(node) and node.attr not in ALLOWED.attributes \
+                and not self._is_call_target(node):
             self.bad(node, f"attribute `.{node.attr}` on a non-catalogue object: only "
-                     f"{', '.join('.' + a for a in sorted(READ_ATTRS))} may be read; use a catalogue "
+                     f"{', '.join('.' + a for a in sorted(ALLOWED.attributes))} may be read; use a catalogue "
                      "primitive for the rest")
         self.generic_visit(node)
 
@@ -306,10 +296,10 @@ class _Checker(ast.NodeVisitor):
         if isinstance(func, ast.Attribute):
             self.call_targets.add(id(func))
             if not self._on_catalogue(func) and not _is_dunder(func.attr) \
-                    and func.attr not in METHOD_CALLS:
+                    and func.attr not in ALLOWED.methods:
                 self.bad(node, f"method call `.{func.attr}()` on a non-catalogue object: that is PyTorch "
                          "compute outside the catalogue; express it with catalogue primitives (allowed "
-                         f"methods: {', '.join('.' + m + '()' for m in sorted(METHOD_CALLS))})")
+                         f"methods: {', '.join('.' + m + '()' for m in sorted(ALLOWED.methods))})")
         self.generic_visit(node)
 
     # ------------------------------------------------------------------ stores

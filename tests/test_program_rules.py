@@ -1,0 +1,122 @@
+"""The program rules table (program_rules.py): what the catalogue text says is what the static stage accepts.
+
+Programs go through the real static stage (``check_source``) against the
+verifier tests' task; the catalogue text is the real rendered one.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from verifier_helpers import TASK_PATH
+
+from coda_agent import program_rules as rules
+from coda_agent.tasks import load_task
+from coda_agent.verifier.static import check_source
+
+HEADER = "import math\nfrom coda_agent.primitives import Tile, epilogue, gemm, zeros_like\n"
+FORWARD = '''
+
+@epilogue()
+def add_r(acc, r: Tile):
+    return {"D": acc + r}
+
+
+def forward(x, w, r):
+    BODY
+    return {"y": gemm(x, w, add_r, r=r)["D"]}
+
+
+def backward(saved, dy):
+    return {"dx": gemm(dy, saved["w"].t())["D"], "dw": gemm(saved["x"].t(), dy)["D"], "dr": dy}
+'''
+
+
+@pytest.fixture(scope="module")
+def task():
+    return load_task(TASK_PATH).spec
+
+
+@pytest.fixture(scope="module")
+def catalogue() -> str:
+    from coda_agent.primitives import render_catalogue
+
+    return render_catalogue()
+
+
+def program(body: str, module_level: str = "") -> str:
+    return HEADER + module_level + FORWARD.replace("BODY", body)
+
+
+def test_module_constants_from_math_are_allowed(task):
+    src = program("scale = GELU_C * HALF", "GELU_C = math.sqrt(2 / math.pi)\nHALF = 0.5 * GELU_C\n")
+    assert check_source(src, task) == []
+    src = program("scale = 1.0", "CACHE = {}\n")
+    assert "module-level state" in str(check_source(src, task)[0])
+
+
+def test_every_tensor_attribute_and_method_of_the_table_passes_the_static_stage(task):
+    reads = "; ".join(f"a{i} = x.{a}" for i, a in enumerate(rules.TENSOR_ATTRIBUTES))
+    calls = "; ".join(f"m{i} = x.{m}()" if m != "view" else f"m{i} = x.view(-1)"
+                      for i, m in enumerate(rules.TENSOR_METHODS))
+    containers = "outs = {}; parts = []; parts.append(x); keys = outs.keys(); v = outs.values(); " \
+                 "it = outs.items(); g = outs.get('y')"
+    body = f"{reads}; {calls}; {containers}; chunk = x[0:8]; assert x.shape[0] > 0\n    " \
+           "for i in range(2):\n        parts.append(i)"
+    assert check_source(program(body), task) == []
+
+
+def test_a_method_outside_the_table_is_rejected_naming_the_table(task):
+    (v,) = check_source(program("h = x.float()"), task)
+    assert "method call `.float()`" in v.message
+    for m in (*rules.TENSOR_METHODS, *rules.CONTAINER_METHODS):
+        assert f".{m}()" in v.message
+    (v,) = check_source(program("h = x.is_contiguous"), task)
+    assert all(f".{a}" in v.message for a in rules.TENSOR_ATTRIBUTES)
+
+
+def test_the_catalogue_text_states_the_table(catalogue):
+    for name in rules.PROGRAM_API:
+        assert f"`{name}`" in catalogue, name
+    for a in rules.TENSOR_ATTRIBUTES:
+        assert f"`.{a}`" in catalogue, a
+    for m in (*rules.TENSOR_METHODS, *rules.CONTAINER_METHODS):
+        assert f"`.{m}()`" in catalogue, m
+    for r in rules.HOST_RULES:
+        assert r.rule in catalogue
+    assert "`GELU_C = math.sqrt(2 / math.pi)`" in catalogue and "accumulate_into=buf" in catalogue
+    assert "no tensor methods beyond" not in catalogue
+
+
+def test_every_reduction_has_its_ragged_lane_rule(catalogue):
+    from coda_agent.primitives import operands
+
+    declared = {operands.col_sum, operands.col_max, operands.row_sum, operands.online_lse, operands.select_col,
+                operands.head_rstd}
+    ruled = {r.op.split("(")[0] for r in rules.RAGGED_LANES}
+    assert {f.__name__ for f in declared} <= ruled
+    for r in rules.RAGGED_LANES:
+        assert f"- `{r.op}`: {r.rule}" in catalogue
+
+
+def test_config_none_lines_are_what_gemm_picks(catalogue):
+    """The text is computed, not written: each case's tile is default_config's, and the small-shape
+    case is what a real gemm call records in the launch ledger."""
+    from coda_agent.primitives import Scalar, epilogue, gemm, launch_ledger, lowering
+    from coda_agent.primitives.catalogue import config_lines
+
+    lines = config_lines()
+    assert len(lines) == len(rules.CONFIG_CASES) and all(line in catalogue for line in lines)
+
+    @epilogue()
+    def scaled(acc, s: Scalar):
+        return {"D": acc * s}
+
+    small = next(c for c in rules.CONFIG_CASES if c.epilogue == "elementwise" and c.m < 1024)
+    a, b = torch.randn(small.m, 64).bfloat16(), torch.randn(64, small.n).bfloat16()
+    with lowering("reference"), launch_ledger() as ledger:
+        gemm(a, b, scaled, s=2.0)
+    (launch,) = ledger
+    assert f"- {small.what}: `{launch.config}`" in catalogue
+    big = next(c for c in rules.CONFIG_CASES if c.epilogue == "elementwise" and c.m >= 1024)
+    assert f"- {big.what}: `{launch.config}`" not in catalogue  # the two differ: the text says which is which

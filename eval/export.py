@@ -31,10 +31,9 @@ import yaml
 
 from coda_agent.agent.protocols import CodaError
 from coda_agent.storage import write_atomic, write_json
+from coda_agent.tasks.spec import TaskSpec
 
 from .review import CPU_ONLY_BANNER, candidate
-
-FLOAT_DTYPES = ("bf16", "fp16", "fp32")
 
 TEMPLATE = '''"""{task}: a CODA GEMM-epilogue kernel exported by coda-agent.
 
@@ -112,8 +111,8 @@ def export(run: Path, to: Path, allow_cpu_only: bool = False) -> Path:
         raise CodaError(f"{run}: the program changed since {review['who']} approved it; review it again")
     if c.cpu_only and not allow_cpu_only:
         raise CodaError(f"{run}: {CPU_ONLY_BANNER}; exporting it needs --allow-cpu-only")
-    spec = yaml.safe_load(c.task_path().read_text())
-    module = module_name(spec["name"])
+    spec = TaskSpec.model_validate(yaml.safe_load(c.task_path().read_text()))
+    module = module_name(spec.name)
     to.mkdir(parents=True, exist_ok=True)
     write_atomic(to / f"{module}.py", render_module(spec, c, review, module))
     attempt = c.path / "attempts" / f"{c.result['best_attempt']:02d}"
@@ -130,20 +129,17 @@ def source_literal(source: str) -> str:
     return "r'''" + source + "'''"
 
 
-def render_module(spec: dict, c, review: dict, module: str) -> str:
-    inputs = tuple(spec["inputs"])
-    params = dict(spec.get("params") or {})
-    outputs = tuple(spec["outputs"])
-    func = re.sub(r"\W", "_", spec["name"])
+def render_module(spec: TaskSpec, c, review: dict, module: str) -> str:
+    inputs, params, outputs = tuple(spec.inputs), dict(spec.params), tuple(spec.outputs)
+    func = re.sub(r"\W", "_", spec.name)
     signature = ", ".join([*inputs, *(["*"] if params else []), *(f"{k}={v!r}" for k, v in params.items())])
     return TEMPLATE.format(
-        task=spec["name"], run=c.path, attempt=c.result["best_attempt"], outcome=c.report()["outcome"],
+        task=spec.name, run=c.path, attempt=c.result["best_attempt"], outcome=c.report()["outcome"],
         cpu_note=f"\n{CPU_ONLY_BANNER}: exported with --allow-cpu-only." if c.cpu_only else "",
         who=review["who"], when=review["when"], module=module, func=func, call=", ".join(inputs),
         outputs=", ".join(f"{o!r}: ..." for o in outputs), cls="".join(w.title() for w in func.split("_")) + "Function",
         inputs=inputs, source=source_literal(c.program), params=params, outputs_t=outputs,
-        grad_outputs=tuple(o for o in outputs if spec["outputs"][o].get("dtype", "bf16") in FLOAT_DTYPES),
-        gradients=tuple(spec.get("gradients") or ()), signature=signature,
-        summary=textwrap.fill(" ".join(str(spec.get("summary", "")).split()).replace('"""', "'''"), 100,
+        grad_outputs=tuple(spec.grad_outputs), gradients=tuple(spec.gradients), signature=signature,
+        summary=textwrap.fill(" ".join(spec.summary.split()).replace('"""', "'''"), 100,
                               subsequent_indent="    "),
         apply_args=", ".join([*inputs, *params]))

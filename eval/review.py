@@ -137,6 +137,8 @@ def expert_diff(c: Candidate) -> str:
 
     task_yaml = c.task_path()
     spec = yaml.safe_load(task_yaml.read_text())
+    if not spec.get("expert"):
+        return "(the task has no expert program to compare with)"
     # The expert path is relative to the original task file (the run's task.yaml is a copy).
     original = Path(c.config().get("task_path", task_yaml))
     expert = (original.parent / spec["expert"]).resolve()

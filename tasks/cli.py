@@ -77,7 +77,10 @@ def new(
     out: Path = typer.Option(Path("."), help="The folder the task file goes into."),
 ) -> None:
     """Write a task file from its reference: call it on each shape set to fill in the outputs."""
+    import yaml
+
     from .skeleton import parse_inputs, parse_params, parse_shapes, skeleton
+    from .spec import todo_fields
 
     path = out / f"{name}.yaml"
     if path.exists():
@@ -92,8 +95,8 @@ def new(
                     parse_params(params), [g.strip() for g in gradients.split(",") if g.strip()])
     out.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
-    todos = text.count("TODO")
-    typer.echo(f"wrote {path}: {todos} TODO{'s' if todos != 1 else ''} to fill in; then: coda-agent tasks check {path}")
+    todos = [field for field, _ in todo_fields(yaml.safe_load(text))]
+    typer.echo(f"wrote {path}; fill in {', '.join(todos)} (the TODOs), then: coda-agent tasks check {path}")
 
 
 def _relative(file: Path, folder: Path) -> str:

@@ -68,16 +68,41 @@ def parse_inputs(specs: list[str]) -> dict[str, tuple[list[str], str]]:
 
 
 def parse_params(specs: list[str]) -> dict[str, Scalar]:
-    """``["eps=1e-6", "causal=true"]`` -> ``{"eps": 1e-06, "causal": True}`` (YAML scalars)."""
-    out = {}
+    """``["eps=1e-6", "causal=true", "act=gelu"]`` -> ``{"eps": 1e-06, "causal": True, "act": "gelu"}``."""
+    out: dict[str, Scalar] = {}
     for spec in specs:
         name, sep, value = spec.partition("=")
-        parsed = yaml.safe_load(value) if sep else None
-        if not sep or not name.strip().isidentifier() or not isinstance(parsed, (bool, int, float, str)):
+        if not sep or not name.strip().isidentifier() or not value.strip():
             raise CodaError(f"--param {spec!r}: write NAME=VALUE with a number, true/false or a word, "
                             "e.g. --param eps=1e-6")
-        out[name.strip()] = parsed
+        out[name.strip()] = _scalar(value.strip())
     return out
+
+
+def _scalar(text: str) -> Scalar:
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    for number in (int, float):
+        try:
+            return number(text)
+        except ValueError:
+            pass
+    return text
+
+
+def _check_dims(inputs: dict[str, tuple[list[str], str]], shapes: dict[str, dict[str, int]]) -> None:
+    from .spec import ExprError, expr_symbols
+
+    for name, (dims, _) in inputs.items():
+        for d in dims:
+            try:
+                symbols = expr_symbols(d)
+            except ExprError as e:
+                raise CodaError(f"--input {name}: {e}") from None
+            for set_name, binding in shapes.items():
+                if symbols - set(binding):
+                    raise CodaError(f"--input {name}: {d} uses {', '.join(sorted(symbols - set(binding)))}, which "
+                                    f"--shapes {set_name} does not bind (it binds {', '.join(binding)})")
 
 
 # --------------------------------------------------------------------------- symbolic shapes
@@ -164,15 +189,15 @@ def _call(fn: Callable, inputs: dict[str, tuple[list[str], str]], params: dict[s
 
 
 def _signature_inputs(fn: Callable, inputs: dict, params: dict) -> dict[str, Scalar]:
-    """The params: ``--param`` values, then the reference's keyword defaults; every other
-    parameter must be an ``--input``."""
+    """The params: ``--param`` values, then the reference's scalar keyword defaults (a default
+    such as None stays the reference's own); every other parameter must be an ``--input``."""
     found = dict(params)
     for name, p in inspect.signature(fn).parameters.items():
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or name in inputs or name in found:
             continue
-        if p.default is not p.empty and isinstance(p.default, (bool, int, float, str)):
+        if isinstance(p.default, (bool, int, float, str)):
             found[name] = p.default
-        else:
+        elif p.default is p.empty:
             raise CodaError(f"the reference takes {name!r}: give --input {name}=SHAPE (e.g. --input {name}=T,H) "
                             f"or --param {name}=VALUE")
     unknown = [n for n in [*inputs, *params] if n not in inspect.signature(fn).parameters]
@@ -197,6 +222,7 @@ def skeleton(name: str, reference: str, folder: Path, shapes: dict[str, dict[str
     except ReferenceImportError as e:
         raise CodaError(f"--reference {reference}: {e}") from None
     params = _signature_inputs(fn, inputs, params)
+    _check_dims(inputs, shapes)
     for g in gradients:
         if g not in inputs or inputs[g][1].startswith("int"):
             raise CodaError(f"--gradients: {g!r} is not a float --input")

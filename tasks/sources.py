@@ -60,7 +60,8 @@ def import_reference(target: str, folder: Path) -> Callable[..., dict]:
         shown = repr(where)
     fn = getattr(module, fn_name, None)
     if not callable(fn):
-        defined = sorted(n for n, v in vars(module).items() if inspect.isfunction(v) and not n.startswith("_"))
+        defined = sorted(n for n, v in vars(module).items()
+                         if inspect.isfunction(v) and v.__module__ == module.__name__ and not n.startswith("_"))
         raise ReferenceImportError(f"{shown} has no function {fn_name!r} (it defines {', '.join(defined) or 'none'}); "
                                    "fix the function name")
     return fn

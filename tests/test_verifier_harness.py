@@ -157,13 +157,14 @@ def test_cli_verify_exit_codes(tmp_path):
     from coda_agent.cli import app
 
     runner = CliRunner()
+    runs = ["--runs-dir", str(tmp_path / "runs")]
     r = runner.invoke(app, ["verify", str(TASK_PATH), str(EXPERT_PATH), "--stages", "static,reference",
-                            "--no-cache"], catch_exceptions=False)
+                            "--no-cache", *runs], catch_exceptions=False)
     assert r.exit_code == 3, r.output  # cpu_passed is not an acceptance
     bad = CORPUS / "static_import_torch.py"
-    r = runner.invoke(app, ["verify", str(TASK_PATH), str(bad), "--json"], catch_exceptions=False)
+    r = runner.invoke(app, ["verify", str(TASK_PATH), str(bad), "--json", *runs], catch_exceptions=False)
     assert r.exit_code == 1, r.output
-    assert Report.model_validate_json(r.output).outcome == "rejected"
+    assert Report.model_validate_json(r.stdout).outcome == "rejected"
     r = runner.invoke(app, ["verify", str(tmp_path / "nope.yaml"), str(bad)], catch_exceptions=False)
     assert r.exit_code == 2
 

@@ -1,0 +1,42 @@
+"""Every command reports a problem the user fixes the same way: one `error: ...` line, exit 2,
+no traceback; with CODA_DEBUG=1 the exception itself comes out (coda_agent/errors.py)."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from coda_agent.cli import app
+from coda_agent.errors import CodaError
+
+pytestmark = pytest.mark.usefixtures("agent_env")
+
+# One command line per command that fails for a reason the user fixes, and what the message says.
+BAD = {
+    "solve": (["solve", "{tmp}/nope.yaml", "--author", "expert"], "nope.yaml: no such task file"),
+    "verify": (["verify", "{tmp}/nope.yaml", "{tmp}/p.py"], "nope.yaml: no such task file"),
+    "eval": (["eval", "{tmp}/nope", "--author", "expert"], "nope: no such task file"),
+    "report": (["report", "--runs-dir", "{tmp}"], "no batch directory under"),
+    "review": (["review", "{tmp}", "--approve"], "not a trajectory directory"),
+    "export": (["export", "{tmp}", "--to", "{tmp}/out"], "nothing to export"),
+    "tasks list": (["tasks", "list", "{tmp}/nope"], "nope: no such folder"),
+    "tasks new": (["tasks", "new", "x", "--reference", "{tmp}/nope.py:f", "--shapes", "small=T:1"],
+                  "nope.py does not exist"),
+}
+
+
+@pytest.mark.parametrize("command", sorted(BAD))
+def test_one_error_line_and_exit_2(command, tmp_path):
+    args, says = BAD[command]
+    r = CliRunner().invoke(app, [a.format(tmp=tmp_path) for a in args], catch_exceptions=False)
+    assert r.exit_code == 2, r.output
+    assert r.output.startswith("error: ") and says in r.output, r.output
+    assert "Traceback" not in r.output and "Error:" not in r.output
+
+
+@pytest.mark.parametrize("command", sorted(BAD))
+def test_coda_debug_shows_the_exception(command, tmp_path, monkeypatch):
+    monkeypatch.setenv("CODA_DEBUG", "1")
+    args, says = BAD[command]
+    with pytest.raises(CodaError, match=says):
+        CliRunner().invoke(app, [a.format(tmp=tmp_path) for a in args], catch_exceptions=False)

@@ -1,0 +1,107 @@
+"""`coda-agent tasks new/check/list` and `verify`'s run directory, through the CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from coda_agent.cli import app
+
+pytestmark = pytest.mark.usefixtures("agent_env")
+
+REFERENCE = '''import torch
+
+
+def rowwise(x, w, target, eps=1e-5, causal=False):
+    """Logits and their per-row maximum; target only picks a column."""
+    logits = x @ w
+    return {"logits": logits.to(x.dtype), "row_max": logits.float().amax(dim=1),
+            "picked": logits.float().gather(1, target.long().view(-1, 1)).view(-1),
+            "both": torch.cat([logits, logits], dim=1).to(x.dtype)}
+'''
+
+
+def cli(*args):
+    return CliRunner().invoke(app, [*map(str, args)], catch_exceptions=False)
+
+
+def test_new_infers_outputs_dtypes_and_symbolic_shapes_and_leaves_todos(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    Path("ref.py").write_text(REFERENCE)
+    r = cli("tasks", "new", "rows", "--reference", "ref.py:rowwise", "--input", "x=T,H", "--input", "w=H,V",
+            "--input", "target=T:int64", "--param", "eps=1e-6", "--shapes", "small=T:64,H:32,V:96",
+            "--shapes", "ragged=T:50,H:40,V:104", "--out", "tasks")
+    assert r.exit_code == 0, r.output
+    raw = yaml.safe_load(Path("tasks/rows.yaml").read_text())
+    assert raw["reference"] == "../ref.py:rowwise"  # relative to the task file, not to where it was written from
+    assert raw["params"] == {"eps": 1e-6, "causal": False}  # --param, then the reference's own defaults
+    assert raw["outputs"] == {"logits": {"shape": ["T", "V"], "dtype": "bf16"}, "row_max": {"shape": ["T"], "dtype": "fp32"},
+                              "picked": {"shape": ["T"], "dtype": "fp32"}, "both": {"shape": ["T", "2*V"], "dtype": "bf16"}}
+    assert raw["inputs"]["target"]["dtype"] == "int64" and raw["inputs"]["target"]["init"]["high"].startswith("TODO")
+    assert raw["summary"] == "Logits and their per-row maximum; target only picks a column."
+    assert "the reference's forward runs [[T, V, H]]" in raw["gemms"]
+    r = cli("tasks", "check", "tasks")
+    assert r.exit_code == 1, r.output
+    todo = [line.split(": ")[1] for line in r.output.splitlines() if "still TODO" in line]
+    assert todo == ["families", "inputs.target.init.high", "gemms", "target"]
+    written = Path("tasks/rows.yaml").read_text()
+    r = cli("tasks", "new", "rows", "--reference", "ref.py:rowwise", "--input", "x=T,H", "--shapes", "small=T:1,H:1",
+            "--out", "tasks")
+    assert r.exit_code == 2 and "tasks/rows.yaml exists; remove it or give another NAME or --out" in r.output
+    assert Path("tasks/rows.yaml").read_text() == written  # nothing already written is lost
+
+
+def test_new_says_when_one_shape_set_cannot_tell_two_symbols_apart(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    Path("ref.py").write_text("def double(x):\n    return {'y': x.repeat(1, 2)}\n")
+    r = cli("tasks", "new", "double", "--reference", "ref.py:double", "--input", "x=T,H", "--shapes",
+            "small=T:64,H:32")
+    assert r.exit_code == 0, r.output
+    line = next(line for line in Path("double.yaml").read_text().splitlines() if line.startswith("  y:"))
+    assert line.startswith("  y: {shape: [T, T], dtype: bf16}  # T could also be 2*H")
+    assert "a further shape set tells them apart" in line
+
+
+@pytest.mark.parametrize("args,match", [
+    (["--input", "x=T,H"], "the reference takes 'w': give --input w=SHAPE"),
+    (["--input", "x=T,H", "--input", "w=H,V", "--input", "q=T"], "the reference does not take q"),
+    (["--input", "x=T,H", "--input", "w"], "--input 'w': write NAME=DIM,DIM[:DTYPE]"),
+    (["--input", "x=T,Q", "--input", "w=H,V"], "--input x: Q uses Q, which --shapes small does not bind"),
+    (["--input", "x=T,2*H", "--input", "w=H,V"], "calling the reference on shape set small {'T': 8, 'H': 8, 'V': 8} "
+                                                 "failed"),
+])
+def test_new_names_the_fix(tmp_path, monkeypatch, args, match):
+    monkeypatch.chdir(tmp_path)
+    Path("ref.py").write_text("def mm(x, w, target=None):\n    return {'y': x @ w}\n")
+    r = cli("tasks", "new", "mm", "--reference", "ref.py:mm", "--shapes", "small=T:8,H:8,V:8", *args)
+    assert r.exit_code == 2 and match in r.output and r.output.startswith("error: "), r.output
+    assert not Path("mm.yaml").exists()
+
+
+def test_verify_writes_a_run_that_review_and_export_take(tmp_path, monkeypatch):
+    """A hand-written program: verify's run directory goes through review and export like a solve run."""
+    from verifier_helpers import EXPERT_PATH, TASK_PATH
+
+    monkeypatch.chdir(tmp_path)
+    r = cli("verify", TASK_PATH, EXPERT_PATH, "--stages", "static,reference", "--sets", "small", "--no-cache")
+    assert r.exit_code == 3, r.output
+    (run,) = Path("runs").glob("*-outproj_residual-verify")
+    assert f"run: {run}" in r.output
+    config = json.loads((run / "config.json").read_text())
+    assert config["config"]["program"] == str(EXPERT_PATH) and config["config"]["verifier"]["shape_sets"] == ["small"]
+    assert (run / "best/program.py").read_text() == EXPERT_PATH.read_text()
+    assert json.loads((run / "result.json").read_text())["stop_reason"] == "cpu_passed"
+    assert (run / "reference/verifier_helpers.py").is_file()
+    assert cli("review", run, "--approve", "--allow-cpu-only", "--who", "me").exit_code == 0
+    r = cli("export", run, "--to", "out", "--allow-cpu-only")
+    assert r.exit_code == 0 and Path("out/coda_outproj_residual.py").is_file(), r.output
+    r = cli("solve", "--resume", run)
+    assert r.exit_code == 2 and "is a `coda-agent verify` verdict, not a solve run" in r.output
+    r = cli("verify", TASK_PATH, "missing.py")
+    assert r.exit_code == 2 and "error: missing.py: no such program file" in r.output
+    r = cli("verify", TASK_PATH, EXPERT_PATH, "--stages", "static,nonsense", "--no-save")
+    assert r.exit_code == 2 and "error: --stages: unknown stages ['nonsense']" in r.output

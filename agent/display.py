@@ -43,11 +43,11 @@ def verdict(report: "Report") -> str:
 class TurnDisplay:
     """The ``on_event`` callback of a run's trajectories (thread-safe: samples run on threads)."""
 
-    def __init__(self, samples: int):
+    def __init__(self, samples: int, console=None):
         from rich.console import Console
 
         self.samples = samples
-        self.console = Console(highlight=False, soft_wrap=True)
+        self.console = console or Console(highlight=False, soft_wrap=True)
         self._lock = threading.Lock()
         self._live = None
         self._rows: dict[int, int] = {}
@@ -81,4 +81,5 @@ class TurnDisplay:
                 now = {"asking": f"turn {event.turn + 1}: asking the model",
                        "judging": f"turn {event.turn}: verifying", "stopped": f"stopped: {event.detail}"}
                 if event.kind in now:
-                    self._live.update(self._rows[event.sample], description=f"{who}{now[event.kind]} {tokens}")
+                    self._live.update(self._rows[event.sample], description=f"{who}{now[event.kind]} {tokens}",
+                                      refresh=True)

@@ -203,3 +203,22 @@ def test_parallel_samples_each_get_a_trajectory(agent_task, openai_server, tmp_p
 def test_wall_time_budget(agent_task, openai_server, tmp_path):
     _, r, _ = run(agent_task, openai_server, tmp_path, max_wall_s=1e-6)
     assert (r["stop_reason"], r["turns"]) == ("wall_time", 0) and not openai_server.requests
+
+
+def test_a_terminal_gets_a_live_status_and_the_same_turn_lines(agent_task, openai_server, tmp_path):
+    import io
+
+    from rich.console import Console
+
+    from coda_agent.agent.display import TurnDisplay
+
+    openai_server.reply(fenced(WRONG))
+    openai_server.reply(fenced(GOOD))
+    screen = io.StringIO()
+    console = Console(file=screen, force_terminal=True, width=120, highlight=False, soft_wrap=True)
+    with TurnDisplay(1, console) as display:
+        assert display._live is not None  # a terminal: the rich status line is up
+        run(agent_task, openai_server, tmp_path, on_event=display)
+    text = screen.getvalue()
+    assert "turn 1: rejected at reference: no @epilogue function" in text and "(150 tokens)" in text
+    assert "turn 2: accepted: passed static" in text and "asking the model" in text

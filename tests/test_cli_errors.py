@@ -40,3 +40,16 @@ def test_coda_debug_shows_the_exception(command, tmp_path, monkeypatch):
     args, says = BAD[command]
     with pytest.raises(CodaError, match=says):
         CliRunner().invoke(app, [a.format(tmp=tmp_path) for a in args], catch_exceptions=False)
+
+
+@pytest.mark.parametrize("command", ["solve", "verify", "eval", "report", "review", "export", "catalogue",
+                                     "tasks list", "tasks new", "tasks check"])
+def test_help_texts_name_files_that_exist(command):
+    import re
+    from pathlib import Path
+
+    r = CliRunner().invoke(app, [*command.split(), "--help"], env={"COLUMNS": "300"}, catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    root = Path(__file__).parents[1]
+    for path in re.findall(r"\btasks/[\w/.-]+\.yaml\b", r.output):
+        assert (root / path).is_file(), f"`{command} --help` names {path}, which does not exist"

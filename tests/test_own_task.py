@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from agent_fixtures import fenced
 from typer.testing import CliRunner
 
@@ -74,9 +75,10 @@ def steps(text: str) -> list[tuple[str, str]]:
     return out
 
 
-def test_the_readme_walkthrough_works_as_written(tmp_path, monkeypatch, openai_server):
-    openai_server.reply(fenced(TORCH_PROGRAM), prompt_tokens=1000, completion_tokens=200)
-    openai_server.reply(fenced(PROGRAM), prompt_tokens=1300, completion_tokens=200)
+def walk(tmp_path, monkeypatch, server, expected_exits: list[int]) -> list[str]:
+    """Run the section's steps in ``tmp_path``; returns the output of each command, in order."""
+    server.reply(fenced(TORCH_PROGRAM), prompt_tokens=1000, completion_tokens=200)
+    server.reply(fenced(PROGRAM), prompt_tokens=1300, completion_tokens=200)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("CODA_CACHE_DIR", str(tmp_path / "cache"))  # a fresh verdict: every stage really runs
     monkeypatch.setenv("USER", "reader")
@@ -103,18 +105,23 @@ def test_the_readme_walkthrough_works_as_written(tmp_path, monkeypatch, openai_s
             monkeypatch.chdir(tmp_path / folder)
         elif text.startswith("export "):
             name, value = text.split()[1].split("=", 1)
-            monkeypatch.setenv(name, openai_server.base_url if name == "OPENAI_BASE_URL" else value)
+            monkeypatch.setenv(name, server.base_url if name == "OPENAI_BASE_URL" else value)
         elif text.startswith("coda-agent "):
             args = [a for arg in shlex.split(text, comments=True)[1:] for a in (sorted(glob.glob(arg)) or [arg])]
             r = runner.invoke(app, args, catch_exceptions=False)
             exits.append(r.exit_code)
             outputs.append(r.output)
-            assert r.exit_code == EXPECTED_EXITS[len(exits) - 1], (text, r.output)
+            assert r.exit_code == expected_exits[len(exits) - 1], (text, r.output)
             if args[:2] == ["tasks", "new"]:
                 task_file = Path(f"{args[2]}.yaml")
         else:
             pytest.fail(f"the README runs {text!r}, which this test does not know how to run")
-    assert exits == EXPECTED_EXITS
+    assert exits == expected_exits
+    return outputs
+
+
+def test_the_readme_walkthrough_works_as_written(tmp_path, monkeypatch, openai_server):
+    outputs = walk(tmp_path, monkeypatch, openai_server, EXPECTED_EXITS)
     new, first_check, second_check, solve, review, approve, export = outputs[:7]
     assert "fill in families, gemms, target (the TODOs)" in new
     assert "families: still TODO" in first_check and "ok: geglu (geglu.yaml)" in second_check
@@ -128,3 +135,35 @@ def test_the_readme_walkthrough_works_as_written(tmp_path, monkeypatch, openai_s
     prompt = openai_server.requests[0]["messages"][1]["content"]
     assert "def geglu(x, w_gu, approximate=\"tanh\"):" in prompt and "# geglu_ref.py" in prompt
     assert (Path("kernels") / "coda_geglu.py").read_text().count(PROGRAM.splitlines()[3]) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA (Hopper) GPU")
+def test_the_readme_walkthrough_is_accepted_on_hopper(tmp_path, monkeypatch, openai_server):
+    """On an H100/H200 the same steps end accepted: correctness on the task's own shape sets
+    (smallest first), performance on the largest, and the exported kernel runs fused on CUDA."""
+    walk(tmp_path, monkeypatch, openai_server, [0, 1, 0, 0, 0, 0, 0])
+    (run,) = Path("runs").glob("*-geglu-qwen3-coder")
+    report = json.loads((run / "attempts/02/report.json").read_text())
+    stages = {s["name"]: s for s in report["stages"]}
+    assert report["outcome"] == "accepted", [s["message"] for s in report["stages"]]
+    assert stages["correctness"]["details"]["shape_sets"] == ["small", "ragged"]
+    assert stages["performance"]["details"]["shape_set"] == "ragged"
+    r = subprocess.run([sys.executable, "-c", CUDA_CALL], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.strip() == "fused", r.stdout + r.stderr
+
+
+CUDA_CALL = """
+import torch
+from coda_agent.primitives import launch_ledger
+from kernels.coda_geglu import geglu
+from geglu_ref import geglu as reference
+
+x, w_gu = torch.randn(4096, 1024, device="cuda").bfloat16(), (torch.randn(1024, 5632, device="cuda") / 32).bfloat16()
+with launch_ledger() as ledger:
+    y = geglu(x, w_gu)["y"]
+want = reference(x.float(), w_gu.float())["y"]
+assert (y.float() - want).norm() <= 0.02 * want.norm()
+assert [l.kind for l in ledger] == ["gemm"]
+print("fused")
+"""

@@ -105,3 +105,11 @@ def test_verify_writes_a_run_that_review_and_export_take(tmp_path, monkeypatch):
     assert r.exit_code == 2 and "error: missing.py: no such program file" in r.output
     r = cli("verify", TASK_PATH, EXPERT_PATH, "--stages", "static,nonsense", "--no-save")
     assert r.exit_code == 2 and "error: --stages: unknown stages ['nonsense']" in r.output
+
+
+@pytest.mark.parametrize("columns", [72, 180])
+def test_the_tasks_table_follows_the_terminal_width(columns):
+    r = CliRunner().invoke(app, ["tasks"], env={"COLUMNS": str(columns)}, catch_exceptions=False)
+    assert r.exit_code == 0 and "swiglu_fwd" in r.output, r.output
+    widths = [len(line) for line in r.output.splitlines() if line.strip()]
+    assert max(widths) <= columns and max(widths) > columns - 10

@@ -21,7 +21,9 @@ from . import aux, operands, reductions
 from .epilogue import epilogue as _epilogue
 from .gemm import gemm
 from .math import VOCABULARY
+from .operands import HeadStat, PairedTile, Scalar
 from .pair import pack, unpack
+from .reductions import col_sum, head_rstd
 from .tile_config import TileConfig, default_config
 from .version import CATALOGUE_VERSION
 
@@ -110,9 +112,6 @@ def _sig(fn: object) -> str:
 def _sample_epilogues() -> dict[str, tuple[object, dict]]:
     """One epilogue per rule of ``default_config`` (program_rules.CONFIG_CASES names them),
     with the operands the rule reads."""
-    from .operands import HeadStat, PairedTile, Scalar
-    from .reductions import col_sum, head_rstd
-
     @_epilogue()
     def elementwise(acc, scale: Scalar):
         return {"D": acc * scale}

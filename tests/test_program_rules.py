@@ -89,10 +89,10 @@ def test_the_catalogue_text_states_the_table(catalogue):
 
 
 def test_every_reduction_has_its_ragged_lane_rule(catalogue):
-    from coda_agent.primitives import operands
+    from coda_agent.primitives import reductions
 
-    declared = {operands.col_sum, operands.col_max, operands.row_sum, operands.online_lse, operands.select_col,
-                operands.head_rstd}
+    declared = {reductions.col_sum, reductions.col_max, reductions.row_sum, reductions.online_lse,
+                reductions.select_col, reductions.head_rstd}
     ruled = {r.op.split("(")[0] for r in rules.RAGGED_LANES}
     assert {f.__name__ for f in declared} <= ruled
     for r in rules.RAGGED_LANES:

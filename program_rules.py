@@ -44,6 +44,7 @@ API: dict[str, tuple[str, ...]] = {
     "auxiliary kernels and layout helpers": ("rms_rstd", "rms_prepare", "xent_loss", "xent_grad_",
                                              "column_index", "to_fp32", "interleave_columns",
                                              "deinterleave_columns", "zeros_like", "add", "concat_rows"),
+    "fp8": ("quantize_rows",),
 }
 PROGRAM_API: tuple[str, ...] = tuple(name for names in API.values() for name in names)
 HARNESS_ONLY: tuple[str, ...] = ("load_program", "lowering", "compile_only", "launch_ledger", "CatalogueError")

@@ -21,6 +21,10 @@ The five CODA families:
    that finish them (``rms_rstd``); per-head statistics (``head_rstd``);
 5. stateful transforms: ``online_lse`` and ``select_col`` across N tiles.
 
+FP8 (:mod:`.fp8`): ``gemm`` on fp8 operands with their scales as vector
+operands, fp8 outputs, and ``quantize_rows`` (:mod:`.quantize`) for what no
+epilogue writes.
+
 Two lowerings (:mod:`.lowering`): ``cute`` (quack's SM90 GEMM + CuTeDSL, on
 Hopper; or compile-only for sm_90a on any machine) and ``reference`` (a
 PyTorch interpreter, any device).  ``coda-agent catalogue`` renders this API
@@ -32,10 +36,11 @@ without a GPU, the cubin for the SASS gate, the pipeline-depth guard) are
 entered around each compile and launch and undone after it (:mod:`.dsl_scope`).
 
 The modules, each built only on those before it (tests/test_primitives_scope.py
-holds them to it): ``errors``, ``version`` -> ``pair`` -> ``reductions`` ->
+holds them to it): ``errors``, ``version``, ``fp8`` -> ``pair`` -> ``reductions`` ->
 ``operands`` -> ``epilogue`` -> ``tile_config``, ``lowering``, ``math``,
 ``program``, ``timing`` -> ``reference``, ``dsl_scope``, ``sass`` -> ``cute`` -> ``tuning``
--> ``gemm`` -> ``aux`` (with its Triton kernel, ``xent_triton``) -> ``catalogue``.
+-> ``gemm`` -> ``aux`` (with its Triton kernel, ``xent_triton``), ``quantize`` (with
+``quantize_triton``) -> ``catalogue``.
 """
 
 # PROGRAM_API, what a program may import, is the rules table's (the static stage enforces the same).
@@ -54,6 +59,7 @@ from .math import (cos, exp, exp2, fma, gelu_tanh, log, maximum, minimum, recipr
 from .operands import ColVec, HeadStat, PairedTile, RowVec, Scalar, Tile
 from .pair import pack, unpack
 from .program import load_program
+from .quantize import quantize_rows
 from .reductions import col_max, col_sum, head_rstd, online_lse, row_sum, select_col
 from .tile_config import TileConfig
 from .version import CATALOGUE_VERSION

@@ -17,7 +17,7 @@ import textwrap
 
 from coda_agent import program_rules as rules
 
-from . import aux, operands, reductions
+from . import aux, fp8, operands, quantize, reductions
 from .epilogue import epilogue as _epilogue
 from .gemm import gemm
 from .math import VOCABULARY
@@ -68,6 +68,13 @@ def qk_norm_rope(acc, rstd: HeadStat, gamma: RowVec, cos_sin: Tile):
 @epilogue(reductions={"lse": online_lse(), "target_logit": select_col("target")})
 def lse_target(acc):
     return {"lse": acc, "target_logit": acc}   # no "D": the logits are never written
+''',
+    "fp8": '''
+@epilogue(outputs={"q": "fp8_e4m3"})
+def scale_to_fp8(acc, a_scale: ColVec, w_scale: RowVec, q_scale: ColVec):
+    v = acc * a_scale * w_scale   # fp8 A and B: their scales dequantize the accumulator
+    # the next GEMM's operand, stored in fp8 with a scale known before this GEMM (delayed)
+    return {"D": v, "q": v * reciprocal(q_scale)}
 ''',
     "paired tile": '''
 @epilogue(outputs={"postact": "bf16"}, reductions={"s": col_sum()})
@@ -188,6 +195,7 @@ def render() -> str:
     out += ["## Auxiliary kernels and layout helpers (in forward/backward)", ""]
     for fn in aux.AUX_KERNELS:
         out += [f"- `{_sig(fn)}`: {_doc(fn)}"]
+    out += ["", "## FP8", "", _doc(fp8), "", f"- `{_sig(quantize.quantize_rows)}`: {_doc(quantize.quantize_rows)}"]
     out += ["", "## One example per family", ""]
     for family, src in EXAMPLES.items():
         out += [f"### {family}", "", "```python", src.strip(), "```", ""]

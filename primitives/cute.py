@@ -70,12 +70,17 @@ def _wrap_fn(epi: Epilogue) -> Any:
     return coda_epilogue
 
 
-def epimod(epi: Epilogue) -> Any:
-    """The quack EpiMod of an epilogue (built once, cached on the epilogue)."""
-    mod = epi._lowered.get("cute")
+def epimod(epi: Epilogue, fast_accum: bool = False) -> Any:
+    """The quack EpiMod of an epilogue (built once per accumulation mode, cached
+    on the epilogue)."""
+    slot = "cute-fast-accum" if fast_accum else "cute"
+    mod = epi._lowered.get(slot)
     if mod is not None:
         return mod
     from quack.epilogue.frontend import EpiMod
+
+    if fast_accum:
+        EpiMod = _fast_accum_epimod()  # noqa: N806 - the class this mod is built from
 
     pins = {name: op for name, kind in epi.operands.items()
             if (op := kind.quack_op(name, epi.head_stats.get(name))) is not None}
@@ -97,8 +102,28 @@ def epimod(epi: Epilogue) -> Any:
         raise CatalogueError(f"epilogue {epi.name!r} uses a value the kernel cache cannot fingerprint "
                              f"(only catalogue math, numbers and operands may appear): {e}",
                              line=epi.line) from None
-    epi._lowered["cute"] = mod
+    epi._lowered[slot] = mod
     return mod
+
+
+@lru_cache(maxsize=1)
+def _fast_accum_epimod() -> type:
+    """quack's EpiMod with fp8 fast accumulation.  GemmSm90 has the switch
+    (``fp8_fast_accum``: no promotion of the partial sums to fp32 after each K
+    tile) but the epilogue frontend does not pass it on; its ``gemm`` takes
+    ``post_init_attrs``, attributes set on the kernel object before it is traced
+    and part of quack's plan and compile keys, so the kernel's
+    ``fp8_slow_accum`` is switched off there, for every launch and compile of
+    this mod.  (The register split quack chose for the promoting kernel stays:
+    more registers for the MMA warps, none fewer.)"""
+    from quack.epilogue.frontend import EpiMod
+
+    class FastAccumEpiMod(EpiMod):
+        def gemm(self, *args: Any, post_init_attrs: tuple = (), **kwargs: Any) -> Any:
+            return super().gemm(*args, post_init_attrs=(*post_init_attrs, ("fp8_slow_accum", False)),
+                                **kwargs)
+
+    return FastAccumEpiMod
 
 
 def _head_prepass(name: str) -> Any:
@@ -148,7 +173,7 @@ def _d_buffer(epi: Epilogue, A: torch.Tensor, m: int, n: int, dtype: torch.dtype
 
 def _prepare(epi: Epilogue, A: torch.Tensor, B: torch.Tensor, operands: dict[str, Any],
              out_dtype: torch.dtype, config: TileConfig, accumulate_into: torch.Tensor | None,
-             prefill: bool) -> tuple:
+             prefill: bool, fast_accum: bool) -> tuple:
     """(mod, C, operand kwargs, output buffers, D, caller-owned sink buffers) for one call."""
     m, n = A.shape[0], B.shape[1]
     C, kw = _quack_operands(epi, operands)
@@ -156,7 +181,7 @@ def _prepare(epi: Epilogue, A: torch.Tensor, B: torch.Tensor, operands: dict[str
     D = _d_buffer(epi, A, m, n, out_dtype, operands, accumulate_into)
     if D is not None:
         out["D"] = D
-    return epimod(epi), C, kw, out, D, sinks
+    return epimod(epi, fast_accum), C, kw, out, D, sinks
 
 
 def _sink_results(sinks: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -165,11 +190,11 @@ def _sink_results(sinks: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def run(epi: Epilogue | None, A: torch.Tensor, B: torch.Tensor, operands: dict[str, Any], *,
-        out_dtype: torch.dtype, config: TileConfig,
-        accumulate_into: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        out_dtype: torch.dtype, config: TileConfig, accumulate_into: torch.Tensor | None,
+        fast_accum: bool = False) -> dict[str, torch.Tensor]:
     epi = epi or _plain()
     mod, C, kw, out, D, sinks = _prepare(epi, A, B, operands, out_dtype, config, accumulate_into,
-                                         prefill=True)
+                                         prefill=True, fast_accum=fast_accum)
     with pipeline_guard():
         res = mod(A, B, C, out=out, out_dtype=out_dtype, store_d=D is not None, config=config.to_quack(),
                   tuned=False, add_to_output=accumulate_into is not None, **kw, **sinks)
@@ -194,8 +219,8 @@ def _plain() -> Epilogue:
 
 
 def compile_call(epi: Epilogue | None, A: torch.Tensor, B: torch.Tensor, operands: dict[str, Any], *,
-                 out_dtype: torch.dtype, config: TileConfig,
-                 accumulate_into: torch.Tensor | None) -> dict[str, torch.Tensor]:
+                 out_dtype: torch.dtype, config: TileConfig, accumulate_into: torch.Tensor | None,
+                 fast_accum: bool = False) -> dict[str, torch.Tensor]:
     """Compile for sm_90a (no launch); return uninitialised outputs of the right shapes."""
     epi = epi or _plain()
     if torch.cuda.is_available() and not A.is_cuda:
@@ -206,7 +231,7 @@ def compile_call(epi: Epilogue | None, A: torch.Tensor, B: torch.Tensor, operand
         accumulate_into = _on_cuda(accumulate_into)
     m, n = A.shape[0], B.shape[1]
     mod, C, kw, out, D, sinks = _prepare(epi, A, B, operands, out_dtype, config, accumulate_into,
-                                         prefill=False)
+                                         prefill=False, fast_accum=fast_accum)
     log = io.StringIO()
     t0 = time.perf_counter()
     try:

@@ -235,6 +235,12 @@ def epilogue(outputs: dict[str, str] | None = None,
             raise CatalogueError(f"epilogue {fn.__name__!r}: pairs='acc' and a PairedTile operand "
                                  "cannot be combined", line=line)
         mode_pairs = pairs or (paired[0] if paired else None)
+        narrow = sorted(n for n, dt in outputs.items() if dt.startswith("fp8"))
+        if mode_pairs is not None and narrow:
+            raise CatalogueError(
+                f"epilogue {fn.__name__!r}: outputs {narrow} are fp8, but a paired epilogue's stores are "
+                "16-bit on SM90 (quack's paired store path); store them as bf16 and quantize_rows() "
+                "them, or write them from an element-mode epilogue", line=line)
         if mode_pairs is not None:
             for name, red in reductions.items():
                 if not red.pairable:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from . import cute, reference
+from . import cute, fp8, reference
 from .epilogue import Epilogue
 from .errors import CatalogueError
 from .lowering import current_lowering, launching
@@ -28,21 +28,24 @@ def _check_matrix(name: str, t: object) -> torch.Tensor:
     if not isinstance(t, torch.Tensor) or t.dim() != 2:
         raise CatalogueError(f"gemm: {name} must be a 2-D tensor; got "
                              f"{getattr(t, 'shape', type(t).__name__)}")
-    if t.dtype not in INPUT_DTYPES:
-        raise CatalogueError(f"gemm: {name} has dtype {t.dtype}; the mainloop takes bf16 or fp16 "
-                             "(cast once at the weight's source, not per call)")
+    if t.dtype not in INPUT_DTYPES and not fp8.is_fp8(t.dtype):
+        raise CatalogueError(f"gemm: {name} has dtype {t.dtype}; the mainloop takes bf16, fp16 or fp8 "
+                             "(e4m3/e5m2; cast once at the weight's source, not per call)")
     return t
 
 
-def check_call(epi: Epilogue | None, A: torch.Tensor, B: torch.Tensor,
-               operands: dict[str, Any]) -> tuple[int, int, int]:
+def check_call(epi: Epilogue | None, A: torch.Tensor, B: torch.Tensor, operands: dict[str, Any],
+               out_dtype: torch.dtype | None = None) -> tuple[int, int, int]:
+    """Validate a call (``out_dtype``: D's, default A's) and return (M, N, K)."""
     _check_matrix("A", A)
     _check_matrix("B", B)
     (m, k), (k2, n) = A.shape, B.shape
     if k != k2:
         raise CatalogueError(f"gemm: A is {tuple(A.shape)} and B is {tuple(B.shape)}; B must be (K, N) "
                              f"with K = {k} (pass W.t() for a weight stored (N, K))")
-    if A.dtype != B.dtype:
+    if fp8.is_fp8(A.dtype) or fp8.is_fp8(B.dtype):
+        fp8.check_operands(A, B)
+    elif A.dtype != B.dtype:
         raise CatalogueError(f"gemm: A is {A.dtype} and B is {B.dtype}; use one dtype")
     declared = set(epi.operands) | set(epi.index_operands) if epi is not None else set()
     given = set(operands)
@@ -71,22 +74,22 @@ def check_call(epi: Epilogue | None, A: torch.Tensor, B: torch.Tensor,
         if epi.pairs_acc and n % 2:
             raise CatalogueError(f"gemm: epilogue {epi.name!r} pairs adjacent columns, so N must be "
                                  f"even; got N = {n}")
-    _check_alignment(epi, A, B, operands, n)
+    _check_alignment(epi, A, B, operands, n, out_dtype or A.dtype)
     return m, n, k
 
 
 def _check_alignment(epi: Epilogue | None, A: torch.Tensor, B: torch.Tensor,
-                     operands: dict[str, Any], n: int) -> None:
+                     operands: dict[str, Any], n: int, d_dtype: torch.dtype) -> None:
     """TMA moves rows in 16-byte units: every tensor the kernel reads or writes
     needs a leading dimension that is a multiple of 16 bytes.  Checked in both
     lowerings, so a CPU verdict never accepts a shape the GPU refuses (on an
     H200 quack refuses a SwiGLU output of 628 bf16 columns at launch)."""
     rows = {"A": row_bytes(A), "B": row_bytes(B)}
     if epi is None:
-        rows["D"] = n * A.element_size()
+        rows["D"] = n * d_dtype.itemsize
     else:
         if epi.stores_d:
-            rows["D"] = epi.d_shape(1, n)[1] * A.element_size()
+            rows["D"] = epi.d_shape(1, n)[1] * d_dtype.itemsize
         width = epi.output_width(n)
         for name, dtype in epi.outputs.items():
             rows[f"output {name!r} ({width} columns)"] = width * dtype.itemsize
@@ -97,8 +100,8 @@ def _check_alignment(epi: Epilogue | None, A: torch.Tensor, B: torch.Tensor,
         if nbytes % 16:
             raise CatalogueError(
                 f"gemm: {what} has rows of {nbytes} bytes; the mainloop's TMA copies need a multiple "
-                "of 16 bytes (8 elements of 16 bits). Pad that dimension (e.g. the vocabulary or the "
-                "hidden size) to a multiple of 8.")
+                "of 16 bytes (8 elements of 16 bits, 16 of fp8). Pad that dimension (e.g. the "
+                "vocabulary or the hidden size) to a multiple of 8 (16 for fp8).")
 
 
 def _sm_count(A: torch.Tensor) -> int:
@@ -114,25 +117,35 @@ def _device_sms(index: int) -> int:
 
 def gemm(A: torch.Tensor, B: torch.Tensor, epilogue: Epilogue | None = None, *,
          out_dtype: str | None = None, config: TileConfig | None = None,
-         accumulate_into: torch.Tensor | None = None, **operands: Any) -> dict[str, torch.Tensor]:
+         accumulate_into: torch.Tensor | None = None, fast_accum: bool = False,
+         **operands: Any) -> dict[str, torch.Tensor]:
     """C = A @ B (fp32 accumulate) with ``epilogue`` applied to the tile on chip.
 
     A is (M, K), B is (K, N) (a transposed view such as ``W.t()`` is fine), both
-    bf16 or fp16.  Operands are passed by the names the epilogue declares.
-    ``out_dtype`` ("bf16", "fp16", "fp32") sets D's dtype (default: A's; a
-    PairedTile epilogue writes D in that tile's dtype).  ``accumulate_into``
-    adds D into an existing (M, N) tensor instead of returning a new one.
+    bf16 or fp16, or both fp8 (e4m3/e5m2, K-major: see the FP8 section; their
+    scales are epilogue operands).  Operands are passed by the names the
+    epilogue declares.  ``out_dtype`` ("bf16", "fp16", "fp32", "fp8_e4m3",
+    "fp8_e5m2") sets D's dtype (default: A's, bf16 for fp8 A; a PairedTile
+    epilogue writes D in that tile's dtype).  ``accumulate_into`` adds D into
+    an existing (M, N) tensor instead of returning a new one.  ``fast_accum``
+    (fp8 only) keeps the whole K loop in the tensor core's accumulator instead
+    of promoting to fp32 after every K tile: faster, fewer bits.
     Returns ``{"D": ..., <outputs>..., <reductions>...}``.
     """
     if epilogue is not None and not isinstance(epilogue, Epilogue):
         raise CatalogueError("gemm: the third argument must be an @epilogue function (or None for a "
                              f"plain GEMM); got {type(epilogue).__name__}")
-    m, n, _ = check_call(epilogue, A, B, operands)
     if out_dtype is not None and out_dtype not in OUTPUT_DTYPES:
         raise CatalogueError(f"gemm: out_dtype {out_dtype!r} is not one of {sorted(OUTPUT_DTYPES)}")
-    dtype = OUTPUT_DTYPES[out_dtype] if out_dtype else A.dtype
-    if epilogue is not None and epilogue.paired_operand:
+    _check_matrix("A", A)
+    on_fp8 = fp8.is_fp8(A.dtype)
+    if not isinstance(fast_accum, bool) or (fast_accum and not on_fp8):
+        raise CatalogueError("gemm: fast_accum=True is a choice of the fp8 mainloop (A and B in fp8); "
+                             "drop it for a 16-bit GEMM")
+    dtype = OUTPUT_DTYPES[out_dtype] if out_dtype else (torch.bfloat16 if on_fp8 else A.dtype)
+    if epilogue is not None and isinstance(operands.get(epilogue.paired_operand), torch.Tensor):
         dtype = operands[epilogue.paired_operand].dtype
+    m, n, _ = check_call(epilogue, A, B, operands, dtype)
     if accumulate_into is not None:
         if epilogue is not None and not epilogue.stores_d:
             raise CatalogueError(f"gemm: accumulate_into adds D, but epilogue {epilogue.name!r} "
@@ -140,13 +153,16 @@ def gemm(A: torch.Tensor, B: torch.Tensor, epilogue: Epilogue | None = None, *,
         want = epilogue.d_shape(m, n) if epilogue is not None else (m, n)
         if not isinstance(accumulate_into, torch.Tensor) or tuple(accumulate_into.shape) != want:
             raise CatalogueError(f"gemm: accumulate_into must be a tensor of shape {want}")
+        if fp8.is_fp8(accumulate_into.dtype):
+            raise CatalogueError("gemm: accumulate_into adds with the TMA reduce-add store, which takes "
+                                 "fp32, bf16 or fp16; accumulate in one of those")
     lowering = current_lowering(A, B)
     cfg = config
     if cfg is None and lowering == "cute":
-        cfg = lookup(epilogue, m, n, A.shape[1], A.dtype, A.device, operands)
+        cfg = lookup(epilogue, m, n, A.shape[1], fp8.mainloop_key(A, B, fast_accum), A.device, operands)
         if cfg is None and accumulate_into is None and tunable(epilogue) and autotuning():
-            cfg, _ = tune(epilogue, A, B, operands, out_dtype=dtype)
-    cfg = cfg or default_config(epilogue, operands, n, m, _sm_count(A))
+            cfg, _ = tune(epilogue, A, B, operands, out_dtype=dtype, fast_accum=fast_accum)
+    cfg = cfg or default_config(epilogue, operands, n, m, _sm_count(A), fp8_promote=on_fp8 and not fast_accum)
     for name in epilogue.head_stats if epilogue is not None else ():
         hd = operands[name]
         if cfg.tile_n % hd:
@@ -160,12 +176,12 @@ def gemm(A: torch.Tensor, B: torch.Tensor, epilogue: Epilogue | None = None, *,
                                  accumulate_into=accumulate_into)
     if lowering == "compile":
         return cute.compile_call(epilogue, A, B, operands, out_dtype=dtype, config=cfg,
-                                 accumulate_into=accumulate_into)
+                                 accumulate_into=accumulate_into, fast_accum=fast_accum)
     if not A.is_cuda:
         raise CatalogueError("gemm: the cute lowering runs on CUDA tensors; move the inputs to the "
                              "GPU or use lowering('reference')")
     with launching("gemm", name, str(cfg)):
         return cute.run(epilogue, A, B, operands, out_dtype=dtype, config=cfg,
-                        accumulate_into=accumulate_into)
+                        accumulate_into=accumulate_into, fast_accum=fast_accum)
 
 

@@ -42,7 +42,7 @@ class Launch:
 @dataclass
 class SassReport:
     sm90a: bool
-    hgmma: int
+    hgmma: int  # warpgroup MMA instructions: HGMMA (16-bit operands) and QGMMA (fp8)
     spill_stores: int
     spill_loads: int
     registers: int

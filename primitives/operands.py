@@ -26,10 +26,11 @@ from typing import Any
 import torch
 
 from .errors import CatalogueError
+from .fp8 import FP8_DTYPES
 from .pair import Pair
 from .reductions import HeadRms
 
-OUTPUT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+OUTPUT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, **FP8_DTYPES}
 INPUT_DTYPES = (torch.bfloat16, torch.float16)
 
 

@@ -25,6 +25,7 @@ import torch
 
 from .epilogue import Epilogue
 from .errors import CatalogueError
+from .fp8 import store
 from .pair import Pair
 
 
@@ -56,7 +57,7 @@ def run(epi: Epilogue | None, A: torch.Tensor, B: torch.Tensor, operands: dict[s
             accumulate_into.add_(d.to(accumulate_into.dtype))
             out["D"] = accumulate_into
         else:
-            out["D"] = d.to(out_dtype)
+            out["D"] = store(d, out_dtype)
     if epi is None:
         return out
     for name, stat in epi.head_stats.items():
@@ -67,7 +68,7 @@ def run(epi: Epilogue | None, A: torch.Tensor, B: torch.Tensor, operands: dict[s
         v = result[name]
         # A Pair output holds both lanes of each pair: twice the width of a per-pair value.
         shape = (m, 2 * width if isinstance(v, Pair) else width)
-        out[name] = _fp32(v).expand(shape).to(dtype).contiguous()
+        out[name] = store(_fp32(v).expand(shape), dtype).contiguous()
     for name, red in epi.reductions.items():
         v = result[name]
         if isinstance(v, Pair):

@@ -2,7 +2,7 @@
 
 ``cuobjdump`` (the ``nvidia-cuda-cuobjdump`` wheel) lists a cubin's resource
 usage and its instructions; :func:`inspect_cubin` condenses them into a
-:class:`~.lowering.SassReport`: sm_90a or not, the warpgroup MMAs (HGMMA) the
+:class:`~.lowering.SassReport`: sm_90a or not, the warpgroup MMAs (HGMMA, QGMMA for fp8) the
 mainloop must keep, register spills, and the ``CALL``s of slow-path
 subroutines (IEEE division) that a fast epilogue does without.
 """
@@ -37,7 +37,7 @@ _SASS_OP = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_
 
 
 def inspect_cubin(cubin: bytes) -> SassReport | None:
-    """Registers, spills and HGMMA count of a cubin (None without cuobjdump)."""
+    """Registers, spills and warpgroup-MMA count of a cubin (None without cuobjdump)."""
     tool = _cuobjdump()
     if tool is None:
         return None
@@ -53,7 +53,8 @@ def inspect_cubin(cubin: bytes) -> SassReport | None:
     ops = _SASS_OP.findall(sass)
     return SassReport(
         sm90a="sm_90a" in sass,
-        hgmma=sum(o.startswith("HGMMA") for o in ops),
+        # Warpgroup MMAs: HGMMA for 16-bit operands, QGMMA for fp8.
+        hgmma=sum(o.startswith(("HGMMA", "QGMMA")) for o in ops),
         spill_stores=sum(o.startswith("STL") for o in ops),
         spill_loads=sum(o.startswith("LDL") for o in ops),
         registers=int(usage.get("REG", -1)),

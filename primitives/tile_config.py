@@ -71,7 +71,7 @@ def _wave_cost(m: int, n: int, tile_m: int, tile_n: int, sms: int) -> int:
 
 
 def default_config(epi: Epilogue | None, operands: dict[str, Any], n: int | None = None,
-                   m: int | None = None, sms: int = H100_SMS) -> TileConfig:
+                   m: int | None = None, sms: int = H100_SMS, fp8_promote: bool = False) -> TileConfig:
     """The tile configuration when nothing is tuned: rules read off the H200
     tuning sweeps of the suite (bench/results/h200-2026-11-29-b, LLaMA-3 1B,
     times in ms for the best rule config vs the runner-up rule):
@@ -108,7 +108,20 @@ def default_config(epi: Epilogue | None, operands: dict[str, Any], n: int | None
       of a cooperative kernel run the epilogue while its tensor cores idle
       (dSwiGLU 1.62 vs 1.09 at 128x128), and not where 192 pads little: (16384, 8192,
       2048) 0.716 vs 0.684, (2048, 16384, 16384) 1.543 vs 1.427.
+    - an fp8 GEMM that promotes its partial sums (``fast_accum=False``) keeps a
+      second fp32 accumulator: the tile of any rule above runs cooperative (two
+      warpgroups per tile, half the accumulator registers each).  Pingpong
+      128x192 holds 384 accumulator registers per thread and spilled 313/409
+      STL/LDL in the sm_90a compile; cooperative compiled spill-free.
     """
+    cfg = _rule_config(epi, operands, n, m, sms)
+    if fp8_promote and cfg.pingpong:
+        return TileConfig(cfg.tile_m, cfg.tile_n, cfg.cluster_m, cfg.cluster_n, pingpong=False)
+    return cfg
+
+
+def _rule_config(epi: Epilogue | None, operands: dict[str, Any], n: int | None, m: int | None,
+                 sms: int) -> TileConfig:
     if epi is None:
         return _fill_the_sms(m, n, sms, wide=_wide_plain(n))
     if epi.head_stats:

@@ -39,6 +39,7 @@ from coda_agent.storage import cache_dir, write_atomic
 from coda_agent.versions import versions
 
 from . import cute
+from .fp8 import mainloop_key
 from .tile_config import TileConfig, tunable
 from .timing import measure_each
 from .version import CATALOGUE_VERSION
@@ -173,17 +174,19 @@ def autotuning() -> bool:
     return _autotune.get() is not None
 
 
-def tune(epi: Any, A: Any, B: Any, operands: dict[str, Any], out_dtype: Any, reps: int = 10
-         ) -> tuple[TileConfig, dict]:
+def tune(epi: Any, A: Any, B: Any, operands: dict[str, Any], out_dtype: Any, reps: int = 10,
+         fast_accum: bool = False) -> tuple[TileConfig, dict]:
     """Time :data:`CANDIDATES` for one call that ``gemm`` has validated (D in
-    ``out_dtype``), interleaved (:func:`measure_each`), store and return the fastest."""
+    ``out_dtype``; ``fast_accum`` for fp8), interleaved (:func:`measure_each`),
+    store and return the fastest."""
     m, k = A.shape
     n = B.shape[1]
     times: dict[str, float] = {}
 
     def call(cfg: TileConfig) -> Callable[[], Any]:
         def run() -> Any:
-            return cute.run(epi, A, B, operands, out_dtype=out_dtype, config=cfg, accumulate_into=None)
+            return cute.run(epi, A, B, operands, out_dtype=out_dtype, config=cfg, accumulate_into=None,
+                            fast_accum=fast_accum)
         return run
 
     runnable: dict[str, Callable[[], Any]] = {}
@@ -203,7 +206,7 @@ def tune(epi: Any, A: Any, B: Any, operands: dict[str, Any], out_dtype: Any, rep
     for name, (t, _) in measure_each(runnable, reps).items():
         times[name] = t[len(t) // 2]
     best = configs[min(runnable, key=times.__getitem__)]
-    key = tuning_key(epi, m, n, k, A.dtype, _device_name(A.device.index or 0))
+    key = tuning_key(epi, m, n, k, mainloop_key(A, B, fast_accum), _device_name(A.device.index or 0))
     TuningCache().put(key, best, times)
     _forget_lookups()  # later lookups see the new winner
     record = _autotune.get()

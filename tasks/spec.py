@@ -154,7 +154,7 @@ class Init(_Strict):
 
 class TensorSpec(_Strict):
     shape: list[Expr]
-    dtype: Literal["bf16", "fp16", "fp32", "int32", "int64"] = "bf16"
+    dtype: Literal["bf16", "fp16", "fp32", "int32", "int64", "fp8_e4m3", "fp8_e5m2"] = "bf16"
     init: Init = Init()
     # Read for outputs: ``saved`` is state for the backward and receives no upstream gradient
     # (TaskSpec.grad_outputs); the other roles document what a tensor is.

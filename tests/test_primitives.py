@@ -299,7 +299,7 @@ def test_bad_gemm_calls(gen):
         gemm(A, B, P.scale_rows, rstd=rand(64, 64, gen=gen), gamma=rand(64, gen=gen))
     with pytest.raises(CatalogueError, match=r"strided view.*must be contiguous"):
         gemm(A, B, P.scale_rows, rstd=rand(64, 2, gen=gen)[:, 0], gamma=rand(64, gen=gen))
-    with pytest.raises(CatalogueError, match=r"bf16 or fp16"):
+    with pytest.raises(CatalogueError, match=r"bf16, fp16 or fp8"):
         gemm(A.float(), B.float())
     with pytest.raises(CatalogueError, match=r"B must be \(K, N\)"):
         gemm(A, B.t())

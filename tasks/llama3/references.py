@@ -88,7 +88,12 @@ def swiglu_bwd(dout, W_down, pre):
     input of the W_down gradient GEMM); s = sum over the 2I columns of
     dpre * pre per row (the RMSNorm-backward statistic of the norm feeding the
     gate/up GEMM)."""
-    dact = dout @ W_down.t()
+    return dswiglu(dout @ W_down.t(), pre)
+
+
+def dswiglu(dact, pre):
+    """The SwiGLU backward of :func:`swiglu_bwd` given dact (shared with the fp8 suite);
+    dpre and postact in pre's dtype."""
     g, u = pre[:, 0::2], pre[:, 1::2]
     sg = torch.sigmoid(g)
     act = g * sg

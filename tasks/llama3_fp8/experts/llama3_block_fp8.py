@@ -1,0 +1,144 @@
+"""The non-attention part of a LLaMA-3 layer (llama3_block), forward and
+backward, with all twelve GEMMs of the math on fp8 operands.
+
+Where the epilogue pays: the two RMSNorm inputs of the GEMMs, h1 * gamma_mlp
+and h2 * gamma_attn, leave the epilogues that produce h1 and h2 in fp8, so the
+gate/up and QKV GEMMs read them without a cast pass.  Their row-wise *current*
+scale would need the row's amax over every N tile, so they are quantized with
+a delayed per-row dequantization scale (``hg1_scale``, ``hg2_scale``: known
+before the GEMM), ``q = sat(h * gamma / scale)``, and the consumer multiplies
+by ``scale`` next to RMSNorm's r (both per row, both commute with the GEMM).
+The same epilogues reduce the row amax of h * gamma (``col_max``) for the next
+step's delayed scales.  In the backward, the weight gradient of the gate/up
+GEMM reads that fp8 copy through ``quantize_rows(hg.t(), col_scale=scale)``.
+
+Everything else as in mlp_block_fp8: current row-wise scales from
+``quantize_rows`` for the attention output, SwiGLU's output, gradients,
+weights (once per layout) and the weight gradients' token-major operands;
+fast accumulation in the forward GEMMs only.  The QKV-side statistic s2 =
+sum(dqkv * qkv) is reduced by a K = 64 bf16 GEMM hosting the epilogue, as in
+llama3_block (its accumulator is unused).
+"""
+
+from coda_agent.primitives import (ColVec, PairedTile, RowVec, Scalar, Tile, col_max, col_sum, epilogue,
+                                   gemm, maximum, pack, quantize_rows, reciprocal, rms_rstd, row_sum,
+                                   sigmoid, unpack)
+
+
+@epilogue(outputs={"hg": "fp8_e4m3"}, reductions={"sumsq": col_sum(), "amax": col_max()})
+def residual_norm_stats(acc, a_scale: ColVec, w_scale: RowVec, residual: Tile, gamma: RowVec,
+                        hg_scale: ColVec):
+    h = acc * a_scale * w_scale + residual
+    hg = h * gamma
+    return {"D": h, "hg": hg * reciprocal(hg_scale), "sumsq": h * h, "amax": maximum(hg, -hg)}
+
+
+@epilogue(outputs={"act": "bf16"}, pairs="acc")
+def norm_swiglu(acc, w_scale: RowVec, rstd: ColVec, hg_scale: ColVec):
+    g, u = unpack(acc * (rstd * hg_scale) * w_scale)
+    return {"D": pack(g, u), "act": g * sigmoid(g) * u}
+
+
+@epilogue()
+def norm_rows(acc, w_scale: RowVec, rstd: ColVec, hg_scale: ColVec):
+    return {"D": acc * (rstd * hg_scale) * w_scale}
+
+
+@epilogue(reductions={"s": col_sum()})
+def row_dot(acc, du: Tile, u: Tile):
+    # s = sum_cols(du * u) from the incoming dqkv and the saved qkv; acc (a K = 64
+    # product) is unused and no D is stored.
+    return {"s": du * u}
+
+
+@epilogue(outputs={"xn": "bf16"}, reductions={"dgamma": row_sum()})
+def rmsnorm_bwd(acc, a_scale: ColVec, w_scale: RowVec, rstd: ColVec, s: ColVec, gamma: RowVec, h: Tile,
+                dy: Tile, inv_dim: Scalar):
+    d = acc * a_scale * w_scale
+    hr = h * rstd
+    return {"D": dy + rstd * (gamma * d - hr * s * inv_dim), "xn": hr * gamma, "dgamma": d * hr}
+
+
+@epilogue(reductions={"s": col_sum()})
+def dswiglu(acc, pre: PairedTile, a_scale: ColVec, w_scale: RowVec, rstd: ColVec):
+    dact = acc * a_scale * w_scale
+    g, u = unpack(pre)
+    sg = sigmoid(g)
+    dg = dact * u * sg * (1.0 + g * (1.0 - sg))
+    du = dact * g * sg
+    return {"D": pack(dg * rstd, du * rstd), "s": g * dg + u * du}
+
+
+@epilogue(reductions={"dgamma": row_sum()})
+def rmsnorm_bwd_scaled(acc, a_scale: ColVec, w_scale: RowVec, rstd: ColVec, s: ColVec, gamma: RowVec,
+                       h: Tile, dy: Tile, inv_dim: Scalar):
+    # d = r * (d(pre) @ W_gu): the A operand was r * d(pre).
+    d = acc * a_scale * w_scale
+    hr = h * rstd
+    return {"D": dy + gamma * d - hr * rstd * s * inv_dim, "dgamma": d * h}
+
+
+@epilogue()
+def dequantize(acc, a_scale: ColVec, w_scale: RowVec):
+    return {"D": acc * a_scale * w_scale}
+
+
+def _weight_grad(grad, x):
+    """dW = grad^T @ x, both operands quantized per feature along the tokens."""
+    a, b = quantize_rows(grad.t()), quantize_rows(x.t())
+    return gemm(a["q"], b["q"].t(), dequantize, a_scale=a["scale"], w_scale=b["scale"])["D"]
+
+
+def _input_grad(grad, weight, epi, **operands):
+    """grad @ weight (stored (out, in)): grad quantized per token, weight per input feature."""
+    a, b = quantize_rows(grad), quantize_rows(weight.t())
+    return gemm(a["q"], b["q"].t(), epi, a_scale=a["scale"], w_scale=b["scale"], **operands)
+
+
+def forward(attn, h, w_o, gamma_mlp, w_gu, w_down, gamma_attn, w_qkv, hg1_scale, hg2_scale, eps):
+    dim = h.shape[1]
+    x, wo = quantize_rows(attn), quantize_rows(w_o)
+    a = gemm(x["q"], wo["q"].t(), residual_norm_stats, a_scale=x["scale"], w_scale=wo["scale"], residual=h,
+             gamma=gamma_mlp, hg_scale=hg1_scale, fast_accum=True)
+    r1 = rms_rstd(a["sumsq"], dim, eps)
+    wgu = quantize_rows(w_gu)
+    gu = gemm(a["hg"], wgu["q"].t(), norm_swiglu, w_scale=wgu["scale"], rstd=r1, hg_scale=hg1_scale,
+              fast_accum=True)
+    act, wd = quantize_rows(gu["act"]), quantize_rows(w_down)
+    c = gemm(act["q"], wd["q"].t(), residual_norm_stats, a_scale=act["scale"], w_scale=wd["scale"],
+             residual=a["D"], gamma=gamma_attn, hg_scale=hg2_scale, fast_accum=True)
+    r2 = rms_rstd(c["sumsq"], dim, eps)
+    wqkv = quantize_rows(w_qkv)
+    qkv = gemm(c["hg"], wqkv["q"].t(), norm_rows, w_scale=wqkv["scale"], rstd=r2, hg_scale=hg2_scale,
+               fast_accum=True)["D"]
+    # Kept for backward: h1, the fp8 gate/up operand and SwiGLU's output (as autograd would),
+    # and the row amax of both fp8 epilogue outputs (the next step's delayed scales).
+    return {"h_out": c["D"], "qkv": qkv, "h1": a["D"], "hg1": a["hg"], "r1": r1, "pre": gu["D"],
+            "act": gu["act"], "r2": r2, "hg1_amax": a["amax"], "hg2_amax": c["amax"]}
+
+
+def backward(saved, dh_out, dqkv):
+    inv_dim = 1.0 / saved["h"].shape[1]
+    h1, h2 = saved["h1"], saved["h_out"]
+    # Next layer's RMSNorm + QKV: s2 from the saved output, then the input gradient.
+    k = 64
+    s2 = gemm(dqkv[:, :k], saved["w_qkv"][:, :k].t(), row_dot, du=dqkv, u=saved["qkv"])["s"]
+    d2 = _input_grad(dqkv, saved["w_qkv"], rmsnorm_bwd, rstd=saved["r2"], s=s2, gamma=saved["gamma_attn"],
+                     h=h2, dy=dh_out, inv_dim=inv_dim)
+    dh2 = d2["D"]
+    dw_qkv = _weight_grad(dqkv, d2["xn"])
+    # SwiGLU MLP + its RMSNorm (+ the residual gradient dh2).
+    da = _input_grad(dh2, saved["w_down"], dswiglu, pre=saved["pre"], rstd=saved["r1"])
+    d1 = _input_grad(da["D"], saved["w_gu"], rmsnorm_bwd_scaled, rstd=saved["r1"], s=da["s"],
+                     gamma=saved["gamma_mlp"], h=h1, dy=dh2, inv_dim=inv_dim)
+    dh1 = d1["D"]
+    dp_t = quantize_rows(da["D"].t())
+    hg_t = quantize_rows(saved["hg1"].t(), col_scale=saved["hg1_scale"])
+    dw_gu = gemm(dp_t["q"], hg_t["q"].t(), dequantize, a_scale=dp_t["scale"], w_scale=hg_t["scale"])["D"]
+    dw_down = _weight_grad(dh2, saved["act"])
+    # Out-projection + residual.
+    dattn = _input_grad(dh1, saved["w_o"], dequantize)["D"]
+    dw_o = _weight_grad(dh1, saved["attn"])
+    return {"dattn": dattn, "dh": dh1, "dw_o": dw_o, "dgamma_mlp": d1["dgamma"], "dw_gu": dw_gu,
+            "dw_down": dw_down, "dgamma_attn": d2["dgamma"], "dw_qkv": dw_qkv}
+

@@ -1,0 +1,50 @@
+"""The fp8 benchmarks' plumbing on CPU: ``bench/fp8.py --dry-run`` runs every
+contender of the anchor table (the fp8 and bf16 experts under the reference
+lowering, torchao's float8 modules eagerly, the plain GEMMs), and
+``bench/fp8_loss.py --dry-run`` trains every recipe a few steps and plots the
+curves.  (Their numbers mean nothing on CPU; the H200 commands are in the
+scripts' docstrings.)"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(*args: str) -> None:
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_anchor_table_runs_every_contender(tmp_path):
+    _run(str(ROOT / "bench" / "fp8.py"), str(tmp_path), "--dry-run", "--sets", "small", "--reps", "1")
+    rows = json.loads((tmp_path / "fp8-anchors-dryrun.json").read_text())["rows"]
+    assert {r["block"] for r in rows} == {"mlp_block", "llama3_block"}
+    for r in rows:
+        assert not [k for k in r if k.endswith("error")], r
+        for key in ("coda_fp8", "coda_bf16", "torchao_rowwise", "torchao_tensorwise", "compile_bf16",
+                    "gemm_fp8_fast", "gemm_fp8", "gemm_scaled_mm", "gemm_bf16"):
+            assert r[key]["median_ms"] > 0, (r["block"], key)
+        assert set(r["targets_met"]) == {"vs_torchao_rowwise >= 1.2", "vs_fp8_gemms <= 1.05"}
+
+
+def test_loss_curves_train_every_recipe_and_plot(tmp_path):
+    _run(str(ROOT / "bench" / "fp8_loss.py"), str(tmp_path), "--dry-run", "--steps", "2", "--band-seeds", "2")
+    lines = [json.loads(x) for x in (tmp_path / "loss.jsonl").read_text().splitlines()]
+    assert not [x for x in lines if "error" in x], lines
+    runs = {(x["recipe"], x["seed"]) for x in lines if "loss" in x}
+    assert runs == {(r, 0) for r in ("bf16", "torchao_rowwise", "torchao_tensorwise", "coda_delayed",
+                                     "coda_rowscale", "coda_tileblock")} | {("torchao_rowwise", 1)}
+    assert all(x["loss"] > 0 for x in lines if "loss" in x)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["band_seeds"] == 2 and set(summary["verdict_vs_band"]) == {f"{r}/{s}" for r, s in runs}
+    png = (tmp_path / "loss.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    # --plot alone re-renders from the recorded lines
+    (tmp_path / "loss.png").unlink()
+    _run(str(ROOT / "bench" / "fp8_loss.py"), str(tmp_path), "--plot")
+    assert (tmp_path / "loss.png").is_file()

@@ -1,0 +1,208 @@
+"""FP8 in the catalogue (primitives/fp8.py): fp8 GEMMs with their scales in the
+epilogue, saturating fp8 outputs, quantize_rows, fast accumulation as a
+declared choice, and every misuse named with its fix.  The CPU tier checks the
+reference lowering against direct PyTorch math and compiles for sm_90a; the
+GPU tier (marker ``gpu``) checks the cute lowering against the reference."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from coda_agent.primitives import (CatalogueError, TileConfig, compile_only, gemm, load_program, lowering,
+                                   quantize_rows)
+from coda_agent.primitives.catalogue import EXAMPLES
+from coda_agent.primitives.fp8 import mainloop_key, saturate, scale_from_amax
+from coda_agent.primitives.tile_config import default_config
+
+HEADER = "from coda_agent.primitives import *\n"
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+SCALED = HEADER + '''
+@epilogue(outputs={"q": "fp8_e4m3"}, reductions={"amax": col_max()})
+def scaled(acc, sa: ColVec, sb: RowVec, qs: ColVec):
+    v = acc * sa * sb
+    return {"D": v, "q": v * qs, "amax": maximum(v, -v)}
+'''
+
+
+def fp8(*shape, dtype=E4M3, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).mul(4).to(dtype)
+
+
+@pytest.mark.parametrize("a_dtype,b_dtype", [(E4M3, E4M3), (E5M2, E4M3)])
+def test_fp8_gemm_applies_row_and_column_scales_to_the_exact_product(a_dtype, b_dtype):
+    epi = load_program(SCALED, "scaled").scaled
+    M, N, K = 96, 80, 64
+    A, W = fp8(M, K, dtype=a_dtype, seed=1), fp8(N, K, dtype=b_dtype, seed=2)
+    sa, sb, qs = torch.rand(M) + 0.5, torch.rand(N) + 0.5, torch.full((M,), 3.0)
+    out = gemm(A, W.t(), epi, sa=sa, sb=sb, qs=qs)
+    v = (A.double() @ W.double().t()) * sa.double()[:, None] * sb.double()[None, :]
+    assert out["D"].dtype == torch.bfloat16  # an fp8 GEMM's D defaults to bf16
+    # within one bf16 rounding of the exact value (the fp32 sum and scale products round first)
+    torch.testing.assert_close(out["D"].double(), v, rtol=2 ** -8, atol=0)
+    torch.testing.assert_close(out["amax"].double(), v.abs().amax(1), rtol=1e-6, atol=1e-5)
+    # fp8 outputs saturate at +-448 (the GPU's .satfinite), never NaN
+    want = (v.float() * 3.0).clamp(-448, 448).to(E4M3)
+    assert v.abs().max() * 3 > 448 and not out["q"].float().isnan().any()
+    assert torch.equal(out["q"].float(), want.float())
+
+
+def test_fp8_d_output_saturates_and_rounds_to_nearest():
+    A, W = fp8(32, 32, seed=3), fp8(48, 32, seed=4)
+    out = gemm(A, W.t(), out_dtype="fp8_e5m2")["D"]
+    acc = A.float() @ W.float().t()
+    assert out.dtype == E5M2
+    assert torch.equal(out.float(), acc.clamp(-57344, 57344).to(E5M2).float())
+    assert torch.equal(saturate(torch.tensor([1e6, -1e6, 0.3]), E4M3).float(), torch.tensor([448.0, -448.0, 0.3125]))
+
+
+def test_quantize_rows_uses_power_of_two_scales_and_any_view():
+    x = torch.randn(40, 96) * torch.logspace(-3, 3, 40)[:, None]
+    x[7] = 0.0  # a zero row gets a finite scale
+    r = quantize_rows(x)
+    q, scale = r["q"], r["scale"]
+    assert q.dtype == E4M3 and q.is_contiguous() and scale.shape == (40,)
+    assert torch.equal(torch.exp2(torch.round(torch.log2(scale))), scale)  # powers of two
+    peak = q.float().abs().amax(1)
+    assert ((peak >= 224) & (peak <= 448))[torch.arange(40) != 7].all()  # the amax lands in the top binade
+    torch.testing.assert_close(q.float() * scale[:, None], x, rtol=2 ** -4, atol=0)
+    # A transposed view quantizes x's columns into a contiguous (96, 40) copy.
+    y = torch.randn(40, 96)
+    t = quantize_rows(y.t())
+    assert t["q"].shape == (96, 40) and t["q"].is_contiguous()
+    assert torch.equal(t["scale"], scale_from_amax(y.abs().amax(0), E4M3))
+    torch.testing.assert_close(t["q"].float() * t["scale"][:, None], y.t(), rtol=2 ** -4, atol=2 ** -9)
+    # row_scale / col_scale multiply first: dequantize an fp8 input, fold a norm weight
+    g = torch.rand(96) + 0.5
+    again = quantize_rows(q, row_scale=scale, col_scale=g)
+    torch.testing.assert_close(again["q"].float() * again["scale"][:, None], x * g, rtol=2 ** -3, atol=0)
+    assert torch.equal(scale_from_amax(torch.tensor([448.0, 449.0, 1.0]), E4M3), torch.tensor([1.0, 2.0, 2 ** -8]))
+
+
+def test_fp8_misuse_names_the_fix():
+    A, W = fp8(64, 64), fp8(64, 64)
+    with pytest.raises(CatalogueError, match=r"fp8 B must be K-major.*W\.t\(\)"):
+        gemm(A, W)  # a (K, N) row-major B is N-major
+    with pytest.raises(CatalogueError, match="fp8 A must be K-major"):
+        gemm(A.t(), W.t())
+    with pytest.raises(CatalogueError, match="takes both in fp8.*quantize_rows"):
+        gemm(A, W.t().to(torch.bfloat16))
+    with pytest.raises(CatalogueError, match="fast_accum=True is a choice of the fp8 mainloop"):
+        gemm(A.to(torch.bfloat16), W.t().to(torch.bfloat16), fast_accum=True)
+    with pytest.raises(CatalogueError, match="16 of fp8"):
+        gemm(fp8(64, 40), fp8(64, 40).t())  # K = 40 fp8 elements: 40-byte rows
+    with pytest.raises(CatalogueError, match="reduce-add store"):
+        gemm(A, W.t(), accumulate_into=torch.zeros(64, 64, dtype=E4M3))
+    with pytest.raises(CatalogueError, match=r"outputs \['y'\] are fp8.*16-bit on SM90.*quantize_rows"):
+        load_program(HEADER + '''
+@epilogue(outputs={"y": "fp8_e4m3"}, pairs="acc")
+def swiglu(acc):
+    g, u = unpack(acc)
+    return {"D": acc, "y": silu(g) * u}
+''', "paired_fp8")
+    with pytest.raises(CatalogueError, match="quantize_rows: dtype 'fp8'"):
+        quantize_rows(torch.ones(4, 16), dtype="fp8")
+    with pytest.raises(CatalogueError, match=r"row_scale must be a tensor of shape \(4,\)"):
+        quantize_rows(torch.ones(4, 16), row_scale=torch.ones(16))
+
+
+def test_promoting_fp8_gemms_run_cooperative_and_key_their_mainloop():
+    for fast in (False, True):
+        cfg = default_config(None, {}, n=4096, m=16384, fp8_promote=not fast)
+        assert cfg.pingpong == fast and cfg.tile_n == 192
+    a, b = fp8(16, 16), fp8(16, 16, dtype=E5M2)
+    keys = {mainloop_key(a, b.t(), f) for f in (False, True)} | {mainloop_key(a.bfloat16(), b.bfloat16(), False)}
+    assert len(keys) == 3  # a tuned config for one accumulation mode never serves the other
+
+
+# --------------------------------------------------------------------------- sm_90a compile
+
+
+@pytest.mark.slow
+def test_fp8_gemms_compile_with_qgmma_and_fast_accumulation_is_another_kernel():
+    epi = load_program(HEADER + EXAMPLES["fp8"], "fp8_example").scale_to_fp8
+    M, N, K = 256, 384, 128
+    A, W = fp8(M, K), fp8(N, K)
+    ops = dict(a_scale=torch.ones(M), w_scale=torch.ones(N), q_scale=torch.ones(M))
+    with compile_only() as kernels:
+        gemm(A, W.t(), epi, **ops)
+        gemm(A, W.t(), epi, fast_accum=True, config=TileConfig(tile_n=128, cluster_m=1), **ops)
+    promote, fast = kernels
+    for k in kernels:
+        assert k.sass is not None and k.sass.sm90a and k.sass.hgmma > 0  # QGMMA
+    assert "cooperative" in promote.config and promote.sass.spill_stores == 0
+    assert fast.sass.spill_stores == 0
+    # Promotion adds a register accumulator and its adds: a different, longer kernel.
+    assert fast.sass.hgmma != promote.sass.hgmma or fast.sass.instructions != promote.sass.instructions
+
+
+_TRITON = textwrap.dedent("""
+    import torch
+    from coda_agent.primitives import quantize
+    from coda_agent.primitives.quantize_triton import quantize_rows_triton
+    torch.manual_seed(0)
+    x = (torch.randn(70, 300) * torch.logspace(-2, 2, 70)[:, None]).to(torch.bfloat16)
+    g, s = torch.rand(300) + 0.5, torch.rand(70) + 0.5
+    for view, rs, cs in ((x, None, None), (x.t(), None, s), (x, s, g)):
+        got = quantize_rows_triton(view, torch.float8_e4m3fn, rs, cs)
+        want = quantize.quantize_rows.__wrapped_aux__(view, "fp8_e4m3", rs, cs)
+        assert torch.equal(got["scale"], want["scale"]), (got["scale"] - want["scale"]).abs().max()
+        a, b = got["q"].float(), want["q"].float()
+        # The interpreter's numpy fp8 cast is not the GPU's round-to-nearest-even: it rounds
+        # ties away, misrounds subnormals and drops the carry when a value rounds up to the
+        # next power of two (-127.5 -> -64, not -128).  So: the scales exactly, the values
+        # within one fp8 step (2**-3 of the binade, 2**-9 among subnormals), or the carry.
+        step = torch.exp2(torch.floor(torch.log2(b.abs().clamp_min(2 ** -6))) - 3)
+        carry = (a == b / 2) & (torch.log2(b.abs()) % 1 == 0)
+        assert bool(((a - b).abs() <= step + 2 ** -9)[~carry].all()), float((a - b)[~carry].abs().max())
+        assert carry.float().mean() < 0.05
+    print("ok")
+""")
+
+
+def test_quantize_rows_triton_kernels_match_the_cpu_path_in_the_interpreter():
+    """The CUDA path's Triton kernels, run by Triton's CPU interpreter (in a
+    subprocess: TRITON_INTERPRET is read when the kernels are defined)."""
+    res = subprocess.run([sys.executable, "-c", _TRITON], env={**os.environ, "TRITON_INTERPRET": "1"},
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-3000:]
+
+
+# --------------------------------------------------------------------------- GPU tier
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fast_accum", [False, True])
+def test_cute_fp8_gemm_matches_the_reference_lowering(fast_accum):
+    epi = load_program(SCALED, "scaled_gpu").scaled
+    M, N, K = 1000, 1168, 4096
+    A, W = fp8(M, K).cuda(), fp8(N, K, dtype=E5M2, seed=5).cuda()
+    ops = dict(sa=torch.rand(M, device="cuda") + 0.5, sb=torch.rand(N, device="cuda") + 0.5,
+               qs=torch.full((M,), 0.05, device="cuda"))
+    with lowering("cute"):
+        got = gemm(A, W.t(), epi, fast_accum=fast_accum, **ops)
+    with lowering("reference"):
+        want = gemm(A, W.t(), epi, **ops)
+    # fast accumulation keeps fewer bits per add: allow it a little more than bf16 rounding
+    rel = (got["D"].float() - want["D"].float()).norm() / want["D"].float().norm()
+    assert float(rel) < (2e-3 if fast_accum else 1e-3), float(rel)
+    torch.testing.assert_close(got["amax"], want["amax"], rtol=2e-3, atol=1e-2)
+    q_err = (got["q"].float() - want["q"].float()).abs() / want["q"].float().abs().clamp_min(1)
+    assert float(q_err.max()) <= 2 ** -3  # one fp8 step where the fp32 sums round differently
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_quantize_rows_on_cuda_matches_the_cpu_path():
+    x = (torch.randn(4096, 14336) * 3).to(torch.bfloat16)
+    for view in (x, x.t()):
+        got = quantize_rows(view.cuda() if view is x else x.cuda().t())
+        want = quantize_rows(view)
+        assert torch.equal(got["scale"].cpu(), want["scale"])
+        assert torch.equal(got["q"].cpu().float(), want["q"].float())

@@ -62,7 +62,7 @@ def test_fp8_d_output_saturates_and_rounds_to_nearest():
 
 
 def test_quantize_rows_uses_power_of_two_scales_and_any_view():
-    x = torch.randn(40, 96) * torch.logspace(-3, 3, 40)[:, None]
+    x = torch.randn(40, 96, generator=torch.Generator().manual_seed(6)) * torch.logspace(-3, 3, 40)[:, None]
     x[7] = 0.0  # a zero row gets a finite scale
     r = quantize_rows(x)
     q, scale = r["q"], r["scale"]
@@ -70,9 +70,10 @@ def test_quantize_rows_uses_power_of_two_scales_and_any_view():
     assert torch.equal(torch.exp2(torch.round(torch.log2(scale))), scale)  # powers of two
     peak = q.float().abs().amax(1)
     assert ((peak >= 224) & (peak <= 448))[torch.arange(40) != 7].all()  # the amax lands in the top binade
-    torch.testing.assert_close(q.float() * scale[:, None], x, rtol=2 ** -4, atol=0)
+    # half an fp8 step: 2**-4 relative, or 2**-10 of the scale among the subnormals
+    assert bool(((q.float() * scale[:, None] - x).abs() <= 2 ** -4 * x.abs() + 2 ** -10 * scale[:, None]).all())
     # A transposed view quantizes x's columns into a contiguous (96, 40) copy.
-    y = torch.randn(40, 96)
+    y = torch.randn(40, 96, generator=torch.Generator().manual_seed(7))
     t = quantize_rows(y.t())
     assert t["q"].shape == (96, 40) and t["q"].is_contiguous()
     assert torch.equal(t["scale"], scale_from_amax(y.abs().amax(0), E4M3))

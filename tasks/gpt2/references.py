@@ -33,11 +33,15 @@ import torch
 import torch.nn.functional as F
 
 
+def hi(x: torch.Tensor) -> torch.Tensor:
+    """x in at least fp32 (fp64 stays fp64): where real kernels keep statistics."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def layer_norm(x: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, eps: float) -> torch.Tensor:
     """LayerNorm over the last dimension: statistics and affine map in (at least)
     fp32, the result rounded to x's dtype."""
-    hi = torch.promote_types(x.dtype, torch.float32)
-    return F.layer_norm(x.to(hi), x.shape[-1:], gamma.to(hi), beta.to(hi), eps).to(x.dtype)
+    return F.layer_norm(hi(x), x.shape[-1:], hi(gamma), hi(beta), eps).to(x.dtype)
 
 
 def normalized(h: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
@@ -103,7 +107,7 @@ def layernorm_bwd(du, w, h, mean, rstd, s1, s2, gamma, beta, dres):
     xhat = normalized(h, mean, rstd)
     dx = dres + rstd[:, None] * (gamma * g - (s1[:, None] + xhat * s2[:, None]) / dim)
     ln = (xhat * gamma + beta).to(h.dtype)
-    return {"dx": dx.to(h.dtype), "ln": ln, "dgamma": (g * xhat).sum(0), "dbeta": g.sum(0),
+    return {"dx": dx.to(h.dtype), "ln": ln, "dgamma": (g * xhat).sum(0), "dbeta": hi(g).sum(0),
             "dw": (du.t() @ ln).to(h.dtype)}
 
 
@@ -123,8 +127,8 @@ def gelu_bwd(dout, w_proj, pre):
     """Backward of out = gelu(pre) @ w_proj^T through the GELU, given dout:
     da = dout @ w_proj, dpre = da * gelu'(pre), and the bias gradient of the
     linear that produced pre, db = sum_rows(dpre) (fp32)."""
-    dpre = (dout @ w_proj) * gelu_grad(pre)
-    return {"dpre": dpre.to(pre.dtype), "db": dpre.sum(0)}
+    dpre = (dout @ w_proj) * gelu_grad(hi(pre))
+    return {"dpre": dpre.to(pre.dtype), "db": hi(dpre).sum(0)}
 
 
 # --------------------------------------------------------------------------- linear_gelu

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from coda_agent.tasks.gpt2.references import layer_norm
+from coda_agent.tasks.gpt2.references import hi, layer_norm
 
 # --------------------------------------------------------------------------- lm_head_xent
 
@@ -23,8 +23,7 @@ def lm_head_xent(h, gamma, beta, wte, target, dloss, eps):
         leaves = [t.detach().requires_grad_(True) for t in (h, gamma, beta, wte)]
         hg, gg, bg, wg = leaves
         logits = layer_norm(hg, gg, bg, eps) @ wg.t()
-        lf = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        loss = F.cross_entropy(lf, target.long(), reduction="none")
+        loss = F.cross_entropy(hi(logits), target.long(), reduction="none")
         dh, dgamma, dbeta, dwte = torch.autograd.grad(loss, leaves, dloss.to(loss.dtype))
     return {"loss": loss.detach(), "dh": dh, "dgamma": dgamma, "dbeta": dbeta, "dwte": dwte}
 

@@ -120,6 +120,12 @@ class Kind:
         """Bytes per row the mainloop's TMA copies of it (None: not copied by TMA)."""
         return None
 
+    @classmethod
+    def output_grid(cls, value: Any) -> tuple[int, int] | None:
+        """The (M, N) output a tensor of this kind implies (None: it implies none):
+        how a tile pass, which has no A and B, knows its shape."""
+        return None
+
 
 class Tile(Kind):
     """A full (M, N) tensor read alongside the accumulator (residual, saved x)."""
@@ -143,6 +149,10 @@ class Tile(Kind):
     @classmethod
     def tma_row_bytes(cls, value: Any) -> int | None:
         return row_bytes(value)
+
+    @classmethod
+    def output_grid(cls, value: Any) -> tuple[int, int] | None:
+        return tuple(value.shape) if isinstance(value, torch.Tensor) and value.dim() == 2 else None
 
 
 class RowVec(Kind):
@@ -251,6 +261,12 @@ class PairedTile(Kind):
     @classmethod
     def tma_row_bytes(cls, value: Any) -> int | None:
         return row_bytes(value)
+
+    @classmethod
+    def output_grid(cls, value: Any) -> tuple[int, int] | None:
+        if isinstance(value, torch.Tensor) and value.dim() == 2:
+            return value.shape[0], value.shape[1] // 2
+        return None
 
 
 class HeadStat(Kind):

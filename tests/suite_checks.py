@@ -1,6 +1,7 @@
-"""What the LLaMA-3 suite tests (test_suite_a.py, test_suite_b.py) share: load a
-task and its expert program, run a program by the verifier's contract, and judge
-it with the verifier's own inputs, references and tolerance check.
+"""What the suite tests (test_suite_a.py, test_suite_b.py for LLaMA-3,
+test_gpt2_suite.py) share: load a task and its expert program, run a program by
+the verifier's contract, and judge it with the verifier's own inputs, references
+and tolerance check.
 
 Nothing here re-implements the verifier: inputs come from
 ``coda_agent.verifier.inputs`` (make_inputs / make_grads, the same seeding the
@@ -16,30 +17,30 @@ from types import MappingProxyType, ModuleType
 import torch
 
 from coda_agent.primitives import load_program, lowering
-from coda_agent.tasks import SUITE_DIR, load_task
+from coda_agent.tasks import SUITES, load_task
 from coda_agent.verifier.compare import compare
 from coda_agent.verifier.inputs import make_grads, make_inputs, run_reference
 from coda_agent.verifier.report import Mismatch
 
 
-def task(name: str):
-    """A suite task by name."""
-    return load_task(SUITE_DIR / f"{name}.yaml")
+def task(name: str, suite: str = "llama3"):
+    """A task of a packaged suite by name."""
+    return load_task(SUITES[suite] / f"{name}.yaml")
 
 
 SHAPE_SETS = ("small", "ragged", "llama3-1b", "llama3-8b", "llama3-70b")
 
 
-def check_spec(name: str) -> None:
+def check_spec(name: str, suite: str = "llama3", shape_sets: tuple[str, ...] = SHAPE_SETS) -> None:
     """The spec loads with its expert, every shape set has positive sizes and
     FLOPs, and the ragged set really is ragged (a size that is not a multiple of
     the 128 or 192 tile)."""
-    t = task(name)
+    t = task(name, suite)
     spec = t.spec
     assert spec.name == name
     assert t.expert_path.is_file()
     tensors = [*spec.inputs.values(), *spec.outputs.values()]
-    for s in SHAPE_SETS:
+    for s in shape_sets:
         assert s in spec.shapes, f"{name}: shape set {s} missing"
         for ts in tensors:
             assert all(d > 0 for d in spec.shape_of(ts, s)), (name, s)
@@ -48,11 +49,11 @@ def check_spec(name: str) -> None:
     assert any(d % 128 and d % 192 for ts in tensors for d in spec.shape_of(ts, "ragged"))
 
 
-def static_violations(name: str) -> list[str]:
+def static_violations(name: str, suite: str = "llama3") -> list[str]:
     """What the verifier's static stage says of the task's expert program."""
     from coda_agent.verifier.static import check_source
 
-    t = task(name)
+    t = task(name, suite)
     return [str(v) for v in check_source(t.expert_path.read_text(), t.spec)]
 
 

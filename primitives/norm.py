@@ -20,11 +20,12 @@ vectors along the rows and along the columns)::
   not to |x - mean|.)
 - Statistics (family 4): where a GEMM produces x (a residual stream) its
   epilogue folds sum(x) and sum(x^2) per row (two ``col_sum``) and
-  :func:`layernorm_stats` finishes mean and rstd; where no GEMM does (a
-  block's first LayerNorm) :func:`row_stats` reads x once, in a tile pass.
-  Both form var = E[x^2] - mean^2 in fp32 (clamped at 0), whose relative
-  error is about 2^-24 * (1 + mean^2 / var): below bf16 precision while
-  |mean| < ~100 std.
+  :func:`layernorm_stats` finishes mean and rstd as var = E[x^2] - mean^2 in
+  fp32 (clamped at 0), whose relative error is about
+  2^-24 * (1 + mean^2 / var): below bf16 precision while |mean| < ~100 std.
+  Where no GEMM produces x (a block's first LayerNorm) :func:`row_stats`
+  reads x once, in a tile pass, and sums x - x[:, 0] instead: shifted by a
+  value of its own row, the sums cancel nothing whatever the mean.
 - Backward: with g the gradient of LN(x) and xhat = (x - mean) * rstd,
   ``dx = rstd * (gamma * g - (s1 + xhat * s2) / dim)`` needs
   s1 = sum(gamma * g) and s2 = sum(gamma * g * xhat) per row, and those are
@@ -56,8 +57,9 @@ from .reductions import col_sum, row_sum
 
 
 @epilogue(reductions={"sum": col_sum(), "sumsq": col_sum()})
-def row_moments(x: Tile):
-    return {"sum": x, "sumsq": x * x}
+def row_moments(x: Tile, shift: ColVec):
+    d = x - shift
+    return {"sum": d, "sumsq": d * d}
 
 
 @epilogue()
@@ -94,6 +96,14 @@ def _fold_over_columns(dtype: torch.dtype) -> Epilogue:
     return layernorm_fold
 
 
+def _mean_rstd(sums: torch.Tensor, sumsq: torch.Tensor, dim: int, eps: float,
+               shift: torch.Tensor | float = 0.0) -> dict[str, torch.Tensor]:
+    """mean and rstd from sums of x - shift and of its squares over ``dim`` columns."""
+    mean = sums.float() / float(dim)
+    var = (sumsq.float() / float(dim) - mean * mean).clamp_min(0.0)
+    return {"mean": mean + shift, "rstd": torch.rsqrt(var + float(eps))}
+
+
 @aux_kernel
 def layernorm_stats(sums: torch.Tensor, sumsq: torch.Tensor, dim: int, eps: float) -> dict[str, torch.Tensor]:
     """LayerNorm's ``{"mean", "rstd"}`` (M,) fp32 from per-row sums of x and of
@@ -101,19 +111,18 @@ def layernorm_stats(sums: torch.Tensor, sumsq: torch.Tensor, dim: int, eps: floa
     produced x): ``rstd = (E[x^2] - mean^2 + eps) ** -0.5``."""
     need("sums", sums, 1)
     need("sumsq", sumsq, 1)
-    mean = sums.float() / float(dim)
-    var = (sumsq.float() / float(dim) - mean * mean).clamp_min(0.0)
-    return {"mean": mean, "rstd": torch.rsqrt(var + float(eps))}
+    return _mean_rstd(sums, sumsq, dim, eps)
 
 
 @aux_kernel
 def row_stats(x: torch.Tensor, eps: float) -> dict[str, torch.Tensor]:
     """``{"mean", "rstd"}`` (M,) fp32 of each row of x (M, H), which no GEMM
-    produced (a block's first LayerNorm): one read of x in a tile pass (sums
-    in fp32), finished as :func:`layernorm_stats` does."""
+    produced (a block's first LayerNorm): one read of x in a tile pass that
+    sums x - x[:, 0] and its squares in fp32 (accurate for any mean)."""
     need("x", x, 2)
-    sums = tile_pass(row_moments, x=x)
-    return layernorm_stats(sums["sum"], sums["sumsq"], x.shape[1], eps)
+    shift = x[:, 0].float()
+    sums = tile_pass(row_moments, x=x, shift=shift)
+    return _mean_rstd(sums["sum"], sums["sumsq"], x.shape[1], eps, shift)
 
 
 @aux_kernel

@@ -166,6 +166,23 @@ def prologue(reps: int = 20) -> dict:
 EXPERIMENTS: dict[str, Callable[[], dict]] = {"bandwidth": bandwidth, "prologue": prologue}
 
 
+def run_experiments(path: Path, experiments: dict[str, Callable[[], dict]], **header: Any) -> int:
+    """Each experiment in turn, the results file rewritten after each (a run cut
+    short keeps what finished; a failing experiment is a section with its error)."""
+    result: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "versions": versions(), **header}
+    for name, experiment in experiments.items():
+        t0 = time.time()
+        try:
+            result[name] = experiment()
+        except Exception as e:  # noqa: BLE001 - keep the other experiments
+            traceback.print_exc(limit=5)
+            result[name] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+        result[f"{name}_s"] = round(time.time() - t0, 1)
+        path.write_text(json.dumps(result, indent=1))
+        print(f"{name}: {result[f'{name}_s']} s", flush=True)
+    return 0
+
+
 def main(argv: list[str]) -> int:
     dry = "--dry-run" in argv
     argv = [a for a in argv if a != "--dry-run"]
@@ -177,18 +194,10 @@ def main(argv: list[str]) -> int:
     if unknown:
         print(f"unknown experiment(s) {unknown}; choose from {list(EXPERIMENTS)} (a dry run has bandwidth only)")
         return 2
-    result: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "versions": versions(), "dry_run": dry}
-    for name in wanted:
-        t0 = time.time()
-        try:
-            result[name] = (bandwidth("cpu", ((256, 128), (1000, 200)), reps=2) if dry else EXPERIMENTS[name]())
-        except Exception as e:  # noqa: BLE001 - keep the other experiments
-            traceback.print_exc(limit=5)
-            result[name] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
-        result[f"{name}_s"] = round(time.time() - t0, 1)
-        path.write_text(json.dumps(result, indent=1))
-        print(f"{name}: {result[f'{name}_s']} s", flush=True)
-    return 0
+    if dry:
+        return run_experiments(path, {"bandwidth": lambda: bandwidth("cpu", ((256, 128), (1000, 200)), reps=2)},
+                               dry_run=True)
+    return run_experiments(path, {name: EXPERIMENTS[name] for name in wanted})
 
 
 if __name__ == "__main__":

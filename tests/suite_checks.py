@@ -133,3 +133,40 @@ def problems(t, shape_set: str, seed: int, source: str | None = None, *,
     out += [describe(m) for m in mismatches(t, shape_set, got, inputs, grads)]
     return out
 
+
+
+def sass_problems(name: str, kernels: list, allowed_spills: dict | None = None) -> list[str]:
+    """What the compile stage's SASS gate says of a program's compiled kernels:
+    sm_90a with HGMMA, no slow-path CALL, and no STL/LDL beyond
+    ``allowed_spills[(epilogue, config)]`` or ``allowed_spills[epilogue]``."""
+    allowed_spills = allowed_spills or {}
+    out = []
+    for k in kernels:
+        s = k.sass
+        where = f"{name}/{k.epilogue} [{k.config}]"
+        if s is None:
+            out.append(f"{where}: no SASS (pip install nvidia-cuda-cuobjdump)")
+            continue
+        if not (s.sm90a and s.hgmma > 0):
+            out.append(f"{where}: not sm_90a with HGMMA ({s})")
+        if s.calls:
+            out.append(f"{where}: {s.calls} slow-path CALLs")
+        allowed = allowed_spills.get((k.epilogue, k.config), allowed_spills.get(k.epilogue, 0))
+        if s.spill_stores + s.spill_loads > allowed:
+            out.append(f"{where}: {s.spill_stores} STL / {s.spill_loads} LDL (allowed {allowed} in all)")
+    return out
+
+
+def verifier_cpu_problems(tasks: list) -> list[str]:
+    """The verifier's own static and reference stages (the PyTorch-call audit
+    included) on each task's expert: every stage that did not pass."""
+    from coda_agent.verifier import Verifier
+
+    v = Verifier(stages=["static", "reference"], cache=False, timeout_s=300)
+    out = []
+    for t in tasks:
+        report = v.check(t, t.expert_path.read_text())
+        out += [f"{t.name}: {report.outcome}: {s.name}: {s.message}" for s in report.stages if s.status != "passed"]
+        if report.outcome != "cpu_passed" and not out:
+            out.append(f"{t.name}: {report.outcome}")
+    return out

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from suite_checks import check_spec, draw, load_expert, problems, run_program, static_violations
+from suite_checks import (check_spec, draw, load_expert, problems, run_program, sass_problems, static_violations,
+                          verifier_cpu_problems)
 from suite_checks import task as _task
 
 from coda_agent.primitives import compile_only
@@ -114,25 +115,13 @@ def test_expert_compiles_for_sm90a(name):
     gemms = len(kernels) - len(passes)
     assert (gemms, len(passes)) == KERNELS[name], [(k.epilogue, k.shapes) for k in kernels]
     assert {k.epilogue for k in passes} <= PASSES
-    for k in kernels:
-        s = k.sass
-        assert s is not None, "cuobjdump missing (pip install nvidia-cuda-cuobjdump)"
-        assert s.sm90a and s.hgmma > 0, f"{name}/{k.epilogue}: no HGMMA in SASS"
-        assert s.calls == 0, f"{name}/{k.epilogue} [{k.config}]: {s.calls} slow-path CALLs"
-        assert s.spill_stores + s.spill_loads <= KNOWN_SPILLS.get(k.epilogue, 0), f"{name}/{k.epilogue}: {s}"
+    assert not sass_problems(name, kernels, KNOWN_SPILLS)
 
 
 @pytest.mark.slow
 def test_verifier_cpu_stages_accept_experts():
     """The verifier's own static and reference stages (the PyTorch-call audit included)."""
-    from coda_agent.verifier import Verifier
-
-    v = Verifier(stages=["static", "reference"], cache=False, timeout_s=300)
-    for name in TASKS:
-        t = task(name)
-        report = v.check(t, t.expert_path.read_text())
-        bad = [f"{s.name}: {s.message}" for s in report.stages if s.status != "passed"]
-        assert report.outcome == "cpu_passed" and not bad, f"{name}: {report.outcome} {bad}"
+    assert not verifier_cpu_problems([task(name) for name in TASKS])
 
 
 @pytest.mark.gpu

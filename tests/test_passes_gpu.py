@@ -15,6 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from test_passes import PROGRAM as PASSES  # the CPU tier's passes: dgelu (reductions, partials), dswiglu
+
 from coda_agent.primitives import (TileConfig, layernorm_fold, load_program, lowering, normalize_rows, row_stats,
                                    tile_pass, tuning, vector_pass)
 
@@ -23,19 +25,6 @@ pytestmark = [pytest.mark.gpu,
 
 PROGRAM = load_program('''
 from coda_agent.primitives import *
-
-@epilogue(outputs={"act": "bf16"}, reductions={"db": row_sum(), "s": col_sum()})
-def dgelu(dy: Tile, pre: Tile, gw: RowVec, rstd: ColVec):
-    dpre = dy * (0.5 * (1.0 + erf(pre * 0.7071067811865476)) + pre * exp(-0.5 * pre * pre) * 0.3989422804014327)
-    return {"D": dpre * rstd, "act": gelu(pre), "db": dpre, "s": dpre * gw}
-
-@epilogue(reductions={"s": col_sum()})
-def dswiglu(dy: Tile, pre: PairedTile):
-    g, u = unpack(pre)
-    sg = sigmoid(g)
-    dg = dy * u * sg * (1.0 + g * (1.0 - sg))
-    du = dy * g * sg
-    return {"D": pack(dg, du), "s": dg * g + du * u}
 
 @epilogue(outputs={"g": "fp32", "b16": "fp32", "h16": "fp32"})
 def exact(x: Tile):
@@ -72,7 +61,11 @@ def _compare(case: str, got: dict, want: dict) -> None:
 def _tiles(m: int, n: int, seed: int) -> dict:
     gen = torch.Generator().manual_seed(seed)
     return {"dy": torch.randn(m, n, generator=gen).bfloat16(), "pre": (2 * torch.randn(m, n, generator=gen)).bfloat16(),
-            "gw": torch.randn(n, generator=gen), "rstd": torch.rand(m, generator=gen) + 0.5}
+            "shift": torch.randn(n, generator=gen), "scale": torch.rand(m, generator=gen) + 0.5, "alpha": 0.25}
+
+
+def _cuda(ops: dict) -> dict:
+    return {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in ops.items()}
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
@@ -80,9 +73,9 @@ def test_tile_pass_on_the_zero_mainloop_matches_the_reference(shape):
     m, n = SHAPES[shape]
     ops = _tiles(m, n, 1)
     with lowering("reference"):
-        want = tile_pass(PROGRAM.dgelu, **ops)
+        want = tile_pass(PASSES.dgelu, **ops)  # partials at the default config's tile_n, as the kernel's
     with lowering("cute"):
-        got = tile_pass(PROGRAM.dgelu, **{k: v.cuda() for k, v in ops.items()})
+        got = tile_pass(PASSES.dgelu, **_cuda(ops))
     torch.cuda.synchronize()
     _compare(f"dgelu/{shape}", got, want)
 
@@ -91,11 +84,11 @@ def test_tile_pass_at_every_config_the_tuner_may_pick():
     """tune() times a pass at each candidate (the benchmark tunes every untuned call)."""
     m, n = SHAPES["ragged"]
     ops = _tiles(m, n, 2)
-    with lowering("reference"):
-        want = tile_pass(PROGRAM.dgelu, **ops)
-    for cfg in tuning.candidates_for(PROGRAM.dgelu, ops):
+    for cfg in tuning.candidates_for(PASSES.dgelu, ops):
+        with lowering("reference"):
+            want = tile_pass(PASSES.dgelu, config=cfg, **ops)  # partials laid out per the config's tile_n
         with lowering("cute"):
-            got = tile_pass(PROGRAM.dgelu, config=cfg, **{k: v.cuda() for k, v in ops.items()})
+            got = tile_pass(PASSES.dgelu, config=cfg, **_cuda(ops))
         torch.cuda.synchronize()
         _compare(f"dgelu/{cfg}", got, want)
 
@@ -104,9 +97,9 @@ def test_paired_tile_pass_matches_the_reference():
     gen = torch.Generator().manual_seed(3)
     dy, pre = torch.randn(1000, 632, generator=gen).bfloat16(), torch.randn(1000, 1264, generator=gen).bfloat16()
     with lowering("reference"):
-        want = tile_pass(PROGRAM.dswiglu, dy=dy, pre=pre, config=TileConfig(tile_n=128, cluster_m=1))
+        want = tile_pass(PASSES.dswiglu, dy=dy, pre=pre, config=TileConfig(tile_n=128, cluster_m=1))
     with lowering("cute"):
-        got = tile_pass(PROGRAM.dswiglu, dy=dy.cuda(), pre=pre.cuda(), config=TileConfig(tile_n=128, cluster_m=1))
+        got = tile_pass(PASSES.dswiglu, dy=dy.cuda(), pre=pre.cuda(), config=TileConfig(tile_n=128, cluster_m=1))
     torch.cuda.synchronize()
     _compare("dswiglu", got, want)
 

@@ -183,7 +183,7 @@ def launch(epilogue: Epilogue | None, A: torch.Tensor, B: torch.Tensor, operands
                                  f"TileConfig(tile_n={hd}) or a multiple of it")
     if lowering == "reference":
         with launching(kind, name, str(cfg)):
-            return reference.run(epilogue, A, B, operands, out_dtype=dtype, tile_n=cfg.tile_n,
+            return reference.run(epilogue, A, B, operands, out_dtype=dtype, tile_m=cfg.tile_m, tile_n=cfg.tile_n,
                                  accumulate_into=accumulate_into)
     if lowering == "compile":
         return cute.compile_call(epilogue, A, B, operands, out_dtype=dtype, config=cfg,

@@ -34,6 +34,7 @@ _lowering: contextvars.ContextVar[str] = contextvars.ContextVar("coda_lowering",
 _ledger: contextvars.ContextVar[list | None] = contextvars.ContextVar("coda_ledger", default=None)
 _compiled: contextvars.ContextVar[list | None] = contextvars.ContextVar("coda_compiled", default=None)
 _launching: contextvars.ContextVar[bool] = contextvars.ContextVar("coda_launching", default=False)
+_padded: contextvars.ContextVar[bool] = contextvars.ContextVar("coda_padded_lanes", default=False)
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,28 @@ def current_lowering(*tensors: object) -> str:
         return name
     on_gpu = any(isinstance(t, torch.Tensor) and t.is_cuda for t in tensors)
     return "cute" if on_gpu else "reference"
+
+
+@contextlib.contextmanager
+def padded_lanes() -> Iterator[None]:
+    """Inside, the reference lowering runs each epilogue over whole tiles of its
+    tile configuration, as the kernel does: past a ragged edge the accumulator
+    and Tile operands are 0, vector operands hold stale values (quack's
+    predicated vector loads leave shared memory as it was), and sums fold every
+    lane, padded ones included (max, LSE and select mask them).  A program
+    whose results change inside is right on the CPU and wrong on the GPU at
+    ragged shapes: e.g. a col_sum of ``acc + bias`` adds the stale bias of each
+    padded column."""
+    token = _padded.set(True)
+    try:
+        yield
+    finally:
+        _padded.reset(token)
+
+
+def padding_lanes() -> bool:
+    """Whether :func:`padded_lanes` is in force."""
+    return _padded.get()
 
 
 @contextlib.contextmanager

@@ -20,12 +20,15 @@ vectors along the rows and along the columns)::
   not to |x - mean|.)
 - Statistics (family 4): where a GEMM produces x (a residual stream) its
   epilogue folds sum(x) and sum(x^2) per row (two ``col_sum``) and
-  :func:`layernorm_stats` finishes mean and rstd as var = E[x^2] - mean^2 in
-  fp32 (clamped at 0), whose relative error is about
-  2^-24 * (1 + mean^2 / var): below bf16 precision while |mean| < ~100 std.
-  Where no GEMM produces x (a block's first LayerNorm) :func:`row_stats`
-  reads x once, in a tile pass, and sums x - x[:, 0] instead: shifted by a
-  value of its own row, the sums cancel nothing whatever the mean.
+  :func:`layernorm_stats` finishes mean and rstd; where no GEMM does (a
+  block's first LayerNorm) :func:`row_stats` reads x once, in a tile pass.
+  Both form var = E[x^2] - mean^2 in fp32 (clamped at 0), whose relative
+  error is about 2^-24 * (1 + mean^2 / var): below bf16 precision while
+  |mean| < ~100 std.  A sum folds the padded lanes of a ragged last tile too,
+  where the accumulator and Tile loads are 0 but vectors are not: so with a
+  bias (x = acc + residual + bias) the epilogue folds a = acc + residual, a^2
+  and a * bias, and ``layernorm_stats(..., bias=, bias_dot=)`` adds the
+  bias's share.
 - Backward: with g the gradient of LN(x) and xhat = (x - mean) * rstd,
   ``dx = rstd * (gamma * g - (s1 + xhat * s2) / dim)`` needs
   s1 = sum(gamma * g) and s2 = sum(gamma * g * xhat) per row, and those are
@@ -57,9 +60,8 @@ from .reductions import col_sum, row_sum
 
 
 @epilogue(reductions={"sum": col_sum(), "sumsq": col_sum()})
-def row_moments(x: Tile, shift: ColVec):
-    d = x - shift
-    return {"sum": d, "sumsq": d * d}
+def row_moments(x: Tile):
+    return {"sum": x, "sumsq": x * x}
 
 
 @epilogue()
@@ -96,33 +98,43 @@ def _fold_over_columns(dtype: torch.dtype) -> Epilogue:
     return layernorm_fold
 
 
-def _mean_rstd(sums: torch.Tensor, sumsq: torch.Tensor, dim: int, eps: float,
-               shift: torch.Tensor | float = 0.0) -> dict[str, torch.Tensor]:
-    """mean and rstd from sums of x - shift and of its squares over ``dim`` columns."""
-    mean = sums.float() / float(dim)
-    var = (sumsq.float() / float(dim) - mean * mean).clamp_min(0.0)
-    return {"mean": mean + shift, "rstd": torch.rsqrt(var + float(eps))}
+def _mean_rstd(sums: torch.Tensor, sumsq: torch.Tensor, dim: int, eps: float) -> dict[str, torch.Tensor]:
+    mean = sums / float(dim)
+    var = (sumsq / float(dim) - mean * mean).clamp_min(0.0)
+    return {"mean": mean, "rstd": torch.rsqrt(var + float(eps))}
 
 
 @aux_kernel
-def layernorm_stats(sums: torch.Tensor, sumsq: torch.Tensor, dim: int, eps: float) -> dict[str, torch.Tensor]:
+def layernorm_stats(sums: torch.Tensor, sumsq: torch.Tensor, dim: int, eps: float, *,
+                    bias: torch.Tensor | None = None, bias_dot: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """LayerNorm's ``{"mean", "rstd"}`` (M,) fp32 from per-row sums of x and of
     x^2 over ``dim`` columns (two col_sum reductions of the epilogue that
-    produced x): ``rstd = (E[x^2] - mean^2 + eps) ** -0.5``."""
+    produced x): ``rstd = (E[x^2] - mean^2 + eps) ** -0.5``.  With ``bias``
+    (N,) and ``bias_dot`` (M,), the statistics of x = a + bias from the sums of
+    a, of a^2 and of a * bias (``bias_dot``): a sum must fold 0 in a ragged
+    tile's padded lanes, where a = acc + residual is and a bias is not."""
     need("sums", sums, 1)
     need("sumsq", sumsq, 1)
+    sums, sumsq = sums.float(), sumsq.float()
+    if (bias is None) != (bias_dot is None):
+        raise CatalogueError("layernorm_stats: give bias and bias_dot together (the sums of a, a^2 and a * bias "
+                             "for x = a + bias), or neither")
+    if bias is not None:
+        need("bias", bias, 1)
+        need("bias_dot", bias_dot, 1)
+        b = bias.float()
+        sums, sumsq = sums + b.sum(), sumsq + 2.0 * bias_dot.float() + (b * b).sum()
     return _mean_rstd(sums, sumsq, dim, eps)
 
 
 @aux_kernel
 def row_stats(x: torch.Tensor, eps: float) -> dict[str, torch.Tensor]:
     """``{"mean", "rstd"}`` (M,) fp32 of each row of x (M, H), which no GEMM
-    produced (a block's first LayerNorm): one read of x in a tile pass that
-    sums x - x[:, 0] and its squares in fp32 (accurate for any mean)."""
+    produced (a block's first LayerNorm): one read of x in a tile pass (sums
+    in fp32), finished as :func:`layernorm_stats` does."""
     need("x", x, 2)
-    shift = x[:, 0].float()
-    sums = tile_pass(row_moments, x=x, shift=shift)
-    return _mean_rstd(sums["sum"], sums["sumsq"], x.shape[1], eps, shift)
+    sums = tile_pass(row_moments, x=x)
+    return _mean_rstd(sums["sum"], sums["sumsq"], x.shape[1], eps)
 
 
 @aux_kernel

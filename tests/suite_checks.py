@@ -12,11 +12,13 @@ with the task's tolerance (CODA's rule plus the relative-norm check).
 
 from __future__ import annotations
 
+import contextlib
 from types import MappingProxyType, ModuleType
 
 import torch
 
 from coda_agent.primitives import load_program, lowering
+from coda_agent.primitives.lowering import padded_lanes
 from coda_agent.tasks import SUITES, load_task
 from coda_agent.verifier.compare import compare
 from coda_agent.verifier.inputs import make_grads, make_inputs, run_reference
@@ -113,18 +115,20 @@ def describe(m: Mismatch) -> str:
 
 
 def problems(t, shape_set: str, seed: int, source: str | None = None, *,
-             lowering_name: str = "reference", device: str = "cpu") -> list[str]:
+             lowering_name: str = "reference", device: str = "cpu", padded: bool = False) -> list[str]:
     """Run the expert (or ``source``) on the verifier's inputs for (shape_set, seed)
     under ``lowering_name`` and say what is wrong: inputs modified in place, and each
     tensor that fails the verifier's compare.  Empty list: it passes.
 
     ``device`` other than cpu: the inputs are drawn on the CPU and copied there; the
-    references stay fp64/lo on the CPU, as the verifier's reference stage does."""
+    references stay fp64/lo on the CPU, as the verifier's reference stage does.
+    ``padded``: the reference lowering folds padded lanes as the kernel does
+    (``padded_lanes``): a program whose reductions depend on them fails here."""
     inputs, grads = draw(t, shape_set, seed)
     dev_in = {k: v.to(device) for k, v in inputs.items()}
     dev_grads = {k: v.to(device) for k, v in grads.items()} if grads else None
     copies = {k: v.clone() for k, v in dev_in.items()}
-    with lowering(lowering_name):
+    with lowering(lowering_name), padded_lanes() if padded else contextlib.nullcontext():
         mod = load_expert(t, source, tag=f"{'expert' if source is None else 'candidate'}_{t.name}")
         got = run_program(t, mod, dev_in, dev_grads)
         if device != "cpu":

@@ -59,13 +59,13 @@ MUTANTS = [
     ("linear_gelu", '{"D": dpre, "db": dpre}', '{"D": dpre, "db": dy}'),
     ("ln_qkv", "rstd * (acc - mean * gw) + shift", "rstd * acc + shift"),  # no centring
     ("ln_qkv", '"s2": du * (u - shift)', '"s2": du * u'),  # the bias left in the statistic
-    ("residual_layernorm", '"sumsq": h * h', '"sumsq": h * acc'),
+    ("residual_layernorm", '"sumsq": a * a', '"sumsq": a * acc'),
     ("layernorm_bwd", '"dbeta": acc}', '"dbeta": acc * xhat}'),
     ("layernorm_bwd", "dres + rstd * gamma * acc + p * h + q", "dres + rstd * gamma * acc + q"),
     ("lm_head_xent", '"s2": gg * (h - mean) * rstd', '"s2": gg * h * rstd'),
     ("mlp_block", '"s2": dpre * (pre - shift)', '"s2": dpre * pre'),
     ("mlp_block", '"db_res": dy}', '"db_res": acc}'),
-    ("gpt2_block", '"db_res": dh}', '"db_res": dy}'),  # b_proj's gradient is sum_rows(dh2), not dh_out
+    ("gpt2_block", '"db_res": dy}', '"db_res": acc}'),
     ("gpt2_block", 'mean=st2["mean"], rstd=st2["rstd"]', 'mean=st1["mean"], rstd=st2["rstd"]'),
 ]
 
@@ -76,6 +76,29 @@ def test_checker_catches_mutant(name, orig, mutant):
     src = t.expert_path.read_text()
     assert orig in src, orig
     assert problems(t, "small", seed=7, source=src.replace(orig, mutant, 1)), f"{name}: mutant {mutant!r} passed"
+
+
+@pytest.mark.parametrize("name", TASKS)
+def test_expert_is_right_in_padded_lanes(name):
+    """Over whole tiles, as the kernel runs it: the sums fold a ragged tile's padded
+    lanes, where Tiles and the accumulator are 0 and vectors hold stale values."""
+    failures = problems(task(name), "ragged", seed=3030 + TASKS.index(name), padded=True)
+    assert not failures, f"{name}:\n" + "\n".join(failures)
+
+
+def test_padded_lanes_catch_a_bias_in_a_sum():
+    """Folding h = acc + b + x itself is right on the real extent and wrong on the
+    GPU at a ragged width (each padded column adds the stale bias): the plain
+    reference cannot tell, the padded one can."""
+    t = task("residual_layernorm")
+    src = t.expert_path.read_text()
+    for old, new in (('"sum": a, "sumsq": a * a, "bias_dot": a * b}', '"sum": a + b, "sumsq": (a + b) * (a + b), "bias_dot": 0.0 * a}'),
+                     ("bias=b_o, bias_dot=a[\"bias_dot\"]", "")):
+        assert old in src, old
+        src = src.replace(old, new)
+    src = src.replace("eps, )", "eps)")
+    assert not problems(t, "ragged", seed=5, source=src)
+    assert problems(t, "ragged", seed=5, source=src, padded=True)
 
 
 def test_lm_head_chunk_loop_matches_reference():
@@ -96,7 +119,7 @@ def test_lm_head_chunk_loop_matches_reference():
 KERNELS = {
     "out_proj_residual": (3, 1), "gelu_fwd": (1, 0), "gelu_bwd": (1, 0), "linear_gelu": (3, 1),
     "ln_qkv": (3, 3), "residual_layernorm": (2, 1), "layernorm_bwd": (2, 0), "lm_head_xent": (3, 3),
-    "mlp_block": (6, 2), "gpt2_block": (12, 3),
+    "mlp_block": (6, 2), "gpt2_block": (12, 4),
 }
 PASSES = {"row_moments", "layernorm_fold", "normalize", "bias_grad", "dgelu", "ln_grad_stats", "ln_backward"}
 # At the CPU shapes' 128x128 tile: dGELU with three reductions keeps 6 values in local

@@ -17,14 +17,16 @@ row from the two statistics s1 = d(out) . gw, s2 = d(out) . (out - c)
 side the dGELU epilogue reduces s1 and s2 (and b_fc's gradient); on the QKV
 side d(qkv) is an input (the attention backward's epilogue would host it), so
 one tile pass over dqkv and the saved qkv reduces them and b_qkv's gradient.
-The bias gradients of the two residual branches are reduced where their
-gradients are written: b_proj's (sum_rows(dh2)) by the QKV-side LayerNorm
-backward, b_o's (sum_rows(dh)) by the MLP-side one.
+The bias gradient of the MLP's residual branch, sum_rows(dh2), is reduced by
+the MLP-side LayerNorm backward, which reads dh2 as a tile; b_o's,
+sum_rows(dh), by a pass over dh, the block's input gradient.  (A sum folds the
+padded lanes of a ragged tile too, where a tile is 0 and a per-row
+coefficient is not, so the epilogue that writes dh cannot sum it.)
 
 Floor: 12 GEMMs; beyond their operands, per LayerNorm the residual read in its
 producing epilogue, the reads of h and dy and the LN(h) store in its backward
 epilogue and two passes over its weight; the pre store and its read in dGELU;
-and the pass over dqkv and qkv.
+the pass over dqkv and qkv; and the read of dh for b_o's gradient.
 """
 
 from coda_agent.primitives import (ColVec, RowVec, Scalar, Tile, col_sum, epilogue, erf, exp, gelu, gemm,
@@ -34,10 +36,12 @@ SQRT_HALF = 0.7071067811865476  # 1 / sqrt(2)
 INV_SQRT_2PI = 0.3989422804014327  # 1 / sqrt(2 * pi)
 
 
-@epilogue(reductions={"sum": col_sum(), "sumsq": col_sum()})
+@epilogue(reductions={"sum": col_sum(), "sumsq": col_sum(), "bias_dot": col_sum()})
 def residual_moments(acc, b: RowVec, x: Tile):
-    h = acc + b + x
-    return {"D": h, "sum": h, "sumsq": h * h}
+    # The sums fold a = acc + x, which is 0 in a ragged tile's padded lanes (b is
+    # not); layernorm_stats adds the bias's share.
+    a = acc + x
+    return {"D": a + b, "sum": a, "sumsq": a * a, "bias_dot": a * b}
 
 
 @epilogue(outputs={"act": "bf16"})
@@ -69,25 +73,39 @@ def ln_grad_coeffs(mean: ColVec, rstd: ColVec, s1: ColVec, s2: ColVec, inv_dim: 
     return {"r0": -rstd * mean, "p": -a * rstd * s2, "q": a * (rstd * mean * s2 - s1)}
 
 
-@epilogue(outputs={"ln": "bf16"}, reductions={"dgamma": row_sum(), "dbeta": row_sum(), "db_res": row_sum()})
+@epilogue(outputs={"ln": "bf16"}, reductions={"dgamma": row_sum(), "dbeta": row_sum()})
 def ln_backward(acc, h: Tile, dy: Tile, rstd: ColVec, r0: ColVec, p: ColVec, q: ColVec, gamma: RowVec,
                 beta: RowVec):
-    # db_res: the bias gradient of the residual branch that produced h, sum_rows(dh).
     xhat = rstd * h + r0
-    dh = dy + rstd * gamma * acc + p * h + q
-    return {"D": dh, "ln": xhat * gamma + beta, "dgamma": acc * xhat, "dbeta": acc, "db_res": dh}
+    return {"D": dy + rstd * gamma * acc + p * h + q, "ln": xhat * gamma + beta, "dgamma": acc * xhat,
+            "dbeta": acc}
+
+
+@epilogue(outputs={"ln": "bf16"}, reductions={"dgamma": row_sum(), "dbeta": row_sum(), "db_res": row_sum()})
+def ln_backward_bias(acc, h: Tile, dy: Tile, rstd: ColVec, r0: ColVec, p: ColVec, q: ColVec, gamma: RowVec,
+                     beta: RowVec):
+    # db_res = sum_rows(dy): the gradient of the bias added where dy's stream was
+    # produced (dy is a Tile, 0 in padded rows; dh is not: q holds a stale value there).
+    xhat = rstd * h + r0
+    return {"D": dy + rstd * gamma * acc + p * h + q, "ln": xhat * gamma + beta, "dgamma": acc * xhat,
+            "dbeta": acc, "db_res": dy}
+
+
+@epilogue(reductions={"db": row_sum()})
+def bias_grad(dy: Tile):
+    return {"db": dy}
 
 
 def forward(attn, x, w_o, b_o, gamma_mlp, beta_mlp, w_fc, b_fc, w_proj, b_proj, gamma_attn, beta_attn,
             w_qkv, b_qkv, eps):
     dim = x.shape[1]
     a = gemm(attn, w_o.t(), residual_moments, b=b_o, x=x)
-    st1 = layernorm_stats(a["sum"], a["sumsq"], dim, eps)
+    st1 = layernorm_stats(a["sum"], a["sumsq"], dim, eps, bias=b_o, bias_dot=a["bias_dot"])
     f_fc = layernorm_fold(w_fc.t(), gamma_mlp, beta_mlp, b_fc)
     fc = gemm(a["D"], f_fc["B"], ln_fc_gelu, mean=st1["mean"], rstd=st1["rstd"], gw=f_fc["gw"],
               shift=f_fc["c"])
     c = gemm(fc["act"], w_proj.t(), residual_moments, b=b_proj, x=a["D"])
-    st2 = layernorm_stats(c["sum"], c["sumsq"], dim, eps)
+    st2 = layernorm_stats(c["sum"], c["sumsq"], dim, eps, bias=b_proj, bias_dot=c["bias_dot"])
     f_qkv = layernorm_fold(w_qkv.t(), gamma_attn, beta_attn, b_qkv)
     qkv = gemm(c["D"], f_qkv["B"], ln_rank1, mean=st2["mean"], rstd=st2["rstd"], gw=f_qkv["gw"],
                shift=f_qkv["c"])["D"]
@@ -111,13 +129,13 @@ def backward(saved, dh_out, dqkv):
     da = gemm(dh2, saved["w_proj"], dgelu_stats, pre=saved["pre"], gw=saved["gw_fc"], shift=saved["shift_fc"])
     k1 = vector_pass(ln_grad_coeffs, mean=saved["mean1"], rstd=saved["rstd1"], s1=da["s1"], s2=da["s2"],
                      inv_dim=inv_dim)
-    d1 = gemm(da["D"], saved["w_fc"], ln_backward, h=h, dy=dh2, rstd=saved["rstd1"], r0=k1["r0"], p=k1["p"],
+    d1 = gemm(da["D"], saved["w_fc"], ln_backward_bias, h=h, dy=dh2, rstd=saved["rstd1"], r0=k1["r0"], p=k1["p"],
               q=k1["q"], gamma=saved["gamma_mlp"], beta=saved["beta_mlp"])
     dh1 = d1["D"]
     dw_fc = gemm(da["D"].t(), d1["ln"])["D"]
     dw_proj = gemm(dh2.t(), act)["D"]
-    # Out-projection + residual.
+    # Out-projection + residual; b_o's gradient sum_rows(dh1): dh1 leaves the block, so a pass reads it.
     return {"dattn": gemm(dh1, saved["w_o"])["D"], "dx": dh1, "dw_o": gemm(dh1.t(), saved["attn"])["D"],
-            "db_o": d1["db_res"], "dgamma_mlp": d1["dgamma"], "dbeta_mlp": d1["dbeta"], "dw_fc": dw_fc,
-            "db_fc": da["db"], "dw_proj": dw_proj, "db_proj": d2["db_res"], "dgamma_attn": d2["dgamma"],
+            "db_o": tile_pass(bias_grad, dy=dh1)["db"], "dgamma_mlp": d1["dgamma"], "dbeta_mlp": d1["dbeta"],
+            "dw_fc": dw_fc, "db_fc": da["db"], "dw_proj": dw_proj, "db_proj": d1["db_res"], "dgamma_attn": d2["dgamma"],
             "dbeta_attn": d2["dbeta"], "dw_qkv": dw_qkv, "db_qkv": st["db"]}

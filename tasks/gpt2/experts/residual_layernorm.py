@@ -6,7 +6,8 @@ one value per row, so LN commutes with the second GEMM in its rank-1 form
 y = rstd * (h @ (w_fc * gamma)^T - mean * gw) + c:
 
 1. GEMM1 epilogue: h = acc + b_o + x (stored: the residual stream) and the row
-   sums of h and h^2 (col_sum, from the fp32 h);
+   sums of a = acc + x, a^2 and a * b_o (col_sum, fp32; a, not h, is 0 in a
+   ragged tile's padded lanes);
 2. aux: mean and rstd from the sums (layernorm_stats); the folded weight, its
    column sums gw and c = beta @ w_fc^T + b_fc (layernorm_fold);
 3. GEMM2 reads the stored h; its epilogue finishes rstd * (acc - mean * gw) + c.
@@ -18,10 +19,12 @@ from coda_agent.primitives import (ColVec, RowVec, Tile, col_sum, epilogue, gemm
                                    layernorm_stats)
 
 
-@epilogue(reductions={"sum": col_sum(), "sumsq": col_sum()})
+@epilogue(reductions={"sum": col_sum(), "sumsq": col_sum(), "bias_dot": col_sum()})
 def residual_moments(acc, b: RowVec, x: Tile):
-    h = acc + b + x
-    return {"D": h, "sum": h, "sumsq": h * h}
+    # The sums fold a = acc + x, which is 0 in a ragged tile's padded lanes (b is
+    # not); layernorm_stats adds the bias's share.
+    a = acc + x
+    return {"D": a + b, "sum": a, "sumsq": a * a, "bias_dot": a * b}
 
 
 @epilogue()
@@ -31,7 +34,7 @@ def ln_rank1(acc, mean: ColVec, rstd: ColVec, gw: RowVec, shift: RowVec):
 
 def forward(attn, x, w_o, b_o, gamma, beta, w_fc, b_fc, eps):
     a = gemm(attn, w_o.t(), residual_moments, b=b_o, x=x)
-    stats = layernorm_stats(a["sum"], a["sumsq"], x.shape[1], eps)
+    stats = layernorm_stats(a["sum"], a["sumsq"], x.shape[1], eps, bias=b_o, bias_dot=a["bias_dot"])
     fold = layernorm_fold(w_fc.t(), gamma, beta, b_fc)
     y = gemm(a["D"], fold["B"], ln_rank1, mean=stats["mean"], rstd=stats["rstd"], gw=fold["gw"],
              shift=fold["c"])["D"]

@@ -272,3 +272,38 @@ def test_passes_and_layernorm_kernels_compile_for_sm90a(gen):
         assert s is not None and s.sm90a and s.hgmma > 0, (k.epilogue, s)
         assert s.calls == 0, (k.epilogue, k.config, s)
         assert s.spill_stores == 0 and s.spill_loads == 0 or k.config != str(narrow), (k.epilogue, k.config, s)
+
+
+# --------------------------------------------------------------------------- padded lanes
+
+
+def test_padded_lanes_fold_what_the_kernel_folds(gen):
+    """In padded_lanes mode a sum over a ragged edge adds what the fn returns in the
+    padded lanes (the accumulator and Tiles are 0 there, vectors stale); a max, an
+    LSE and the stores see only the real extent.  A fold that multiplies its vector
+    by the accumulator is unchanged; one that adds it is not."""
+    from coda_agent.primitives.lowering import padded_lanes
+
+    P = load_program('''
+from coda_agent.primitives import *
+
+@epilogue(outputs={"o": "bf16"}, reductions={"s": col_sum(), "t": row_sum(), "mx": col_max(), "lse": online_lse()})
+def probe(acc, b: RowVec, r: ColVec, x: Tile):
+    return {"D": acc + b, "o": x * r, "s": acc * b + x, "t": acc * r, "mx": acc + b, "lse": acc + b}
+
+@epilogue(reductions={"s": col_sum(), "t": row_sum()})
+def adds_vectors(acc, b: RowVec, r: ColVec):
+    return {"s": acc + b, "t": acc * r + r}
+''', "padded_probe")
+    A, B = _rand(M, 64, gen=gen), _rand(64, N, gen=gen)
+    ops = dict(b=torch.randn(N, generator=gen), r=torch.randn(M, generator=gen), x=_rand(M, N, gen=gen))
+    with lowering("reference"):
+        plain = gemm(A, B, P.probe, **ops)
+        plain_bad = gemm(A, B, P.adds_vectors, b=ops["b"], r=ops["r"])
+        with padded_lanes():
+            padded = gemm(A, B, P.probe, **ops)
+            padded_bad = gemm(A, B, P.adds_vectors, b=ops["b"], r=ops["r"])
+    for k in plain:
+        torch.testing.assert_close(padded[k], plain[k], atol=1e-4, rtol=1e-5)
+    for k in ("s", "t"):  # ragged in both dimensions: every row and column sum is off
+        assert (padded_bad[k] - plain_bad[k]).abs().min() > 1.0, k

@@ -3,19 +3,18 @@ CUDA): tile passes through quack's kernel on its zero mainloop against the
 reference lowering, erf / gelu / 16-bit rounding against PyTorch in fp64 and
 bit for bit, vector passes on the device, and LayerNorm's statistics, fold and
 row-scale.  With CODA_GPU_RESULTS set, each case appends its errors to
-``$CODA_GPU_RESULTS/passes.jsonl``."""
+``$CODA_GPU_RESULTS/primitives.jsonl``."""
 
 from __future__ import annotations
 
-import json
 import math
-import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from test_passes import PROGRAM as PASSES  # the CPU tier's passes: dgelu (reductions, partials), dswiglu
+from test_primitives_gpu import _record  # to $CODA_GPU_RESULTS/primitives.jsonl with the other catalogue cases
 
 from coda_agent.primitives import (TileConfig, layernorm_fold, load_program, lowering, normalize_rows, row_stats,
                                    tile_pass, tuning, vector_pass)
@@ -36,14 +35,6 @@ def centre(mean: ColVec, rstd: ColVec):
 ''', "passes_gpu")
 
 SHAPES = {"even": (2048, 3072), "ragged": (1000, 1264)}
-
-
-def _record(entry: dict) -> None:
-    out = os.environ.get("CODA_GPU_RESULTS")
-    if out:
-        os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, "passes.jsonl"), "a") as fh:
-            fh.write(json.dumps(entry) + "\n")
 
 
 def _compare(case: str, got: dict, want: dict) -> None:

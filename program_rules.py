@@ -35,15 +35,17 @@ MATH_MODULE = "math"  # `import math` / `from math import ...`: host-side arithm
 API: dict[str, tuple[str, ...]] = {
     "declaring an epilogue": ("epilogue",),
     "the mainloop": ("gemm", "TileConfig"),
+    "passes without a GEMM": ("tile_pass", "vector_pass"),
     "operand kinds": ("Tile", "RowVec", "ColVec", "Scalar", "PairedTile", "HeadStat"),
     "reductions and stateful transforms": ("col_sum", "col_max", "row_sum", "head_rstd", "online_lse",
                                            "select_col"),
     "math inside epilogue fns": ("unpack", "pack", "exp", "exp2", "log", "rsqrt", "sqrt", "reciprocal", "tanh",
-                                 "sin", "cos", "sigmoid", "silu", "gelu_tanh", "maximum", "minimum", "where",
-                                 "fma"),
+                                 "sin", "cos", "sigmoid", "silu", "gelu_tanh", "erf", "gelu", "round_bf16",
+                                 "round_fp16", "maximum", "minimum", "where", "fma"),
     "auxiliary kernels and layout helpers": ("rms_rstd", "rms_prepare", "xent_loss", "xent_grad_",
                                              "column_index", "to_fp32", "interleave_columns",
                                              "deinterleave_columns", "zeros_like", "add", "concat_rows"),
+    "LayerNorm": ("row_stats", "layernorm_stats", "layernorm_fold", "normalize_rows"),
     "fp8": ("quantize_rows",),
 }
 PROGRAM_API: tuple[str, ...] = tuple(name for names in API.values() for name in names)
@@ -117,6 +119,9 @@ RAGGED_LANES: tuple[RaggedLanes, ...] = (
     RaggedLanes("online_lse", "padded lanes are masked to -inf: any value is safe (an unaligned vocabulary "
                               "is fine)."),
     RaggedLanes("select_col", "reads only column `index[m]`; a row whose index is outside [0, N) gets 0.0."),
+    RaggedLanes("tile_pass", "a pass's fn runs over whole tiles as a GEMM epilogue does, with no `acc`: in "
+                             "padded lanes its Tile loads are 0 and its vector operands need not be, so each "
+                             "reduction above holds for it with `acc` left out."),
     RaggedLanes("head_rstd", "whole heads only: N and the tile width are multiples of the head width, so no head "
                              "straddles the edge."),
 )

@@ -1,7 +1,9 @@
-"""The suite's expert programs against the speed of light, on the H200.
+"""A suite's expert programs against the speed of light, on the H200.
 
-For every task of ``tasks/llama3`` and every LLaMA-3 shape set it has
-(1B / 8B / 70B at 16384 tokens by default), time with device events, L2
+For every task of a suite (``--suite``: ``llama3``, the default, ``gpt2`` or
+a folder of task YAMLs) and every benchmark shape set it has (LLaMA-3
+1B / 8B / 70B, or GPT-2 small / XL / a 7B-class width, all at 16384 tokens,
+by default), time with device events, L2
 flushed before every rep, medians over ``--reps`` runs on freshly drawn
 inputs (never zeros), with spread (p10/p90).  The contenders are timed
 interleaved, one rep of each per round, and the GPU's SM clock, power and
@@ -15,11 +17,12 @@ compare runs at the same clock and the record says which clock that was:
 - the PyTorch reference, eager and under ``torch.compile`` (default mode);
 - Liger, where it has the op (``bench/liger_baselines.py``).
 
-Writes ``bench/results/h200-<date>.json``; with ``--update-benchmarks`` it
+Writes ``bench/results/h200-<date>-<suite>.json``; with ``--update-benchmarks`` it
 also regenerates the table in BENCHMARKS.md from that file (``bench/table.py``
 renders several runs side by side).  Usage on the device::
 
     source scripts/gpu-env.sh && python3 bench/run.py --sets llama3-1b,llama3-8b
+    source scripts/gpu-env.sh && python3 bench/run.py --suite gpt2
 """
 
 from __future__ import annotations
@@ -216,9 +219,15 @@ def versions() -> dict:
 
 
 def main() -> int:
+    from coda_agent.tasks import BENCH_SETS, TaskSpecError, load_suite, suite_dir
+
     ap = argparse.ArgumentParser()
+    ap.add_argument("--suite", default="llama3",
+                    help=f"a packaged suite ({', '.join(BENCH_SETS)}) or a folder of task YAMLs")
     ap.add_argument("--tasks", default="", help="comma-separated task names (default: all)")
-    ap.add_argument("--sets", default="llama3-1b,llama3-8b,llama3-70b")
+    ap.add_argument("--sets", default=None,
+                    help="comma-separated shape sets (default for a packaged suite: "
+                         + "; ".join(f"{k}: {','.join(v)}" for k, v in BENCH_SETS.items()) + ")")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--no-tune", action="store_true")
     ap.add_argument("--steady", type=float, default=None, metavar="SECONDS",
@@ -234,9 +243,20 @@ def main() -> int:
     args = ap.parse_args()
     device = "cpu" if args.dry_run else "cuda"
     sys.path.insert(0, str(Path(__file__).parent))
+    sets = args.sets or ",".join(BENCH_SETS.get(args.suite, ()))
+    if not sets:
+        ap.error(f"--sets: {args.suite} is not a packaged suite, so name its shape sets")
+    try:
+        tasks = load_suite(suite_dir(args.suite))
+    except TaskSpecError as e:
+        ap.error(f"--suite: {e}")
     wanted = set(filter(None, args.tasks.split(",")))
-    suite = [t for t in load_suite(SUITE_DIR) if not wanted or t.name in wanted]
-    results = {"date": dt.date.today().isoformat(), "versions": versions(), "reps": args.reps,
+    unknown = wanted - {t.name for t in tasks}
+    if unknown:
+        ap.error(f"--tasks: {sorted(unknown)} are not in suite {args.suite} ({', '.join(t.name for t in tasks)})")
+    suite = [t for t in tasks if not wanted or t.name in wanted]
+    suite_name = Path(args.suite).name
+    results = {"date": dt.date.today().isoformat(), "suite": suite_name, "versions": versions(), "reps": args.reps,
                "method": "torch.cuda.Event, 256 MiB L2 flush before each rep, contenders interleaved "
                          "(one rep of each per round, random order), median (p10/p90)",
                "rows": []}
@@ -247,11 +267,11 @@ def main() -> int:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     suffix = "-steady" if args.steady is not None else ""
-    path = out_dir / f"{'h200' if device == 'cuda' else 'dryrun'}-{results['date']}{suffix}.json"
+    path = out_dir / f"{'h200' if device == 'cuda' else 'dryrun'}-{results['date']}-{suite_name}{suffix}.json"
     from clocks import ClockSampler  # bench/clocks.py, on the path above
 
     with ClockSampler() if device == "cuda" else contextlib.nullcontext() as sampler:
-        for task, shape_set in ((t, s) for t in suite for s in args.sets.split(",") if s in t.spec.shapes):
+        for task, shape_set in ((t, s) for t in suite for s in sets.split(",") if s in t.spec.shapes):
             t0 = time.time()
             try:
                 row = bench_task(task, shape_set, args.reps, tune=not args.no_tune, device=device,
@@ -273,7 +293,7 @@ def main() -> int:
     if args.update_benchmarks:
         import table  # bench/table.py, on the path above
 
-        table.update([f"{path}={results['versions']['gpu']}, {args.sets}, "
+        table.update([f"{path}={results['versions']['gpu']}, {suite_name} {sets}, "
                       f"{'untuned' if args.no_tune else 'tuned'}"])
     return 0
 

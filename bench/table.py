@@ -35,8 +35,8 @@ def geomean(values: list[float]) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
 
 
-BACKWARD = ("swiglu_bwd", "rmsnorm_bwd", "rope_bwd")  # backward math, one direction
-BLOCKS = ("mlp_block", "llama3_block")  # forward + backward of a whole block
+BACKWARD = ("swiglu_bwd", "rmsnorm_bwd", "rope_bwd", "layernorm_bwd", "gelu_bwd")  # backward math, one direction
+BLOCKS = ("mlp_block", "llama3_block", "gpt2_block")  # forward + backward of a whole block
 
 
 def _kind(task: str) -> str:

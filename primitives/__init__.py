@@ -16,9 +16,13 @@ The five CODA families:
 1. elementwise and pairwise maps: arithmetic on the fp32 accumulator, the math
    vocabulary in :mod:`.math`, and Pairs of adjacent columns (``unpack``/``pack``);
 2. vector load: ``RowVec`` (one value per column) and ``ColVec`` (one per row);
-3. tile load/store: ``Tile`` operands and extra ``outputs`` with their own dtype;
+   per-row/per-column math on finished statistics (``vector_pass``), and
+   LayerNorm's rank-1 form (``layernorm_fold``, ``normalize_rows``);
+3. tile load/store: ``Tile`` operands and extra ``outputs`` with their own dtype,
+   and epilogues over tiles without a GEMM (``tile_pass``);
 4. tile reductions: ``col_sum``, ``col_max``, ``row_sum`` and the aux kernels
-   that finish them (``rms_rstd``); per-head statistics (``head_rstd``);
+   that finish them (``rms_rstd``, ``layernorm_stats``, ``row_stats``);
+   per-head statistics (``head_rstd``);
 5. stateful transforms: ``online_lse`` and ``select_col`` across N tiles.
 
 FP8 (:mod:`.fp8`): ``gemm`` on fp8 operands with their scales as vector
@@ -39,8 +43,8 @@ The modules, each built only on those before it (tests/test_primitives_scope.py
 holds them to it): ``errors``, ``version``, ``fp8`` -> ``pair`` -> ``reductions`` ->
 ``operands`` -> ``epilogue`` -> ``tile_config``, ``lowering``, ``math``,
 ``program``, ``timing`` -> ``reference``, ``dsl_scope``, ``sass`` -> ``cute`` -> ``tuning``
--> ``gemm`` -> ``aux`` (with its Triton kernel, ``xent_triton``), ``quantize`` (with
-``quantize_triton``) -> ``catalogue``.
+-> ``gemm`` -> ``passes`` -> ``aux`` (with its Triton kernel, ``xent_triton``), ``quantize``
+(with ``quantize_triton``) -> ``norm`` -> ``catalogue``.
 """
 
 # PROGRAM_API, what a program may import, is the rules table's (the static stage enforces the same).
@@ -54,10 +58,12 @@ from .epilogue import Epilogue, epilogue
 from .errors import CatalogueError
 from .gemm import gemm
 from .lowering import CompiledKernel, Launch, SassReport, compile_only, current_lowering, launch_ledger, lowering
-from .math import (cos, exp, exp2, fma, gelu_tanh, log, maximum, minimum, reciprocal, rsqrt, sigmoid, silu, sin,
-                   sqrt, tanh, where)
+from .math import (cos, erf, exp, exp2, fma, gelu, gelu_tanh, log, maximum, minimum, reciprocal, round_bf16,
+                   round_fp16, rsqrt, sigmoid, silu, sin, sqrt, tanh, where)
+from .norm import layernorm_fold, layernorm_stats, normalize_rows, row_stats
 from .operands import ColVec, HeadStat, PairedTile, RowVec, Scalar, Tile
 from .pair import pack, unpack
+from .passes import tile_pass, vector_pass
 from .program import load_program
 from .quantize import quantize_rows
 from .reductions import col_max, col_sum, head_rstd, online_lse, row_sum, select_col

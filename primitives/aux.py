@@ -15,24 +15,20 @@ except :func:`xent_grad_`, which on CUDA tensors is one Triton kernel
 
 from __future__ import annotations
 
-import contextlib
 from typing import Callable
 
 import torch
 
 from .errors import CatalogueError
-from .lowering import current_lowering, launching
+from .lowering import launching
 
 
-def _aux(fn: Callable) -> Callable:
+def aux_kernel(fn: Callable) -> Callable:
+    """Make ``fn`` a catalogue auxiliary kernel: one ``aux`` launch, no autograd."""
     name = fn.__name__
 
     def run(*args, **kwargs):  # noqa: ANN002, ANN003
-        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-        # Compile-only runs still compute (cheap at the small compile shapes, and it
-        # keeps every later shape right) but launch nothing worth recording.
-        compiling = current_lowering(*tensors) == "compile"
-        with contextlib.nullcontext() if compiling else launching("aux", name), torch.no_grad():
+        with launching("aux", name), torch.no_grad():
             return fn(*args, **kwargs)
 
     run.__name__ = name
@@ -41,7 +37,8 @@ def _aux(fn: Callable) -> Callable:
     return run
 
 
-def _need(name: str, t: object, dims: int | None = None) -> torch.Tensor:
+def need(name: str, t: object, dims: int | None = None) -> torch.Tensor:
+    """``t``, or a CatalogueError naming what it must be (a tensor, of ``dims`` dimensions)."""
     if not isinstance(t, torch.Tensor):
         raise CatalogueError(f"{name} must be a tensor; got {type(t).__name__}")
     if dims is not None and t.dim() != dims:
@@ -49,23 +46,23 @@ def _need(name: str, t: object, dims: int | None = None) -> torch.Tensor:
     return t
 
 
-@_aux
+@aux_kernel
 def rms_rstd(sqsum: torch.Tensor, dim: int, eps: float) -> torch.Tensor:
     """Inverse RMS from a sum of squares: ``(sqsum / dim + eps) ** -0.5`` (fp32).
 
     ``sqsum`` is any fp32 tensor of sums (a col_sum (M,), per-head partials
     (M, heads)); ``dim`` is how many squares each sum holds."""
-    _need("sqsum", sqsum)
+    need("sqsum", sqsum)
     return torch.rsqrt(sqsum.float() / float(dim) + float(eps))
 
 
-@_aux
+@aux_kernel
 def rms_prepare(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> dict[str, torch.Tensor]:
     """Entry RMSNorm with no producing GEMM: ``{"xg": x * gamma, "rstd": (M,)}``.
 
     Feed ``xg`` to the next GEMM and multiply its accumulator by ``rstd`` (a
     ColVec): RMSNorm(x) @ W == rstd * ((x * gamma) @ W)."""
-    _need("x", x, 2)
+    need("x", x, 2)
     # One read of x for the statistic (fp32 accumulation, no fp32 copy of x) and
     # one read + write for x * gamma (computed in fp32, rounded once to x's dtype).
     norm = torch.linalg.vector_norm(x, 2, dim=1, dtype=torch.float32)
@@ -77,15 +74,15 @@ def rms_prepare(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> dict[str, t
     return {"xg": xg, "rstd": rstd}
 
 
-@_aux
+@aux_kernel
 def xent_loss(lse: torch.Tensor, target_logit: torch.Tensor, target: torch.Tensor,
               ignore_index: int = -100) -> torch.Tensor:
     """Per-row cross-entropy ``lse - target_logit`` (0 where target == ignore_index)."""
-    _need("lse", lse, 1)
+    need("lse", lse, 1)
     return torch.where(target == ignore_index, torch.zeros_like(lse), lse - target_logit)
 
 
-@_aux
+@aux_kernel
 def xent_grad_(logits: torch.Tensor, lse: torch.Tensor, target: torch.Tensor,
                dloss: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
     """In place: ``logits <- (softmax(logits) - onehot(target)) * dloss[:, None]``.
@@ -95,10 +92,10 @@ def xent_grad_(logits: torch.Tensor, lse: torch.Tensor, target: torch.Tensor,
     target is ``ignore_index`` become 0; a target outside [0, V) subtracts no
     one-hot.  Returns ``logits`` (now dlogits), ready to be the A operand of
     dX = dlogits @ W and the B operand of dW = X^T @ dlogits."""
-    _need("logits", logits, 2)
-    _need("lse", lse, 1)
-    _need("target", target, 1)
-    _need("dloss", dloss, 1)
+    need("logits", logits, 2)
+    need("lse", lse, 1)
+    need("target", target, 1)
+    need("dloss", dloss, 1)
     if logits.is_cuda and logits.stride(1) == 1:
         from .xent_triton import xent_grad_triton  # lazy: CPU runs never import Triton
 
@@ -130,45 +127,45 @@ def _xent_grad_torch(logits: torch.Tensor, lse: torch.Tensor, target: torch.Tens
     return logits
 
 
-@_aux
+@aux_kernel
 def column_index(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """fp32 ``[0, 1, ..., n-1]``: a RowVec for epilogues that need the column number
     (exact up to 2**24)."""
     return torch.arange(n, dtype=torch.float32, device=device)
 
 
-@_aux
+@aux_kernel
 def to_fp32(x: torch.Tensor) -> torch.Tensor:
     """A copy of ``x`` as fp32 (e.g. integer targets compared against column_index)."""
-    return _need("x", x).float()
+    return need("x", x).float()
 
 
-@_aux
+@aux_kernel
 def interleave_columns(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Weight layout: (K, N) and (K, N) -> (K, 2N) with columns [a0, b0, a1, b1, ...],
     so adjacent accumulator columns form the (gate, up) Pair of SwiGLU."""
-    _need("a", a, 2)
-    _need("b", b, 2)
+    need("a", a, 2)
+    need("b", b, 2)
     if a.shape != b.shape:
         raise CatalogueError(f"interleave_columns: shapes differ {tuple(a.shape)} vs {tuple(b.shape)}")
     return torch.stack((a, b), dim=-1).flatten(-2).contiguous()
 
 
-@_aux
+@aux_kernel
 def deinterleave_columns(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse of :func:`interleave_columns`: (K, 2N) -> even and odd columns (copies)."""
-    _need("x", x, 2)
+    need("x", x, 2)
     return x[:, 0::2].contiguous(), x[:, 1::2].contiguous()
 
 
-@_aux
+@aux_kernel
 def zeros_like(x: torch.Tensor) -> torch.Tensor:
     """A zero-filled tensor like ``x``: the start of a gradient accumulated with
     ``gemm(..., accumulate_into=...)``."""
-    return torch.zeros_like(_need("x", x))
+    return torch.zeros_like(need("x", x))
 
 
-@_aux
+@aux_kernel
 def add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a + b`` for two gradients of the same shape (e.g. weight-gradient partials
     from token chunks), in a's dtype."""
@@ -177,7 +174,7 @@ def add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.float() + b.float()).to(a.dtype)
 
 
-@_aux
+@aux_kernel
 def concat_rows(parts: list) -> torch.Tensor:
     """Join 1-D per-row vectors end to end: the per-chunk results (loss, lse) of a
     program that chunks over tokens, e.g. ``concat_rows([loss_0, loss_1, ...])``.
@@ -188,7 +185,7 @@ def concat_rows(parts: list) -> torch.Tensor:
     if not isinstance(parts, (list, tuple)) or not parts:
         raise CatalogueError("concat_rows takes a non-empty list of 1-D tensors")
     for i, p in enumerate(parts):
-        _need(f"parts[{i}]", p, 1)
+        need(f"parts[{i}]", p, 1)
         if p.dtype != parts[0].dtype or p.device != parts[0].device:
             raise CatalogueError(f"concat_rows: parts[{i}] is {p.dtype} on {p.device}; parts[0] is "
                                  f"{parts[0].dtype} on {parts[0].device}")

@@ -17,12 +17,13 @@ import textwrap
 
 from coda_agent import program_rules as rules
 
-from . import aux, fp8, operands, quantize, reductions
+from . import aux, fp8, norm, operands, quantize, reductions
 from .epilogue import epilogue as _epilogue
 from .gemm import gemm
 from .math import VOCABULARY
 from .operands import HeadStat, PairedTile, Scalar
 from .pair import pack, unpack
+from .passes import tile_pass, vector_pass
 from .reductions import col_sum, head_rstd
 from .tile_config import TileConfig, default_config
 from .version import CATALOGUE_VERSION
@@ -75,6 +76,24 @@ def scale_to_fp8(acc, a_scale: ColVec, w_scale: RowVec, q_scale: ColVec):
     v = acc * a_scale * w_scale   # fp8 A and B: their scales dequantize the accumulator
     # the next GEMM's operand, stored in fp8 with a scale known before this GEMM (delayed)
     return {"D": v, "q": v * reciprocal(q_scale)}
+''',
+    "tile pass": '''
+@epilogue(reductions={"db": row_sum()})
+def dgelu(dy: Tile, pre: Tile):   # no acc: run by tile_pass(dgelu, dy=dy, pre=pre), no GEMM
+    cdf = 0.5 * (1.0 + erf(pre * 0.7071067811865476))
+    dpre = dy * (cdf + pre * exp(-0.5 * pre * pre) * 0.3989422804014327)
+    return {"D": dpre, "db": dpre}   # dGELU of an incoming gradient, and its bias gradient
+''',
+    "layernorm": '''
+@epilogue()
+def ln_rank1(acc, mean: ColVec, rstd: ColVec, gw: RowVec, shift: RowVec):
+    # gemm(x, fold["B"], ln_rank1, ...) with fold = layernorm_fold(W.t(), gamma, beta, bias)
+    # and the statistics of x: LN(x) @ W.t() + bias, reading x itself
+    return {"D": rstd * (acc - mean * gw) + shift}
+
+@epilogue(outputs={"r0": "fp32"})
+def centre(mean: ColVec, rstd: ColVec):   # no acc, only vectors: vector_pass(centre, mean=..., rstd=...)
+    return {"r0": -rstd * mean}           # once per row, so an epilogue's xhat is rstd * x + r0
 ''',
     "paired tile": '''
 @epilogue(outputs={"postact": "bf16"}, reductions={"s": col_sum()})
@@ -163,8 +182,9 @@ def render() -> str:
     out: list[str] = [f"# The epilogue catalogue (version {CATALOGUE_VERSION})", ""]
     out += ["A program is one Python module that imports only from `coda_agent.primitives` "
             "(and `math`). It declares epilogue fns and composes them in `forward` "
-            "(and `backward`) with `gemm`, the auxiliary kernels and the layout helpers. "
-            "All math on tensors happens in epilogues and auxiliary kernels; the host side only "
+            "(and `backward`) with `gemm`, the passes (`tile_pass`, `vector_pass`), the auxiliary "
+            "kernels and the layout helpers. "
+            "All math on tensors happens in epilogues, passes and auxiliary kernels; the host side only "
             "composes calls, by the rules below (the verifier enforces the same rules).", ""]
     out += ["## Program skeleton", "", "```python", PROGRAM_SKELETON.strip(), "```", ""]
     out += ["## The host side: forward and backward", "", *host_lines(), ""]
@@ -175,6 +195,18 @@ def render() -> str:
     out += ["What `config=None` compiles: the tile is chosen per call from the epilogue and the GEMM's "
             "M and N (`default_config` in primitives/gemm.py; on a GPU a tuned winner stored by "
             "bench/run.py takes precedence), for example:", "", *config_lines(), ""]
+    out += ["## Passes without a GEMM (families 3 and 2)", "",
+            "An epilogue fn declared without `acc` (every parameter an operand) is a pass: "
+            "`gemm` refuses it; `tile_pass` runs it over the tiles of its Tile operands (family 3: "
+            "work no GEMM of the program produces, e.g. dGELU of an incoming gradient, the statistics "
+            "of an input) and `vector_pass` over ColVec or RowVec vectors (family 2: math on finished "
+            "per-row or per-column statistics, once per row instead of once per element).", ""]
+    for fn in (tile_pass, vector_pass):
+        out += [f"- `{_sig(fn)}`: {_doc(fn)}"]
+    out += ["", "## LayerNorm (families 2 and 4)", "", _doc(norm).split("\n\n", 1)[1], ""]
+    for fn in norm.NORM_KERNELS:
+        out += [f"- `{_sig(fn)}`: {_doc(fn)}"]
+    out += [""]
     out += ["## Declaring an epilogue: `@epilogue`", "", f"`{_sig(_epilogue)}`", "",
             _doc(inspect.getmodule(_epilogue)), ""]
     out += ["## Families 2-3: operand kinds", ""]

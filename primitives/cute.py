@@ -60,8 +60,11 @@ def _wrap_fn(epi: Epilogue) -> Any:
     def outbound(value):  # noqa: ANN001, ANN202 - traced by quack
         return QuackPair(value.a, value.b) if isinstance(value, Pair) else value
 
+    reads_acc = epi.reads_acc  # a pass's fn takes no accumulator (its mainloop computes zeros)
+
     def coda_epilogue(acc, **operands):  # noqa: ANN001, ANN202 - signature set below
-        result = user(inbound(acc), **{names[k]: inbound(v) for k, v in operands.items()})
+        args = {names[k]: inbound(v) for k, v in operands.items()}
+        result = user(inbound(acc), **args) if reads_acc else user(**args)
         return {k: outbound(v) for k, v in result.items()}
 
     params = [inspect.Parameter(p, inspect.Parameter.POSITIONAL_OR_KEYWORD) for p in ("acc", *names)]

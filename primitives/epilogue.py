@@ -9,6 +9,12 @@ Contract, as one signature::
 - ``acc`` is the fp32 accumulator element of C = A @ B; every other parameter
   is an operand whose kind (``Tile``, ``RowVec``, ``ColVec``, ``Scalar``,
   ``PairedTile``) is *declared* by its annotation.
+- A fn without ``acc`` (every parameter an operand) is a *pass*: it runs over
+  tiles without a GEMM (``tile_pass``: the dGELU of an incoming gradient, the
+  row statistics of an input) or over per-row / per-column vectors
+  (``vector_pass``: coefficients computed once per row instead of once per
+  element); ``gemm`` refuses it, and the passes refuse a fn that reads
+  ``acc``, so a zero accumulator is never mistaken for data.
 - The fn returns a dict: ``"D"`` (the GEMM's main output, in ``gemm``'s
   ``out_dtype``; leave it out and no D is written at all), one entry per
   declared extra output (stored at its own dtype) and one per declared
@@ -78,6 +84,7 @@ class Epilogue:
     pairs: str | None  # None | "acc" | name of the PairedTile operand
     head_stats: dict[str, HeadRms] = field(default_factory=dict)
     stores_d: bool = True
+    reads_acc: bool = True  # False: a pass over tiles or vectors, not a GEMM epilogue
     line: int | None = None
     _lowered: dict = field(default_factory=dict, repr=False)  # per-lowering cache (cute EpiMods)
 
@@ -118,15 +125,17 @@ class Epilogue:
     def tile_arguments(self, acc: torch.Tensor, operands: dict[str, Any]) -> dict[str, Any]:
         """The fn's keyword arguments for one call on the whole fp32 (M, N)
         accumulator ``acc`` (the reference lowering and the dry run)."""
-        args: dict[str, Any] = {"acc": Pair.of_columns(acc) if self.pairs_acc else acc}
+        args: dict[str, Any] = {}
+        if self.reads_acc:
+            args["acc"] = Pair.of_columns(acc) if self.pairs_acc else acc
         for name, kind in self.operands.items():
             args[name] = kind.reference_argument(operands[name], acc, self.pairs_acc,
                                                  self.head_stats.get(name))
         return args
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        raise CatalogueError(f"epilogue {self.name!r} is not called directly; pass it to "
-                             f"gemm(A, B, {self.name}, ...)")
+        how = f"gemm(A, B, {self.name}, ...)" if self.reads_acc else f"tile_pass({self.name}, ...)"
+        raise CatalogueError(f"epilogue {self.name!r} is not called directly; pass it to {how}")
 
     def __repr__(self) -> str:
         return f"<epilogue {self.name} operands={ {k: v.name for k, v in self.operands.items()} }>"
@@ -188,14 +197,24 @@ def epilogue(outputs: dict[str, str] | None = None,
             raise CatalogueError("@epilogue decorates a plain function `def fn(acc, ...)`")
         line = _fn_line(fn)
         params = list(inspect.signature(fn).parameters.values())
-        if not params or params[0].name != "acc":
-            raise CatalogueError(f"epilogue {fn.__name__!r}: the first parameter must be `acc` "
-                                 "(the fp32 accumulator element)", line=line)
+        if not params:
+            raise CatalogueError(f"epilogue {fn.__name__!r} takes no parameters: a GEMM epilogue starts "
+                                 "with `acc` (the fp32 accumulator element), a pass takes only operands",
+                                 line=line)
         for p in params:
             if p.kind not in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) or p.default is not p.empty:
                 raise CatalogueError(f"epilogue {fn.__name__!r}: parameter {p.name!r} must be a "
                                      "plain name without default, *args or **kwargs", line=line)
-        operands = {p.name: _resolve_kind(fn, p.name, p.annotation) for p in params[1:]}
+        reads_acc = params[0].name == "acc"
+        if any(p.name == "acc" for p in params[1:]):
+            raise CatalogueError(f"epilogue {fn.__name__!r}: `acc` (the fp32 accumulator element) must be "
+                                 "the first parameter", line=line)
+        if not reads_acc and (pairs == "acc" or head_stats):
+            what = "pairs='acc'" if pairs == "acc" else "head_stats"
+            raise CatalogueError(f"epilogue {fn.__name__!r} has no `acc`, so it is a pass without a GEMM, "
+                                 f"and {what} reads the accumulator; pair a PairedTile operand instead, "
+                                 "or make `acc` the first parameter and run it in a gemm", line=line)
+        operands = {p.name: _resolve_kind(fn, p.name, p.annotation) for p in params[1 if reads_acc else 0:]}
         for name, dt in outputs.items():
             if dt not in OUTPUT_DTYPES:
                 raise CatalogueError(f"epilogue {fn.__name__!r}: output {name!r} has dtype {dt!r}; "
@@ -250,7 +269,8 @@ def epilogue(outputs: dict[str, str] | None = None,
         _check_body(fn)
         epi = Epilogue(fn=fn, operands=operands,
                        outputs={k: OUTPUT_DTYPES[v] for k, v in outputs.items()},
-                       reductions=reductions, pairs=mode_pairs, head_stats=head_stats, line=line)
+                       reductions=reductions, pairs=mode_pairs, head_stats=head_stats, reads_acc=reads_acc,
+                       line=line)
         epi.stores_d = _dry_run(epi)
         return epi
 

@@ -13,7 +13,10 @@ Every catalogue call that launches device work appends a :class:`Launch` to
 the active :func:`launch_ledger` and runs inside a ``torch.profiler``
 ``record_function`` range named ``coda::<kind>::<name>``: the verifier's launch
 audit attributes every CUDA kernel to such a range, and a kernel outside all
-of them is compute the program smuggled past the catalogue.
+of them is compute the program smuggled past the catalogue.  A catalogue call
+made inside another (the tile pass that ``layernorm_fold`` runs) adds no entry
+of its own: the program made one call, and the audit counts at least one
+kernel per entry.
 """
 
 from __future__ import annotations
@@ -30,11 +33,13 @@ LOWERINGS = ("auto", "reference", "cute", "compile")
 _lowering: contextvars.ContextVar[str] = contextvars.ContextVar("coda_lowering", default="auto")
 _ledger: contextvars.ContextVar[list | None] = contextvars.ContextVar("coda_ledger", default=None)
 _compiled: contextvars.ContextVar[list | None] = contextvars.ContextVar("coda_compiled", default=None)
+_launching: contextvars.ContextVar[bool] = contextvars.ContextVar("coda_launching", default=False)
+_padded: contextvars.ContextVar[bool] = contextvars.ContextVar("coda_padded_lanes", default=False)
 
 
 @dataclass(frozen=True)
 class Launch:
-    kind: str  # "gemm" | "aux"
+    kind: str  # "gemm" | "pass" (a tile pass: an epilogue over a zero mainloop) | "aux"
     name: str
     config: str = ""  # the tile configuration a gemm ran with (reports show it)
 
@@ -84,6 +89,28 @@ def current_lowering(*tensors: object) -> str:
 
 
 @contextlib.contextmanager
+def padded_lanes() -> Iterator[None]:
+    """Inside, the reference lowering runs each epilogue over whole tiles of its
+    tile configuration, as the kernel does: past a ragged edge the accumulator
+    and Tile operands are 0, vector operands hold stale values (quack's
+    predicated vector loads leave shared memory as it was), and sums fold every
+    lane, padded ones included (max, LSE and select mask them).  A program
+    whose results change inside is right on the CPU and wrong on the GPU at
+    ragged shapes: e.g. a col_sum of ``acc + bias`` adds the stale bias of each
+    padded column."""
+    token = _padded.set(True)
+    try:
+        yield
+    finally:
+        _padded.reset(token)
+
+
+def padding_lanes() -> bool:
+    """Whether :func:`padded_lanes` is in force."""
+    return _padded.get()
+
+
+@contextlib.contextmanager
 def launch_ledger() -> Iterator[list[Launch]]:
     """Collect a :class:`Launch` per device-work call made inside."""
     launches: list[Launch] = []
@@ -114,9 +141,19 @@ def record_compiled(kernel: CompiledKernel) -> None:
 
 @contextlib.contextmanager
 def launching(kind: str, name: str, config: str = "") -> Iterator[None]:
-    """Ledger entry plus a profiler range around one catalogue launch."""
+    """Ledger entry plus a profiler range around one catalogue launch (none
+    inside another launch, see the module doc, and none while compiling: a
+    compile-only run launches nothing, though its aux kernels still compute,
+    cheaply at the compile shapes, to keep every later shape right)."""
+    if _launching.get() or _lowering.get() == "compile":
+        yield
+        return
     sink = _ledger.get()
     if sink is not None:
         sink.append(Launch(kind, name, config))
-    with torch.profiler.record_function(f"coda::{kind}::{name}"):
-        yield
+    token = _launching.set(True)
+    try:
+        with torch.profiler.record_function(f"coda::{kind}::{name}"):
+            yield
+    finally:
+        _launching.reset(token)

@@ -19,6 +19,13 @@ Precision choices (both lowerings agree to fp32 rounding, not bitwise):
 ``sigmoid``/``silu`` built on them) use the fast hardware approximations on the
 GPU (relative error ~1e-7..1e-6, far below bf16), never the IEEE-exact
 sequences with a per-element slow-path call;
+``erf`` (and the exact ``gelu`` built on it) is libdevice's ``erff`` (about
+2 ulp, branch-free: two polynomials and a select, no slow path), because the
+DSL's fast ``erf`` is Abramowitz-Stegun 7.1.26, whose absolute error of ~1e-7
+is a large relative error for small arguments;
+``round_bf16``/``round_fp16`` round to the 16-bit grid a store rounds to
+(round-to-nearest-even) and return fp32, so a statistic can be folded from
+exactly the values a 16-bit output keeps;
 ``sin``/``cos`` reduce the angle by 2*pi first (RoPE angles reach 1e5 rad)
 and then use the fast versions, avoiding the precise versions' local-memory
 slow path.
@@ -36,6 +43,7 @@ from .pair import Pair
 from .version import CATALOGUE_VERSION
 
 _GELU_C = _m.sqrt(2.0 / _m.pi)
+_SQRT_HALF = _m.sqrt(0.5)
 
 
 def _is_tensor(args: tuple) -> bool:
@@ -135,6 +143,23 @@ def _gelu_cute(x: Any) -> Any:
     return 0.5 * x * (1.0 + _cm().math.tanh(_GELU_C * (x + 0.044715 * x * x * x), fastmath=True))
 
 
+def _erf_cute(x: Any) -> Any:
+    # Not fastmath: the fast erf is Abramowitz-Stegun 7.1.26 (see the module doc).
+    return _cm().math.erf(_f32(x))
+
+
+def _round_torch(dtype: torch.dtype) -> Callable:
+    return lambda x: x.to(dtype).to(x.dtype)
+
+
+def _round_cute(dtype_name: str) -> Callable:
+    def impl(x: Any) -> Any:
+        import cutlass
+
+        return _f32(getattr(cutlass, dtype_name)(_f32(x)))
+    return impl
+
+
 exp = MathFn("exp", 1, torch.exp, lambda x: _cm().math.exp(x, fastmath=True),
              "e**x.", "exp(acc - m)")
 exp2 = MathFn("exp2", 1, torch.exp2, lambda x: _cm().math.exp2(x, fastmath=True),
@@ -173,6 +198,19 @@ silu = MathFn("silu", 1, lambda x: x * torch.sigmoid(x), lambda x: x * _sigmoid_
               "x * sigmoid(x) (SwiGLU's gate).", "silu(g) * u")
 gelu_tanh = MathFn("gelu_tanh", 1, _gelu_torch, _gelu_cute,
                    "GELU, tanh approximation.", "gelu_tanh(acc + bias)")
+erf = MathFn("erf", 1, torch.erf, _erf_cute,
+             "The error function, 2/sqrt(pi) * integral of exp(-t**2) from 0 to x (about 2 ulp).",
+             "0.5 * (1.0 + erf(x * 0.7071067811865476))")
+gelu = MathFn("gelu", 1, lambda x: 0.5 * x * (1.0 + torch.erf(x * _SQRT_HALF)),
+              lambda x: 0.5 * x * (1.0 + _erf_cute(x * _SQRT_HALF)),
+              "Exact GELU, 0.5 * x * (1 + erf(x / sqrt(2))) (nn.GELU()'s default; BERT, GPT-2 variants).",
+              "gelu(acc + bias)")
+round_bf16 = MathFn("round_bf16", 1, _round_torch(torch.bfloat16), _round_cute("BFloat16"),
+                    "x rounded to the nearest bf16 value, kept in fp32: what a bf16 store keeps.",
+                    "round_bf16(acc * gamma)")
+round_fp16 = MathFn("round_fp16", 1, _round_torch(torch.float16), _round_cute("Float16"),
+                    "x rounded to the nearest fp16 value, kept in fp32: what an fp16 store keeps.",
+                    "round_fp16(acc * gamma)")
 maximum = MathFn("maximum", 2, _binary_torch(torch.maximum),
                  lambda a, b: _cm().arch.fmax(_f32(a), _f32(b)),
                  "Elementwise max of two values.", "maximum(acc, 0.0)")
@@ -186,4 +224,4 @@ fma = MathFn("fma", 3, lambda a, b, c: a * b + c, lambda a, b, c: _f32(a) * b + 
              "a * b + c.", "fma(acc, scale, bias)")
 
 VOCABULARY: tuple[MathFn, ...] = (exp, exp2, log, rsqrt, sqrt, reciprocal, tanh, sin, cos, sigmoid, silu,
-                                  gelu_tanh, maximum, minimum, where, fma)
+                                  gelu_tanh, erf, gelu, round_bf16, round_fp16, maximum, minimum, where, fma)

@@ -40,6 +40,25 @@ def row_bytes(t: torch.Tensor) -> int:
     return major * t.element_size()
 
 
+# What a padded lane of a vector operand holds in the reference lowering's
+# padded_lanes mode: quack's vector loads are predicated copies into shared
+# memory, so past the ragged edge a lane keeps whatever was there (finite, but
+# anything); a large value makes a result that depends on it plainly wrong.
+STALE_VECTOR_VALUE = 1.0e3
+
+
+def _zero_padded(value: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    out = torch.zeros(rows, cols, dtype=value.dtype, device=value.device)
+    out[:value.shape[0], :value.shape[1]] = value
+    return out
+
+
+def _stale_padded(value: torch.Tensor, length: int) -> torch.Tensor:
+    out = torch.full((length,), STALE_VECTOR_VALUE, dtype=value.dtype, device=value.device)
+    out[:value.shape[0]] = value
+    return out
+
+
 def _per_column(v: Any, pairs_acc: bool) -> Any:
     """In a ``pairs="acc"`` epilogue a per-column value is seen as a Pair of adjacent columns."""
     return Pair.of_columns(v) if pairs_acc else v
@@ -121,6 +140,18 @@ class Kind:
         """Bytes per row the mainloop's TMA copies of it (None: not copied by TMA)."""
         return None
 
+    @classmethod
+    def output_grid(cls, value: Any) -> tuple[int, int] | None:
+        """The (M, N) output a tensor of this kind implies (None: it implies none):
+        how a tile pass, which has no A and B, knows its shape."""
+        return None
+
+    @classmethod
+    def padded(cls, value: Any, mp: int, np_: int) -> Any:
+        """The operand over whole tiles (mp, np_) as the kernel's epilogue sees it past
+        the ragged edge (the reference lowering's ``padded_lanes`` mode)."""
+        return value
+
 
 class Tile(Kind):
     """A full (M, N) tensor read alongside the accumulator (residual, saved x)."""
@@ -144,6 +175,14 @@ class Tile(Kind):
     @classmethod
     def tma_row_bytes(cls, value: Any) -> int | None:
         return row_bytes(value)
+
+    @classmethod
+    def output_grid(cls, value: Any) -> tuple[int, int] | None:
+        return tuple(value.shape) if isinstance(value, torch.Tensor) and value.dim() == 2 else None
+
+    @classmethod
+    def padded(cls, value: Any, mp: int, np_: int) -> Any:
+        return _zero_padded(value, mp, np_)  # TMA fills out-of-bounds loads with zeros
 
 
 class RowVec(Kind):
@@ -170,6 +209,10 @@ class RowVec(Kind):
         return value.reshape(1, -1)
 
 
+    @classmethod
+    def padded(cls, value: Any, mp: int, np_: int) -> Any:
+        return _stale_padded(value, np_)
+
 class ColVec(Kind):
     """One value per output row, length M, broadcast across columns (inverse RMS)."""
 
@@ -193,6 +236,10 @@ class ColVec(Kind):
     def quack_value(cls, value: Any) -> Any:
         return value.reshape(1, -1)
 
+
+    @classmethod
+    def padded(cls, value: Any, mp: int, np_: int) -> Any:
+        return _stale_padded(value, mp)
 
 class Scalar(Kind):
     """A Python number baked into the kernel (eps, a scale)."""
@@ -252,6 +299,16 @@ class PairedTile(Kind):
     @classmethod
     def tma_row_bytes(cls, value: Any) -> int | None:
         return row_bytes(value)
+
+    @classmethod
+    def output_grid(cls, value: Any) -> tuple[int, int] | None:
+        if isinstance(value, torch.Tensor) and value.dim() == 2:
+            return value.shape[0], value.shape[1] // 2
+        return None
+
+    @classmethod
+    def padded(cls, value: Any, mp: int, np_: int) -> Any:
+        return _zero_padded(value, mp, 2 * np_)
 
 
 class HeadStat(Kind):

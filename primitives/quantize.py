@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from .aux import _aux, _need
+from .aux import aux_kernel, need
 from .errors import CatalogueError
 from .fp8 import FP8_DTYPES, saturate, scale_from_amax
 
 
-@_aux
+@aux_kernel
 def quantize_rows(x: torch.Tensor, dtype: str = "fp8_e4m3", row_scale: torch.Tensor | None = None,
                   col_scale: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Current row-wise fp8 quantization: ``{"q": (R, C) fp8, "scale": (R,) fp32}``.
@@ -28,7 +28,7 @@ def quantize_rows(x: torch.Tensor, dtype: str = "fp8_e4m3", row_scale: torch.Ten
     ``scale`` is a power of two (:func:`scale_from_amax`) and ``q = sat(v /
     scale)``, so ``v ~= q * scale[:, None]``; in a GEMM ``scale`` is a ColVec for
     an A operand and a RowVec for a B = ``q.t()`` operand."""
-    _need("x", x, 2)
+    need("x", x, 2)
     if dtype not in FP8_DTYPES:
         raise CatalogueError(f"quantize_rows: dtype {dtype!r} is not one of {sorted(FP8_DTYPES)}")
     for name, v, n in (("row_scale", row_scale, x.shape[0]), ("col_scale", col_scale, x.shape[1])):

@@ -53,6 +53,9 @@ class Reduction:
 
     partials = False  # col_sum(partials=True): the per-N-tile partials are the result
     index = None  # select_col: the int operand naming the column per row
+    # Whether the kernel folds the padded lanes of a ragged last tile too (the sums:
+    # they add whatever the fn returns there), or masks them (max, LSE, select).
+    folds_padded_lanes = False
 
     @property
     def pairable(self) -> bool:
@@ -87,6 +90,10 @@ class Reduction:
         """The reference fold of fp32 (M, N) values."""
         raise NotImplementedError
 
+    def trim(self, result: torch.Tensor, m: int, n: int) -> torch.Tensor:
+        """A fold over whole tiles cut to the real (m, n) extent (one value per row by default)."""
+        return result[:m]
+
 
 def _vec_reduce(name: str, combine: str, rows: bool = False) -> tuple[Any, tuple[Any, ...]]:
     from quack.epilogue import ops
@@ -97,6 +104,7 @@ def _vec_reduce(name: str, combine: str, rows: bool = False) -> tuple[Any, tuple
 @dataclass(frozen=True)
 class ColSum(Reduction):
     partials: bool = False
+    folds_padded_lanes = True
 
     @property
     def pairable(self) -> bool:
@@ -142,8 +150,13 @@ class ColMax(Reduction):
 
 @dataclass(frozen=True)
 class RowSum(Reduction):
+    folds_padded_lanes = True
+
     def describe(self) -> str:
         return "row_sum()"
+
+    def trim(self, result: torch.Tensor, m: int, n: int) -> torch.Tensor:
+        return result[:n]
 
     def quack_sink(self, name: str) -> tuple[Any, tuple[Any, ...]]:
         return _vec_reduce(name, "add", rows=True)

@@ -1,6 +1,7 @@
-"""What the LLaMA-3 suite tests (test_suite_a.py, test_suite_b.py) share: load a
-task and its expert program, run a program by the verifier's contract, and judge
-it with the verifier's own inputs, references and tolerance check.
+"""What the suite tests (test_suite_a.py, test_suite_b.py for LLaMA-3,
+test_gpt2_suite.py) share: load a task and its expert program, run a program by
+the verifier's contract, and judge it with the verifier's own inputs, references
+and tolerance check.
 
 Nothing here re-implements the verifier: inputs come from
 ``coda_agent.verifier.inputs`` (make_inputs / make_grads, the same seeding the
@@ -11,35 +12,37 @@ with the task's tolerance (CODA's rule plus the relative-norm check).
 
 from __future__ import annotations
 
+import contextlib
 from types import MappingProxyType, ModuleType
 
 import torch
 
 from coda_agent.primitives import load_program, lowering
-from coda_agent.tasks import SUITE_DIR, load_task
+from coda_agent.primitives.lowering import padded_lanes
+from coda_agent.tasks import SUITES, load_task
 from coda_agent.verifier.compare import compare
 from coda_agent.verifier.inputs import make_grads, make_inputs, run_reference
 from coda_agent.verifier.report import Mismatch
 
 
-def task(name: str):
-    """A suite task by name."""
-    return load_task(SUITE_DIR / f"{name}.yaml")
+def task(name: str, suite: str = "llama3"):
+    """A task of a packaged suite by name."""
+    return load_task(SUITES[suite] / f"{name}.yaml")
 
 
 SHAPE_SETS = ("small", "ragged", "llama3-1b", "llama3-8b", "llama3-70b")
 
 
-def check_spec(name: str) -> None:
+def check_spec(name: str, suite: str = "llama3", shape_sets: tuple[str, ...] = SHAPE_SETS) -> None:
     """The spec loads with its expert, every shape set has positive sizes and
     FLOPs, and the ragged set really is ragged (a size that is not a multiple of
     the 128 or 192 tile)."""
-    t = task(name)
+    t = task(name, suite)
     spec = t.spec
     assert spec.name == name
     assert t.expert_path.is_file()
     tensors = [*spec.inputs.values(), *spec.outputs.values()]
-    for s in SHAPE_SETS:
+    for s in shape_sets:
         assert s in spec.shapes, f"{name}: shape set {s} missing"
         for ts in tensors:
             assert all(d > 0 for d in spec.shape_of(ts, s)), (name, s)
@@ -48,11 +51,11 @@ def check_spec(name: str) -> None:
     assert any(d % 128 and d % 192 for ts in tensors for d in spec.shape_of(ts, "ragged"))
 
 
-def static_violations(name: str) -> list[str]:
+def static_violations(name: str, suite: str = "llama3") -> list[str]:
     """What the verifier's static stage says of the task's expert program."""
     from coda_agent.verifier.static import check_source
 
-    t = task(name)
+    t = task(name, suite)
     return [str(v) for v in check_source(t.expert_path.read_text(), t.spec)]
 
 
@@ -112,18 +115,20 @@ def describe(m: Mismatch) -> str:
 
 
 def problems(t, shape_set: str, seed: int, source: str | None = None, *,
-             lowering_name: str = "reference", device: str = "cpu") -> list[str]:
+             lowering_name: str = "reference", device: str = "cpu", padded: bool = False) -> list[str]:
     """Run the expert (or ``source``) on the verifier's inputs for (shape_set, seed)
     under ``lowering_name`` and say what is wrong: inputs modified in place, and each
     tensor that fails the verifier's compare.  Empty list: it passes.
 
     ``device`` other than cpu: the inputs are drawn on the CPU and copied there; the
-    references stay fp64/lo on the CPU, as the verifier's reference stage does."""
+    references stay fp64/lo on the CPU, as the verifier's reference stage does.
+    ``padded``: the reference lowering folds padded lanes as the kernel does
+    (``padded_lanes``): a program whose reductions depend on them fails here."""
     inputs, grads = draw(t, shape_set, seed)
     dev_in = {k: v.to(device) for k, v in inputs.items()}
     dev_grads = {k: v.to(device) for k, v in grads.items()} if grads else None
     copies = {k: v.clone() for k, v in dev_in.items()}
-    with lowering(lowering_name):
+    with lowering(lowering_name), padded_lanes() if padded else contextlib.nullcontext():
         mod = load_expert(t, source, tag=f"{'expert' if source is None else 'candidate'}_{t.name}")
         got = run_program(t, mod, dev_in, dev_grads)
         if device != "cpu":
@@ -132,3 +137,40 @@ def problems(t, shape_set: str, seed: int, source: str | None = None, *,
     out += [describe(m) for m in mismatches(t, shape_set, got, inputs, grads)]
     return out
 
+
+
+def sass_problems(name: str, kernels: list, allowed_spills: dict | None = None) -> list[str]:
+    """What the compile stage's SASS gate says of a program's compiled kernels:
+    sm_90a with HGMMA, no slow-path CALL, and no STL/LDL beyond
+    ``allowed_spills[(epilogue, config)]`` or ``allowed_spills[epilogue]``."""
+    allowed_spills = allowed_spills or {}
+    out = []
+    for k in kernels:
+        s = k.sass
+        where = f"{name}/{k.epilogue} [{k.config}]"
+        if s is None:
+            out.append(f"{where}: no SASS (pip install nvidia-cuda-cuobjdump)")
+            continue
+        if not (s.sm90a and s.hgmma > 0):
+            out.append(f"{where}: not sm_90a with HGMMA ({s})")
+        if s.calls:
+            out.append(f"{where}: {s.calls} slow-path CALLs")
+        allowed = allowed_spills.get((k.epilogue, k.config), allowed_spills.get(k.epilogue, 0))
+        if s.spill_stores + s.spill_loads > allowed:
+            out.append(f"{where}: {s.spill_stores} STL / {s.spill_loads} LDL (allowed {allowed} in all)")
+    return out
+
+
+def verifier_cpu_problems(tasks: list) -> list[str]:
+    """The verifier's own static and reference stages (the PyTorch-call audit
+    included) on each task's expert: every stage that did not pass."""
+    from coda_agent.verifier import Verifier
+
+    v = Verifier(stages=["static", "reference"], cache=False, timeout_s=300)
+    out = []
+    for t in tasks:
+        report = v.check(t, t.expert_path.read_text())
+        out += [f"{t.name}: {report.outcome}: {s.name}: {s.message}" for s in report.stages if s.status != "passed"]
+        if report.outcome != "cpu_passed" and not out:
+            out.append(f"{t.name}: {report.outcome}")
+    return out

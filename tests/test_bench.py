@@ -52,6 +52,44 @@ def test_dry_run_covers_the_suite_and_renders_a_table(tmp_path):
     assert lm["fused_output_gib"] is None or lm["fused_output_gib"] >= 0
 
 
+def test_dry_run_of_the_gpt2_suite(tmp_path):
+    """--suite picks the packaged GPT-2 suite; its file is named after the suite."""
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "run.py"), "--dry-run", "--suite", "gpt2",
+                           "--sets", "small", "--reps", "1", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (path,) = tmp_path.glob("dryrun-*-gpt2.json")
+    results = json.loads(path.read_text())
+    assert results["suite"] == "gpt2"
+    rows = {r["task"]: r for r in results["rows"]}
+    assert set(rows) == {"gelu_bwd", "gelu_fwd", "gpt2_block", "layernorm_bwd", "linear_gelu", "lm_head_xent",
+                         "ln_qkv", "mlp_block", "out_proj_residual", "residual_layernorm"}
+    for r in rows.values():
+        assert "error" not in r, r
+        assert r["fused"]["median_ms"] > 0 and r["fused_over_gemm"] > 0
+
+
+def test_bench_refuses_an_unknown_suite_and_task(tmp_path):
+    run = [sys.executable, str(ROOT / "bench" / "run.py"), "--dry-run", "--out", str(tmp_path)]
+    proc = subprocess.run([*run, "--suite", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "is not a packaged suite, so name its shape sets" in proc.stderr
+    proc = subprocess.run([*run, "--suite", "gpt2", "--tasks", "swiglu_fwd"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and "['swiglu_fwd'] are not in suite gpt2" in proc.stderr
+
+
+def test_passes_bench_dry_run_writes_every_case(tmp_path):
+    out = tmp_path / "passes.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "passes.py"), str(out), "--dry-run"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(out.read_text())["bandwidth"]
+    assert set(rows) == {f"{case} T={t} N={n}" for case in ("dgelu", "row_stats", "normalize_rows")
+                         for t, n in ((256, 128), (1000, 200))}
+    for row in rows.values():
+        assert row["pass"]["median_ms"] > 0 and row["copy"]["gb_per_s"] > 0
+
+
 def test_targets_say_what_plain_gemm_speed_would_score():
     """The speedup-over-compile lines carry the ceiling a kernel at exactly the
     plain GEMMs' speed would reach: the part of a miss no epilogue can win."""

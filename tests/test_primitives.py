@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from coda_agent.primitives import (CatalogueError, TileConfig, compile_only, gemm, launch_ledger,
-                                   load_program, lowering, render_catalogue)
+                                   load_program, lowering, render_catalogue, tile_pass)
 from coda_agent.primitives import aux
 from coda_agent.primitives.catalogue import EXAMPLES
 
@@ -259,7 +259,10 @@ def test_catalogue_renders_every_export():
 BAD_EPILOGUES = [
     ("@epilogue()\ndef f(acc, r):\n    return {'D': acc + r}\n", r"operand 'r' must declare its kind"),
     ("@epilogue()\ndef f(acc, r: Matrix):\n    return {'D': acc}\n", r"must declare its kind"),
-    ("@epilogue()\ndef f(x):\n    return {'D': x}\n", r"first parameter must be `acc`"),
+    ("@epilogue()\ndef f(x):\n    return {'D': x}\n", r"operand 'x' must declare its kind"),
+    ("@epilogue()\ndef f(x: Tile, acc):\n    return {'D': x}\n", r"`acc` .* must be the first parameter"),
+    ("@epilogue()\ndef f():\n    return {}\n", r"takes no parameters"),
+    ("@epilogue(pairs='acc')\ndef f(x: Tile):\n    return {'D': x}\n", r"no `acc`, so it is a pass.*pairs='acc'"),
     ("@epilogue()\ndef f(acc):\n    if acc > 0:\n        return {'D': acc}\n    return {'D': -acc}\n",
      r"an `if` statement is not allowed.*where\(cond, a, b\)"),
     ("@epilogue()\ndef f(acc):\n    return {'D': acc if acc > 0 else -acc}\n", r"conditional expression"),
@@ -344,8 +347,10 @@ def test_reference_lowering_is_selectable_on_cpu(gen):
 @pytest.mark.slow
 @pytest.mark.parametrize("family", list(EXAMPLES))
 def test_every_catalogue_example_compiles_for_sm90a_with_hgmma(family, gen):
+    """The first GEMM epilogue or tile pass of each example (a vector pass runs in PyTorch)."""
     P = load_program(HEADER + EXAMPLES[family], family)
-    epi = next(v for v in vars(P).values() if type(v).__name__ == "Epilogue")
+    epi = next(v for v in vars(P).values() if type(v).__name__ == "Epilogue"
+               and (v.reads_acc or any(k.name == "Tile" for k in v.operands.values())))
     M, N, K = 256, 384, 128
     A, B = rand(M, K, dtype=torch.bfloat16), rand(K, N, dtype=torch.bfloat16)
     ops = {}
@@ -354,13 +359,17 @@ def test_every_catalogue_example_compiles_for_sm90a_with_hgmma(family, gen):
                                                                           dtype=torch.bfloat16)
     for idx in epi.index_operands:
         ops[idx] = torch.randint(0, N, (M,), dtype=torch.int32)
+
+    def run(**config):
+        return gemm(A, B, epi, **config, **ops) if epi.reads_acc else tile_pass(epi, **config, **ops)
+
     with compile_only() as kernels:
-        gemm(A, B, epi, **ops)  # the default config
+        run()  # the default config
         # The lowering itself adds no register pressure: at 128x128 every example
         # is spill-free.  (At the default 128x192 the heaviest examples spill a
         # little, and the H200 sweeps still found 128x192 faster for such
         # epilogues; see default_config.)
-        gemm(A, B, epi, config=TileConfig(tile_n=128, cluster_m=1), **ops)
+        run(config=TileConfig(tile_n=128, cluster_m=1))
     _, narrow = kernels
     for k in kernels:
         assert k.sass is not None, "cuobjdump wheel missing: pip install nvidia-cuda-cuobjdump"

@@ -30,7 +30,9 @@ LAYERS = [
     {"cute"},
     {"tuning"},
     {"gemm"},
+    {"passes"},
     {"aux", "xent_triton", "quantize", "quantize_triton"},
+    {"norm"},
     {"catalogue"},
     {"__init__", "cli"},
 ]

@@ -1,9 +1,11 @@
-"""GPU tier: every expert program of the LLaMA-3 suite through the whole
-verifier on a Hopper GPU (all six stages), twice: the first check compiles
+"""GPU tier: every expert program of the packaged suites (LLaMA-3, GPT-2)
+through the whole verifier on a Hopper GPU (all six stages), twice: the first check compiles
 (cold), the second finds quack's compile cache warm and the verdict cache
 disabled, which is the cost of verifying a new candidate of a known shape.
-With CODA_GPU_RESULTS set, each report and the timings are written there for
-the repo's records (bench/results/)."""
+Shape sets: CODA_GPU_SHAPE_SETS (comma-separated; a set a task lacks is
+skipped), by default small, ragged and each suite's two smallest benchmark
+sets.  With CODA_GPU_RESULTS set, each report and the timings are written there
+for the repo's records (bench/results/)."""
 
 from __future__ import annotations
 
@@ -14,21 +16,25 @@ import time
 import pytest
 import torch
 
-from coda_agent.tasks import SUITE_DIR, load_suite
+from coda_agent.tasks import BENCH_SETS, SUITES, load_suite
 from coda_agent.verifier import Verifier
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-SUITE = {t.name: t for t in load_suite(SUITE_DIR)}
-SHAPE_SETS = tuple(os.environ.get("CODA_GPU_SHAPE_SETS", "small,ragged,llama3-1b,llama3-8b").split(","))
+TASKS = {f"{suite}/{t.name}": t for suite, folder in SUITES.items() for t in load_suite(folder)}
+SHAPE_SETS = os.environ.get("CODA_GPU_SHAPE_SETS")
 
 
-@pytest.mark.parametrize("name", sorted(SUITE))
+def _shape_sets(suite: str) -> tuple[str, ...]:
+    return tuple(SHAPE_SETS.split(",")) if SHAPE_SETS else ("small", "ragged", *BENCH_SETS[suite][:2])
+
+
+@pytest.mark.parametrize("name", sorted(TASKS))
 def test_expert_is_accepted_on_hopper(name):
-    task = SUITE[name]
+    task = TASKS[name]
     source = task.expert_path.read_text()
-    verifier = Verifier(cache=False, shape_sets=SHAPE_SETS)
+    verifier = Verifier(cache=False, shape_sets=_shape_sets(name.split("/")[0]))
     t0 = time.perf_counter()
     cold = verifier.check(task, source)
     t_cold = time.perf_counter() - t0
@@ -38,7 +44,7 @@ def test_expert_is_accepted_on_hopper(name):
     out = os.environ.get("CODA_GPU_RESULTS")
     if out:
         os.makedirs(os.path.join(out, "reports"), exist_ok=True)
-        with open(os.path.join(out, "reports", f"{name}.json"), "w") as fh:
+        with open(os.path.join(out, "reports", f"{name.replace('/', '-')}.json"), "w") as fh:
             fh.write(warm.model_dump_json(indent=1))
         with open(os.path.join(out, "verify_times.jsonl"), "a") as fh:
             fh.write(json.dumps({"task": name, "cold_s": round(t_cold, 1), "warm_s": round(t_warm, 1),

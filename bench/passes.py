@@ -1,0 +1,204 @@
+"""What a pass without a GEMM costs on the H200, and what the alternative would.
+
+The catalogue runs ``tile_pass`` as quack's SM90 kernel over a zero mainloop
+(primitives/passes.py).  These experiments ask whether that is a bandwidth-
+bound pass, and record the numbers behind choosing it over an A-operand
+prologue:
+
+- ``bandwidth``: at T = 16384 and N = 768 / 3072 / 16384 (GPT-2 small's
+  hidden and MLP widths, a 7B-class MLP), each pass the GPT-2 experts run
+  against the same math under ``torch.compile`` and a plain copy (the
+  bandwidth reference): dGELU of an incoming gradient with its bias gradient
+  (read 2 tiles, write 1), ``row_stats`` (read 1), ``normalize_rows`` (read 1,
+  write 1); the pass at the heuristic's config and at every tuning candidate.
+  Rows carry ms (median, p10-p90, interleaved) and GB/s of the bytes the math
+  must move.
+- ``prologue``: the cheapest A-operand transform quack offers (``x * 0.5``, a
+  value transform on the register-sourced mainloop) against the same GEMM
+  without it, at the GPT-2 small QKV and fc shapes: the floor of what a
+  prologue costs before any math is in it.
+
+Usage on the device: ``python3 bench/passes.py OUT.json [EXPERIMENT ...]``;
+``--dry-run`` runs the bandwidth plumbing on the CPU (reference lowering,
+small shapes, wall-clock times that mean nothing), which CI does.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from run import stats, versions  # noqa: E402  # bench/run.py
+
+DGELU = '''
+from coda_agent.primitives import Tile, epilogue, erf, exp, row_sum
+
+@epilogue(reductions={"db": row_sum()})
+def dgelu(dy: Tile, pre: Tile):
+    dpre = dy * (0.5 * (1.0 + erf(pre * 0.7071067811865476)) + pre * exp(-0.5 * pre * pre) * 0.3989422804014327)
+    return {"D": dpre, "db": dpre}
+'''
+
+
+def _dgelu_torch(dy: torch.Tensor, pre: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    p = pre.float()
+    dpre = dy.float() * (0.5 * (1 + torch.erf(p * 0.7071067811865476)) + p * torch.exp(-0.5 * p * p) * 0.3989422804014327)
+    return dpre.to(dy.dtype), dpre.sum(0)
+
+
+def _normalize_torch(x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor, gamma: torch.Tensor,
+                     beta: torch.Tensor) -> torch.Tensor:
+    return ((x.float() - mean[:, None]) * rstd[:, None] * gamma.float() + beta.float()).to(x.dtype)
+
+
+def _stats_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    var, mean = torch.var_mean(x.float(), dim=1, correction=0)
+    return mean, torch.rsqrt(var + 1e-5)
+
+
+def bandwidth(device: str = "cuda", shapes: tuple = ((16384, 768), (16384, 3072), (16384, 16384)),
+              reps: int = 20) -> dict:
+    from coda_agent.primitives import load_program, lowering, normalize_rows, row_stats, tile_pass
+    from coda_agent.primitives.tuning import CANDIDATES
+
+    dgelu = load_program(DGELU, "bench_dgelu").dgelu
+    low = "cute" if device == "cuda" else "reference"
+    compiled = device == "cuda"
+    out: dict[str, Any] = {}
+    for t, n in shapes:
+        gen = torch.Generator(device=device).manual_seed(t + n)
+        dy, pre, x = (torch.randn(t, n, generator=gen, device=device).to(torch.bfloat16) for _ in range(3))
+        gamma, beta = torch.randn(n, device=device).bfloat16(), torch.randn(n, device=device).bfloat16()
+        mean, rstd = torch.randn(t, device=device), torch.rand(t, device=device) + 0.5
+        tile = t * n * 2  # bytes of one bf16 (T, N) tensor
+
+        def within(fn: Callable[[], Any]) -> Callable[[], Any]:
+            def run() -> Any:
+                with lowering(low):
+                    return fn()
+            return run
+
+        cases: dict[str, tuple[int, dict[str, Callable[[], Any]]]] = {
+            "dgelu": (3 * tile, {"pass": within(lambda: tile_pass(dgelu, dy=dy, pre=pre)),
+                                 **({f"pass {cfg}": within(lambda cfg=cfg: tile_pass(dgelu, dy=dy, pre=pre, config=cfg))
+                                     for cfg in CANDIDATES} if compiled else {}),
+                                 **({"compile": lambda: _compiled(_dgelu_torch)(dy, pre)} if compiled else {})}),
+            "row_stats": (tile, {"pass": within(lambda: row_stats(x, 1e-5)),
+                                 **({"compile": lambda: _compiled(_stats_torch)(x)} if compiled else {})}),
+            "normalize_rows": (2 * tile, {"pass": within(lambda: normalize_rows(x, rstd, gamma, mean=mean, beta=beta)),
+                                          **({"compile": lambda: _compiled(_normalize_torch)(x, mean, rstd, gamma, beta)}
+                                             if compiled else {})}),
+        }
+        for case, (nbytes, fns) in cases.items():
+            fns = {"copy": (lambda: x.clone()), **fns}
+            row: dict[str, Any] = {}
+            for name in list(fns):
+                try:
+                    fns[name]()  # compile, outside the timing
+                except Exception as e:  # noqa: BLE001 - a config the compile refuses is a row, not a crash
+                    row[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+                    del fns[name]
+            for name, s in stats(fns, reps, device).items():
+                moved = 2 * tile if name == "copy" else nbytes
+                row[name] = {**s, "gb_per_s": moved / (s["median_ms"] * 1e-3) / 1e9}
+            out[f"{case} T={t} N={n}"] = row
+    return out
+
+
+_COMPILED: dict[Callable, Callable] = {}
+
+
+def _compiled(fn: Callable) -> Callable:
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn, dynamic=False)
+    return _COMPILED[fn]
+
+
+def prologue(reps: int = 20) -> dict:
+    """A GEMM with and without quack's cheapest A-operand transform."""
+    from quack.operand_transform import a_transform
+
+    from coda_agent.primitives import TileConfig, cute, epilogue
+    from coda_agent.primitives.dsl_scope import pipeline_guard
+
+    @a_transform(vec_size=8)
+    def halve(x):  # noqa: ANN001, ANN202 - traced by quack
+        return x * 0.5
+
+    @epilogue()
+    def store(acc):  # noqa: ANN001, ANN202 - the plain GEMM's epilogue
+        return {"D": acc}
+
+    out: dict[str, Any] = {}
+    mod = cute.epimod(store)
+    for m, n, k in ((16384, 2304, 768), (16384, 3072, 768), (16384, 12288, 4096)):
+        a = torch.randn(m, k, device="cuda").bfloat16()
+        b = (torch.randn(n, k, device="cuda") / k ** 0.5).bfloat16().t()
+        row: dict[str, Any] = {}
+        fns: dict[str, Callable[[], Any]] = {}
+        for cfg in (TileConfig(), TileConfig(tile_n=128, cluster_m=1), TileConfig(tile_n=256, cluster_m=1, pingpong=False)):
+            for name, ta in ((f"plain {cfg}", None), (f"x * 0.5 on A {cfg}", halve)):
+                def call(cfg: TileConfig = cfg, ta: Any = ta) -> Any:
+                    with pipeline_guard():
+                        return mod(a, b, None, out={"D": torch.empty(m, n, dtype=torch.bfloat16, device="cuda")},
+                                   out_dtype=torch.bfloat16, store_d=True, config=cfg.to_quack(), tuned=False,
+                                   transform_a=ta)
+                try:
+                    call()
+                    fns[name] = call
+                except Exception as e:  # noqa: BLE001
+                    row[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+        row.update(stats(fns, reps))
+        for name, s in row.items():
+            if "median_ms" in s:
+                s["tflops"] = 2 * m * n * k / (s["median_ms"] * 1e-3) / 1e12
+        out[f"M={m} N={n} K={k}"] = row
+    return out
+
+
+EXPERIMENTS: dict[str, Callable[[], dict]] = {"bandwidth": bandwidth, "prologue": prologue}
+
+
+def run_experiments(path: Path, experiments: dict[str, Callable[[], dict]], **header: Any) -> int:
+    """Each experiment in turn, the results file rewritten after each (a run cut
+    short keeps what finished; a failing experiment is a section with its error)."""
+    result: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "versions": versions(), **header}
+    for name, experiment in experiments.items():
+        t0 = time.time()
+        try:
+            result[name] = experiment()
+        except Exception as e:  # noqa: BLE001 - keep the other experiments
+            traceback.print_exc(limit=5)
+            result[name] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+        result[f"{name}_s"] = round(time.time() - t0, 1)
+        path.write_text(json.dumps(result, indent=1))
+        print(f"{name}: {result[f'{name}_s']} s", flush=True)
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    dry = "--dry-run" in argv
+    argv = [a for a in argv if a != "--dry-run"]
+    if not argv or argv[0].startswith("-"):
+        print(__doc__)
+        return 2
+    path, wanted = Path(argv[0]), argv[1:] or (["bandwidth"] if dry else list(EXPERIMENTS))
+    unknown = [w for w in wanted if w not in EXPERIMENTS or (dry and w != "bandwidth")]
+    if unknown:
+        print(f"unknown experiment(s) {unknown}; choose from {list(EXPERIMENTS)} (a dry run has bandwidth only)")
+        return 2
+    if dry:
+        return run_experiments(path, {"bandwidth": lambda: bandwidth("cpu", ((256, 128), (1000, 200)), reps=2)},
+                               dry_run=True)
+    return run_experiments(path, {name: EXPERIMENTS[name] for name in wanted})
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

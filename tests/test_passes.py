@@ -1,0 +1,309 @@
+"""The catalogue additions of the GPT-2 suite on the CPU: passes without a GEMM
+(tile_pass, vector_pass), erf / exact gelu / 16-bit rounding, and LayerNorm's
+statistics, rank-1 fold and row-scale, each through the reference lowering
+against a direct PyTorch formula, misuse rejected with the fix named, and
+(slow) compiled for sm_90a with HGMMA and no slow-path CALLs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from coda_agent.primitives import (CatalogueError, TileConfig, compile_only, erf, gelu, gemm, launch_ledger,
+                                   layernorm_fold, layernorm_stats, load_program, lowering, normalize_rows,
+                                   round_bf16, round_fp16, row_stats, tile_pass, vector_pass)
+
+PROGRAM = load_program('''
+from coda_agent.primitives import *
+
+@epilogue(outputs={"act": "fp32"}, reductions={"db": row_sum(), "s": col_sum(), "part": col_sum(partials=True)})
+def dgelu(dy: Tile, pre: Tile, scale: ColVec, shift: RowVec, alpha: Scalar):
+    dpre = dy * (0.5 * (1.0 + erf(pre * 0.7071067811865476)) + pre * exp(-0.5 * pre * pre) * 0.3989422804014327)
+    return {"D": dpre * scale + shift * alpha, "act": gelu(pre), "db": dpre, "s": dpre * pre, "part": dpre}
+
+@epilogue(reductions={"s": col_sum()})
+def dswiglu(dy: Tile, pre: PairedTile):
+    g, u = unpack(pre)
+    sg = sigmoid(g)
+    dg = dy * u * sg * (1.0 + g * (1.0 - sg))
+    du = dy * g * sg
+    return {"D": pack(dg, du), "s": dg * g + du * u}
+
+@epilogue(outputs={"r0": "fp32", "half": "bf16"})
+def coeffs(mean: ColVec, rstd: ColVec, k: Scalar):
+    return {"D": rstd * k, "r0": -rstd * mean, "half": mean * 0.5}
+
+@epilogue()
+def columns(g: RowVec):
+    return {"D": g * g}
+
+@epilogue()
+def mixed(a: ColVec, b: RowVec):
+    return {"D": a * b}
+
+@epilogue()
+def with_acc(acc, x: Tile):
+    return {"D": acc + x}
+
+@epilogue()
+def vectors_only(v: ColVec):
+    return {"D": v}
+''', "passes_test")
+
+# ragged on purpose: neither dimension a multiple of the 128 / 192 tiles
+M, N = 200, 136
+
+
+@pytest.fixture
+def gen():
+    return torch.Generator().manual_seed(20)
+
+
+def _rand(*shape, gen, dtype=torch.bfloat16, scale=1.0, offset=0.0):
+    return (torch.randn(*shape, generator=gen) * scale + offset).to(dtype)
+
+
+# --------------------------------------------------------------------------- tile_pass
+
+
+def test_tile_pass_is_the_epilogue_over_its_tiles(gen):
+    dy, pre = _rand(M, N, gen=gen), _rand(M, N, gen=gen, scale=2.0)
+    scale, shift = torch.rand(M, generator=gen) + 0.5, _rand(N, gen=gen)
+    with lowering("reference"), launch_ledger() as ledger:
+        out = tile_pass(PROGRAM.dgelu, dy=dy, pre=pre, scale=scale, shift=shift, alpha=0.25,
+                        config=TileConfig(tile_n=64, cluster_m=1))
+    p = pre.double()
+    dpre = dy.double() * (0.5 * (1 + torch.erf(p / math.sqrt(2))) + p * torch.exp(-p * p / 2) / math.sqrt(2 * math.pi))
+    assert out["D"].dtype == torch.bfloat16  # the first Tile operand's dtype
+    torch.testing.assert_close(out["D"].double(), (dpre * scale[:, None] + 0.25 * shift.double()).bfloat16().double())
+    torch.testing.assert_close(out["act"].double(), F.gelu(p), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(out["db"].double(), dpre.sum(0), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(out["s"].double(), (dpre * p).sum(1), atol=1e-4, rtol=1e-5)
+    # partials are laid out per N tile of the config, as in a gemm
+    want = torch.stack([dpre[:, j:j + 64].sum(1) for j in range(0, N, 64)], dim=1)
+    torch.testing.assert_close(out["part"].double(), want, atol=1e-4, rtol=1e-5)
+    assert [(entry.kind, entry.name) for entry in ledger] == [("pass", "dgelu")]
+
+
+def test_tile_pass_reads_a_paired_tile_and_writes_its_width(gen):
+    dy, pre = _rand(M, 72, gen=gen), _rand(M, 144, gen=gen)  # 72 pairs: 16-byte rows both ways
+    with lowering("reference"):
+        out = tile_pass(PROGRAM.dswiglu, dy=dy, pre=pre)
+    g, u, d = pre[:, 0::2].double(), pre[:, 1::2].double(), dy.double()
+    sg = torch.sigmoid(g)
+    dg, du = d * u * sg * (1 + g * (1 - sg)), d * g * sg
+    assert out["D"].shape == (M, 144)
+    torch.testing.assert_close(out["D"][:, 0::2].double(), dg.bfloat16().double())
+    torch.testing.assert_close(out["D"][:, 1::2].double(), du.bfloat16().double())
+    torch.testing.assert_close(out["s"].double(), (dg * g + du * u).sum(1), atol=1e-4, rtol=1e-5)
+
+
+def test_tile_pass_out_dtype_and_accumulate_into(gen):
+    dy, pre = _rand(M, N, gen=gen), _rand(M, N, gen=gen)
+    ops = dict(dy=dy, pre=pre, scale=torch.ones(M), shift=torch.zeros(N, dtype=torch.bfloat16), alpha=0.0)
+    with lowering("reference"):
+        fp32 = tile_pass(PROGRAM.dgelu, out_dtype="fp32", **ops)["D"]
+        buf = torch.ones(M, N, dtype=torch.bfloat16)
+        same = tile_pass(PROGRAM.dgelu, accumulate_into=buf, **ops)["D"]
+    assert fp32.dtype == torch.float32 and same is buf
+    torch.testing.assert_close(buf.float(), (1 + fp32.bfloat16().float()).bfloat16().float())
+
+
+BAD_PASSES = [
+    (lambda: tile_pass(PROGRAM.with_acc, x=torch.zeros(8, 8, dtype=torch.bfloat16)),
+     r"reads `acc`, but a pass runs no GEMM.*drop the `acc` parameter"),
+    (lambda: tile_pass(PROGRAM.vectors_only, v=torch.zeros(8)), r"no Tile or PairedTile operand.*vector_pass"),
+    (lambda: tile_pass(PROGRAM.dswiglu, dy=torch.zeros(8, 8, dtype=torch.bfloat16),
+                       pre=torch.zeros(8, 8, dtype=torch.bfloat16)), r"operand 'pre' is declared PairedTile"),
+    (lambda: tile_pass(PROGRAM.dswiglu, dy=torch.zeros(8, 8, dtype=torch.bfloat16)),
+     r"tile_pass: epilogue 'dswiglu' needs operand 'pre'; pass tile_pass\(dswiglu, pre=\.\.\.\)"),
+    (lambda: tile_pass(lambda x: x, x=1), r"must be an @epilogue function"),
+    (lambda: gemm(torch.zeros(8, 8, dtype=torch.bfloat16), torch.zeros(8, 8, dtype=torch.bfloat16),
+                  PROGRAM.vectors_only, v=torch.zeros(8)), r"takes no `acc`, so it is a pass.*tile_pass"),
+    (lambda: vector_pass(PROGRAM.mixed, a=torch.zeros(4), b=torch.zeros(4)), r"ColVec .* or RowVec .* not both"),
+    (lambda: vector_pass(PROGRAM.dgelu, dy=torch.zeros(4, 4)), r"fold nothing.*tile_pass"),
+    (lambda: vector_pass(PROGRAM.coeffs, mean=torch.zeros(4), rstd=torch.zeros(5), k=1.0),
+     r"operand 'rstd' is declared ColVec, which needs shape \(4,\)"),
+    (lambda: vector_pass(PROGRAM.coeffs, mean=torch.zeros(4, 2), rstd=torch.zeros(4, 2), k=1.0),
+     r"operand 'mean' is declared ColVec and needs a 1-D tensor"),
+    (lambda: vector_pass(PROGRAM.coeffs, mean=torch.zeros(4), rstd=torch.zeros(4)),
+     r"needs operand 'k'; pass vector_pass\(coeffs, k=\.\.\.\)"),
+]
+
+
+@pytest.mark.parametrize("call,match", BAD_PASSES)
+def test_bad_pass_calls_name_the_fix(call, match):
+    with lowering("reference"), pytest.raises(CatalogueError, match=match):
+        call()
+
+
+# --------------------------------------------------------------------------- vector_pass
+
+
+def test_vector_pass_is_the_fn_on_vectors(gen):
+    mean, rstd = torch.randn(M, generator=gen), torch.rand(M, generator=gen) + 0.5
+    with launch_ledger() as ledger:
+        out = vector_pass(PROGRAM.coeffs, mean=mean, rstd=rstd, k=3.0)
+        cols = vector_pass(PROGRAM.columns, g=torch.arange(6.0))["D"]
+    assert {k: (tuple(v.shape), v.dtype) for k, v in out.items()} == {
+        "D": ((M,), torch.float32), "r0": ((M,), torch.float32), "half": ((M,), torch.bfloat16)}
+    torch.testing.assert_close(out["D"], rstd * 3.0)
+    torch.testing.assert_close(out["r0"], -rstd * mean)
+    torch.testing.assert_close(out["half"], (mean * 0.5).bfloat16())
+    torch.testing.assert_close(cols, torch.arange(6.0) ** 2)
+    assert [(entry.kind, entry.name) for entry in ledger] == [("aux", "coeffs"), ("aux", "columns")]
+
+
+# --------------------------------------------------------------------------- math
+
+
+def test_erf_gelu_and_rounding_match_torch():
+    x = torch.linspace(-6, 6, 2001)
+    torch.testing.assert_close(erf(x), torch.erf(x))
+    torch.testing.assert_close(gelu(x), F.gelu(x), atol=1e-6, rtol=1e-6)
+    assert torch.equal(round_bf16(x * 1.001), (x * 1.001).bfloat16().float())
+    assert torch.equal(round_fp16(x * 1.001), (x * 1.001).half().float())
+    assert erf(0.5) == pytest.approx(math.erf(0.5)) and round_bf16(1.0 + 2**-10) == 1.0
+
+
+# --------------------------------------------------------------------------- LayerNorm
+
+
+def test_row_stats_and_layernorm_stats(gen):
+    """E[x^2] - mean^2 in fp32: relative error ~2^-24 * (1 + mean^2 / var), here with a
+    mean 60x the spread still far below bf16's 2^-9."""
+    x = _rand(M, N, gen=gen, scale=0.5, offset=30.0)
+    with launch_ledger() as ledger:
+        st = row_stats(x, 1e-5)
+    var, mean = torch.var_mean(x.double(), dim=1, correction=0)
+    torch.testing.assert_close(st["mean"].double(), mean, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(st["rstd"].double(), torch.rsqrt(var + 1e-5), rtol=1e-3, atol=0)
+    assert [(e.kind, e.name) for e in ledger] == [("aux", "row_stats")]  # the pass inside adds no entry
+    # x = a + bias from the sums of a, a^2 and a * bias: what a biased producing epilogue folds
+    a, bias = _rand(M, N, gen=gen, scale=0.5, offset=1.0).double(), _rand(N, gen=gen).double()
+    var, mean = torch.var_mean(a + bias, dim=1, correction=0)
+    st = layernorm_stats(a.sum(1).float(), (a * a).sum(1).float(), N, 1e-5, bias=bias.float(),
+                         bias_dot=(a * bias).sum(1).float())
+    torch.testing.assert_close(st["mean"].double(), mean, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(st["rstd"].double(), torch.rsqrt(var + 1e-5), rtol=1e-4, atol=0)
+    with pytest.raises(CatalogueError, match="give bias and bias_dot together"):
+        layernorm_stats(a.sum(1).float(), (a * a).sum(1).float(), N, 1e-5, bias=bias.float())
+
+
+@pytest.mark.parametrize("layout", ["transposed", "row-major"])
+def test_layernorm_fold_is_the_rank1_form(layout, gen):
+    k, n = 72, 136
+    w = _rand(n, k, gen=gen, scale=1 / math.sqrt(k))  # nn.Linear (out, in)
+    gamma, beta, bias = _rand(k, gen=gen, scale=0.1, offset=1.0), _rand(k, gen=gen), _rand(n, gen=gen)
+    B = w.t() if layout == "transposed" else w.t().contiguous()
+    with launch_ledger() as ledger:
+        fold = layernorm_fold(B, gamma, beta, bias)
+    assert [(e.kind, e.name) for e in ledger] == [("aux", "layernorm_fold")]
+    assert fold["B"].shape == B.shape and fold["B"].stride() == B.stride() and fold["B"].dtype == B.dtype
+    assert torch.equal(fold["B"], (B.float() * gamma.float()[:, None]).bfloat16())
+    # gw sums the weight as stored (rounded), so centring through it is exact
+    torch.testing.assert_close(fold["gw"].double(), fold["B"].double().sum(0), atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close(fold["c"].double(), beta.double() @ B.double() + bias.double(), atol=1e-5, rtol=1e-5)
+    # the catalogue's rank-1 form through a GEMM equals LayerNorm then the GEMM, at a large mean
+    x = _rand(M, k, gen=gen, scale=0.5, offset=20.0)
+    st = row_stats(x, 1e-5)
+    epi = load_program('''
+from coda_agent.primitives import *
+@epilogue()
+def ln_rank1(acc, mean: ColVec, rstd: ColVec, gw: RowVec, shift: RowVec):
+    return {"D": rstd * (acc - mean * gw) + shift}
+''', "rank1").ln_rank1
+    with lowering("reference"):
+        y = gemm(x, fold["B"], epi, out_dtype="fp32", mean=st["mean"], rstd=st["rstd"], gw=fold["gw"],
+                 shift=fold["c"])["D"]
+    want = F.linear(F.layer_norm(x.double(), (k,), gamma.double(), beta.double(), 1e-5), w.double(), bias.double())
+    # within a few bf16 roundings of the folded weight on a centred x: nothing proportional to the mean
+    assert float((y.double() - want).abs().max()) < 2e-2 * float(want.abs().max())
+
+
+def test_layernorm_fold_rejects_shapes_and_layouts_with_the_fix(gen):
+    B = _rand(16, 24, gen=gen)
+    with pytest.raises(CatalogueError, match=r"gamma needs shape \(16,\) for B of shape \(16, 24\)"):
+        layernorm_fold(B, torch.ones(24), torch.zeros(16))
+    with pytest.raises(CatalogueError, match=r"bias needs shape \(24,\)"):
+        layernorm_fold(B, torch.ones(16), torch.zeros(16), torch.zeros(16))
+    with pytest.raises(CatalogueError, match=r"strides .* row-major \(K, N\), or the transposed view"):
+        layernorm_fold(_rand(16, 48, gen=gen)[:, ::2], torch.ones(16), torch.zeros(16))
+
+
+def test_normalize_rows_materializes_layernorm_and_rmsnorm(gen):
+    x = _rand(M, N, gen=gen, offset=2.0)
+    gamma, beta = _rand(N, gen=gen, scale=0.1, offset=1.0), _rand(N, gen=gen)
+    st = row_stats(x, 1e-5)
+    ln = normalize_rows(x, st["rstd"], gamma, mean=st["mean"], beta=beta)
+    want = F.layer_norm(x.double(), (N,), gamma.double(), beta.double(), 1e-5)
+    assert ln.dtype == torch.bfloat16
+    torch.testing.assert_close(ln.double(), want, atol=2e-2, rtol=1e-2)
+    rstd = torch.rsqrt(x.float().pow(2).mean(1) + 1e-6)
+    rms = normalize_rows(x, rstd, gamma)
+    torch.testing.assert_close(rms.double(), (x.double() * rstd.double()[:, None] * gamma.double()), atol=2e-2, rtol=1e-2)
+
+
+# --------------------------------------------------------------------------- sm_90a compile
+
+
+@pytest.mark.slow
+def test_passes_and_layernorm_kernels_compile_for_sm90a(gen):
+    """Every pass kind (Tile, PairedTile, reductions and partials) and the
+    LayerNorm kernels (both fold layouts) compile with HGMMA in the SASS (the
+    zero mainloop's), no slow-path CALL (erf included) and no spills at 128x128."""
+    dy, pre = _rand(M, N, gen=gen), _rand(M, N, gen=gen)
+    narrow = TileConfig(tile_n=128, cluster_m=1)
+    w = _rand(N, 72, gen=gen)
+    with compile_only() as kernels:
+        tile_pass(PROGRAM.dgelu, dy=dy, pre=pre, scale=torch.ones(M), shift=torch.ones(N), alpha=1.0, config=narrow)
+        tile_pass(PROGRAM.dswiglu, dy=_rand(M, 72, gen=gen), pre=_rand(M, 144, gen=gen), config=narrow)
+        st = row_stats(dy, 1e-5)
+        normalize_rows(dy, st["rstd"], torch.ones(N), mean=st["mean"], beta=torch.zeros(N))
+        layernorm_fold(w.t(), torch.ones(72), torch.zeros(72))
+        layernorm_fold(w, torch.ones(N), torch.zeros(N))
+    names = [k.epilogue for k in kernels]
+    assert names == ["dgelu", "dswiglu", "row_moments", "normalize", "layernorm_fold", "layernorm_fold"], names
+    for k in kernels:
+        s = k.sass
+        assert s is not None and s.sm90a and s.hgmma > 0, (k.epilogue, s)
+        assert s.calls == 0, (k.epilogue, k.config, s)
+        assert s.spill_stores == 0 and s.spill_loads == 0 or k.config != str(narrow), (k.epilogue, k.config, s)
+
+
+# --------------------------------------------------------------------------- padded lanes
+
+
+def test_padded_lanes_fold_what_the_kernel_folds(gen):
+    """In padded_lanes mode a sum over a ragged edge adds what the fn returns in the
+    padded lanes (the accumulator and Tiles are 0 there, vectors stale); a max, an
+    LSE and the stores see only the real extent.  A fold that multiplies its vector
+    by the accumulator is unchanged; one that adds it is not."""
+    from coda_agent.primitives.lowering import padded_lanes
+
+    P = load_program('''
+from coda_agent.primitives import *
+
+@epilogue(outputs={"o": "bf16"}, reductions={"s": col_sum(), "t": row_sum(), "mx": col_max(), "lse": online_lse()})
+def probe(acc, b: RowVec, r: ColVec, x: Tile):
+    return {"D": acc + b, "o": x * r, "s": acc * b + x, "t": acc * r, "mx": acc + b, "lse": acc + b}
+
+@epilogue(reductions={"s": col_sum(), "t": row_sum()})
+def adds_vectors(acc, b: RowVec, r: ColVec):
+    return {"s": acc + b, "t": acc * r + r}
+''', "padded_probe")
+    A, B = _rand(M, 64, gen=gen), _rand(64, N, gen=gen)
+    ops = dict(b=torch.randn(N, generator=gen), r=torch.randn(M, generator=gen), x=_rand(M, N, gen=gen))
+    with lowering("reference"):
+        plain = gemm(A, B, P.probe, **ops)
+        plain_bad = gemm(A, B, P.adds_vectors, b=ops["b"], r=ops["r"])
+        with padded_lanes():
+            padded = gemm(A, B, P.probe, **ops)
+            padded_bad = gemm(A, B, P.adds_vectors, b=ops["b"], r=ops["r"])
+    for k in plain:
+        torch.testing.assert_close(padded[k], plain[k], atol=1e-4, rtol=1e-5)
+    for k in ("s", "t"):  # ragged in both dimensions: every row and column sum is off
+        assert (padded_bad[k] - plain_bad[k]).abs().min() > 1.0, k

@@ -1,0 +1,147 @@
+"""GPU tier of the GPT-2 suite's catalogue additions (H200; skipped without
+CUDA): tile passes through quack's kernel on its zero mainloop against the
+reference lowering, erf / gelu / 16-bit rounding against PyTorch in fp64 and
+bit for bit, vector passes on the device, and LayerNorm's statistics, fold and
+row-scale.  With CODA_GPU_RESULTS set, each case appends its errors to
+``$CODA_GPU_RESULTS/primitives.jsonl``."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from test_passes import PROGRAM as PASSES  # the CPU tier's passes: dgelu (reductions, partials), dswiglu
+from test_primitives_gpu import _record  # to $CODA_GPU_RESULTS/primitives.jsonl with the other catalogue cases
+
+from coda_agent.primitives import (TileConfig, layernorm_fold, load_program, lowering, normalize_rows, row_stats,
+                                   tile_pass, tuning, vector_pass)
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+PROGRAM = load_program('''
+from coda_agent.primitives import *
+
+@epilogue(outputs={"g": "fp32", "b16": "fp32", "h16": "fp32"})
+def exact(x: Tile):
+    return {"D": erf(x), "g": gelu(x), "b16": round_bf16(x), "h16": round_fp16(x)}
+
+@epilogue(outputs={"r0": "fp32"})
+def centre(mean: ColVec, rstd: ColVec):
+    return {"r0": -rstd * mean}
+''', "passes_gpu")
+
+SHAPES = {"even": (2048, 3072), "ragged": (1000, 1264)}
+
+
+def _compare(case: str, got: dict, want: dict) -> None:
+    assert set(got) == set(want)
+    errs = {}
+    for k in want:
+        g, w = got[k].float().cpu(), want[k].float()
+        assert g.shape == w.shape and not torch.isnan(g).any(), k
+        errs[k] = ((g - w).norm() / w.norm().clamp_min(1e-12)).item()
+        limit = 1e-5 if got[k].dtype == torch.float32 else 8e-3
+        assert errs[k] < limit, (case, k, errs[k])
+    _record({"case": case, "rel_norm": errs})
+
+
+def _tiles(m: int, n: int, seed: int) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    return {"dy": torch.randn(m, n, generator=gen).bfloat16(), "pre": (2 * torch.randn(m, n, generator=gen)).bfloat16(),
+            "shift": torch.randn(n, generator=gen), "scale": torch.rand(m, generator=gen) + 0.5, "alpha": 0.25}
+
+
+def _cuda(ops: dict) -> dict:
+    return {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in ops.items()}
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_tile_pass_on_the_zero_mainloop_matches_the_reference(shape):
+    m, n = SHAPES[shape]
+    ops = _tiles(m, n, 1)
+    with lowering("reference"):
+        want = tile_pass(PASSES.dgelu, **ops)  # partials at the default config's tile_n, as the kernel's
+    with lowering("cute"):
+        got = tile_pass(PASSES.dgelu, **_cuda(ops))
+    torch.cuda.synchronize()
+    _compare(f"dgelu/{shape}", got, want)
+
+
+def test_tile_pass_at_every_config_the_tuner_may_pick():
+    """tune() times a pass at each candidate (the benchmark tunes every untuned call)."""
+    m, n = SHAPES["ragged"]
+    ops = _tiles(m, n, 2)
+    for cfg in tuning.candidates_for(PASSES.dgelu, ops):
+        with lowering("reference"):
+            want = tile_pass(PASSES.dgelu, config=cfg, **ops)  # partials laid out per the config's tile_n
+        with lowering("cute"):
+            got = tile_pass(PASSES.dgelu, config=cfg, **_cuda(ops))
+        torch.cuda.synchronize()
+        _compare(f"dgelu/{cfg}", got, want)
+
+
+def test_paired_tile_pass_matches_the_reference():
+    gen = torch.Generator().manual_seed(3)
+    dy, pre = torch.randn(1000, 632, generator=gen).bfloat16(), torch.randn(1000, 1264, generator=gen).bfloat16()
+    with lowering("reference"):
+        want = tile_pass(PASSES.dswiglu, dy=dy, pre=pre, config=TileConfig(tile_n=128, cluster_m=1))
+    with lowering("cute"):
+        got = tile_pass(PASSES.dswiglu, dy=dy.cuda(), pre=pre.cuda(), config=TileConfig(tile_n=128, cluster_m=1))
+    torch.cuda.synchronize()
+    _compare("dswiglu", got, want)
+
+
+def test_erf_gelu_and_rounding_on_the_gpu():
+    """libdevice's erff against fp64 (absolute and relative, small arguments
+    included); gelu against F.gelu; the 16-bit roundings bit for bit."""
+    x = torch.cat([torch.linspace(-9, 9, 1000 * 512 - 4096), torch.logspace(-8, 0, 4096)]).view(1000, 512)
+    with lowering("cute"):
+        got = tile_pass(PROGRAM.exact, x=x.cuda())
+    torch.cuda.synchronize()
+    erf64 = torch.erf(x.double())
+    abs_err = (got["D"].double().cpu() - erf64).abs()
+    small = x.abs() < 1e-2
+    rel_small = float((abs_err[small] / erf64[small].abs()).max())
+    gelu_err = float((got["g"].double().cpu() - F.gelu(x.double())).abs().max())
+    _record({"case": "erf", "max_abs": float(abs_err.max()), "max_rel_small": rel_small, "gelu_max_abs": gelu_err})
+    assert float(abs_err.max()) < 5e-7 and rel_small < 1e-6, (float(abs_err.max()), rel_small)
+    assert gelu_err < 5e-6 * 9, gelu_err
+    assert torch.equal(got["b16"].cpu(), x.bfloat16().float())
+    assert torch.equal(got["h16"].cpu(), x.half().float())
+
+
+def test_vector_pass_on_the_device():
+    mean, rstd = torch.randn(4096, device="cuda"), torch.rand(4096, device="cuda") + 0.5
+    out = vector_pass(PROGRAM.centre, mean=mean, rstd=rstd)
+    assert out["r0"].is_cuda
+    torch.testing.assert_close(out["r0"], -rstd * mean)
+
+
+@pytest.mark.parametrize("layout", ["transposed", "row-major"])
+def test_layernorm_kernels_on_the_gpu(layout):
+    gen = torch.Generator().manual_seed(4)
+    m, k, n = 1000, 1600, 4800
+    x = (20 + 0.5 * torch.randn(m, k, generator=gen)).bfloat16()
+    w = (torch.randn(n, k, generator=gen) / math.sqrt(k)).bfloat16()
+    gamma, beta = (1 + 0.1 * torch.randn(k, generator=gen)).bfloat16(), torch.randn(k, generator=gen).bfloat16()
+    bias = torch.randn(n, generator=gen).bfloat16()
+    B = w.t() if layout == "transposed" else w.t().contiguous()
+    cpu = {"x": x, "B": B, "gamma": gamma, "beta": beta, "bias": bias}
+    results = {}
+    for where, t in (("reference", cpu), ("cute", {k2: v.cuda() for k2, v in cpu.items()})):
+        with lowering(where):
+            st = row_stats(t["x"], 1e-5)
+            fold = layernorm_fold(t["B"], t["gamma"], t["beta"], t["bias"])
+            ln = normalize_rows(t["x"], st["rstd"], t["gamma"], mean=st["mean"], beta=t["beta"])
+        torch.cuda.synchronize()
+        results[where] = {"mean": st["mean"], "rstd": st["rstd"], "B": fold["B"], "gw": fold["gw"], "c": fold["c"],
+                          "ln": ln}
+    got = results["cute"]
+    assert got["B"].stride() == B.stride()
+    assert torch.equal(got["B"].cpu(), results["reference"]["B"])  # one rounding of the same fp32 product
+    torch.testing.assert_close(got["gw"].cpu().double(), got["B"].cpu().double().sum(0), atol=1e-4, rtol=1e-5)
+    _compare(f"layernorm/{layout}", got, results["reference"])

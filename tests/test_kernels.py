@@ -123,3 +123,14 @@ def test_load_kernel_from_a_run_directory(tmp_path, agent_env):
         load_kernel(run, allow_cpu_only=True)
     with pytest.raises(KernelError, match="no accepted program here"):
         load_kernel(tmp_path)
+
+
+@pytest.mark.parametrize("name,kept", [("mlp_block", {"pre", "rstd"}), ("llama3_block", {"h1", "pre", "r1", "r2"})])
+def test_blocks_keep_only_what_their_backward_needs(name, kept):
+    """Between forward and backward a block holds its outputs, the pre-activation and the
+    RMS statistics: not the GEMM inputs (h * gamma, silu(g) * u) that its backward can
+    rebuild for free (at LLaMA-3 1B, 320 MiB less per block; 8B: 576 MiB)."""
+    t = task(name)
+    inputs, _ = draw(t, "small", seed=2)
+    outs = suite_kernel(name).forward(inputs, dict(t.spec.params))
+    assert set(outs) - set(t.spec.outputs) == kept

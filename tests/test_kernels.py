@@ -26,20 +26,38 @@ def suite_kernel(name: str) -> Kernel:
     return Kernel.from_files(t.expert_path, t.path)
 
 
-@pytest.mark.parametrize("name", ["mlp_block", "llama3_block", "out_proj_residual"])
-def test_autograd_through_the_kernel_matches_the_reference(name):
+def autograd_mismatches(name: str, shape_set: str, device: str) -> list:
+    """The Kernel's outputs and its autograd gradients, judged by the verifier's compare."""
     t = task(name)
     kernel = suite_kernel(name)
-    inputs, grads = draw(t, "small", seed=7)
-    leaves = {k: v.clone().requires_grad_(k in t.spec.gradients) for k, v in inputs.items()}
+    inputs, grads = draw(t, shape_set, seed=7)
+    leaves = {k: v.to(device).requires_grad_(k in t.spec.gradients) for k, v in inputs.items()}
     outs = kernel(**leaves)
     assert list(outs) == list(t.spec.outputs)
     wrt = [leaves[g] for g in t.spec.gradients]
     got_grads = torch.autograd.grad([outs[o] for o in kernel.grad_outputs], wrt,
-                                    [grads[f"d{o}"] for o in kernel.grad_outputs])
-    got = {**{o: v.detach() for o, v in outs.items()},
-           **{f"d{g}": d for g, d in zip(t.spec.gradients, got_grads)}}
-    bad = mismatches(t, "small", got, inputs, grads)
+                                    [grads[f"d{o}"].to(device) for o in kernel.grad_outputs])
+    got = {**{o: v.detach().cpu() for o, v in outs.items()},
+           **{f"d{g}": d.cpu() for g, d in zip(t.spec.gradients, got_grads)}}
+    return mismatches(t, shape_set, got, inputs, grads)
+
+
+BLOCKS = ["mlp_block", "llama3_block", "out_proj_residual"]
+
+
+@pytest.mark.parametrize("name", BLOCKS)
+def test_autograd_through_the_kernel_matches_the_reference(name):
+    bad = autograd_mismatches(name, "small", "cpu")
+    assert not bad, bad
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Hopper)")
+@pytest.mark.parametrize("shape_set", ["small", "ragged"])
+@pytest.mark.parametrize("name", BLOCKS)
+def test_autograd_through_the_kernel_on_gpu(name, shape_set):
+    """The cute lowering (quack's SM90 GEMMs) under autograd, against the fp64 reference."""
+    bad = autograd_mismatches(name, shape_set, "cuda")
     assert not bad, bad
 
 

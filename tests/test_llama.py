@@ -31,9 +31,12 @@ CONFIG = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num
               rope_theta=10000.0, attn_implementation="sdpa")
 
 
+DEVICE = "cpu"
+
+
 def tiny_llama(seed: int = 0, **overrides) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**{**CONFIG, **overrides}))
+    model = LlamaForCausalLM(LlamaConfig(**{**CONFIG, **overrides})).to(DEVICE)
     with torch.no_grad():  # norm weights away from 1, so a dropped gamma shows
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -46,7 +49,7 @@ def batch():
     ids = torch.randint(0, CONFIG["vocab_size"], (2, 24), generator=g)
     labels = ids.clone()
     labels[0, :5] = -100  # ignored positions (a prompt), as HF's loss skips them
-    return ids, labels
+    return ids.to(DEVICE), labels.to(DEVICE)
 
 
 def hf_layout(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -156,3 +159,16 @@ def test_models_the_kernels_do_not_cover_get_a_clear_error():
         coda_agent.apply_to_llama(model)
     with pytest.raises(KernelError, match="LlamaForCausalLM or LlamaModel; got Linear"):
         coda_agent.apply_to_llama(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Hopper)")
+def test_patched_model_trains_like_hf_on_gpu(monkeypatch):
+    """The cute lowering inside the model: quack's GEMMs with the suite's epilogues, SDPA flash."""
+    monkeypatch.setitem(globals(), "DEVICE", "cuda")
+    base = tiny_llama()
+    hi, lo = train_and_eval(copy.deepcopy(base).float()), train_and_eval(copy.deepcopy(base).bfloat16())
+    with launch_ledger() as launched:
+        got = train_and_eval(coda_agent.apply_to_llama(copy.deepcopy(base).bfloat16()))
+    assert_like_hf(got, hi, lo)
+    assert {"norm_rope", "rmsnorm_dx", "dswiglu", "logits_lse"} <= {launch.name for launch in launched}

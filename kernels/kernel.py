@@ -121,6 +121,14 @@ class Kernel:
     def __repr__(self) -> str:
         return f"Kernel({self.name!r}, from {self.origin}, catalogue {self.catalogue})"
 
+    # A Kernel never changes after it is built: a deepcopy of a model that holds one (an
+    # EMA or reference copy) shares it, and pickling rebuilds it from the source.
+    def __deepcopy__(self, memo: dict) -> "Kernel":
+        return self
+
+    def __reduce__(self) -> tuple:
+        return (_rebuild, (self.spec, self.source, self.catalogue, self.origin))
+
     # ------------------------------------------------------------------ the program's contract
 
     def forward(self, inputs: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
@@ -176,6 +184,10 @@ class Kernel:
     def module(self, **params: Any) -> "KernelModule":
         """The kernel as an ``nn.Module`` with ``params`` fixed (default: the task's values)."""
         return KernelModule(self, **params)
+
+
+def _rebuild(spec: TaskSpec, source: str, catalogue: str, origin: str) -> Kernel:
+    return Kernel(spec, source, catalogue=catalogue, origin=origin)
 
 
 class KernelModule(torch.nn.Module):

@@ -46,7 +46,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from types import MethodType
 from typing import Any
 
 import torch
@@ -88,6 +87,17 @@ class LayerPlan:
     head_dim: int
 
 
+class PatchedForward:
+    """A module's replacement forward, bound to it.  An object rather than a bound method,
+    so that copy.deepcopy and pickle carry it over to the copy's own module."""
+
+    def __init__(self, module: nn.Module, fn: Any):
+        self.module, self.fn = module, fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(self.module, *args, **kwargs)
+
+
 class FusedWeight(nn.Module):
     """One fused projection weight, kept under ``<name>.weight`` (the hooks give HF's keys back)."""
 
@@ -122,7 +132,7 @@ def apply_to_llama(model: LlamaForCausalLM | LlamaModel, *, rope: bool = True, r
             _patch_layer(layer, plan, freq)
     if fused_linear_cross_entropy and isinstance(model, LlamaForCausalLM):
         model.coda_xent = chosen["lm_head_xent"]
-        model.forward = MethodType(_causal_lm_forward, model)
+        model.forward = PatchedForward(model, _causal_lm_forward)
     base.coda_flags = {"rope": rope, "rms_norm": rms_norm, "swiglu": swiglu,
                        "fused_linear_cross_entropy": fused_linear_cross_entropy}
     return model
@@ -232,7 +242,7 @@ def _patch_layer(layer: nn.Module, plan: LayerPlan, freq: torch.Tensor | None) -
         _relayout(layer.mlp, "gate_up_proj", ("gate_proj", "up_proj"), _interleave_rows,
                   lambda w: (w[0::2], w[1::2]))
     layer.coda_plan = plan
-    layer.forward = MethodType(_layer_forward, layer)
+    layer.forward = PatchedForward(layer, _layer_forward)
 
 
 # --------------------------------------------------------------------------- forwards

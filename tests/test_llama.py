@@ -172,3 +172,21 @@ def test_patched_model_trains_like_hf_on_gpu(monkeypatch):
         got = train_and_eval(coda_agent.apply_to_llama(copy.deepcopy(base).bfloat16()))
     assert_like_hf(got, hi, lo)
     assert {"norm_rope", "rmsnorm_dx", "dswiglu", "logits_lse"} <= {launch.name for launch in launched}
+
+
+def test_kv_cache_decoding_copies_and_checkpointing():
+    model = coda_agent.apply_to_llama(tiny_llama().bfloat16())
+    ids, labels = batch()
+    model.eval()
+    with torch.no_grad():  # one decoding step on the cache = the last row of a full forward
+        full = model(ids[:, :9]).logits[:, -1].float()
+        past = model(ids[:, :8], use_cache=True).past_key_values
+        step = model(ids[:, 8:9], past_key_values=past, use_cache=True).logits[:, -1].float()
+    assert (step - full).abs().max() < 0.05 * full.abs().max()
+    twin = copy.deepcopy(model)  # an EMA / reference copy is patched too, with its own weights
+    assert twin.model.layers[0].forward.module is twin.model.layers[0]
+    assert twin.model.layers[0].coda_plan.mlp is model.model.layers[0].coda_plan.mlp
+    a = train_and_eval(model)
+    twin.gradient_checkpointing_enable()
+    b = train_and_eval(twin)
+    assert all(torch.equal(a[k], b[k]) for k in a)

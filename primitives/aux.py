@@ -108,7 +108,7 @@ def _rms_prepare(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> tuple[torc
     _need("x", x, 2)
     # One read of x for the statistic (fp32 accumulation, no fp32 copy of x) and
     # one read + write for x * gamma (computed in fp32, rounded once to x's dtype).
-    norm = torch.linalg.vector_norm(x, 2, dim=1, dtype=torch.float32)
+    norm = torch.linalg.vector_norm(x, 2, dim=1, dtype=torch.promote_types(x.dtype, torch.float32))
     rstd = torch.rsqrt(norm * norm / float(x.shape[1]) + float(eps))
     if gamma.dtype == x.dtype:
         xg = x * gamma

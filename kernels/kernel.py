@@ -17,7 +17,10 @@ same outputs the verifier draws gradients for; ``TaskSpec`` declares no other
 list) and returns the program's ``d<input>``, ``None`` for inputs outside
 ``gradients`` and for params.  Integer outputs are marked non-differentiable.
 A forward-only task saves nothing and raises if a gradient ever reaches it: a
-silent zero gradient would train a model wrong.
+silent zero gradient would train a model wrong.  A backward may reuse what it
+was saved (``gemm(..., out=...)`` over a saved activation), so a kernel is
+backpropagated once per forward: a second backward (``retain_graph=True``)
+gets autograd's error about a saved tensor modified in place, not wrong numbers.
 
 Calls are checked against the task before the program runs: every input a
 tensor of the declared rank and dtype, and every dimension consistent with the

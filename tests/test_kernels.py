@@ -152,3 +152,15 @@ def test_blocks_keep_only_what_their_backward_needs(name, kept):
     inputs, _ = draw(t, "small", seed=2)
     outs = suite_kernel(name).forward(inputs, dict(t.spec.params))
     assert set(outs) - set(t.spec.outputs) == kept
+
+
+def test_a_second_backward_through_reused_state_is_refused():
+    """mlp_block's backward writes d(pre) over the saved pre-activation: autograd's version
+    counter (bumped by the custom op's declared mutation) turns a second backward into an error."""
+    t = task("mlp_block")
+    inputs, _ = draw(t, "small", seed=3)
+    leaves = {n: v.clone().requires_grad_(True) for n, v in inputs.items()}
+    loss = suite_kernel("mlp_block")(**leaves)["y"].float().sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()

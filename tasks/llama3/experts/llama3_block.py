@@ -19,8 +19,9 @@ the dSwiGLU epilogue holds (g, u) and writes silu(g) * u again (``act``, for
 dW_down), and dW_gu = (r1 * d(pre))^T @ (h1 * gamma_mlp) = ((r1 * d(pre))^T @
 h1) * gamma_mlp scales its output columns in the epilogue, so h1 * gamma_mlp
 is never needed again.  dSwiGLU stores r1 * d(pre), so d(pre) @ W_gu's
-accumulator is r1 * d.  Each backward temporary is dropped once its last GEMM
-has read it.
+accumulator is r1 * d; it is written over the saved pre-activation it is
+computed from (``gemm(..., out=pre)``), so the backward never holds both
+(T, 2I) tensors, and each temporary is dropped once its last GEMM has read it.
 """
 
 from coda_agent.primitives import (ColVec, PairedTile, RowVec, Scalar, Tile, col_sum, epilogue,
@@ -114,7 +115,8 @@ def backward(saved, dh_out, dqkv):
     dw_qkv = gemm(dqkv.t(), xn)["D"]
     del xn
     # SwiGLU MLP + its RMSNorm (+ the residual gradient dh2).
-    da = gemm(dh2, w_down, dswiglu, pre=saved["pre"], rstd=saved["r1"])
+    # d(pre) overwrites the saved pre-activation it is computed from: the two never coexist.
+    da = gemm(dh2, w_down, dswiglu, pre=saved["pre"], rstd=saved["r1"], out=saved["pre"])
     dpre, act, s1 = da["D"], da["act"], da["s"]
     del da
     dw_down = gemm(dh2.t(), act)["D"]

@@ -16,7 +16,10 @@ dW_gu = (r * d_pre)^T @ (h * gamma) = ((r * d_pre)^T @ h) * gamma, gamma
 scaling the output columns in that GEMM's epilogue.  dSwiGLU stores r * d_pre,
 so d_pre @ W_gu's epilogue reads its accumulator as r * d:
 dh = dy + gamma * acc - h * r^2 * s / H and dgamma = sum_rows(acc * h).
-Each backward temporary is dropped once its last GEMM has read it.
+r * d_pre is written over the saved pre-activation it is computed from
+(``gemm(..., out=pre)``: each element is read before it is written), so the
+backward never holds both (T, 2I) tensors, and each temporary is dropped once
+its last GEMM has read it.
 """
 
 from coda_agent.primitives import (ColVec, PairedTile, RowVec, Scalar, Tile, col_sum, epilogue,
@@ -69,7 +72,8 @@ def forward(h, gamma, w_gu, w_down, eps):
 def backward(saved, dy):
     h, gamma, w_gu, w_down = saved["h"], saved["gamma"], saved["w_gu"], saved["w_down"]
     rstd = saved["rstd"]
-    da = gemm(dy, w_down, dswiglu, pre=saved["pre"], rstd=rstd)
+    # d(pre) overwrites the saved pre-activation it is computed from: the two never coexist.
+    da = gemm(dy, w_down, dswiglu, pre=saved["pre"], rstd=rstd, out=saved["pre"])
     dpre, act, s = da["D"], da["act"], da["s"]
     del da
     dw_down = gemm(dy.t(), act)["D"]

@@ -29,7 +29,7 @@ import textwrap
 from pathlib import Path
 
 from coda_agent.agent.protocols import CodaError
-from coda_agent.kernels import Kernel, KernelError
+from coda_agent.kernels import Kernel
 from coda_agent.storage import write_atomic, write_json
 
 from .review import CPU_ONLY_BANNER, candidate
@@ -84,10 +84,7 @@ def export(run: Path, to: Path, allow_cpu_only: bool = False) -> Path:
         raise CodaError(f"{run}: {CPU_ONLY_BANNER}; exporting it needs --allow-cpu-only")
     spec_text = c.task_path().read_text()
     catalogue = c.report().get("versions", {}).get("catalogue")
-    try:
-        kernel = Kernel.from_source(c.program, spec_text, catalogue=catalogue, origin=str(c.path))
-    except KernelError as e:
-        raise CodaError(str(e)) from None
+    kernel = Kernel.from_source(c.program, spec_text, catalogue=catalogue, origin=str(c.path))
     module = module_name(kernel.name)
     to.mkdir(parents=True, exist_ok=True)
     write_atomic(to / f"{module}.py", render_module(kernel, c, review, module, spec_text))

@@ -30,7 +30,7 @@ Nothing here has an import-time side effect; transformers is imported only by
 ``llama.py`` (the ``hf`` extra).
 """
 
-from .kernel import Kernel, KernelError, KernelModule, grad_outputs
+from .kernel import Kernel, KernelError, KernelModule
 from .source import load_kernel
 
 
@@ -42,4 +42,4 @@ def __getattr__(name: str):  # noqa: ANN202 - the drop-in imports transformers o
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["Kernel", "KernelError", "KernelModule", "apply_to_llama", "grad_outputs", "load_kernel"]
+__all__ = ["Kernel", "KernelError", "KernelModule", "apply_to_llama", "load_kernel"]

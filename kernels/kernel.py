@@ -12,10 +12,11 @@ solves (``tasks/spec.py``) is everything needed to run it inside a model:
 
 :class:`Kernel` is the one place that turns that contract into autograd.  Its
 ``function`` (a ``torch.autograd.Function``) runs ``forward`` and, on
-``backward``, hands the program the gradients of the *float* outputs (the
-same outputs the verifier draws gradients for; ``TaskSpec`` declares no other
-list) and returns the program's ``d<input>``, ``None`` for inputs outside
-``gradients`` and for params.  Integer outputs are marked non-differentiable.
+``backward``, hands the program the gradients of the task's ``grad_outputs``
+(the float outputs that are not ``role: saved``: what the verifier draws
+gradients for) and returns the program's ``d<input>``, ``None`` for inputs
+outside ``gradients`` and for params.  The other outputs are marked
+non-differentiable (but a forward-only kernel's float outputs, see below).
 A forward-only task saves nothing and raises if a gradient ever reaches it: a
 silent zero gradient would train a model wrong.  A backward may reuse what it
 was saved (``gemm(..., out=...)`` over a saved activation), so a kernel is
@@ -48,21 +49,16 @@ import torch
 import yaml
 from pydantic import ValidationError
 
+from coda_agent.errors import CodaError
 from coda_agent.primitives import CATALOGUE_VERSION, CatalogueError, load_program
 from coda_agent.primitives.operands import OUTPUT_DTYPES
 from coda_agent.tasks.spec import ExprError, TaskSpec, eval_expr, expr_symbols
 
 TORCH_DTYPES = {**OUTPUT_DTYPES, "int32": torch.int32, "int64": torch.int64}
-FLOAT_DTYPES = tuple(OUTPUT_DTYPES)
 
 
-class KernelError(ValueError):
+class KernelError(CodaError):
     """A kernel that cannot be loaded or called as asked; the message names the fix."""
-
-
-def grad_outputs(spec: TaskSpec) -> tuple[str, ...]:
-    """The outputs whose gradients a task's backward receives: its float outputs."""
-    return tuple(o for o, t in spec.outputs.items() if t.dtype in FLOAT_DTYPES)
 
 
 def spec_from_yaml(text: str, origin: str) -> TaskSpec:
@@ -97,8 +93,12 @@ class Kernel:
         self.inputs = tuple(spec.inputs)
         self.params = dict(spec.params)
         self.outputs = tuple(spec.outputs)
-        self.grad_outputs = grad_outputs(spec)
         self.gradients = tuple(spec.gradients)
+        self.grad_outputs = tuple(spec.grad_outputs)
+        # A forward-only kernel's float outputs stay differentiable, so that a gradient
+        # reaching one raises instead of silently stopping there.
+        self.differentiable = self.grad_outputs if self.gradients else tuple(
+            o for o, t in spec.outputs.items() if TORCH_DTYPES[t.dtype].is_floating_point)
         self.function = _function(self)
 
     @classmethod
@@ -228,7 +228,7 @@ def _function(kernel: Kernel) -> type[torch.autograd.Function]:
             ctx.tensor_names = [k for k, v in saved.items() if isinstance(v, torch.Tensor)]
             ctx.save_for_backward(*(saved[k] for k in ctx.tensor_names))
             ctx.others = {k: v for k, v in saved.items() if k not in ctx.tensor_names}
-        ctx.mark_non_differentiable(*(outs[o] for o in kernel.outputs if o not in kernel.grad_outputs))
+        ctx.mark_non_differentiable(*(outs[o] for o in kernel.outputs if o not in kernel.differentiable))
         return tuple(outs[o] for o in kernel.outputs)
 
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:

@@ -77,7 +77,7 @@ def op_args(epi, operands, dest=None, accumulate=False):
     m, n = A.shape[0], B.shape[1]
     dtype = operands[epi.paired_operand].dtype if epi.paired_operand else A.dtype
     results = epi.result_buffers(m, n, operands, dtype, -(-n // 128), A.device, dest)
-    return (epi.key, A, B, tensors, scalars, ints, list(results.values()), accumulate, [])
+    return (epi.key, A, B, tensors, scalars, ints, list(results.values()), accumulate, [], False)
 
 
 @pytest.mark.parametrize("name", list(CALLS))
@@ -95,7 +95,7 @@ def test_gemm_op_accumulates_and_overwrites_in_place():
     torch.library.opcheck(torch.ops.coda.gemm.default, op_args(epi, {"pre": operands["pre"].clone()},
                                                               dest=operands["pre"].clone()))
     acc = bf(M, N, seed=9)
-    torch.library.opcheck(torch.ops.coda.gemm.default, ("plain", A, B, [], [], [], [acc], True, []))
+    torch.library.opcheck(torch.ops.coda.gemm.default, ("plain", A, B, [], [], [], [acc], True, [], False))
     before = acc.clone()
     assert gemm(A, B, accumulate_into=acc)["D"] is acc
     assert torch.allclose(acc.float(), before.float() + (A.float() @ B.float()), atol=0.1)
@@ -136,6 +136,7 @@ AUX = {
     "zeros_like": (bf(M, N),),
     "add": (bf(M, N), bf(M, N, seed=8)),
     "concat_rows": ([torch.randn(3), torch.randn(5)],),
+    "quantize_rows": (bf(M, N), "fp8_e4m3", torch.rand(M) + 0.5, None),
 }
 
 

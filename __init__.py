@@ -8,12 +8,25 @@ The package is the repository's top level (see pyproject's ``package-dir``):
   human-written expert programs of the LLaMA-3 suite.
 - ``coda_agent.verifier``: the staged judge that turns a program into a Report.
 - ``coda_agent.agent``: the LLM loop, model clients, budgets, run directories.
+- ``coda_agent.kernels``: accepted programs as PyTorch ops (``Kernel``,
+  ``load_kernel``) and the Hugging Face drop-in ``coda_agent.apply_to_llama``.
 - ``coda_agent.eval``: batch evaluation, reports, review and export.
 - ``coda_agent.cli``: the ``coda-agent`` command.
 - two leaf modules any folder may use (they import nothing from the package):
   ``coda_agent.errors`` (the user-facing error family and the CLI's one error
   handler) and ``coda_agent.program_rules`` (the rules of a program, which the
   catalogue text renders and the static stage enforces).
+
+Importing the package imports nothing else: ``apply_to_llama`` loads the
+kernels (and transformers) on first use.
 """
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):  # noqa: ANN202
+    if name == "apply_to_llama":
+        from .kernels.llama import apply_to_llama
+
+        return apply_to_llama
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -95,7 +95,9 @@ HOST_RULES: tuple[Rule, ...] = (
                           "gradient dy^T @ x. Operands are passed by the names the epilogue declares."),
     Rule("gemm results", "a dict: `'D'` (unless the epilogue returns no D), each declared output and each "
                          "finished reduction. With `accumulate_into=buf` (an (M, N) tensor, e.g. a slice of a "
-                         "`zeros_like` buffer) D is added into `buf` in place and `'D'` is `buf` itself; the "
+                         "`zeros_like` buffer) D is added into `buf` in place and `'D'` is `buf` itself; with "
+                         "`out=buf` D is written over `buf` (D's shape and dtype; a buffer dead after this GEMM, "
+                         "which may be a Tile or the PairedTile the epilogue reads, never A or B); either way the "
                          "epilogue must return a D."),
 )
 

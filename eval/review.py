@@ -26,9 +26,9 @@ from typing import Any
 
 from coda_agent.agent.protocols import CodaError
 from coda_agent.agent.rundir import read_events, utc_now
+from coda_agent.kernels.source import CPU_ONLY as CPU_ONLY_BANNER
+from coda_agent.kernels.source import final_program, task_file
 from coda_agent.storage import write_json
-
-CPU_ONLY_BANNER = "NOT ACCEPTED: CPU stages only (no GPU ran correctness, launch audit or performance)"
 
 
 @dataclass
@@ -60,10 +60,10 @@ class Candidate:
 
     def task_path(self) -> Path:
         """The task YAML: the run's copy next to the trajectory (or one level up for sample-i/)."""
-        for d in (self.path, self.path.parent):
-            if (d / "task.yaml").is_file():
-                return d / "task.yaml"
-        raise CodaError(f"{self.path}: no task.yaml in the run directory")
+        path = task_file(self.path)
+        if path is None:
+            raise CodaError(f"{self.path}: no task.yaml in the run directory")
+        return path
 
     def config(self) -> dict[str, Any]:
         for d in (self.path, self.path.parent):
@@ -74,15 +74,8 @@ class Candidate:
 
 def candidate(path: Path) -> Candidate | None:
     """The reviewable program of a trajectory directory, or None."""
-    rf = path / "result.json"
-    if not rf.is_file():
-        return None
-    result = json.loads(rf.read_text())
-    if result.get("accepted") and (path / "accepted" / "program.py").is_file():
-        return Candidate(path, "accepted", result)
-    if result.get("best_outcome") == "cpu_passed" and (path / "best" / "program.py").is_file():
-        return Candidate(path, "best", result)
-    return None
+    found = final_program(path)
+    return Candidate(path, *found) if found else None
 
 
 def find_candidates(root: Path) -> list[Candidate]:

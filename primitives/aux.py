@@ -11,11 +11,20 @@ Each is one catalogue call, recorded in the launch ledger as ``aux``; they are
 plain PyTorch (a handful of small kernels each), identical in both lowerings,
 except :func:`xent_grad_`, which on CUDA tensors is one Triton kernel
 (:mod:`.xent_triton`, imported lazily) with the same math as its PyTorch form.
+
+Each is also a ``torch.library`` custom op, ``coda::<name>`` (see gemm.py for
+why): the op's body is the launch (ledger entry and profiler range, read when
+it runs); its fake is the same PyTorch code on fake tensors (shapes only; the
+in-place ``xent_grad_`` has none to compute), and the differentiable ones
+register their derivative, so a program's aux calls trace under torch.compile
+and a model may train through them directly.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import functools
+import inspect
+from typing import Any, Callable
 
 import torch
 
@@ -23,18 +32,56 @@ from .errors import CatalogueError
 from .lowering import launching
 
 
-def aux_kernel(fn: Callable) -> Callable:
-    """Make ``fn`` a catalogue auxiliary kernel: one ``aux`` launch, no autograd."""
+def aux_kernel(name: str, *, mutates: tuple[str, ...] = (), fake: Callable | None = None,
+         backward: Callable | None = None) -> Callable[[Callable], Callable]:
+    """Make ``fn`` the custom op ``coda::<name without trailing _>`` and return its public
+    form: ``fn``'s signature and doc, tensor arguments checked before the op is called."""
+
+    def wrap(fn: Callable) -> Callable:
+        def launch(*args: Any, **kwargs: Any) -> Any:
+            with launching("aux", name), torch.no_grad():
+                return fn(*args, **kwargs)
+
+        op = torch.library.custom_op(f"coda::{name.rstrip('_')}", launch, mutates_args=mutates,
+                                     schema=torch.library.infer_schema(fn, mutates_args=mutates))
+        op.register_fake(fake or fn)
+        if backward is not None:
+            op.register_autograd(backward, setup_context=_keep_inputs)
+        tensor_args = [p for p in inspect.signature(fn).parameters.values() if p.annotation == "torch.Tensor"]
+
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            for p, v in zip(tensor_args, args):
+                need(p.name, v)
+            return op(*args, **kwargs)
+
+        return call
+
+    return wrap
+
+
+def _keep_inputs(ctx: Any, inputs: tuple, output: Any) -> None:
+    ctx.inputs = inputs
+    ctx.save_for_backward(*(t for t in inputs if isinstance(t, torch.Tensor)))
+
+
+def composite(fn: Callable) -> Callable:
+    """Make ``fn``, a catalogue function built from other catalogue calls (tile
+    passes, aux ops) and O(M) vector math, one ``aux`` launch: a ledger entry and
+    a profiler range around all it runs, no autograd.  It is no custom op of its
+    own: under torch.compile its parts trace as what they are (the ops it calls,
+    and vector math Inductor fuses), and the range, read from ContextVars, is
+    left out of the trace."""
     name = fn.__name__
 
-    def run(*args, **kwargs):  # noqa: ANN002, ANN003
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return fn(*args, **kwargs)
         with launching("aux", name), torch.no_grad():
             return fn(*args, **kwargs)
 
-    run.__name__ = name
-    run.__doc__ = fn.__doc__
-    run.__wrapped_aux__ = fn  # type: ignore[attr-defined]
-    return run
+    return call
 
 
 def need(name: str, t: object, dims: int | None = None) -> torch.Tensor:
@@ -46,7 +93,14 @@ def need(name: str, t: object, dims: int | None = None) -> torch.Tensor:
     return t
 
 
-@aux_kernel
+def _rms_rstd_backward(ctx: Any, g: torch.Tensor) -> tuple:
+    (sqsum,) = ctx.saved_tensors
+    _, dim, eps = ctx.inputs
+    r = torch.rsqrt(sqsum.float() / float(dim) + float(eps))
+    return (g * (-0.5 / dim) * r * r * r).to(sqsum.dtype), None, None
+
+
+@aux_kernel("rms_rstd", backward=_rms_rstd_backward)
 def rms_rstd(sqsum: torch.Tensor, dim: int, eps: float) -> torch.Tensor:
     """Inverse RMS from a sum of squares: ``(sqsum / dim + eps) ** -0.5`` (fp32).
 
@@ -56,25 +110,44 @@ def rms_rstd(sqsum: torch.Tensor, dim: int, eps: float) -> torch.Tensor:
     return torch.rsqrt(sqsum.float() / float(dim) + float(eps))
 
 
-@aux_kernel
-def rms_prepare(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> dict[str, torch.Tensor]:
-    """Entry RMSNorm with no producing GEMM: ``{"xg": x * gamma, "rstd": (M,)}``.
+def _rms_prepare_backward(ctx: Any, gxg: torch.Tensor, grstd: torch.Tensor) -> tuple:
+    x, gamma = ctx.saved_tensors
+    xf = x.float()
+    r = torch.rsqrt(xf.pow(2).mean(dim=1) + float(ctx.inputs[2]))
+    dx = gxg.float() * gamma.float() - (grstd * r.pow(3) / x.shape[1])[:, None] * xf
+    return dx.to(x.dtype), (gxg.float() * xf).sum(dim=0).to(gamma.dtype), None
 
-    Feed ``xg`` to the next GEMM and multiply its accumulator by ``rstd`` (a
-    ColVec): RMSNorm(x) @ W == rstd * ((x * gamma) @ W)."""
+
+@aux_kernel("rms_prepare", backward=_rms_prepare_backward)
+def _rms_prepare(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     need("x", x, 2)
     # One read of x for the statistic (fp32 accumulation, no fp32 copy of x) and
     # one read + write for x * gamma (computed in fp32, rounded once to x's dtype).
-    norm = torch.linalg.vector_norm(x, 2, dim=1, dtype=torch.float32)
+    norm = torch.linalg.vector_norm(x, 2, dim=1, dtype=torch.promote_types(x.dtype, torch.float32))
     rstd = torch.rsqrt(norm * norm / float(x.shape[1]) + float(eps))
     if gamma.dtype == x.dtype:
         xg = x * gamma
     else:
         xg = (x.float() * gamma.float()).to(x.dtype)
+    return xg, rstd
+
+
+def rms_prepare(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> dict[str, torch.Tensor]:
+    """Entry RMSNorm with no producing GEMM: ``{"xg": x * gamma, "rstd": (M,)}``.
+
+    Feed ``xg`` to the next GEMM and multiply its accumulator by ``rstd`` (a
+    ColVec): RMSNorm(x) @ W == rstd * ((x * gamma) @ W)."""
+    xg, rstd = _rms_prepare(x, gamma, eps)
     return {"xg": xg, "rstd": rstd}
 
 
-@aux_kernel
+def _xent_loss_backward(ctx: Any, g: torch.Tensor) -> tuple:
+    target, ignore_index = ctx.inputs[2], ctx.inputs[3]
+    d = torch.where(target == ignore_index, torch.zeros_like(g), g)
+    return d, -d, None, None
+
+
+@aux_kernel("xent_loss", backward=_xent_loss_backward)
 def xent_loss(lse: torch.Tensor, target_logit: torch.Tensor, target: torch.Tensor,
               ignore_index: int = -100) -> torch.Tensor:
     """Per-row cross-entropy ``lse - target_logit`` (0 where target == ignore_index)."""
@@ -82,7 +155,26 @@ def xent_loss(lse: torch.Tensor, target_logit: torch.Tensor, target: torch.Tenso
     return torch.where(target == ignore_index, torch.zeros_like(lse), lse - target_logit)
 
 
-@aux_kernel
+def _no_result(logits: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, dloss: torch.Tensor,
+               ignore_index: int = -100) -> None:
+    return None  # in place: nothing to allocate
+
+
+@aux_kernel("xent_grad_", mutates=("logits",), fake=_no_result)
+def _xent_grad(logits: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, dloss: torch.Tensor,
+               ignore_index: int = -100) -> None:
+    need("logits", logits, 2)
+    need("lse", lse, 1)
+    need("target", target, 1)
+    need("dloss", dloss, 1)
+    if logits.is_cuda and logits.stride(1) == 1:
+        from .xent_triton import xent_grad_triton  # lazy: CPU runs never import Triton
+
+        xent_grad_triton(logits, lse, target, dloss, ignore_index)
+    else:
+        _xent_grad_torch(logits, lse, target, dloss, ignore_index)
+
+
 def xent_grad_(logits: torch.Tensor, lse: torch.Tensor, target: torch.Tensor,
                dloss: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
     """In place: ``logits <- (softmax(logits) - onehot(target)) * dloss[:, None]``.
@@ -92,15 +184,8 @@ def xent_grad_(logits: torch.Tensor, lse: torch.Tensor, target: torch.Tensor,
     target is ``ignore_index`` become 0; a target outside [0, V) subtracts no
     one-hot.  Returns ``logits`` (now dlogits), ready to be the A operand of
     dX = dlogits @ W and the B operand of dW = X^T @ dlogits."""
-    need("logits", logits, 2)
-    need("lse", lse, 1)
-    need("target", target, 1)
-    need("dloss", dloss, 1)
-    if logits.is_cuda and logits.stride(1) == 1:
-        from .xent_triton import xent_grad_triton  # lazy: CPU runs never import Triton
-
-        return xent_grad_triton(logits, lse, target, dloss, ignore_index)
-    return _xent_grad_torch(logits, lse, target, dloss, ignore_index)
+    _xent_grad(logits, lse, target, dloss, ignore_index)
+    return logits
 
 
 def _xent_grad_torch(logits: torch.Tensor, lse: torch.Tensor, target: torch.Tensor,
@@ -127,20 +212,32 @@ def _xent_grad_torch(logits: torch.Tensor, lse: torch.Tensor, target: torch.Tens
     return logits
 
 
-@aux_kernel
-def column_index(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """fp32 ``[0, 1, ..., n-1]``: a RowVec for epilogues that need the column number
-    (exact up to 2**24)."""
+@aux_kernel("column_index")
+def _column_index(n: int, device: torch.device) -> torch.Tensor:
     return torch.arange(n, dtype=torch.float32, device=device)
 
 
-@aux_kernel
+def column_index(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """fp32 ``[0, 1, ..., n-1]``: a RowVec for epilogues that need the column number
+    (exact up to 2**24)."""
+    return _column_index(n, torch.device(device))
+
+
+def _to_fp32_backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+    return g.to(ctx.inputs[0].dtype)
+
+
+@aux_kernel("to_fp32", backward=_to_fp32_backward)
 def to_fp32(x: torch.Tensor) -> torch.Tensor:
     """A copy of ``x`` as fp32 (e.g. integer targets compared against column_index)."""
-    return need("x", x).float()
+    return need("x", x).to(torch.float32, copy=True)  # an op's result never aliases its input
 
 
-@aux_kernel
+def _interleave_backward(ctx: Any, g: torch.Tensor) -> tuple:
+    return g[:, 0::2], g[:, 1::2]
+
+
+@aux_kernel("interleave_columns", backward=_interleave_backward)
 def interleave_columns(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Weight layout: (K, N) and (K, N) -> (K, 2N) with columns [a0, b0, a1, b1, ...],
     so adjacent accumulator columns form the (gate, up) Pair of SwiGLU."""
@@ -151,21 +248,31 @@ def interleave_columns(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.stack((a, b), dim=-1).flatten(-2).contiguous()
 
 
-@aux_kernel
+def _deinterleave_backward(ctx: Any, ga: torch.Tensor, gb: torch.Tensor) -> torch.Tensor:
+    return torch.stack((ga, gb), dim=-1).flatten(-2)
+
+
+@aux_kernel("deinterleave_columns", backward=_deinterleave_backward)
 def deinterleave_columns(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse of :func:`interleave_columns`: (K, 2N) -> even and odd columns (copies)."""
     need("x", x, 2)
-    return x[:, 0::2].contiguous(), x[:, 1::2].contiguous()
+    return x[:, 0::2].clone(memory_format=torch.contiguous_format), x[:, 1::2].clone(
+        memory_format=torch.contiguous_format)
 
 
-@aux_kernel
+@aux_kernel("zeros_like")
 def zeros_like(x: torch.Tensor) -> torch.Tensor:
     """A zero-filled tensor like ``x``: the start of a gradient accumulated with
     ``gemm(..., accumulate_into=...)``."""
     return torch.zeros_like(need("x", x))
 
 
-@aux_kernel
+def _add_backward(ctx: Any, g: torch.Tensor) -> tuple:
+    a, b = ctx.inputs
+    return g.to(a.dtype), g.to(b.dtype)
+
+
+@aux_kernel("add", backward=_add_backward)
 def add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a + b`` for two gradients of the same shape (e.g. weight-gradient partials
     from token chunks), in a's dtype."""
@@ -174,7 +281,15 @@ def add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.float() + b.float()).to(a.dtype)
 
 
-@aux_kernel
+def _concat_backward(ctx: Any, g: torch.Tensor) -> list[torch.Tensor]:
+    return list(g.split([p.shape[0] for p in ctx.inputs[0]]))
+
+
+@aux_kernel("concat_rows", backward=_concat_backward)
+def _concat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(parts)
+
+
 def concat_rows(parts: list) -> torch.Tensor:
     """Join 1-D per-row vectors end to end: the per-chunk results (loss, lse) of a
     program that chunks over tokens, e.g. ``concat_rows([loss_0, loss_1, ...])``.
@@ -189,7 +304,7 @@ def concat_rows(parts: list) -> torch.Tensor:
         if p.dtype != parts[0].dtype or p.device != parts[0].device:
             raise CatalogueError(f"concat_rows: parts[{i}] is {p.dtype} on {p.device}; parts[0] is "
                                  f"{parts[0].dtype} on {parts[0].device}")
-    return torch.cat(list(parts))
+    return _concat_rows(list(parts))
 
 
 AUX_KERNELS = (rms_rstd, rms_prepare, xent_loss, xent_grad_, column_index, to_fp32,

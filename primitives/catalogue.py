@@ -131,8 +131,7 @@ def _doc(obj: object) -> str:
 
 
 def _sig(fn: object) -> str:
-    target = getattr(fn, "__wrapped_aux__", fn)
-    return f"{target.__name__}{inspect.signature(target)}"  # type: ignore[attr-defined]
+    return f"{fn.__name__}{inspect.signature(fn)}"  # type: ignore[attr-defined]
 
 
 def _sample_epilogues() -> dict[str, tuple[object, dict]]:

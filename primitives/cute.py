@@ -145,68 +145,32 @@ def _quack_operands(epi: Epilogue, operands: dict[str, Any]) -> tuple[Any, dict[
     return kw.pop("c", None), kw
 
 
-def _buffers(epi: Epilogue, m: int, n: int, operands: dict[str, Any], config: TileConfig,
-             device: torch.device, prefill: bool) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """(output buffers, caller-owned sink buffers): the declared outputs at their
-    dtypes; the buffers quack takes as operands and fills: reduction results the
-    catalogue owns (``Reduction.caller_buffer``) and saved head statistics."""
-    width = epi.output_width(n)
-    outputs = {name: torch.empty(m, width, dtype=dtype, device=device) for name, dtype in epi.outputs.items()}
-    sinks: dict[str, torch.Tensor] = {}
-    for name, stat in epi.head_stats.items():
-        if stat.save:
-            sinks[f"{name}_saved"] = torch.empty(m, n // operands[name], dtype=torch.float32, device=device)
-    tiles = -(-n // config.tile_n)
-    for name, red in epi.reductions.items():
-        if (buf := red.caller_buffer(m, tiles, device, prefill=prefill)) is not None:
-            sinks[name] = buf
-    return outputs, sinks
-
-
-def _d_buffer(epi: Epilogue, A: torch.Tensor, m: int, n: int, dtype: torch.dtype,
-              operands: dict[str, Any], accumulate_into: torch.Tensor | None) -> torch.Tensor | None:
-    if accumulate_into is not None:
-        return accumulate_into
-    if not epi.stores_d:
-        return None
-    if epi.paired_operand:
-        return torch.empty_like(operands[epi.paired_operand])
-    return torch.empty(m, n, dtype=dtype, device=A.device)
-
-
-def _prepare(epi: Epilogue, A: torch.Tensor, B: torch.Tensor, operands: dict[str, Any],
-             out_dtype: torch.dtype, config: TileConfig, accumulate_into: torch.Tensor | None,
-             prefill: bool, fast_accum: bool) -> tuple:
-    """(mod, C, operand kwargs, output buffers, D, caller-owned sink buffers) for one call."""
-    m, n = A.shape[0], B.shape[1]
-    C, kw = _quack_operands(epi, operands)
-    out, sinks = _buffers(epi, m, n, operands, config, A.device, prefill=prefill)
-    D = _d_buffer(epi, A, m, n, out_dtype, operands, accumulate_into)
-    if D is not None:
-        out["D"] = D
-    return epimod(epi, fast_accum), C, kw, out, D, sinks
-
-
-def _sink_results(sinks: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The caller-owned sink buffers under the names the program reads them by."""
-    return {k.removesuffix("_saved"): buf for k, buf in sinks.items()}
+def _quack_buffers(epi: Epilogue, buffers: dict[str, torch.Tensor]
+                   ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """gemm's result buffers as quack takes them: (``out=``: D and the extra outputs,
+    sinks: the buffers quack fills as operands, caller-owned reductions and the saved
+    head statistics as ``<name>_saved``)."""
+    out = {k: v for k, v in buffers.items() if k == "D" or k in epi.outputs}
+    sinks = {name: buffers[name] for name, red in epi.reductions.items() if red.caller_owned}
+    sinks.update({f"{name}_saved": buffers[name] for name, stat in epi.head_stats.items() if stat.save})
+    return out, sinks
 
 
 def run(epi: Epilogue | None, A: torch.Tensor, B: torch.Tensor, operands: dict[str, Any], *,
-        out_dtype: torch.dtype, config: TileConfig, accumulate_into: torch.Tensor | None,
-        fast_accum: bool = False) -> dict[str, torch.Tensor]:
+        buffers: dict[str, torch.Tensor], config: TileConfig, accumulate: bool, fast_accum: bool = False) -> None:
+    """Launch into ``buffers`` (gemm's result buffers: ``Epilogue.result_buffers``);
+    ``accumulate`` adds into D (the TMA reduce-add store)."""
     epi = epi or _plain()
-    mod, C, kw, out, D, sinks = _prepare(epi, A, B, operands, out_dtype, config, accumulate_into,
-                                         prefill=True, fast_accum=fast_accum)
+    C, kw = _quack_operands(epi, operands)
+    out, sinks = _quack_buffers(epi, buffers)
+    D = buffers.get("D")
     with pipeline_guard():
-        res = mod(A, B, C, out=out, out_dtype=out_dtype, store_d=D is not None, config=config.to_quack(),
-                  tuned=False, add_to_output=accumulate_into is not None, **kw, **sinks)
-    result = {k: epi.reductions[k].from_quack(v) if k in epi.reductions else v
-              for k, v in res.items() if k not in sinks}
-    result.update(_sink_results(sinks))
-    if D is None:
-        result.pop("D", None)
-    return result
+        res = epimod(epi, fast_accum)(A, B, C, out=out, out_dtype=A.dtype if D is None else D.dtype,
+                                      store_d=D is not None, config=config.to_quack(), tuned=False,
+                                      add_to_output=accumulate, **kw, **sinks)
+    for name, red in epi.reductions.items():
+        if not red.caller_owned:  # a finished (M,) or (N,) vector quack allocated: O(M) to copy
+            buffers[name].copy_(red.from_quack(res[name]))
 
 
 @lru_cache(maxsize=1)
@@ -222,25 +186,25 @@ def _plain() -> Epilogue:
 
 
 def compile_call(epi: Epilogue | None, A: torch.Tensor, B: torch.Tensor, operands: dict[str, Any], *,
-                 out_dtype: torch.dtype, config: TileConfig, accumulate_into: torch.Tensor | None,
-                 fast_accum: bool = False) -> dict[str, torch.Tensor]:
-    """Compile for sm_90a (no launch); return uninitialised outputs of the right shapes."""
+                 buffers: dict[str, torch.Tensor], config: TileConfig, accumulate: bool,
+                 fast_accum: bool = False) -> None:
+    """Compile for sm_90a (no launch); ``buffers`` only carry shapes and stay uninitialised."""
     epi = epi or _plain()
     if torch.cuda.is_available() and not A.is_cuda:
         # quack reads the target architecture from the tensors' device; on a GPU
         # machine the shape carriers must live there (they stay uninitialised).
         A, B = _on_cuda(A), _on_cuda(B)
         operands = {k: _on_cuda(v) for k, v in operands.items()}
-        accumulate_into = _on_cuda(accumulate_into)
+        buffers = {k: _on_cuda(v) for k, v in buffers.items()}
     m, n = A.shape[0], B.shape[1]
-    mod, C, kw, out, D, sinks = _prepare(epi, A, B, operands, out_dtype, config, accumulate_into,
-                                         prefill=False, fast_accum=fast_accum)
+    C, kw = _quack_operands(epi, operands)
+    out, sinks = _quack_buffers(epi, buffers)
     log = io.StringIO()
     t0 = time.perf_counter()
     try:
         with compile_settings(), pipeline_guard(), redirect_stdout(log), redirect_stderr(log):
-            plan = mod.plan(A, B, C, out=out, config=config.to_quack(),
-                            add_to_output=accumulate_into is not None, **kw, **sinks)
+            plan = epimod(epi, fast_accum).plan(A, B, C, out=out, config=config.to_quack(),
+                                                add_to_output=accumulate, **kw, **sinks)
     except CatalogueError:
         raise
     except Exception as e:  # noqa: BLE001 - the DSL raises many types; all are compile errors
@@ -251,13 +215,6 @@ def compile_call(epi: Epilogue | None, A: torch.Tensor, B: torch.Tensor, operand
     record_compiled(CompiledKernel(epilogue=epi.name, config=str(config), seconds=seconds,
                                    log=log.getvalue(), sass=sass,
                                    shapes={"M": m, "N": n, "K": A.shape[1]}))
-    result: dict[str, torch.Tensor] = {**out, **_sink_results(sinks)}
-    for name, red in epi.reductions.items():
-        if name not in result:
-            result[name] = torch.empty(red.result_shape(m, n), dtype=torch.float32, device=A.device)
-    if D is None:
-        result.pop("D", None)
-    return result
 
 
 def _on_cuda(t: Any) -> Any:

@@ -33,11 +33,19 @@ Validation happens here, at decoration time, so a broken program fails when it
 is loaded, with the line: the annotations, the body's AST, and a dry run of the
 fn on tiny fp32 tensors through the reference semantics that checks the
 returned keys against the declaration.
+
+Every epilogue is registered under a :attr:`Epilogue.key` (its name and a
+digest of its source, declaration and the values its body reads from outside),
+because ``gemm`` runs as the ``coda::gemm`` custom op and an op's arguments are
+tensors, numbers and strings: the op carries the key, and the launch looks the
+epilogue up (:func:`registered`).  Equal keys mean the same kernel, so a
+program loaded twice registers once.
 """
 
 from __future__ import annotations
 
 import ast
+import hashlib
 import inspect
 import textwrap
 from dataclasses import dataclass, field
@@ -86,6 +94,7 @@ class Epilogue:
     stores_d: bool = True
     reads_acc: bool = True  # False: a pass over tiles or vectors, not a GEMM epilogue
     line: int | None = None
+    key: str = ""  # the name the coda::gemm op knows it by (see the module docstring)
     _lowered: dict = field(default_factory=dict, repr=False)  # per-lowering cache (cute EpiMods)
 
     @property
@@ -132,6 +141,26 @@ class Epilogue:
             args[name] = kind.reference_argument(operands[name], acc, self.pairs_acc,
                                                  self.head_stats.get(name))
         return args
+
+    def result_buffers(self, m: int, n: int, operands: dict[str, Any], out_dtype: torch.dtype, tiles: int,
+                       device: torch.device, dest: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """Everything an (M, N) gemm with this epilogue returns, allocated (uninitialised but
+        for select_col's pre-fill): ``D`` (``dest`` when given; none when the fn returns no D),
+        the extra outputs, the saved head statistics, the reductions (over ``tiles`` N tiles)."""
+        bufs = {}
+        if dest is not None:
+            bufs["D"] = dest
+        elif self.stores_d:
+            bufs["D"] = torch.empty(self.d_shape(m, n), dtype=out_dtype, device=device)
+        width = self.output_width(n)
+        for name, dtype in self.outputs.items():
+            bufs[name] = torch.empty(m, width, dtype=dtype, device=device)
+        for name, stat in self.head_stats.items():
+            if stat.save:
+                bufs[name] = torch.empty(m, n // operands[name], dtype=torch.float32, device=device)
+        for name, red in self.reductions.items():
+            bufs[name] = red.result_buffer(m, width, tiles, device)
+        return bufs
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         how = f"gemm(A, B, {self.name}, ...)" if self.reads_acc else f"tile_pass({self.name}, ...)"
@@ -272,9 +301,48 @@ def epilogue(outputs: dict[str, str] | None = None,
                        reductions=reductions, pairs=mode_pairs, head_stats=head_stats, reads_acc=reads_acc,
                        line=line)
         epi.stores_d = _dry_run(epi)
+        epi.key = _register(epi)
         return epi
 
     return wrap
+
+
+_REGISTRY: dict[str, Epilogue] = {}
+
+
+def registered(key: str) -> Epilogue:
+    """The epilogue registered under ``key`` (see the module docstring)."""
+    try:
+        return _REGISTRY[key]
+    except KeyError:
+        raise CatalogueError(f"no epilogue is registered as {key!r} in this process; a compiled graph "
+                             "names its epilogues, so load the program that defines it first") from None
+
+
+def _outside_value(v: Any) -> str:
+    """What a value the body reads from outside contributes to its key: numbers and strings
+    by value, catalogue math and anything else by type and name."""
+    if isinstance(v, (bool, int, float, str)) or v is None:
+        return repr(v)
+    return f"{type(v).__module__}.{type(v).__qualname__}:{getattr(v, 'name', getattr(v, '__name__', ''))}"
+
+
+def _register(epi: Epilogue) -> str:
+    fn = epi.fn
+    try:
+        body = inspect.getsource(fn)
+    except (OSError, TypeError):
+        body = fn.__code__.co_code.hex() + repr(fn.__code__.co_consts)
+    outside = sorted((n, _outside_value(fn.__globals__[n])) for n in fn.__code__.co_names if n in fn.__globals__)
+    cells = [_outside_value(c.cell_contents) for c in fn.__closure__ or ()]
+    # In declared order: the op passes operands and results by position.
+    declaration = ([(k, v.name) for k, v in epi.operands.items()], [(k, str(v)) for k, v in epi.outputs.items()],
+                   [(k, r.describe()) for k, r in epi.reductions.items()], epi.pairs,
+                   [(k, repr(v)) for k, v in epi.head_stats.items()], epi.stores_d)
+    digest = hashlib.sha256(repr((body, declaration, outside, cells)).encode()).hexdigest()[:16]
+    key = f"{epi.name}.{digest}"
+    _REGISTRY.setdefault(key, epi)
+    return key
 
 
 def _dry_run(epi: Epilogue) -> bool:

@@ -1,6 +1,9 @@
 """Which lowering runs a program, and what it launched.
 
-``gemm`` and the auxiliary kernels consult :func:`current_lowering`:
+``gemm`` and the auxiliary kernels consult :func:`current_lowering` inside
+their custom ops, when the launch runs (never while torch.compile traces, which
+cannot read a ContextVar), so the lowering of a compiled model is the one in
+force when it is called:
 
 - ``"reference"``: the PyTorch interpreter (any device);
 - ``"cute"``: quack's SM90 GEMM with the epilogue compiled by CuTeDSL (CUDA);

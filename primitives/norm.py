@@ -50,7 +50,7 @@ from functools import lru_cache
 
 import torch
 
-from .aux import aux_kernel, need
+from .aux import composite, need
 from .epilogue import Epilogue, epilogue
 from .errors import CatalogueError
 from .math import round_bf16, round_fp16
@@ -104,7 +104,7 @@ def _mean_rstd(sums: torch.Tensor, sumsq: torch.Tensor, dim: int, eps: float) ->
     return {"mean": mean, "rstd": torch.rsqrt(var + float(eps))}
 
 
-@aux_kernel
+@composite
 def layernorm_stats(sums: torch.Tensor, sumsq: torch.Tensor, dim: int, eps: float, *,
                     bias: torch.Tensor | None = None, bias_dot: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """LayerNorm's ``{"mean", "rstd"}`` (M,) fp32 from per-row sums of x and of
@@ -127,7 +127,7 @@ def layernorm_stats(sums: torch.Tensor, sumsq: torch.Tensor, dim: int, eps: floa
     return _mean_rstd(sums, sumsq, dim, eps)
 
 
-@aux_kernel
+@composite
 def row_stats(x: torch.Tensor, eps: float) -> dict[str, torch.Tensor]:
     """``{"mean", "rstd"}`` (M,) fp32 of each row of x (M, H), which no GEMM
     produced (a block's first LayerNorm): one read of x in a tile pass (sums
@@ -137,7 +137,7 @@ def row_stats(x: torch.Tensor, eps: float) -> dict[str, torch.Tensor]:
     return _mean_rstd(sums["sum"], sums["sumsq"], x.shape[1], eps)
 
 
-@aux_kernel
+@composite
 def layernorm_fold(B: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor,
                    bias: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """LayerNorm's rank-1 form for ``LN(x) @ B (+ bias)`` with B (K, N), as gemm
@@ -167,7 +167,7 @@ def layernorm_fold(B: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor,
     return {"B": folded, "gw": out["gw"], "c": out["bw"] if bias is None else out["bw"] + bias.float()}
 
 
-@aux_kernel
+@composite
 def normalize_rows(x: torch.Tensor, rstd: torch.Tensor, gamma: torch.Tensor, mean: torch.Tensor | None = None,
                    beta: torch.Tensor | None = None) -> torch.Tensor:
     """The normalized tensor itself, ``(x - mean) * rstd * gamma + beta`` in x's

@@ -78,6 +78,9 @@ class Kind:
 
     name = ""
     hint = ""
+    # Which list of the ``coda::gemm`` custom op carries it: "tensors", "scalars" (floats)
+    # or "ints" (gemm.py packs operands by it).
+    op_argument = "tensors"
 
     def __init_subclass__(cls) -> None:
         cls.name = cls.__name__
@@ -244,6 +247,8 @@ class ColVec(Kind):
 class Scalar(Kind):
     """A Python number baked into the kernel (eps, a scale)."""
 
+    op_argument = "scalars"
+
     @classmethod
     def check(cls, operand: str, value: object, m: int, n: int) -> None:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -314,6 +319,8 @@ class PairedTile(Kind):
 class HeadStat(Kind):
     """The per-head statistic of the element's head, declared in ``head_stats=``;
     gemm takes the head width under its name (the kernel computes the values)."""
+
+    op_argument = "ints"
 
     @classmethod
     def check(cls, operand: str, value: object, m: int, n: int) -> None:

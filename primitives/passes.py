@@ -43,6 +43,7 @@ dtype.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -123,7 +124,9 @@ def vector_pass(epilogue: Epilogue, **operands: Any) -> dict[str, torch.Tensor]:
     length = sized[0].shape[0] if sized else 0
     device = sized[0].device if sized else torch.device("cpu")
     check_operands(epi, operands, length, length, device, f"vector_pass({epi.name}, ...)")
-    with launching("aux", epi.name), torch.no_grad():
+    # The ledger range reads ContextVars, which torch.compile's tracer cannot: left out of a trace.
+    scope = contextlib.nullcontext() if torch.compiler.is_compiling() else launching("aux", epi.name)
+    with scope, torch.no_grad():
         result = epi.fn(**{name: float(operands[name]) if kind is Scalar else operands[name].float()
                            for name, kind in epi.operands.items()})
         dtypes = {"D": torch.float32, **epi.outputs}

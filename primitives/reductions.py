@@ -56,6 +56,9 @@ class Reduction:
     # Whether the kernel folds the padded lanes of a ragged last tile too (the sums:
     # they add whatever the fn returns there), or masks them (max, LSE, select).
     folds_padded_lanes = False
+    # quack writes the result into the buffer the catalogue passes it, instead of
+    # returning a tensor of its own (which the cute lowering copies into the buffer)
+    caller_owned = False
 
     @property
     def pairable(self) -> bool:
@@ -69,13 +72,12 @@ class Reduction:
         """(the quack op that folds it, companion ops it reads) in the cute lowering."""
         raise NotImplementedError
 
-    def caller_buffer(self, m: int, tiles: int, device: torch.device, *, prefill: bool) -> torch.Tensor | None:
-        """The buffer quack writes the result into, where the catalogue owns it
-        (None: quack allocates and returns it); ``tiles`` is the number of N tiles."""
-        return None
+    def result_buffer(self, m: int, n: int, tiles: int, device: torch.device) -> torch.Tensor:
+        """The buffer gemm returns the result in, for an (M, N) fold over ``tiles`` N tiles."""
+        return torch.empty(self.result_shape(m, n), dtype=torch.float32, device=device)
 
     def result_shape(self, m: int, n: int) -> tuple[int, ...]:
-        """The finished result's shape (what a compile-only call returns)."""
+        """The finished result's shape."""
         return (m,)
 
     def from_quack(self, t: torch.Tensor) -> torch.Tensor:
@@ -116,8 +118,13 @@ class ColSum(Reduction):
     def quack_sink(self, name: str) -> tuple[Any, tuple[Any, ...]]:
         return _vec_reduce(name, "add")
 
-    def caller_buffer(self, m: int, tiles: int, device: torch.device, *, prefill: bool) -> torch.Tensor | None:
-        return torch.empty(m, tiles, dtype=torch.float32, device=device) if self.partials else None
+    @property
+    def caller_owned(self) -> bool:  # type: ignore[override]
+        return self.partials
+
+    def result_buffer(self, m: int, n: int, tiles: int, device: torch.device) -> torch.Tensor:
+        shape = (m, tiles) if self.partials else (m,)
+        return torch.empty(shape, dtype=torch.float32, device=device)
 
     def fold_lanes(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return a + b
@@ -191,6 +198,7 @@ class OnlineLse(Reduction):
 @dataclass(frozen=True)
 class SelectCol(Reduction):
     index: str
+    caller_owned = True
 
     def describe(self) -> str:
         return f"select_col({self.index!r})"
@@ -205,9 +213,9 @@ class SelectCol(Reduction):
         idx = ops.ColVecLoad(self.index)
         return ops.ColVecSelect(name, idx_op=idx), (idx,)
 
-    def caller_buffer(self, m: int, tiles: int, device: torch.device, *, prefill: bool) -> torch.Tensor | None:
+    def result_buffer(self, m: int, n: int, tiles: int, device: torch.device) -> torch.Tensor:
         # quack writes only the rows whose target lies in [0, N); the rest keep the pre-fill.
-        return (torch.zeros if prefill else torch.empty)(m, dtype=torch.float32, device=device)
+        return torch.zeros(m, dtype=torch.float32, device=device)
 
     def fold(self, values: torch.Tensor, operands: dict[str, Any], tile_n: int) -> torch.Tensor:
         n = values.shape[1]

@@ -183,9 +183,14 @@ def tune(epi: Any, A: Any, B: Any, operands: dict[str, Any], out_dtype: Any, rep
     n = B.shape[1]
     times: dict[str, float] = {}
 
+    # One set of result buffers for every candidate: a tunable epilogue exposes no
+    # per-tile partials, so nothing in them depends on the tile.
+    buffers = (epi.result_buffers(m, n, operands, out_dtype, 1, A.device) if epi is not None
+               else {"D": torch.empty(m, n, dtype=out_dtype, device=A.device)})
+
     def call(cfg: TileConfig) -> Callable[[], Any]:
         def run() -> Any:
-            return cute.run(epi, A, B, operands, out_dtype=out_dtype, config=cfg, accumulate_into=None,
+            return cute.run(epi, A, B, operands, buffers=buffers, config=cfg, accumulate=False,
                             fast_accum=fast_accum)
         return run
 

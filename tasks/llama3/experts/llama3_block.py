@@ -12,10 +12,16 @@ reduced by the dSwiGLU epilogue; on the QKV side d(out) is an input, so s comes
 from a row_dot pass over dqkv and the saved qkv (a GEMM with K = 64 hosting an
 epilogue that reads both as tiles), not from a second full dqkv @ W_qkv.
 
-Nothing is written twice: the forward keeps the MLP's GEMM inputs h1 * gamma_mlp
-and silu(g) * u for the weight gradients (as autograd would), and dSwiGLU
-stores r1 * d(pre), so dW_gu = (r1 * d(pre))^T @ (h1 * gamma_mlp) needs no
-normalized copy of h1 and d(pre) @ W_gu's accumulator is r1 * d.
+Between forward and backward only h1, the pre-activation (g, u), the two inverse
+RMS vectors and the outputs are kept (beside the inputs): the least the
+backward needs.  The GEMM inputs the MLP's weight gradients want are not kept:
+the dSwiGLU epilogue holds (g, u) and writes silu(g) * u again (``act``, for
+dW_down), and dW_gu = (r1 * d(pre))^T @ (h1 * gamma_mlp) = ((r1 * d(pre))^T @
+h1) * gamma_mlp scales its output columns in the epilogue, so h1 * gamma_mlp
+is never needed again.  dSwiGLU stores r1 * d(pre), so d(pre) @ W_gu's
+accumulator is r1 * d; it is written over the saved pre-activation it is
+computed from (``gemm(..., out=pre)``), so the backward never holds both
+(T, 2I) tensors, and each temporary is dropped once its last GEMM has read it.
 """
 
 from coda_agent.primitives import (ColVec, PairedTile, RowVec, Scalar, Tile, col_sum, epilogue,
@@ -57,15 +63,21 @@ def rmsnorm_bwd(acc, rstd: ColVec, s: ColVec, gamma: RowVec, h: Tile, dy: Tile, 
             "dgamma": acc * hr}
 
 
-@epilogue(reductions={"s": col_sum()})
+@epilogue(outputs={"act": "bf16"}, reductions={"s": col_sum()})
 def dswiglu(acc, pre: PairedTile, rstd: ColVec):
-    # Stores r1 * d(pre): dW_gu = (r1 * d(pre))^T @ (h1 * gamma_mlp), the forward's own
-    # A operand, and the next GEMM's accumulator is r1 * d.
+    # Stores r1 * d(pre), so the next GEMM's accumulator is r1 * d, and writes
+    # silu(g) * u (dW_down's operand) from the (g, u) it reads anyway.
     g, u = unpack(pre)
     sg = sigmoid(g)
+    silu_g = g * sg
     dg = acc * u * sg * (1.0 + g * (1.0 - sg))
-    du = acc * g * sg
-    return {"D": pack(dg * rstd, du * rstd), "s": g * dg + u * du}
+    du = acc * silu_g
+    return {"D": pack(dg * rstd, du * rstd), "act": silu_g * u, "s": g * dg + u * du}
+
+
+@epilogue()
+def scale_cols(acc, gamma: RowVec):
+    return {"D": acc * gamma}
 
 
 @epilogue(reductions={"dgamma": row_sum()})
@@ -84,10 +96,7 @@ def forward(attn, h, w_o, gamma_mlp, w_gu, w_down, gamma_attn, w_qkv, eps):
     c = gemm(gu["act"], w_down.t(), residual_norm_stats, residual=a["D"], gamma=gamma_attn)
     r2 = rms_rstd(c["sumsq"], dim, eps)
     qkv = gemm(c["hg"], w_qkv.t(), scale_rows, rstd=r2)["D"]
-    # Kept for backward (as autograd would): h1, the gate/up GEMM's A operand h1 * gamma_mlp
-    # and the down GEMM's A operand silu(g) * u; nothing is recomputed or re-stored.
-    return {"h_out": c["D"], "qkv": qkv, "h1": a["D"], "hg1": a["hg"], "r1": r1, "pre": gu["D"],
-            "act": gu["act"], "r2": r2}
+    return {"h_out": c["D"], "qkv": qkv, "h1": a["D"], "r1": r1, "pre": gu["D"], "r2": r2}
 
 
 def backward(saved, dh_out, dqkv):
@@ -101,17 +110,23 @@ def backward(saved, dh_out, dqkv):
     s2 = gemm(dqkv[:, :k], w_qkv[:, :k].t(), row_dot, du=dqkv, u=saved["qkv"])["s"]
     d2 = gemm(dqkv, w_qkv, rmsnorm_bwd, rstd=saved["r2"], s=s2, gamma=g_attn, h=h2, dy=dh_out,
               inv_dim=inv_dim)
-    dh2 = d2["D"]
-    dw_qkv = gemm(dqkv.t(), d2["xn"])["D"]
+    dh2, xn, dgamma_attn = d2["D"], d2["xn"], d2["dgamma"]
+    del d2
+    dw_qkv = gemm(dqkv.t(), xn)["D"]
+    del xn
     # SwiGLU MLP + its RMSNorm (+ the residual gradient dh2).
-    da = gemm(dh2, w_down, dswiglu, pre=saved["pre"], rstd=saved["r1"])
-    d1 = gemm(da["D"], w_gu, rmsnorm_bwd_scaled, rstd=saved["r1"], s=da["s"], gamma=g_mlp, h=h1,
-              dy=dh2, inv_dim=inv_dim)
+    # d(pre) overwrites the saved pre-activation it is computed from: the two never coexist.
+    da = gemm(dh2, w_down, dswiglu, pre=saved["pre"], rstd=saved["r1"], out=saved["pre"])
+    dpre, act, s1 = da["D"], da["act"], da["s"]
+    del da
+    dw_down = gemm(dh2.t(), act)["D"]
+    del act  # before the next GEMMs allocate: the (T, I) act is the largest temporary here
+    d1 = gemm(dpre, w_gu, rmsnorm_bwd_scaled, rstd=saved["r1"], s=s1, gamma=g_mlp, h=h1, dy=dh2,
+              inv_dim=inv_dim)
     dh1 = d1["D"]
-    dw_gu = gemm(da["D"].t(), saved["hg1"])["D"]
-    dw_down = gemm(dh2.t(), saved["act"])["D"]
+    dw_gu = gemm(dpre.t(), h1, scale_cols, gamma=g_mlp)["D"]
     # Out-projection + residual.
     dattn = gemm(dh1, w_o)["D"]
     dw_o = gemm(dh1.t(), saved["attn"])["D"]
     return {"dattn": dattn, "dh": dh1, "dw_o": dw_o, "dgamma_mlp": d1["dgamma"], "dw_gu": dw_gu,
-            "dw_down": dw_down, "dgamma_attn": d2["dgamma"], "dw_qkv": dw_qkv}
+            "dw_down": dw_down, "dgamma_attn": dgamma_attn, "dw_qkv": dw_qkv}

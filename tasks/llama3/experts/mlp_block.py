@@ -7,12 +7,19 @@ s = sum_cols(d_pre * pre), reduced in the dSwiGLU epilogue that produces
 d_pre, so that the GEMM d = d_pre @ W_gu can finish the RMSNorm backward in
 its own epilogue:  dh = r * (gamma * d - h * r * s / H)  (+ dy, the residual).
 
-Nothing is written twice: the forward keeps h * gamma (the gate/up GEMM's A
-operand) and silu(g) * u (the down GEMM's A operand) for the weight gradients,
-as autograd would.  dSwiGLU stores r * d_pre, so dW_gu = (r * d_pre)^T @
-(h * gamma) needs no normalized copy of h, and d_pre @ W_gu's epilogue reads
-its accumulator as r * d:  dh = dy + gamma * acc - h * r^2 * s / H and
-dgamma = sum_rows(acc * h).
+Between forward and backward only the pre-activation (g, u) and the inverse RMS
+r are kept (beside the inputs and y), the least any SwiGLU backward needs.  The
+GEMM inputs the weight gradients want are not kept: silu(g) * u is cheap
+where (g, u) already sit, so the dSwiGLU epilogue writes it again (``act``, as
+swiglu_bwd's ``postact``), and h * gamma never exists in the backward:
+dW_gu = (r * d_pre)^T @ (h * gamma) = ((r * d_pre)^T @ h) * gamma, gamma
+scaling the output columns in that GEMM's epilogue.  dSwiGLU stores r * d_pre,
+so d_pre @ W_gu's epilogue reads its accumulator as r * d:
+dh = dy + gamma * acc - h * r^2 * s / H and dgamma = sum_rows(acc * h).
+r * d_pre is written over the saved pre-activation it is computed from
+(``gemm(..., out=pre)``: each element is read before it is written), so the
+backward never holds both (T, 2I) tensors, and each temporary is dropped once
+its last GEMM has read it.
 """
 
 from coda_agent.primitives import (ColVec, PairedTile, RowVec, Scalar, Tile, col_sum, epilogue,
@@ -32,13 +39,19 @@ def add_residual(acc, residual: Tile):
     return {"D": acc + residual}
 
 
-@epilogue(reductions={"s": col_sum()})
+@epilogue(outputs={"act": "bf16"}, reductions={"s": col_sum()})
 def dswiglu(acc, pre: PairedTile, rstd: ColVec):
     g, u = unpack(pre)
     sg = sigmoid(g)
+    silu_g = g * sg
     dg = acc * u * sg * (1.0 + g * (1.0 - sg))
-    du = acc * g * sg
-    return {"D": pack(dg * rstd, du * rstd), "s": g * dg + u * du}
+    du = acc * silu_g
+    return {"D": pack(dg * rstd, du * rstd), "act": silu_g * u, "s": g * dg + u * du}
+
+
+@epilogue()
+def scale_cols(acc, gamma: RowVec):
+    return {"D": acc * gamma}
 
 
 @epilogue(reductions={"dgamma": row_sum()})
@@ -53,15 +66,19 @@ def forward(h, gamma, w_gu, w_down, eps):
     prep = rms_prepare(h, gamma, eps)
     gu = gemm(prep["xg"], w_gu.t(), norm_swiglu, rstd=prep["rstd"])
     y = gemm(gu["act"], w_down.t(), add_residual, residual=h)["D"]
-    return {"y": y, "pre": gu["D"], "act": gu["act"], "xg": prep["xg"], "rstd": prep["rstd"]}
+    return {"y": y, "pre": gu["D"], "rstd": prep["rstd"]}
 
 
 def backward(saved, dy):
     h, gamma, w_gu, w_down = saved["h"], saved["gamma"], saved["w_gu"], saved["w_down"]
     rstd = saved["rstd"]
-    da = gemm(dy, w_down, dswiglu, pre=saved["pre"], rstd=rstd)
-    d = gemm(da["D"], w_gu, rmsnorm_bwd, rstd=rstd, s=da["s"], gamma=gamma, h=h, dy=dy,
+    # d(pre) overwrites the saved pre-activation it is computed from: the two never coexist.
+    da = gemm(dy, w_down, dswiglu, pre=saved["pre"], rstd=rstd, out=saved["pre"])
+    dpre, act, s = da["D"], da["act"], da["s"]
+    del da
+    dw_down = gemm(dy.t(), act)["D"]
+    del act  # before the next GEMMs allocate: the (T, I) act is the largest temporary here
+    d = gemm(dpre, w_gu, rmsnorm_bwd, rstd=rstd, s=s, gamma=gamma, h=h, dy=dy,
              inv_dim=1.0 / h.shape[1])
-    dw_gu = gemm(da["D"].t(), saved["xg"])["D"]
-    dw_down = gemm(dy.t(), saved["act"])["D"]
+    dw_gu = gemm(dpre.t(), h, scale_cols, gamma=gamma)["D"]
     return {"dh": d["D"], "dgamma": d["dgamma"], "dw_gu": dw_gu, "dw_down": dw_down}

@@ -1,0 +1,277 @@
+"""An accepted program as a PyTorch op: :class:`Kernel`, its ``autograd.Function``
+and :class:`KernelModule`.
+
+A program (one module of catalogue calls, see ``primitives``) plus the task it
+solves (``tasks/spec.py``) is everything needed to run it inside a model:
+
+- ``forward(**inputs, **params)`` returns the task's outputs and, beside them,
+  whatever the program keeps for its backward;
+- ``backward(saved, d<output>...)`` gets ``saved`` = inputs + params +
+  everything forward returned, and returns ``d<input>`` for the task's
+  ``gradients``.
+
+:class:`Kernel` is the one place that turns that contract into autograd.  Its
+``function`` (a ``torch.autograd.Function``) runs ``forward`` and, on
+``backward``, hands the program the gradients of the task's ``grad_outputs``
+(the float outputs that are not ``role: saved``: what the verifier draws
+gradients for) and returns the program's ``d<input>``, ``None`` for inputs
+outside ``gradients`` and for params.  The other outputs are marked
+non-differentiable (but a forward-only kernel's float outputs, see below).
+A forward-only task saves nothing and raises if a gradient ever reaches it: a
+silent zero gradient would train a model wrong.  A backward may reuse what it
+was saved (``gemm(..., out=...)`` over a saved activation), so a kernel is
+backpropagated once per forward: a second backward (``retain_graph=True``)
+gets autograd's error about a saved tensor modified in place, not wrong numbers.
+
+Calls are checked against the task before the program runs: every input a
+tensor of the declared rank and dtype, and every dimension consistent with the
+task's symbolic shapes (symbols bound by the first bare use, e.g. ``H`` in
+``[T, H]``, then every expression over bound symbols evaluated), so a model
+that hands a kernel shapes it was never verified for gets an error naming the
+input and the dimension, not a wrong answer.  (While torch.compile traces a
+call these checks are skipped: they parse shape expressions, which Dynamo
+cannot trace; ``gemm``'s own checks of every launch still run then.)
+
+The catalogue guard: a kernel records the catalogue version it was verified
+against (a run's report says it), and refuses to load under another one, since
+the same program may mean something else there.  An in-tree program (an expert)
+is loaded against the current catalogue.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from pydantic import ValidationError
+
+from coda_agent.errors import CodaError
+from coda_agent.primitives import CATALOGUE_VERSION, CatalogueError, load_program
+from coda_agent.primitives.operands import OUTPUT_DTYPES
+from coda_agent.tasks.spec import ExprError, TaskSpec, eval_expr, expr_symbols
+
+TORCH_DTYPES = {**OUTPUT_DTYPES, "int32": torch.int32, "int64": torch.int64}
+
+
+class KernelError(CodaError):
+    """A kernel that cannot be loaded or called as asked; the message names the fix."""
+
+
+def spec_from_yaml(text: str, origin: str) -> TaskSpec:
+    """A task spec from its YAML text (the reference it names is not imported)."""
+    try:
+        return TaskSpec.model_validate(yaml.safe_load(text))
+    except (ValidationError, ExprError, yaml.YAMLError) as e:
+        raise KernelError(f"{origin}: the task spec does not load: {e}") from None
+
+
+class Kernel:
+    """A program bound to its task: call it like the task's reference, with autograd."""
+
+    def __init__(self, spec: TaskSpec, source: str, *, catalogue: str | None = None,
+                 origin: str = "<source>"):
+        if catalogue is not None and catalogue != CATALOGUE_VERSION:
+            raise KernelError(
+                f"{origin}: {spec.name} was verified against catalogue {catalogue}; this coda-agent has "
+                f"catalogue {CATALOGUE_VERSION}, where the program may mean something else. Verify it "
+                f"again here (coda-agent verify TASK PROGRAM) or use the coda-agent that verified it.")
+        self.spec, self.source, self.origin = spec, source, origin
+        self.catalogue = catalogue or CATALOGUE_VERSION
+        try:
+            self.program = load_program(source, name=spec.name)
+        except CatalogueError as e:
+            raise KernelError(f"{origin}: the program does not load: {e}") from None
+        needed = ("forward", "backward") if spec.gradients else ("forward",)
+        for fn in needed:
+            if not callable(getattr(self.program, fn, None)):
+                raise KernelError(f"{origin}: the program defines no {fn}(); {spec.name} needs "
+                                  f"{' and '.join(needed)}")
+        self.inputs = tuple(spec.inputs)
+        self.params = dict(spec.params)
+        self.outputs = tuple(spec.outputs)
+        self.gradients = tuple(spec.gradients)
+        self.grad_outputs = tuple(spec.grad_outputs)
+        # A forward-only kernel's float outputs stay differentiable, so that a gradient
+        # reaching one raises instead of silently stopping there.
+        self.differentiable = self.grad_outputs if self.gradients else tuple(
+            o for o, t in spec.outputs.items() if TORCH_DTYPES[t.dtype].is_floating_point)
+        self.function = _function(self)
+
+    @classmethod
+    def from_source(cls, source: str, task_yaml: str, *, catalogue: str | None = None,
+                    origin: str = "<source>") -> "Kernel":
+        return cls(spec_from_yaml(task_yaml, origin), source, catalogue=catalogue, origin=origin)
+
+    @classmethod
+    def from_files(cls, program: str | Path, task: str | Path, *, catalogue: str | None = None) -> "Kernel":
+        """A program file and the task YAML it solves; ``catalogue`` is the version it was
+        verified against (None: the current one, as for the suite's expert programs)."""
+        program, task = Path(program), Path(task)
+        for what, p in (("program", program), ("task", task)):
+            if not p.is_file():
+                raise KernelError(f"{p}: no such {what} file")
+        return cls.from_source(program.read_text(), task.read_text(), catalogue=catalogue,
+                               origin=str(program))
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def __repr__(self) -> str:
+        return f"Kernel({self.name!r}, from {self.origin}, catalogue {self.catalogue})"
+
+    # A Kernel never changes after it is built: a deepcopy of a model that holds one (an
+    # EMA or reference copy) shares it, and pickling rebuilds it from the source.
+    def __deepcopy__(self, memo: dict) -> "Kernel":
+        return self
+
+    def __reduce__(self) -> tuple:
+        return (_rebuild, (self.spec, self.source, self.catalogue, self.origin))
+
+    # ------------------------------------------------------------------ the program's contract
+
+    def forward(self, inputs: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+        """The program's forward, no autograd: the outputs and the state kept for backward."""
+        if not torch.compiler.is_compiling():  # traced, the catalogue's own call checks still run
+            check_inputs(self.spec, inputs, self.origin)
+        outs = self.program.forward(**inputs, **params)
+        if not isinstance(outs, dict) or any(o not in outs for o in self.outputs):
+            raise KernelError(f"{self.origin}: forward must return a dict with {list(self.outputs)}; got "
+                              f"{sorted(outs) if isinstance(outs, dict) else type(outs).__name__}")
+        return dict(outs)
+
+    def backward(self, saved: dict[str, Any], grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The program's backward: ``d<input>`` for every name in ``gradients``."""
+        back = self.program.backward(saved, **grads)
+        missing = [f"d{g}" for g in self.gradients if not isinstance(back, dict) or f"d{g}" not in back]
+        if missing:
+            raise KernelError(f"{self.origin}: backward returned no {missing}")
+        return back
+
+    # ------------------------------------------------------------------ calling it
+
+    def bind(self, args: tuple, kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(inputs, params) from a call like the reference's: inputs positionally in the task's
+        order or by name, params by name (default: the task's values)."""
+        if len(args) > len(self.inputs):
+            raise KernelError(f"{self.name} takes {len(self.inputs)} inputs {list(self.inputs)}; got "
+                              f"{len(args)} positional arguments")
+        inputs = dict(zip(self.inputs, args))
+        params = dict(self.params)
+        for k, v in kwargs.items():
+            if k in inputs:
+                raise KernelError(f"{self.name}: input {k!r} given twice")
+            if k in self.spec.inputs:
+                inputs[k] = v
+            elif k in params:
+                params[k] = v
+            else:
+                near = difflib.get_close_matches(k, [*self.inputs, *params], n=1)
+                raise KernelError(f"{self.name} has no input or param {k!r}"
+                                  + (f"; did you mean {near[0]!r}?" if near else ""))
+        missing = [n for n in self.inputs if n not in inputs]
+        if missing:
+            raise KernelError(f"{self.name}: missing inputs {missing}")
+        return {n: inputs[n] for n in self.inputs}, params
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:
+        """Run the kernel (with autograd): outputs by name, as the task's reference returns them."""
+        inputs, params = self.bind(args, kwargs)
+        outs = self.function.apply(*inputs.values(), *params.values())
+        return dict(zip(self.outputs, outs))
+
+    def module(self, **params: Any) -> "KernelModule":
+        """The kernel as an ``nn.Module`` with ``params`` fixed (default: the task's values)."""
+        return KernelModule(self, **params)
+
+
+def _rebuild(spec: TaskSpec, source: str, catalogue: str, origin: str) -> Kernel:
+    return Kernel(spec, source, catalogue=catalogue, origin=origin)
+
+
+class KernelModule(torch.nn.Module):
+    """An ``nn.Module`` whose forward is the kernel: ``module(*inputs) -> {output: tensor}``."""
+
+    def __init__(self, kernel: Kernel, **params: Any):
+        super().__init__()
+        self.kernel = kernel
+        self.kernel_params = _params(kernel, params)
+
+    def forward(self, *inputs: Any, **named: Any) -> dict[str, torch.Tensor]:
+        return self.kernel(*inputs, **named, **self.kernel_params)
+
+    def extra_repr(self) -> str:
+        return f"{self.kernel.name}, from {self.kernel.origin}, params={self.kernel_params}"
+
+
+def _params(kernel: Kernel, given: dict[str, Any]) -> dict[str, Any]:
+    unknown = sorted(set(given) - set(kernel.params))
+    if unknown:
+        raise KernelError(f"{kernel.name} has params {sorted(kernel.params)}; not {unknown}")
+    return {**kernel.params, **given}
+
+
+def _function(kernel: Kernel) -> type[torch.autograd.Function]:
+    """The autograd Function of one kernel; ``apply(*inputs, *params)``, outputs in task order."""
+    n_in = len(kernel.inputs)
+
+    def forward(ctx: Any, *args: Any) -> tuple[torch.Tensor, ...]:
+        inputs = dict(zip(kernel.inputs, args[:n_in]))
+        params = dict(zip(kernel.params, args[n_in:]))
+        outs = kernel.forward(inputs, params)
+        if kernel.gradients:  # a forward-only kernel keeps nothing alive
+            saved = {**inputs, **params, **outs}
+            ctx.tensor_names = [k for k, v in saved.items() if isinstance(v, torch.Tensor)]
+            ctx.save_for_backward(*(saved[k] for k in ctx.tensor_names))
+            ctx.others = {k: v for k, v in saved.items() if k not in ctx.tensor_names}
+        ctx.mark_non_differentiable(*(outs[o] for o in kernel.outputs if o not in kernel.differentiable))
+        return tuple(outs[o] for o in kernel.outputs)
+
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        if not kernel.gradients:
+            raise KernelError(f"{kernel.name} is a forward-only kernel (its task declares no gradients); "
+                              "it cannot be trained through. Use a task with a backward, or detach its inputs.")
+        saved = {**ctx.others, **dict(zip(ctx.tensor_names, ctx.saved_tensors))}
+        given = {f"d{o}": g for o, g in zip(kernel.outputs, grads) if o in kernel.grad_outputs}
+        back = kernel.backward(saved, given)
+        return (*(back[f"d{n}"] if n in kernel.gradients else None for n in kernel.inputs),
+                *(None for _ in kernel.params))
+
+    cls_name = "".join(w.title() for w in re.split(r"\W|_", kernel.name) if w) + "Function"
+    return type(cls_name, (torch.autograd.Function,), {
+        "forward": staticmethod(forward), "backward": staticmethod(backward),
+        "__doc__": f"{kernel.name} ({kernel.origin}) as an autograd Function: "
+                   f"apply({', '.join([*kernel.inputs, *kernel.params])})"})
+
+
+def check_inputs(spec: TaskSpec, inputs: dict[str, Any], origin: str) -> None:
+    """Inputs against the task: tensors of the declared rank and dtype, dimensions
+    consistent with the symbolic shapes (see the module docstring)."""
+    env: dict[str, int] = {}
+    where: dict[str, str] = {}
+    for name, t in spec.inputs.items():
+        v = inputs[name]
+        if not isinstance(v, torch.Tensor):
+            raise KernelError(f"{spec.name}: input {name!r} must be a tensor; got {type(v).__name__}")
+        if v.dim() != len(t.shape):
+            raise KernelError(f"{spec.name}: input {name!r} must be {len(t.shape)}-D {t.shape}; got shape "
+                              f"{tuple(v.shape)}")
+        if v.dtype != TORCH_DTYPES[t.dtype]:
+            raise KernelError(f"{spec.name}: input {name!r} is {v.dtype}; the kernel was verified for "
+                              f"{t.dtype} (cast it once where it is made, e.g. the model's dtype)")
+        for expr, size in zip(t.shape, v.shape):
+            if isinstance(expr, str) and expr.isidentifier() and expr not in env:
+                env[expr], where[expr] = size, name
+    for name, t in spec.inputs.items():
+        for i, (expr, size) in enumerate(zip(t.shape, inputs[name].shape)):
+            if not expr_symbols(expr) <= env.keys():
+                continue  # a symbol no input shows bare (e.g. the head count): nothing to compare
+            want = eval_expr(expr, {k: float(v) for k, v in env.items()})
+            if want != size:
+                bound = ", ".join(f"{s} = {env[s]} (from {where[s]!r})" for s in sorted(expr_symbols(expr)))
+                raise KernelError(f"{spec.name}: input {name!r} dimension {i} is {size}; the task declares "
+                                  f"{expr} = {want:g} with {bound or 'no symbols'} ({origin})")

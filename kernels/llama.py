@@ -1,0 +1,310 @@
+"""``apply_to_llama``: the suite's kernels inside a transformers ``LlamaForCausalLM``.
+
+Like Liger's ``apply_liger_kernel_to_llama``, with one flag per op, but it
+patches a model *instance* (the weight re-layout needs the weights)::
+
+    model = LlamaForCausalLM(config).to(torch.bfloat16)      # or from_pretrained(...)
+    coda_agent.apply_to_llama(model)                          # before building the optimizer
+    loss = model(input_ids, labels=labels).loss               # CODA kernels, forward and backward
+
+What each flag swaps (every decoder layer, for a patched layer the QKV
+projection is one fused GEMM and the output projection adds the residual in
+its epilogue, the out_proj_residual kernel):
+
+- ``rms_norm``: the input RMSNorm folds into the fused QKV GEMM (CODA: the
+  GEMM's epilogue multiplies by the inverse RMS; see ``llama_ops.py``); the
+  post-attention RMSNorm folds into the gate/up GEMM together with the MLP
+  (``swiglu``).  The final norm stays PyTorch's: the LM head's kernel takes the
+  normalized hidden state.
+- ``rope``: RoPE rotates q and k in the QKV GEMM's epilogue (forward; its
+  backward is PyTorch, see ``llama_ops.py``).  HF rotates halves of each head
+  (``rotate_half``), the catalogue adjacent pairs, so the q/k rows of the fused
+  weight are permuted per head into pairs: q.k per head is unchanged, so
+  attention is too.  Only RoPE with a static frequency table and no scaling of
+  cos/sin (rope_type default, linear, llama3).
+- ``swiglu``: post-attention RMSNorm + SwiGLU MLP + residual as the mlp_block
+  kernel, with gate/up fused into one weight whose rows interleave
+  ``[g0, u0, g1, u1, ...]`` (adjacent GEMM columns are one pair).  It owns that
+  RMSNorm, so it needs ``rms_norm``.
+- ``fused_linear_cross_entropy``: in training with labels, LM head + loss as the
+  lm_head_xent kernel (no full logits; ``logits`` is None, as with Liger).
+
+``kernels={"mlp_block": "runs/...", ...}`` swaps the suite's expert program of
+``out_proj_residual``, ``mlp_block`` or ``lm_head_xent`` for an accepted one (a
+run directory or a :class:`Kernel`).
+
+The re-layout happens once, here; the fused weights are new Parameters
+(``self_attn.qkv_proj.weight``, ``mlp.gate_up_proj.weight``), so build the
+optimizer afterwards.  ``state_dict()`` still has exactly the HF keys and
+values (hooks split and un-permute on save; ``load_state_dict`` fuses HF
+weights back), so checkpoints stay interchangeable with unpatched models.
+The kernels are verified for bf16: the model must be bf16.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama.modeling_llama import (LlamaForCausalLM, LlamaModel, apply_rotary_pos_emb,
+                                                      eager_attention_forward)
+from transformers.utils import can_return_tuple
+
+from coda_agent.tasks import SUITE_DIR, load_task
+
+from .kernel import Kernel, KernelError
+from .llama_ops import IGNORE_INDEX, attention_input, linear_cross_entropy
+from .source import load_kernel
+
+SWAPPABLE = ("out_proj_residual", "mlp_block", "lm_head_xent")
+STATIC_ROPE = ("default", "linear", "llama3")
+
+
+@lru_cache(maxsize=None)
+def suite_kernel(name: str) -> Kernel:
+    """The suite's expert program of a task, as a Kernel."""
+    task = load_task(SUITE_DIR / f"{name}.yaml")
+    return Kernel.from_files(task.expert_path, task.path)
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    rms_norm: bool
+    rope: bool
+    swiglu: bool
+    out_proj: Kernel
+    mlp: Kernel
+    eps: float
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+
+class PatchedForward:
+    """A module's replacement forward, bound to it.  An object rather than a bound method,
+    so that copy.deepcopy and pickle carry it over to the copy's own module."""
+
+    def __init__(self, module: nn.Module, fn: Any):
+        self.module, self.fn = module, fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(self.module, *args, **kwargs)
+
+
+class FusedWeight(nn.Module):
+    """One fused projection weight, kept under ``<name>.weight`` (the hooks give HF's keys back)."""
+
+    def __init__(self, weight: torch.Tensor, requires_grad: bool):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=requires_grad)
+
+
+def apply_to_llama(model: LlamaForCausalLM | LlamaModel, *, rope: bool = True, rms_norm: bool = True,
+                   swiglu: bool = True, fused_linear_cross_entropy: bool = True,
+                   kernels: dict[str, Kernel | str | Path] | None = None) -> LlamaForCausalLM | LlamaModel:
+    """Patch ``model`` in place (see the module docstring) and return it."""
+    base = model.model if isinstance(model, LlamaForCausalLM) else model
+    if not isinstance(base, LlamaModel):
+        raise KernelError(f"apply_to_llama patches a transformers LlamaForCausalLM or LlamaModel; got "
+                          f"{type(model).__name__}")
+    if getattr(base, "coda_flags", None) is not None:
+        raise KernelError(f"this model is already patched ({base.coda_flags}); patch a fresh one")
+    if swiglu and not rms_norm:
+        raise KernelError("swiglu=True runs the post-attention RMSNorm, the SwiGLU MLP and the residual add as "
+                          "one kernel (mlp_block), so it needs rms_norm=True")
+    cfg = base.config
+    _check_model(model, cfg, rope)
+    for name in sorted(set(kernels or {}) - set(SWAPPABLE)):
+        raise KernelError(f"kernels: {name!r} is not a task the drop-in runs; it takes {list(SWAPPABLE)}")
+    chosen = {name: _kernel(name, (kernels or {}).get(name)) for name in SWAPPABLE}
+    if rms_norm or rope or swiglu:
+        plan = LayerPlan(rms_norm, rope, swiglu, chosen["out_proj_residual"], chosen["mlp_block"],
+                         cfg.rms_norm_eps, cfg.num_attention_heads, cfg.num_key_value_heads, _head_dim(cfg))
+        freq = _rope_lanes(base, plan) if rope else None
+        for layer in base.layers:
+            _patch_layer(layer, plan, freq)
+    if fused_linear_cross_entropy and isinstance(model, LlamaForCausalLM):
+        model.coda_xent = chosen["lm_head_xent"]
+        model.forward = PatchedForward(model, _causal_lm_forward)
+    base.coda_flags = {"rope": rope, "rms_norm": rms_norm, "swiglu": swiglu,
+                       "fused_linear_cross_entropy": fused_linear_cross_entropy}
+    return model
+
+
+def _kernel(name: str, given: Kernel | str | Path | None) -> Kernel:
+    if given is None:
+        return suite_kernel(name)
+    kernel = given if isinstance(given, Kernel) else load_kernel(given)
+    if kernel.name != name:
+        raise KernelError(f"kernels[{name!r}] solves task {kernel.name!r}, not {name!r}")
+    return kernel
+
+
+def _head_dim(cfg: Any) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def _check_model(model: nn.Module, cfg: Any, rope: bool) -> None:
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    if dtypes != {torch.bfloat16}:
+        raise KernelError(f"the model's parameters are {sorted(map(str, dtypes))}; the suite's kernels are "
+                          "verified for bf16: call model.to(torch.bfloat16) before apply_to_llama")
+    if getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False):
+        raise KernelError("projection biases (attention_bias / mlp_bias) are not in the suite's kernels")
+    if cfg.hidden_act not in ("silu", "swish"):
+        raise KernelError(f"hidden_act {cfg.hidden_act!r}: the MLP kernel is SwiGLU (silu)")
+    if cfg.num_attention_heads * _head_dim(cfg) != cfg.hidden_size:
+        raise KernelError("the out_proj_residual kernel is verified for a square output projection "
+                          f"(heads * head_dim = {cfg.num_attention_heads * _head_dim(cfg)}, hidden_size = "
+                          f"{cfg.hidden_size})")
+    if rope:
+        rotary = model.model.rotary_emb if isinstance(model, LlamaForCausalLM) else model.rotary_emb
+        if rotary.rope_type not in STATIC_ROPE or rotary.attention_scaling != 1.0:
+            raise KernelError(f"rope_type {rotary.rope_type!r} (attention scaling {rotary.attention_scaling}) "
+                              f"changes RoPE beyond a static frequency table ({', '.join(STATIC_ROPE)}); pass "
+                              "rope=False to keep HF's RoPE")
+
+
+# --------------------------------------------------------------------------- weights
+
+
+def pairs_from_halves(w: torch.Tensor, heads: int, d: int) -> torch.Tensor:
+    """Per head, rows [x0..x(d/2-1), y0..] -> [x0, y0, x1, y1, ...]: HF's rotate_half layout to pairs."""
+    return w.reshape(heads, 2, d // 2, -1).transpose(1, 2).reshape(heads * d, -1)
+
+
+def halves_from_pairs(w: torch.Tensor, heads: int, d: int) -> torch.Tensor:
+    return w.reshape(heads, d // 2, 2, -1).transpose(1, 2).reshape(heads * d, -1)
+
+
+def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: LayerPlan) -> torch.Tensor:
+    if plan.rope:
+        q, k = pairs_from_halves(q, plan.heads, plan.head_dim), pairs_from_halves(k, plan.kv_heads, plan.head_dim)
+    return torch.cat((q, k, v)).contiguous()
+
+
+def _split_qkv(w: torch.Tensor, plan: LayerPlan) -> tuple[torch.Tensor, ...]:
+    d = plan.head_dim
+    q, k, v = w.split([plan.heads * d, plan.kv_heads * d, plan.kv_heads * d])
+    if plan.rope:
+        q, k = halves_from_pairs(q, plan.heads, d), halves_from_pairs(k, plan.kv_heads, d)
+    return q.contiguous(), k.contiguous(), v.contiguous()
+
+
+def _interleave_rows(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    return torch.stack((g, u), dim=1).reshape(2 * g.shape[0], -1)
+
+
+def _relayout(module: nn.Module, fused: str, parts: tuple[str, ...], fuse: Any, split: Any) -> None:
+    """Replace ``module.<parts>`` (Linears) by one FusedWeight ``module.<fused>``, and hook the
+    state dict so that it keeps the parts' keys and values."""
+    weights = [getattr(module, p).weight for p in parts]
+    with torch.no_grad():
+        setattr(module, fused, FusedWeight(fuse(*(w.detach() for w in weights)), weights[0].requires_grad))
+    for p in parts:
+        delattr(module, p)
+
+    def save(mod: nn.Module, state: dict, prefix: str, meta: Any) -> None:
+        tensor = state.pop(prefix + fused + ".weight")
+        for p, t in zip(parts, split(tensor.detach())):
+            state[f"{prefix}{p}.weight"] = t
+
+    def load(mod: nn.Module, state: dict, prefix: str, *args: Any) -> None:
+        keys = [f"{prefix}{p}.weight" for p in parts]
+        if all(k in state for k in keys):
+            state[prefix + fused + ".weight"] = fuse(*(state.pop(k) for k in keys))
+
+    module.register_state_dict_post_hook(save)
+    module.register_load_state_dict_pre_hook(load)
+
+
+def _rope_lanes(base: LlamaModel, plan: LayerPlan) -> torch.Tensor:
+    """Per fused-QKV column, the frequency of its pair (both lanes; 0 on v: no rotation)."""
+    lanes = base.rotary_emb.inv_freq.float().repeat_interleave(2)
+    v = torch.zeros(plan.kv_heads * plan.head_dim, device=lanes.device)
+    return torch.cat((lanes.repeat(plan.heads), lanes.repeat(plan.kv_heads), v))
+
+
+def _patch_layer(layer: nn.Module, plan: LayerPlan, freq: torch.Tensor | None) -> None:
+    attn = layer.self_attn
+    _relayout(attn, "qkv_proj", ("q_proj", "k_proj", "v_proj"), lambda q, k, v: _fuse_qkv(q, k, v, plan),
+              lambda w: _split_qkv(w, plan))
+    if freq is not None:
+        attn.register_buffer("coda_rope_freq", freq, persistent=False)
+    if plan.swiglu:
+        _relayout(layer.mlp, "gate_up_proj", ("gate_proj", "up_proj"), _interleave_rows,
+                  lambda w: (w[0::2], w[1::2]))
+    layer.coda_plan = plan
+    layer.forward = PatchedForward(layer, _layer_forward)
+
+
+# --------------------------------------------------------------------------- forwards
+
+
+def _layer_forward(self: nn.Module, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                   position_ids: torch.Tensor | None = None, past_key_values: Any = None,
+                   use_cache: bool | None = False, position_embeddings: tuple | None = None,
+                   **kwargs: Any) -> torch.Tensor:
+    """LlamaDecoderLayer.forward with the non-attention work in the suite's kernels."""
+    plan: LayerPlan = self.coda_plan
+    attn = self.self_attn
+    b, t, dim = hidden_states.shape
+    h = hidden_states.reshape(b * t, dim)
+    x = h if plan.rms_norm else self.input_layernorm(hidden_states).reshape(b * t, dim)
+    pos = None
+    if plan.rope:
+        ids = position_ids if position_ids is not None else torch.arange(t, device=h.device)[None]
+        pos = ids.expand(b, t).reshape(-1).float()
+    d, nq, nkv = plan.head_dim, plan.heads, plan.kv_heads
+    qkv = attention_input(x, self.input_layernorm.weight if plan.rms_norm else None, attn.qkv_proj.weight, pos,
+                          attn.coda_rope_freq if plan.rope else None, plan.eps, (nq + nkv) * d)
+    q, k, v = (part.view(b, t, -1, d).transpose(1, 2) for part in qkv.split([nq * d, nkv * d, nkv * d], dim=1))
+    if not plan.rope:
+        q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
+    if past_key_values is not None:
+        k, v = past_key_values.update(k, v, attn.layer_idx)
+    interface = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, eager_attention_forward)
+    out, _ = interface(attn, q, k, v, attention_mask, dropout=attn.attention_dropout if attn.training else 0.0,
+                       scaling=attn.scaling, **kwargs)
+    h1 = plan.out_proj(out.reshape(b * t, nq * d), attn.o_proj.weight.t(), h)["y"]
+    if plan.swiglu:
+        h2 = plan.mlp(h1, self.post_attention_layernorm.weight, self.mlp.gate_up_proj.weight,
+                      self.mlp.down_proj.weight, eps=plan.eps)["y"]
+    else:
+        h2 = h1 + self.mlp(self.post_attention_layernorm(h1))
+    return h2.view(b, t, dim)
+
+
+@can_return_tuple
+def _causal_lm_forward(self: LlamaForCausalLM, input_ids: torch.Tensor | None = None,
+                       attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                       past_key_values: Any = None, inputs_embeds: torch.Tensor | None = None,
+                       labels: torch.Tensor | None = None, use_cache: bool | None = None,
+                       logits_to_keep: int | torch.Tensor = 0, **kwargs: Any) -> CausalLMOutputWithPast:
+    """LlamaForCausalLM.forward; in training with labels, LM head + loss is the fused kernel."""
+    shift_labels = kwargs.pop("shift_labels", None)
+    if not (self.training and (labels is not None or shift_labels is not None)):
+        if shift_labels is not None:
+            kwargs["shift_labels"] = shift_labels
+        return type(self).forward(self, input_ids=input_ids, attention_mask=attention_mask,
+                                  position_ids=position_ids, past_key_values=past_key_values,
+                                  inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache,
+                                  logits_to_keep=logits_to_keep, **kwargs)
+    outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+                         **kwargs)
+    hidden = outputs.last_hidden_state
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+    loss = linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), self.lm_head.weight,
+                                shift_labels.reshape(-1).to(hidden.device), self.coda_xent,
+                                kwargs.get("num_items_in_batch"))
+    return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=outputs.past_key_values,
+                                  hidden_states=outputs.hidden_states, attentions=outputs.attentions)

@@ -1,0 +1,141 @@
+"""The drop-in's ops that no single suite task covers: the attention input and
+the fused LM-head cross-entropy (``llama.py`` uses them).
+
+**Attention input** (:func:`attention_input`): ``qkv = RoPE(RMSNorm(h) @ W_qkv^T)``
+as one GEMM.  RMSNorm commutes with the GEMM that consumes it (one scalar per
+row): ``rms_prepare`` gives ``h * gamma`` and the inverse RMS ``r``, and the
+epilogue multiplies the accumulator by ``r``; RoPE rotates adjacent column
+pairs (the q/k rows are laid out in pairs at patch time) in the same epilogue,
+by ``pos[t] * freq[n]`` with ``freq`` zero on the v columns (no rotation).
+Epilogues come from the suite's experts (``scale_rows`` and ``row_dot`` of
+llama3_block, ``rope`` of rope_fwd) where one exists.
+
+Backward: RoPE's inverse rotation has no GEMM to host it here (it belongs in
+the attention backward's ``dS @ K`` GEMM, the rope_bwd task, and SDPA exposes
+none), so it is PyTorch code, which torch.compile fuses.  The RMSNorm backward
+then rides in the epilogue of ``dx = d @ W_qkv`` (CODA's rule, as in
+llama3_block): ``dx = r * (gamma * acc - h * r * s / H)`` with
+``s = sum_cols(dqkv * qkv)``, which a rotation leaves unchanged, so it is read
+from the rotated tensors attention gave and took (one fused pass, the K = 64
+``row_dot`` GEMM); the same epilogue writes ``h * r * gamma`` for
+``dW = d^T @ (h * r * gamma)`` and folds the gamma gradient.
+
+**LM head + cross-entropy** (:func:`linear_cross_entropy`): the lm_head_xent
+kernel computes the loss *and* dx, dw in one bounded-memory pass, given the
+per-row weights of the loss (``1 / n`` for a mean over the n rows that are not
+ignored; ``1 / num_items_in_batch`` for HF's gradient-accumulation sum), so the
+logits never exist at full size.  forward keeps dx and dw; backward scales
+them by the incoming gradient of the scalar loss (exact for a loss that enters
+linearly, which a training loss does).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from coda_agent.primitives import (ColVec, RowVec, Scalar, Tile, cos, epilogue, gemm, pack, rms_prepare,
+                                   row_sum, sin, unpack)
+from coda_agent.tasks.llama3.experts.llama3_block import row_dot, scale_rows
+from coda_agent.tasks.llama3.experts.rope_fwd import rope
+
+from .kernel import Kernel
+
+IGNORE_INDEX = -100
+ROW_DOT_K = 64  # row_dot's throwaway mainloop: one K tile (its epilogue reads two tiles)
+
+
+@epilogue(pairs="acc")
+def norm_rope(acc, rstd: ColVec, pos: ColVec, freq: RowVec):
+    e, o = unpack(acc * rstd)
+    f, _ = unpack(freq)
+    a = pos * f  # fp32; sin/cos reduce it by 2*pi themselves (angles reach ~1e5 rad)
+    c = cos(a)
+    s = sin(a)
+    return {"D": pack(e * c - o * s, e * s + o * c)}
+
+
+@epilogue(outputs={"xn": "bf16"}, reductions={"dgamma": row_sum()})
+def rmsnorm_dx(acc, rstd: ColVec, s: ColVec, gamma: RowVec, h: Tile, inv_dim: Scalar):
+    hr = h * rstd
+    return {"D": rstd * (gamma * acc - hr * s * inv_dim), "xn": hr * gamma, "dgamma": acc * hr}
+
+
+def rotate_pairs(x: torch.Tensor, pos: torch.Tensor, freq: torch.Tensor, inverse: bool) -> torch.Tensor:
+    """Rotate adjacent column pairs (2j, 2j+1) of x (T, N) by pos[t] * freq[2j] (fp32 math,
+    rounded once to x's dtype); ``inverse`` rotates back (RoPE's backward)."""
+    ang = pos.float()[:, None] * freq.float()[None, 0::2]
+    c, s = torch.cos(ang), torch.sin(ang)
+    s = -s if inverse else s
+    e, o = x[:, 0::2].float(), x[:, 1::2].float()
+    return torch.stack((e * c - o * s, e * s + o * c), dim=-1).flatten(1).to(x.dtype)
+
+
+class AttentionInput(torch.autograd.Function):
+    """apply(h, gamma | None, w_qkv, pos | None, freq | None, eps, rotated) -> qkv (T, Nqkv)."""
+
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor, gamma: torch.Tensor | None, w: torch.Tensor,
+                pos: torch.Tensor | None, freq: torch.Tensor | None, eps: float, rotated: int) -> torch.Tensor:
+        ops: dict[str, Any] = {} if pos is None else {"pos": pos, "freq": freq}
+        a, rstd = h, None
+        if gamma is not None:
+            prep = rms_prepare(h, gamma, eps)
+            a, rstd = prep["xg"], prep["rstd"]
+            ops["rstd"] = rstd
+        epi = {(True, True): norm_rope, (True, False): scale_rows, (False, True): rope,
+               (False, False): None}[(gamma is not None, pos is not None)]
+        qkv = gemm(a, w.t(), epi, **ops)["D"]
+        ctx.save_for_backward(h, gamma, w, pos, freq, rstd, qkv)
+        ctx.rotated = rotated
+        return qkv
+
+    @staticmethod
+    def backward(ctx: Any, dqkv: torch.Tensor) -> tuple:
+        h, gamma, w, pos, freq, rstd, qkv = ctx.saved_tensors
+        d = dqkv.contiguous()
+        if pos is not None:
+            r = ctx.rotated
+            d = torch.cat((rotate_pairs(d[:, :r], pos, freq[:r], inverse=True), d[:, r:]), dim=1)
+        if gamma is None:
+            return gemm(d, w)["D"], None, gemm(d.t(), h)["D"], None, None, None, None
+        s = gemm(dqkv[:, :ROW_DOT_K], w[:, :ROW_DOT_K].t(), row_dot, du=dqkv, u=qkv)["s"]
+        dx = gemm(d, w, rmsnorm_dx, rstd=rstd, s=s, gamma=gamma, h=h, inv_dim=1.0 / h.shape[1])
+        dw = gemm(d.t(), dx["xn"])["D"]
+        return dx["D"], dx["dgamma"], dw, None, None, None, None
+
+
+def attention_input(h: torch.Tensor, gamma: torch.Tensor | None, w_qkv: torch.Tensor,
+                    pos: torch.Tensor | None, freq: torch.Tensor | None, eps: float, rotated: int) -> torch.Tensor:
+    """``RoPE(RMSNorm(h) @ w_qkv^T)`` (see the module docstring); ``gamma=None``: h is already
+    normalized; ``pos=None``: no rotation; ``rotated``: how many leading columns RoPE turns."""
+    return AttentionInput.apply(h, gamma, w_qkv, pos, freq, eps, rotated)
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """apply(x, w, target, kernel, denominator) -> the scalar loss sum(loss) / denominator."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, target: torch.Tensor, kernel: Kernel,
+                denominator: torch.Tensor) -> torch.Tensor:
+        dloss = (target != IGNORE_INDEX).float() / denominator
+        out = kernel.forward({"x": x, "w": w, "target": target, "dloss": dloss}, {})
+        ctx.save_for_backward(out["dx"], out["dw"])
+        return out["loss"].sum() / denominator
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        dx, dw = ctx.saved_tensors
+        return dx * grad, dw * grad, None, None, None
+
+
+def linear_cross_entropy(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor, kernel: Kernel,
+                         num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
+    """HF's causal-LM loss (targets already shifted; ``IGNORE_INDEX`` rows ignored) without
+    the logits: the mean over the counted rows, or the sum over ``num_items_in_batch``."""
+    if num_items_in_batch is None:
+        denominator = (target != IGNORE_INDEX).sum().float()  # all ignored: nan, as HF
+    else:
+        denominator = torch.as_tensor(num_items_in_batch, dtype=torch.float32, device=x.device)
+    return LinearCrossEntropy.apply(x, w, target, kernel, denominator)

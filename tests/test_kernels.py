@@ -1,0 +1,166 @@
+"""The public kernel API (coda_agent.kernels): a program + task as an autograd op.
+
+The gradients come from torch.autograd through the Kernel's Function and are
+judged by the verifier's own compare against the task references (the same
+check the suite tests make of the programs called directly); the run-directory
+path is a real `coda-agent eval` batch judged by the real verifier's CPU stages.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from suite_checks import draw, mismatches, task
+from typer.testing import CliRunner
+
+from coda_agent.cli import app
+from coda_agent.kernels import Kernel, KernelError, KernelModule, load_kernel
+from coda_agent.primitives import CATALOGUE_VERSION
+from coda_agent.tasks import SUITE_DIR
+
+
+def suite_kernel(name: str) -> Kernel:
+    t = task(name)
+    return Kernel.from_files(t.expert_path, t.path)
+
+
+def autograd_mismatches(name: str, shape_set: str, device: str) -> list:
+    """The Kernel's outputs and its autograd gradients, judged by the verifier's compare."""
+    t = task(name)
+    kernel = suite_kernel(name)
+    inputs, grads = draw(t, shape_set, seed=7)
+    leaves = {k: v.to(device).requires_grad_(k in t.spec.gradients) for k, v in inputs.items()}
+    outs = kernel(**leaves)
+    assert list(outs) == list(t.spec.outputs)
+    wrt = [leaves[g] for g in t.spec.gradients]
+    got_grads = torch.autograd.grad([outs[o] for o in kernel.grad_outputs], wrt,
+                                    [grads[f"d{o}"].to(device) for o in kernel.grad_outputs])
+    got = {**{o: v.detach().cpu() for o, v in outs.items()},
+           **{f"d{g}": d.cpu() for g, d in zip(t.spec.gradients, got_grads)}}
+    return mismatches(t, shape_set, got, inputs, grads)
+
+
+BLOCKS = ["mlp_block", "llama3_block", "out_proj_residual"]
+
+
+@pytest.mark.parametrize("name", BLOCKS)
+def test_autograd_through_the_kernel_matches_the_reference(name):
+    bad = autograd_mismatches(name, "small", "cpu")
+    assert not bad, bad
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Hopper)")
+@pytest.mark.parametrize("shape_set", ["small", "ragged"])
+@pytest.mark.parametrize("name", BLOCKS)
+def test_autograd_through_the_kernel_on_gpu(name, shape_set):
+    """The cute lowering (quack's SM90 GEMMs) under autograd, against the fp64 reference."""
+    bad = autograd_mismatches(name, shape_set, "cuda")
+    assert not bad, bad
+
+
+def test_module_positional_call_and_params():
+    kernel = suite_kernel("mlp_block")
+    t = task("mlp_block")
+    inputs, _ = draw(t, "small", seed=3)
+    layer = kernel.module(eps=1e-6)
+    assert isinstance(layer, KernelModule) and "mlp_block" in repr(layer)
+    a = layer(*inputs.values())["y"]
+    b = kernel(**inputs, eps=1e-6)["y"]
+    c = kernel(**inputs)["y"]  # the task's eps, 1e-5
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    assert kernel.function.__name__ == "MlpBlockFunction"
+    assert issubclass(kernel.function, torch.autograd.Function)
+    with pytest.raises(KernelError, match="has params \\['eps'\\]"):
+        kernel.module(epsilon=1.0)
+
+
+def test_bad_calls_name_the_input_and_the_fix():
+    kernel = suite_kernel("mlp_block")
+    inputs, _ = draw(task("mlp_block"), "small", seed=3)
+    with pytest.raises(KernelError, match=r"input 'w_gu' dimension 0 is 768; the task declares 2\*I = 200 with I = 100 \(from 'w_down'\)"):
+        kernel(**{**inputs, "w_down": inputs["w_down"][:, :100]})
+    with pytest.raises(KernelError, match=r"input 'w_gu' dimension 0 is 700; the task declares 2\*I = 768"):
+        kernel(**{**inputs, "w_gu": inputs["w_gu"][:700]})
+    with pytest.raises(KernelError, match="'h' is torch.float32; the kernel was verified for bf16"):
+        kernel(**{**inputs, "h": inputs["h"].float()})
+    with pytest.raises(KernelError, match="no input or param 'gama'; did you mean 'gamma'"):
+        kernel(inputs["h"], gama=inputs["gamma"])
+    with pytest.raises(KernelError, match=r"missing inputs \['w_down'\]"):
+        kernel(*list(inputs.values())[:3])
+
+
+def test_forward_only_kernel_refuses_a_gradient():
+    kernel = suite_kernel("swiglu_fwd")
+    t = task("swiglu_fwd")
+    inputs, _ = draw(t, "small", seed=5)
+    x = inputs["x"].clone().requires_grad_(True)
+    y = kernel(x, inputs["W_gu"])["y"]
+    with pytest.raises(KernelError, match="forward-only kernel"):
+        y.float().sum().backward()
+
+
+def test_catalogue_guard(tmp_path):
+    t = task("out_proj_residual")
+    with pytest.raises(KernelError, match=f"verified against catalogue 1999.01.01-1; this coda-agent has "
+                                          f"catalogue {CATALOGUE_VERSION}"):
+        Kernel.from_files(t.expert_path, t.path, catalogue="1999.01.01-1")
+    assert Kernel.from_files(t.expert_path, t.path, catalogue=CATALOGUE_VERSION).catalogue == CATALOGUE_VERSION
+    broken = tmp_path / "p.py"
+    broken.write_text("def forward(:\n")
+    with pytest.raises(KernelError, match="the program does not load: syntax error"):
+        Kernel.from_files(broken, t.path)
+    (tmp_path / "fwd_only.py").write_text("def forward(attn, Wo, residual):\n    return {}\n")
+    with pytest.raises(KernelError, match="defines no backward"):
+        Kernel.from_files(tmp_path / "fwd_only.py", t.path)
+
+
+def test_load_kernel_from_a_run_directory(tmp_path, agent_env):
+    r = CliRunner().invoke(app, ["eval", str(SUITE_DIR / "out_proj_residual.yaml"), "--author", "expert",
+                                 "--runs-dir", str(tmp_path / "runs"), "--verifier",
+                                 "eval_fixtures:reference_verifier"], catch_exceptions=False)
+    assert r.exit_code == 3, r.output  # cpu_passed: the CPU stages passed, nothing could be accepted
+    (batch,) = (tmp_path / "runs").iterdir()
+    run = batch / "out_proj_residual"
+    with pytest.raises(KernelError, match="NOT ACCEPTED: CPU stages only.*allow_cpu_only=True"):
+        load_kernel(run)
+    kernel = load_kernel(run, allow_cpu_only=True)  # the one sample is found
+    assert kernel.name == "out_proj_residual" and kernel.origin.endswith("sample-0")
+    g = torch.Generator().manual_seed(0)
+    attn, res = (torch.randn(32, 64, generator=g).bfloat16() for _ in range(2))
+    wo = (torch.randn(64, 64, generator=g) / 8).bfloat16()
+    assert torch.allclose(kernel(attn, wo, res)["y"].float(), (attn.float() @ wo.float() + res.float()),
+                          atol=0.1)
+    report = run / "sample-0" / "attempts" / "01" / "report.json"
+    data = json.loads(report.read_text())
+    data["versions"]["catalogue"] = "1999.01.01-1"
+    report.write_text(json.dumps(data))
+    with pytest.raises(KernelError, match="verified against catalogue 1999.01.01-1"):
+        load_kernel(run, allow_cpu_only=True)
+    with pytest.raises(KernelError, match="no accepted program here"):
+        load_kernel(tmp_path)
+
+
+@pytest.mark.parametrize("name,kept", [("mlp_block", {"pre", "rstd"}), ("llama3_block", {"h1", "pre", "r1", "r2"})])
+def test_blocks_keep_only_what_their_backward_needs(name, kept):
+    """Between forward and backward a block holds its outputs, the pre-activation and the
+    RMS statistics: not the GEMM inputs (h * gamma, silu(g) * u) that its backward can
+    rebuild for free (at LLaMA-3 1B, 320 MiB less per block; 8B: 576 MiB)."""
+    t = task(name)
+    inputs, _ = draw(t, "small", seed=2)
+    outs = suite_kernel(name).forward(inputs, dict(t.spec.params))
+    assert set(outs) - set(t.spec.outputs) == kept
+
+
+def test_a_second_backward_through_reused_state_is_refused():
+    """mlp_block's backward writes d(pre) over the saved pre-activation: autograd's version
+    counter (bumped by the custom op's declared mutation) turns a second backward into an error."""
+    t = task("mlp_block")
+    inputs, _ = draw(t, "small", seed=3)
+    leaves = {n: v.clone().requires_grad_(True) for n, v in inputs.items()}
+    loss = suite_kernel("mlp_block")(**leaves)["y"].float().sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()

@@ -1,0 +1,192 @@
+"""coda_agent.apply_to_llama on a real transformers LlamaForCausalLM (tiny config, CPU,
+the reference lowering).
+
+Truth is the unpatched model in fp32; HF's own bf16 model sets the noise floor.
+Every tensor that training sees (the loss, the logits, the gradient of every
+parameter, read back in HF's layout through the patched state dict) must be
+within twice HF's bf16 error plus a floor of 1/256 of the tensor's largest
+value (about one bf16 rounding step at that scale: a loss that is right to
+bf16 precision must not fail because HF's own bf16 loss was luckily close),
+and its relative norm error within 1.5x HF's plus 1e-3.  A kernel wired wrong
+(a permutation, a missing residual, a wrong mean) misses by orders of magnitude.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+import coda_agent  # noqa: E402
+from coda_agent.kernels import Kernel, KernelError  # noqa: E402
+from coda_agent.primitives import launch_ledger  # noqa: E402
+from coda_agent.tasks import SUITE_DIR  # noqa: E402
+
+CONFIG = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+              vocab_size=512, num_hidden_layers=2, max_position_embeddings=256, rms_norm_eps=1e-5,
+              rope_theta=10000.0, attn_implementation="sdpa")
+
+
+DEVICE = "cpu"
+
+
+def tiny_llama(seed: int = 0, **overrides) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**{**CONFIG, **overrides})).to(DEVICE)
+    with torch.no_grad():  # norm weights away from 1, so a dropped gamma shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def batch():
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, CONFIG["vocab_size"], (2, 24), generator=g)
+    labels = ids.clone()
+    labels[0, :5] = -100  # ignored positions (a prompt), as HF's loss skips them
+    return ids.to(DEVICE), labels.to(DEVICE)
+
+
+def hf_layout(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The gradients as the state dict lays out the weights (HF's keys and layout)."""
+    with torch.no_grad():
+        data = {n: p.data for n, p in model.named_parameters()}
+        for p in model.parameters():
+            p.data = p.grad
+        try:
+            return {k: v.clone() for k, v in model.state_dict().items()}
+        finally:
+            for n, p in model.named_parameters():
+                p.data = data[n]
+
+
+def train_and_eval(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
+    ids, labels = batch()
+    model.train()
+    model.zero_grad()
+    out = model(ids, labels=labels)
+    out.loss.backward()
+    grads = hf_layout(model)
+    model.eval()
+    with torch.no_grad():
+        logits = model(ids).logits
+    return {"loss": out.loss.detach(), "logits": logits, **{f"d {k}": v for k, v in grads.items()}}
+
+
+@pytest.fixture(scope="module")
+def truth():
+    base = tiny_llama()
+    return base, train_and_eval(copy.deepcopy(base).float()), train_and_eval(copy.deepcopy(base).bfloat16())
+
+
+def assert_like_hf(got: dict, hi: dict, lo: dict) -> None:
+    assert set(got) == set(hi)
+    for k in hi:
+        g, h, l_ = got[k].float(), hi[k].float(), lo[k].float()
+        err, noise = (g - h).abs().max().item(), (l_ - h).abs().max().item()
+        assert err <= 2 * noise + h.abs().max().item() / 256, (k, err, noise)
+        rel, rel_lo = ((g - h).norm() / h.norm()).item(), ((l_ - h).norm() / h.norm()).item()
+        assert rel <= 1.5 * rel_lo + 1e-3, (k, rel, rel_lo)
+
+
+@pytest.mark.parametrize("flags", [{}, {"rope": False}, {"swiglu": False}, {"fused_linear_cross_entropy": False},
+                                   {"rms_norm": False, "swiglu": False}], ids=str)
+def test_patched_model_trains_like_hf(truth, flags):
+    base, hi, lo = truth
+    model = coda_agent.apply_to_llama(copy.deepcopy(base).bfloat16(), **flags)
+    with launch_ledger() as launched:
+        got = train_and_eval(model)
+    assert_like_hf(got, hi, lo)
+    names = {launch.name for launch in launched}
+    on = {**{"rope": True, "rms_norm": True, "swiglu": True, "fused_linear_cross_entropy": True}, **flags}
+    assert "add_residual" in names  # out_proj_residual, every patched layer
+    assert ("norm_swiglu" in names) == on["swiglu"] and ("dswiglu" in names) == on["swiglu"]
+    assert ("logits_lse" in names) == on["fused_linear_cross_entropy"]
+    qkv_epilogue = {(True, True): "norm_rope", (True, False): "scale_rows", (False, True): "rope"}
+    assert qkv_epilogue[on["rms_norm"], on["rope"]] in names
+    assert ("rmsnorm_dx" in names) == on["rms_norm"]
+
+
+def test_state_dict_keeps_hf_keys_and_values():
+    hf = tiny_llama().bfloat16()
+    model = coda_agent.apply_to_llama(copy.deepcopy(hf))
+    assert "model.layers.0.self_attn.qkv_proj.weight" in dict(model.named_parameters())
+    want, got = hf.state_dict(), model.state_dict()
+    assert set(got) == set(want)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+    other = tiny_llama(seed=5).bfloat16()  # an HF checkpoint loads into the patched model ...
+    model.load_state_dict(other.state_dict())
+    for k, v in other.state_dict().items():
+        assert torch.equal(model.state_dict()[k], v), k
+    fresh = tiny_llama(seed=9).bfloat16()  # ... and the patched model's into an unpatched one
+    fresh.load_state_dict(model.state_dict())
+    ids, _ = batch()
+    model.eval()
+    fresh.eval()
+    with torch.no_grad():
+        a, b = model(ids).logits.float(), fresh(ids).logits.float()
+    assert (a - b).abs().max() < 0.05 * b.abs().max()
+
+
+def test_swapping_in_another_program_for_a_task():
+    mine = Kernel.from_files(SUITE_DIR / "experts" / "mlp_block.py", SUITE_DIR / "mlp_block.yaml")
+    model = coda_agent.apply_to_llama(tiny_llama().bfloat16(), kernels={"mlp_block": mine})
+    assert model.model.layers[1].coda_plan.mlp is mine
+    with pytest.raises(KernelError, match="kernels\\['out_proj_residual'\\] solves task 'mlp_block'"):
+        coda_agent.apply_to_llama(tiny_llama().bfloat16(), kernels={"out_proj_residual": mine})
+    with pytest.raises(KernelError, match="'rope_fwd' is not a task the drop-in runs"):
+        coda_agent.apply_to_llama(tiny_llama().bfloat16(), kernels={"rope_fwd": mine})
+
+
+def test_models_the_kernels_do_not_cover_get_a_clear_error():
+    with pytest.raises(KernelError, match=r"call model.to\(torch.bfloat16\) before apply_to_llama"):
+        coda_agent.apply_to_llama(tiny_llama())
+    with pytest.raises(KernelError, match="needs rms_norm=True"):
+        coda_agent.apply_to_llama(tiny_llama().bfloat16(), rms_norm=False)
+    with pytest.raises(KernelError, match="biases"):
+        coda_agent.apply_to_llama(tiny_llama(attention_bias=True).bfloat16())
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0}
+    with pytest.raises(KernelError, match="pass rope=False"):
+        coda_agent.apply_to_llama(tiny_llama(rope_parameters=yarn).bfloat16())
+    model = coda_agent.apply_to_llama(tiny_llama().bfloat16())
+    with pytest.raises(KernelError, match="already patched"):
+        coda_agent.apply_to_llama(model)
+    with pytest.raises(KernelError, match="LlamaForCausalLM or LlamaModel; got Linear"):
+        coda_agent.apply_to_llama(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Hopper)")
+def test_patched_model_trains_like_hf_on_gpu(monkeypatch):
+    """The cute lowering inside the model: quack's GEMMs with the suite's epilogues, SDPA flash."""
+    monkeypatch.setitem(globals(), "DEVICE", "cuda")
+    base = tiny_llama()
+    hi, lo = train_and_eval(copy.deepcopy(base).float()), train_and_eval(copy.deepcopy(base).bfloat16())
+    with launch_ledger() as launched:
+        got = train_and_eval(coda_agent.apply_to_llama(copy.deepcopy(base).bfloat16()))
+    assert_like_hf(got, hi, lo)
+    assert {"norm_rope", "rmsnorm_dx", "dswiglu", "logits_lse"} <= {launch.name for launch in launched}
+
+
+def test_kv_cache_decoding_copies_and_checkpointing():
+    model = coda_agent.apply_to_llama(tiny_llama().bfloat16())
+    ids, labels = batch()
+    model.eval()
+    with torch.no_grad():  # one decoding step on the cache = the last row of a full forward
+        full = model(ids[:, :9]).logits[:, -1].float()
+        past = model(ids[:, :8], use_cache=True).past_key_values
+        step = model(ids[:, 8:9], past_key_values=past, use_cache=True).logits[:, -1].float()
+    assert (step - full).abs().max() < 0.05 * full.abs().max()
+    twin = copy.deepcopy(model)  # an EMA / reference copy is patched too, with its own weights
+    assert twin.model.layers[0].forward.module is twin.model.layers[0]
+    assert twin.model.layers[0].coda_plan.mlp is model.model.layers[0].coda_plan.mlp
+    a = train_and_eval(model)
+    twin.gradient_checkpointing_enable()
+    b = train_and_eval(twin)
+    assert all(torch.equal(a[k], b[k]) for k in a)

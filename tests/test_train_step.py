@@ -1,0 +1,60 @@
+"""bench/train_step.py's plumbing on CPU (``--dry-run``: tiny config, reference
+lowering, "compiled" contenders through AOTAutograd); the H200 run measures."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "bench" / "train_step.py"
+sys.path.insert(0, str(SCRIPT.parent))
+
+import train_step  # noqa: E402
+
+
+def test_dry_run_writes_every_row_the_curve_and_its_plot(tmp_path):
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(tmp_path), "--configs", "1b",
+                           "--contenders", "coda,curve", "--steps", "1", "--warmup", "0", "--curve-steps", "4"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads((tmp_path / "train_step.json").read_text())
+    (row,) = result["rows"]
+    assert row["config"] == "1b" and row["contender"] == "coda" and "error" not in row, row
+    assert row["ms"] > 0 and row["tokens_per_s"] > 0 and set(row["split_ms"]) >= {"gemm", "attention", "other"}
+    assert row["cap_ms"] == pytest.approx(row["ms"] - row["split_ms"]["other"], abs=0.02)
+    assert result["curve"] == "loss_curve.json" and (tmp_path / "loss_curve.png").stat().st_size > 1000
+    curve = json.loads((tmp_path / "loss_curve.json").read_text())
+    assert set(curve["curves"]) == {"eager_fp32", "eager_bf16", "coda_bf16"}
+    assert all(len(v) == 4 for v in curve["curves"].values())
+    # CODA trains like eager in bf16: its gap to fp32 is of the order of bf16 eager's own.
+    assert curve["mean_abs_gap_to_fp32"]["coda_bf16"] <= 3 * curve["mean_abs_gap_to_fp32"]["eager_bf16"] + 0.02
+
+
+def test_a_spent_budget_skips_and_says_so(tmp_path):
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(tmp_path), "--budget-s", "5"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads((tmp_path / "train_step.json").read_text())
+    assert result["rows"] == [] and {s["run"] for s in result["skipped"]} >= {"1b:eager", "8b:coda", "curve"}
+    assert all("budget of 5.0 s spent" in s["why"] for s in result["skipped"])
+
+
+def test_kernel_classes():
+    assert train_step.classify("pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel") == "attention"
+    assert train_step.classify("nvjet_tst_192x192_64x4_2x1_v_bz_coopB_TNN") == "gemm"
+    assert train_step.classify("kernel_cutlass_kernel_quackgemm_sm90GemmSm90_object_at__tensor") == "gemm"
+    assert train_step.classify("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0") == "other"
+    assert train_step.classify("void at::native::(anonymous namespace)::multi_tensor_apply_kernel") == "other"
+
+
+def test_bigram_corpus_is_fixed_and_learnable():
+    a = train_step.bigram_corpus(64, 2, 16, 3, "cpu")
+    assert a.shape == (3, 2, 16) and a.equal(train_step.bigram_corpus(64, 2, 16, 3, "cpu"))
+    pairs = {(int(x), int(y)) for x, y in zip(a[..., :-1].flatten(), a[..., 1:].flatten())}
+    assert len({y for x, y in pairs if x == int(a[0, 0, 0])}) <= 4  # at most 4 successors per token

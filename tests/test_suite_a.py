@@ -251,37 +251,3 @@ def test_expert_compiles_for_sm90a(name):
         assert k.sass.spill_stores == 0 and k.sass.spill_loads == 0, (
             f"{k.epilogue} [{k.config}]: {k.sass.spill_stores} STL / {k.sass.spill_loads} LDL")
 
-
-@pytest.mark.slow
-def test_verifier_cpu_stages_accept_experts():
-    """The verifier's own static + reference stages (PyTorch-call audit included)."""
-    from coda_agent.verifier import Verifier
-
-    v = Verifier(stages=["static", "reference"], cache=False, timeout_s=300)
-    for name in TASKS:
-        task = _task(name)
-        report = v.check(task, task.expert_path.read_text())
-        bad = [f"{s.name}: {s.message}" for s in report.stages if s.status != "passed"]
-        assert report.outcome == "cpu_passed" and not bad, f"{name}: {report.outcome} {bad}"
-
-
-# --------------------------------------------------------------------------- Hopper (pytest -m gpu)
-
-_needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA (Hopper) GPU")
-
-
-@pytest.mark.gpu
-@_needs_cuda
-@pytest.mark.parametrize("name", TASKS)
-def test_expert_accepted_on_gpu(name):
-    """Every verifier stage on the H200: NaN-poisoned correctness on small, ragged,
-    llama3-1b and llama3-8b, the launch audit and the timing (targets reported, not
-    enforced)."""
-    from coda_agent.verifier import Verifier
-
-    task = _task(name)
-    report = Verifier(cache=False).check(task, task.expert_path.read_text())
-    for s in report.stages:
-        print(f"{name} {s.name:12s} {s.status:7s} {s.seconds:6.1f}s {s.message}")
-    bad = [f"{s.name}: {s.message}\n{s.log[-1500:]}" for s in report.stages if s.status != "passed"]
-    assert report.outcome == "accepted", f"{name}: {report.outcome}\n" + "\n".join(bad)

@@ -194,7 +194,9 @@ def test_the_verifier_compares_each_output_with_its_own_tolerance(tmp_path):
     strict = load_task(write(tmp_path / "strict"))
     hi = {"y": torch.randn(64, 48, dtype=torch.float64), "h": torch.randn(64, 48, dtype=torch.float64)}
     lo = {k: v.to(torch.bfloat16) for k, v in hi.items()}
-    got = {"y": lo["y"], "h": (hi["h"] + 0.05).to(torch.bfloat16)}  # h off by far more than bf16 noise
+    signs = torch.ones(64 * 48, dtype=torch.float64)
+    signs[::2] = -1  # h off by far more than bf16 noise, one way as often as the other (no bias)
+    got = {"y": lo["y"], "h": (hi["h"] + 0.05 * signs.view(64, 48)).to(torch.bfloat16)}
     case = Case("small", "seed", {}, None, hi, lo)
     assert [m.tensor for m in verdict(strict.spec, case, got)] == ["h"]
     assert verdict(loose.spec, case, got) == []

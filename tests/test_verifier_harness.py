@@ -156,6 +156,39 @@ def test_waiting_for_the_gpu_never_counts(task, monkeypatch, tmp_path):
     assert [s.status for s in report.stages] == ["passed"], report.model_dump_json(indent=1)
 
 
+PID_JUDGE = """
+import json, os, sys, time
+out = os.fdopen(int(sys.argv[1]), "w", buffering=1)
+for line in sys.stdin:
+    n = json.loads(line)["check"]
+    time.sleep(1)
+    out.write(json.dumps({"check": n, "result": {"name": "reference", "status": "passed",
+                                                 "message": str(os.getpid())}}) + "\\n")
+    out.write(json.dumps({"check": n, "done": {"versions": {}}}) + "\\n")
+"""
+
+
+def test_checks_from_several_threads_each_get_a_judge(task, monkeypatch, tmp_path):
+    """``solve --samples 3`` checks from three threads at once: each check has a judge of its own
+    (they run side by side), and the session keeps them for the next checks."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    (tmp_path / "pid_judge.py").write_text(PID_JUDGE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(harness, "JUDGE", "pid_judge")
+    source = EXPERT_PATH.read_text()
+    with Verifier(stages=["reference"], cache=False) as v:
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(3) as pool:
+            reports = list(pool.map(lambda _: v.check(task, source), range(3)))
+        wall = time.perf_counter() - t0
+        pids = {r.stages[0].message for r in reports}
+        assert all(r.outcome == "cpu_passed" for r in reports) and len(pids) == 3 and wall < 2.9
+        assert v.check(task, source).stages[0].message in pids  # an idle judge of the session
+        assert len(v._idle) == 3
+    assert not v._idle
+
+
 def test_gpu_detection_does_not_depend_on_the_cache_key(task, monkeypatch):
     def broken():
         raise verdict_cache.CacheKeyError("no version")

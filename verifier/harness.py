@@ -6,8 +6,10 @@ Three processes (the package docstring says what each guarantees):
    the static stage in-process (the AST only), the verdict cache, the time
    limits, the Report;
 2. **the judge** (:mod:`.judge`), a child started on the first check and kept
-   for the next ones (``with Verifier() as v:`` keeps it for a batch; without
-   ``with`` each check starts and ends its own): it runs every later stage;
+   for the next ones (``with Verifier() as v:`` keeps its judges for a batch;
+   without ``with`` each check starts and ends its own): it runs every later
+   stage.  A judge serves one check at a time; checks from several threads
+   (``solve --samples``) each take an idle judge or start one;
 3. **the runner** (:mod:`.runner`), started by the judge per check, behind
    walls (:mod:`.sandbox`): the only process the program runs in.
 
@@ -32,6 +34,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -59,13 +62,14 @@ class _Judge:
         # The judge imports what the harness can (a task's reference may live in tests/).
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", JUDGE, str(w)], stdin=subprocess.PIPE, stdout=self.log, stderr=subprocess.STDOUT, pass_fds=[w], env=env,
-            start_new_session=True, text=True)
+            [sys.executable, "-m", JUDGE, str(w)], stdin=subprocess.PIPE, stdout=self.log, stderr=subprocess.STDOUT,
+            pass_fds=[w], env=env, start_new_session=True, text=True)
         os.close(w)
         self.events = r
         self.pending = b""
         self.checks = 0
         self.references: dict[str, str] = {}  # reference file -> digest the judge imported
+        self.closed = False
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -97,23 +101,33 @@ class _Judge:
         return self.log.read().decode(errors="replace")
 
     def kill(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        self._signal_group()
         self.proc.wait()
         self.close()
 
     def close(self) -> None:
-        if self.alive():
-            self.proc.stdin.close()  # the judge ends its runners and exits
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.kill()
-                return
+        """End the judge (a live one ends its runners and exits when its input closes) and free
+        its pipe and log; safe to call again."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.proc.stdin.close()
+        except OSError:  # a dead judge's pipe
+            pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._signal_group()
+            self.proc.wait()
         os.close(self.events)
         self.log.close()
+
+    def _signal_group(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
     def returncode(self) -> str:
         rc = self.proc.wait()
@@ -144,7 +158,8 @@ class Verifier:
         self.shape_sets = None if shape_sets is None else list(shape_sets)
         self.reps = max(int(reps), 20)
         self.compile_cache = compile_cache
-        self._judge: _Judge | None = None
+        self._idle: list[_Judge] = []  # the session's judges between checks
+        self._lock = threading.Lock()
         self._session = False
         if os.geteuid() == 0:  # a runner that keeps uid 0 may not ptrace its way in (sandbox.py)
             ctypes.CDLL(None).prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
@@ -162,9 +177,10 @@ class Verifier:
         self.close()
 
     def close(self) -> None:
-        if self._judge is not None:
-            self._judge.close()
-            self._judge = None
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for judge in idle:
+            judge.close()
 
     def check(self, task: Task | str | Path, program_source: str) -> Report:
         task = task if isinstance(task, Task) else load_task(task)
@@ -201,24 +217,40 @@ class Verifier:
                         for s in self.stages if s in GPU_STAGES and not gpu]
         return results
 
-    def _judge_for(self, task: Task) -> _Judge:
-        """The session's judge, restarted when it died or imported an older version of this
-        task's reference (a judge never reloads a module)."""
+    def _take_judge(self, task: Task) -> _Judge:
+        """An idle judge of the session, or a new one; an idle judge that died or imported an
+        older version of this task's reference (a judge never reloads a module) is ended."""
         refs = verdict_cache.reference_files(task)
-        stale = self._judge is not None and any(self._judge.references.get(f, d) != d for f, d in refs.items())
-        if self._judge is not None and (stale or not self._judge.alive()):
-            self._judge.kill()
-            self._judge = None
-        if self._judge is None:
-            self._judge = _Judge()
-        self._judge.references.update(refs)
-        return self._judge
+        judge = None
+        with self._lock:
+            while self._idle and judge is None:
+                judge = self._idle.pop()
+                if not judge.alive() or any(judge.references.get(f, d) != d for f, d in refs.items()):
+                    judge.kill()
+                    judge = None
+        judge = judge or _Judge()
+        judge.references.update(refs)
+        return judge
+
+    def _give_back(self, judge: _Judge) -> None:
+        with self._lock:
+            if self._session and judge.alive():
+                self._idle.append(judge)
+                return
+        judge.close()
 
     def _judged(self, task: Task, source: str, stages: list[str], versions: dict[str, str]) -> list[StageResult]:
-        judge = self._judge_for(task)
-        n = judge.send({"task_path": str(task.path), "source": source, "stages": stages,
-                        "shape_sets": self.shape_sets, "reps": self.reps, "compile_cache": self.compile_cache,
-                        "timeout_s": self.timeout_s, "load_timeout_s": self.load_timeout_s})
+        judge = self._take_judge(task)
+        try:
+            n = judge.send({"task_path": str(task.path), "source": source, "stages": stages,
+                            "shape_sets": self.shape_sets, "reps": self.reps, "compile_cache": self.compile_cache,
+                            "timeout_s": self.timeout_s, "load_timeout_s": self.load_timeout_s})
+            return self._events(judge, n, stages, versions)
+        finally:
+            self._give_back(judge)
+
+    def _events(self, judge: _Judge, n: int, stages: list[str], versions: dict[str, str]) -> list[StageResult]:
+        """The results of check ``n`` from the judge's event stream (the backstop on time)."""
         results: list[StageResult] = []
         running: str | None = None
         deadline = time.monotonic() + self.timeout_s + LOADS_PER_CHECK * self.load_timeout_s + BACKSTOP_S
@@ -249,8 +281,6 @@ class Verifier:
         except EOFError:
             why = judge.returncode()
             log = judge.tail()
-            self._judge = None
-            judge.close()
             if running is None:
                 return results + [StageResult(name=stages[min(len(results), len(stages) - 1)], status="error",
                                               log=log, message=f"the verifier's judge process ended ({why}); "
@@ -258,14 +288,10 @@ class Verifier:
             return results + [StageResult(name=running, status="failed", log=log,
                                           message=f"the judge process was ended ({why}) while stage {running} "
                                                   "ran the program: nothing but the program has a reason to")]
-        finally:
-            if not self._session and self._judge is not None:
-                self.close()
 
     def _backstop(self, judge: _Judge, stage: str) -> StageResult:
         log = judge.tail()
         judge.kill()
-        self._judge = None
         return StageResult(name=stage, status="failed", log=log, details={"timeout_s": self.timeout_s},
                            message=f"timed out: the check did not finish within {self.timeout_s:.0f} s of program "
                                    f"time plus {BACKSTOP_S:.0f} s for the judge (killed): the program hung the "

@@ -255,8 +255,6 @@ def start(channel_fd: int, plan: sandbox.Plan, keep: tuple[int, ...]) -> None:
     except sandbox.SandboxError as e:
         channel.send({"ready": False, "error": str(e)})
         return
-    # The DSL writes nothing, silently, into a dump directory that does not exist.
-    os.makedirs(os.environ.get("CUTE_DSL_DUMP_DIR", "cutedsl-dump"), exist_ok=True)
     serve(channel, walls, "cuda" if plan.cuda else "cpu")
 
 

@@ -66,12 +66,13 @@ MODES = ("auto", "uid", "none")
 # Environment variables a runner may inherit (values from the judge's environment).
 INHERITED_ENV = ("PATH", "LANG", "LC_ALL", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "LD_LIBRARY_PATH",
                  "CUTE_DSL_ARCH", "QUACK_ARCH")
-# The runner's kernel caches and dumps, relative to its scratch directory (read at import,
-# so a forked runner finds its own), and one intra-op thread: the runner and the judge take
-# turns, and idle OpenMP threads spinning in one starve the other (measured on 2 cores: a
-# reference stage 15x slower with the default).
-RUNNER_ENV = {"CUTE_DSL_DUMP_DIR": "cutedsl-dump", "CUTE_DSL_KEEP": "cubin", "QUACK_CACHE_DIR": "kernels/quack",
-              "TRITON_CACHE_DIR": "kernels/triton", "OMP_NUM_THREADS": "1"}
+# The runner's kernel caches, relative to its scratch directory (quack reads its variable at
+# import, so a runner forked from the zygote finds its own), and one intra-op thread: the
+# runner and the judge take turns, and idle OpenMP threads spinning in one starve the other
+# (measured on 2 cores: a reference stage 15x slower with the default).  The compile stage's
+# cubins go to a temporary directory of each compile's own (primitives/dsl_scope.py), in
+# the runner's TMPDIR.
+RUNNER_ENV = {"QUACK_CACHE_DIR": "kernels/quack", "TRITON_CACHE_DIR": "kernels/triton", "OMP_NUM_THREADS": "1"}
 UID_BASE = 1_500_000_000  # runner uids: UID_BASE + 24 bits of the program's digest
 FILE_SIZE_LIMIT = 1 << 30  # bytes one runner may write to one file (cubins, kernel objects)
 OPEN_FILES_LIMIT = 4096

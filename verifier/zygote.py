@@ -1,6 +1,7 @@
-"""The runner zygote: imports torch and the catalogue once, then forks a runner per program.
+"""The runner zygote: imports torch, the catalogue and quack once, then forks a runner per program.
 
-Importing the catalogue (quack, CuTeDSL, torch) takes seconds; a judge that
+Importing torch, the catalogue and the quack and CuTeDSL modules its cute
+lowering loads on first use takes seconds; a judge that
 checks many programs (a batch, the test suite) would pay it for each.  The
 zygote pays it once and forks: a forked child is a fresh process that already
 has the modules, and it enters its walls (:func:`sandbox.enter`) before it
@@ -80,8 +81,9 @@ def _fork(control: socket.socket, req: dict, fds: list[int]) -> int:
             os.dup2(log_fd, 1)
             os.dup2(log_fd, 2)
             os.close(log_fd)
-            # The zygote's own environment is a runner's (the allow-list, sandbox.runner_env) plus what
-            # the catalogue set while importing (CUTE_DSL_ARCH...); this runner's paths go on top.
+            # The zygote's own environment is a runner's (the allow-list, sandbox.runner_env); this
+            # runner's paths go on top.  quack read QUACK_CACHE_DIR when the zygote imported it: the
+            # value is relative (sandbox.RUNNER_ENV), so it names this runner's scratch.
             os.environ.update(req["env"])
             tempfile.tempdir = None  # computed once from TMPDIR, in the zygote: recompute it here
             runner.start(channel_fd, sandbox.Plan(**req["plan"]), keep=())
@@ -170,7 +172,14 @@ def main(control_fd: int) -> int:
     ctypes.CDLL(None).prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
     import torch
 
-    import coda_agent.primitives  # noqa: F401 - the import every runner would otherwise repeat
+    # The imports every runner would otherwise repeat: the catalogue, and what its cute lowering
+    # imports on first use (the compile stage's runner uses it at once).
+    import cutlass.cute  # noqa: F401
+    import quack.epilogue.frontend  # noqa: F401
+    import quack.gemm_runtime.host  # noqa: F401
+    import quack.gemm_sm90  # noqa: F401
+
+    import coda_agent.primitives  # noqa: F401
     from coda_agent.verifier import program, runner  # noqa: F401
 
     control = socket.socket(fileno=control_fd)

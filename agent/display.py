@@ -27,8 +27,8 @@ MESSAGE_CHARS = 160  # of a failing stage's message on its turn line; the report
 
 
 def verdict(report: "Report") -> str:
-    """The outcome and the stage it reached, in one line."""
-    bad = next((s for s in report.stages if s.status in ("failed", "error")), None)
+    """The outcome and the stage it reached (or was slow at), in one line."""
+    bad = next((s for s in report.stages if s.status in ("failed", "error", "slow")), None)
     if bad is not None:
         first = (bad.message.strip().splitlines() or [""])[0]
         if len(first) > MESSAGE_CHARS:

@@ -4,7 +4,8 @@ One trajectory is a conversation: system prompt, task, then for every turn an
 assistant reply and a user message (the verifier's feedback, or a format
 message when the reply held no program).  It ends with exactly one stop reason:
 
-- ``accepted``: the verifier accepted a program (only a Hopper machine can).
+- ``accepted``: the verifier accepted a program: correct and meeting the
+  task's speed targets (only a Hopper machine can).
 - ``cpu_passed``: every stage that ran passed but the GPU stages could not run;
   nothing more can be learnt here.  Honestly *not* accepted: its program goes
   to ``best/``, never ``accepted/``.
@@ -14,6 +15,11 @@ message when the reply held no program).  It ends with exactly one stop reason:
 - ``model_error``: the endpoint failed for good (after retries) or refused.
 - ``verifier_error``: the harness could not judge (Report outcome ``error`` or a
   crash); the candidate is not blamed and the LLM is not asked to fix it.
+
+A ``correct_slow`` report (correct on the GPU, slower than a target) does not
+stop the loop: its performance report goes back to the model, which keeps
+trying until the target or a budget; the best attempt (a correct program
+beats any incorrect one, and among correct ones the faster) goes to ``best/``.
 
 The stop's detail says what ran out or failed and, for a trajectory that
 judged something but passed nothing, what its best attempt got to
@@ -55,12 +61,16 @@ if TYPE_CHECKING:
     from coda_agent.verifier.report import Report
 
 DONE = ("accepted", "cpu_passed")  # a resumed trajectory that ended so is not continued
-_RANK = {"accepted": 3, "cpu_passed": 2, "rejected": 1, "error": 0}
+_RANK = {"accepted": 4, "correct_slow": 3, "cpu_passed": 2, "rejected": 1, "error": 0}
 
 
-def rank(report: "Report") -> tuple[int, int]:
-    """How good an attempt is, to pick the best: (outcome, stages passed)."""
-    return _RANK[report.outcome], sum(s.status == "passed" for s in report.stages)
+def rank(report: "Report") -> tuple[float, ...]:
+    """How good an attempt is, to pick the best: (outcome, stages passed, speed vs the plain
+    GEMMs: 1 / vs_gemm for a correct program, else 0)."""
+    perf = report.stage("performance")
+    vs_gemm = perf.details.get("vs_gemm") if perf is not None and report.correct else None
+    speed = round(1 / vs_gemm, 4) if vs_gemm else 0.0
+    return _RANK[report.outcome], sum(s.status == "passed" for s in report.stages), speed
 
 
 class TrajectoryResult(BaseModel):
@@ -77,7 +87,7 @@ class TrajectoryResult(BaseModel):
     wall_s: float = 0.0
     best_attempt: int | None = None
     best_outcome: str | None = None
-    best_rank: tuple[int, int] | None = None  # (outcome, stages passed): how "best" is chosen
+    best_rank: tuple[float, ...] | None = None  # rank(): how "best" is chosen
 
 
 @dataclass(frozen=True)
@@ -200,7 +210,7 @@ class Trajectory:
             self._rank(n, report.outcome, ranked)
         return report
 
-    def _rank(self, n: int, outcome: str, ranked: tuple[int, int]) -> None:
+    def _rank(self, n: int, outcome: str, ranked: tuple[float, ...]) -> None:
         if self.r.best_rank is None or ranked >= tuple(self.r.best_rank):  # ties: the later attempt
             self.r.best_attempt, self.r.best_outcome, self.r.best_rank = n, outcome, ranked
 

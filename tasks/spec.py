@@ -174,13 +174,16 @@ class Tolerance(_Strict):
 
     max|out - ref_hi| <= factor * max|ref_lo - ref_hi| + floor, where ref_hi is
     the reference in fp32 (fp64 on CPU) and ref_lo the reference run in the input
-    dtype; and ||out - ref_hi|| / ||ref_hi|| <= rel_norm.
+    dtype; and ||out - ref_hi|| / ||ref_hi|| <= rel_norm.  ``bias``: the mean signed
+    error allowed beyond the reference's own (see coda_agent.verifier.compare), as a
+    fraction of the reference's RMS: a systematic offset hides under the max rule.
     """
 
     rule: Literal["coda"] = "coda"
     factor: float = 2.0
     floor: float = 1e-6
     rel_norm: float = 2e-2
+    bias: float = 2.0 ** -12
 
 
 class Target(_Strict):
@@ -210,6 +213,9 @@ class TaskSpec(_Strict):
     # The GEMMs the math needs, as [M, N, K] expressions: the speed of light.
     gemms: list[list[Expr]]
     cpu_shape_set: str = "small"
+    # Shape sets the CPU checks run although they exceed the verifier's CPU size budget
+    # (e.g. one that exercises a program's multi-chunk path); the small ones always run.
+    cpu_shape_sets: list[str] = Field(default_factory=list)
 
     @field_validator("reference", "backward_reference")
     @classmethod
@@ -257,6 +263,9 @@ class TaskSpec(_Strict):
                 where = "; ".join(f"{s} (used by {', '.join(dict.fromkeys(users[s]))})" for s in missing)
                 raise ValueError(f"shapes.{set_name} does not bind {where}; add "
                                  f"{', '.join(f'{s}: <int>' for s in missing)} to shapes.{set_name}")
+        for name in self.cpu_shape_sets:
+            if name not in self.shapes:
+                raise ValueError(f"cpu_shape_sets: {name!r} is not one of the shape sets {sorted(self.shapes)}")
         if self.cpu_shape_set not in self.shapes:
             raise ValueError(f"cpu_shape_set {self.cpu_shape_set!r} is not one of the shape sets "
                              f"{sorted(self.shapes)}")

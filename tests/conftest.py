@@ -4,6 +4,29 @@ from __future__ import annotations
 
 import pytest
 
+# --------------------------------------------------------------------------- every test
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_caches_for_the_session(tmp_path_factory):
+    """Module-scoped fixtures (a verifier session, a judge) start before any test's own caches."""
+    root = tmp_path_factory.mktemp("session-caches")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CODA_CACHE_DIR", str(root / "coda"))
+        mp.setenv("XDG_CACHE_HOME", str(root / "xdg"))
+        yield
+
+
+@pytest.fixture(autouse=True)
+def private_caches(tmp_path_factory, monkeypatch):
+    """No test reads or writes the user's caches (verdicts, compiles, tuning): each test gets
+    its own CODA_CACHE_DIR and XDG_CACHE_HOME."""
+    root = tmp_path_factory.mktemp("caches")
+    monkeypatch.setenv("CODA_CACHE_DIR", str(root / "coda"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(root / "xdg"))
+    return root / "coda"
+
+
 # --------------------------------------------------------------------------- agent
 
 

@@ -6,8 +6,9 @@ built in the pool's worker processes from ``module:factory`` like the real one:
 - :class:`SimVerifier` takes ``stages=`` like ``coda_agent.verifier.Verifier``.
   Its GPU stages pretend to run on the GPU the worker was given
   (``CUDA_VISIBLE_DEVICES``) and report performance numbers read from a
-  ``# perf: vs_gemm=.. compile_speedup=..`` line in the program, so a CPU machine
-  can test the CPU/GPU split and the speedup metrics.  Without ``stages`` it is
+  ``# perf: vs_gemm=.. compile_speedup=..`` line in the program, ``slow``
+  (correct_slow) when they miss the task's targets, so a CPU machine can test
+  the CPU/GPU split, the speedup metrics and both pass rates.  Without ``stages`` it is
   a machine without CUDA (``cpu_passed``).
 - A program holding ``CRASH_ONCE`` kills its worker process the first time
   any worker sees it (a flag file in ``$CODA_TEST_CRASH_FLAG`` remembers);
@@ -56,12 +57,14 @@ class SimVerifier:
         gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "")
         assert gpu and "," not in gpu, f"a GPU worker sees exactly one GPU, not {gpu!r}"
         m = re.search(r"# perf: vs_gemm=([\d.]+) compile_speedup=([\d.]+)", program_source)
-        vs_gemm, speedup = (float(m[1]), float(m[2])) if m else (1.25, 1.0)
-        ms = {"program": vs_gemm, "gemm": 1.0, "compile": speedup * vs_gemm}  # as stages._performance keys them
-        details = {"shape_set": "llama3-8b", "ms": ms,
-                   "vs_gemm": vs_gemm, "compile_speedup": speedup, "tflops": 500.0, "target_vs_gemm": 1.05}
-        stages = [StageResult(name=s, status="passed", details=details if s == "performance" else {})
-                  for s in self.stages]
+        vs_gemm, speedup = (float(m[1]), float(m[2])) if m else (1.0, 1.25)  # no line: fast
+        ms = {"program": vs_gemm, "gemm": 1.0, "compile": speedup * vs_gemm}  # as verifier/timing.py keys them
+        target = task.spec.target
+        details = {"shape_set": "llama3-8b", "ms": ms, "vs_gemm": vs_gemm, "compile_speedup": speedup,
+                   "tflops": 500.0, "target_vs_gemm": target.vs_gemm, "target_vs_compile": target.vs_compile}
+        slow = vs_gemm > target.vs_gemm or speedup < target.vs_compile
+        stages = [StageResult(name=s, status="slow" if s == "performance" and slow else "passed",
+                              details=details if s == "performance" else {}) for s in self.stages]
         return Report(task=task.name, program_sha256="", outcome=Report.outcome_of(stages), stages=stages,
                       versions={"device": f"simulated H200 (CUDA_VISIBLE_DEVICES={gpu})"})
 

@@ -159,18 +159,3 @@ def sass_problems(name: str, kernels: list, allowed_spills: dict | None = None) 
         if s.spill_stores + s.spill_loads > allowed:
             out.append(f"{where}: {s.spill_stores} STL / {s.spill_loads} LDL (allowed {allowed} in all)")
     return out
-
-
-def verifier_cpu_problems(tasks: list) -> list[str]:
-    """The verifier's own static and reference stages (the PyTorch-call audit
-    included) on each task's expert: every stage that did not pass."""
-    from coda_agent.verifier import Verifier
-
-    v = Verifier(stages=["static", "reference"], cache=False, timeout_s=300)
-    out = []
-    for t in tasks:
-        report = v.check(t, t.expert_path.read_text())
-        out += [f"{t.name}: {report.outcome}: {s.name}: {s.message}" for s in report.stages if s.status != "passed"]
-        if report.outcome != "cpu_passed" and not out:
-            out.append(f"{t.name}: {report.outcome}")
-    return out

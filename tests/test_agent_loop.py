@@ -222,3 +222,41 @@ def test_a_terminal_gets_a_live_status_and_the_same_turn_lines(agent_task, opena
     text = screen.getvalue()
     assert "turn 1: rejected at reference: no @epilogue function" in text and "(150 tokens)" in text
     assert "turn 2: accepted: passed static" in text and "asking the model" in text
+
+
+class _SpeedVerifier:
+    """A judge that finds every program correct and reads its speed from a ``# vs_gemm=`` line."""
+
+    def check(self, task, program_source):
+        import re
+
+        from coda_agent.verifier.report import Report, StageResult
+
+        vs_gemm = float(re.search(r"# vs_gemm=([\d.]+)", program_source)[1])
+        perf = StageResult(name="performance", status="slow" if vs_gemm > 1.05 else "passed",
+                           message=f"correct but slow: {vs_gemm}x the plain GEMMs" if vs_gemm > 1.05 else "fast",
+                           details={"shape_set": "llama3-8b", "vs_gemm": vs_gemm, "target_vs_gemm": 1.05,
+                                    "ms": {"program": vs_gemm, "gemm": 1.0}, "tflops": 1.0})
+        stages = [StageResult(name=s, status="passed") for s in
+                  ("static", "reference", "compile", "correctness", "launch_audit")] + [perf]
+        return Report(task=task.name, program_sha256="x", outcome=Report.outcome_of(stages), stages=stages)
+
+
+def test_correct_but_slow_gets_its_performance_report_and_the_best_is_kept(agent_task, openai_server, tmp_path):
+    for vs_gemm in (1.6, 1.3, 1.9):
+        openai_server.reply(fenced(GOOD + f"# vs_gemm={vs_gemm}\n"))
+    summary, r, path = run(agent_task, openai_server, tmp_path, verifier=_SpeedVerifier(), max_turns=3)
+    assert (r["stop_reason"], r["accepted"], r["turns"]) == ("max_turns", False, 3)  # slow never stops the loop
+    assert (r["best_attempt"], r["best_outcome"]) == (2, "correct_slow")  # correct, and the fastest of them
+    assert "best attempt 02: correct_slow at performance: correct but slow: 1.3x" in r["detail"]
+    assert "# vs_gemm=1.3" in (path / "best/program.py").read_text() and not (path / "accepted").exists()
+    feedback = openai_server.requests[1]["messages"][-1]["content"]
+    assert "CORRECT BUT SLOW" in feedback and "1.60x (target <= 1.05)" in feedback
+
+
+def test_a_fast_program_after_slow_ones_is_accepted(agent_task, openai_server, tmp_path):
+    for vs_gemm in (1.6, 1.0):
+        openai_server.reply(fenced(GOOD + f"# vs_gemm={vs_gemm}\n"))
+    _, r, path = run(agent_task, openai_server, tmp_path, verifier=_SpeedVerifier(), max_turns=5)
+    assert (r["stop_reason"], r["turns"], r["best_attempt"]) == ("accepted", 2, 2)
+    assert (path / "accepted/program.py").is_file()

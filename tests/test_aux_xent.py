@@ -1,6 +1,7 @@
 """``xent_grad_``: the PyTorch path (CPU: the reference lowering and CI) and the
 Triton kernel (CUDA tensors) compute the same thing,
-``logits <- (exp(logits - lse) - onehot(target)) * scale`` in place, with
+``logits <- (softmax(logits) - onehot(target)) * scale`` in place (the softmax
+as ``exp(logits - lse)`` renormalised by its row sum), with
 ``scale = dloss`` (0 on ``ignore_index`` rows) and no one-hot for a target
 outside [0, V).
 
@@ -40,6 +41,7 @@ def _case(rows, vocab, dtype, seed=0, device="cpu"):
 def _expected(logits, lse, target, dloss, ignore_index=-100):
     rows, vocab = logits.shape
     p = torch.exp(logits.float() - lse.float()[:, None])
+    p = p / p.sum(1, keepdim=True)
     for r in range(rows):
         t = int(target[r])
         if 0 <= t < vocab:
@@ -59,6 +61,19 @@ def test_torch_path_semantics(rows, vocab, dtype):
     # One rounding to the logits' dtype from the fp32 value.
     torch.testing.assert_close(got, want.to(dtype), atol=0, rtol=0)
     assert torch.all(got[0] == 0)
+
+
+def test_the_probabilities_of_rounded_large_logits_sum_to_one():
+    """lse comes from the fp32 accumulator, the logits are stored rounded: at logits near 100
+    a bf16 rounding moves exp(x - lse) by a quarter, so the kernel renormalises by the row sum."""
+    g = torch.Generator().manual_seed(5)
+    exact = torch.randn(8, 1000, generator=g) * 40
+    lse = torch.logsumexp(exact, 1)  # as the GEMM epilogue's online lse sees the accumulator
+    target = torch.randint(0, 1000, (8,), generator=g)
+    got = aux.xent_grad_(exact.to(torch.bfloat16), lse, target, torch.ones(8)).float()
+    got[torch.arange(8), target] += 1.0  # back to the probabilities
+    torch.testing.assert_close(got.sum(1), torch.ones(8), atol=0.02, rtol=0)
+    assert (torch.exp(exact.to(torch.bfloat16).float() - lse[:, None]).sum(1) - 1).abs().max() > 0.1
 
 
 def test_torch_path_on_a_row_slice_and_custom_ignore_index():

@@ -112,10 +112,13 @@ def test_simulated_gpus_split_the_stages_and_give_speedups(tmp_path, monkeypatch
     by_task = {t["task"]: t for t in summary["tasks"]}
     assert by_task["fast"]["accepted"] == 2 and by_task["fast"]["turns_to_accept"] == 1
     assert by_task["fast"]["best_speedup_vs_gemm"] == pytest.approx(1 / 0.95, abs=1e-4)
+    # correct but slower than its targets: not accepted, but correct, with its numbers
+    assert by_task["slow"]["accepted"] == 0 and by_task["slow"]["correct"] == 2
     assert by_task["slow"]["best_speedup_vs_compile"] == 0.9
-    assert by_task["wrong"]["best_speedup_vs_gemm"] is None
+    assert by_task["wrong"]["best_speedup_vs_gemm"] is None and by_task["wrong"]["correct"] == 0
     s = summary["suite"]
-    assert s["pass_at_k"]["1"] == pytest.approx(2 / 3, abs=1e-4)
+    assert s["pass_at_k"]["1"] == pytest.approx(1 / 3, abs=1e-4)
+    assert s["correct_at_k"]["1"] == pytest.approx(2 / 3, abs=1e-4)
     # fast_p over all 3 tasks: speedups vs GEMM 1.053 and 0.8; vs compile 1.6 and 0.9
     assert s["fast_p"]["gemm"] == pytest.approx({"0.0": 2 / 3, "0.8": 1 / 3, "1.0": 1 / 3, "1.2": 0, "1.5": 0},
                                                 abs=1e-4)

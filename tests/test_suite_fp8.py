@@ -1,13 +1,10 @@
-"""The FP8 suite (tasks/llama3_fp8) through the verifier's own stages.
+"""The FP8 suite (tasks/llama3_fp8) through the verifier, one judge for the module.
 
 Each expert passes the static stage, the reference stage (the reference
 lowering against the fp8 reference run and the exact math, CODA's rule with
-the task's tolerance) and, slow, the compile stage for sm_90a with warpgroup
-MMAs (QGMMA) in the SASS.  A program that drops a scale fails.
-
-The verifier draws inputs from ``verifier.inputs.TORCH_DTYPES``, which does not
-name the fp8 dtypes yet (verifier/ is being rewritten; the fix is the two
-entries this fixture adds), so the fixture registers them for these tests.
+the task's tolerance, on every CPU shape set) and, slow, the compile stage for
+sm_90a with warpgroup MMAs (QGMMA) in the SASS.  A program that drops a scale
+fails.
 """
 
 from __future__ import annotations
@@ -19,8 +16,7 @@ import torch
 
 from coda_agent.tasks import load_task
 from coda_agent.tasks.llama3_fp8 import references
-from coda_agent.verifier import inputs
-from coda_agent.verifier.stages import STAGE_FUNCTIONS, Context
+from coda_agent.verifier import Verifier, inputs
 from coda_agent.verifier.static import check_source
 
 SUITE = Path(__file__).resolve().parent.parent / "tasks" / "llama3_fp8"
@@ -31,31 +27,31 @@ def _task(name: str):
     return load_task(SUITE / f"{name}.yaml")
 
 
-@pytest.fixture(autouse=True)
-def fp8_dtypes(monkeypatch):
-    monkeypatch.setitem(inputs.TORCH_DTYPES, "fp8_e4m3", torch.float8_e4m3fn)
-    monkeypatch.setitem(inputs.TORCH_DTYPES, "fp8_e5m2", torch.float8_e5m2)
+@pytest.fixture(scope="module")
+def judged():
+    with Verifier(stages=["static", "reference"], cache=False, timeout_s=300) as v:
+        yield v
 
 
-def _stage(name: str, stage: str, source: str | None = None):
+def _stage(verifier: Verifier, name: str, stage: str, source: str | None = None):
     t = _task(name)
-    ctx = Context(task=t, source=source or t.expert_path.read_text(), seeds=[101, 202], shape_sets=["small"])
-    return STAGE_FUNCTIONS[stage](ctx)
+    return verifier.check(t, source or t.expert_path.read_text()).stage(stage)
 
 
 @pytest.mark.parametrize("name", TASKS)
-def test_expert_is_static_clean_and_matches_the_fp8_reference(name):
+def test_expert_is_static_clean_and_matches_the_fp8_reference(name, judged):
     t = _task(name)
     assert not [str(v) for v in check_source(t.expert_path.read_text(), t.spec)]
-    res = _stage(name, "reference")
+    res = _stage(judged, name, "reference")
     assert res.status == "passed", res.message
+    assert {"small", "ragged", "ragged+256"} <= set(res.details["shape_sets"])
 
 
-def test_a_program_that_drops_a_scale_is_rejected():
+def test_a_program_that_drops_a_scale_is_rejected(judged):
     t = _task("swiglu_fwd_fp8")
     mutant = t.expert_path.read_text().replace("acc * x_scale * w_scale", "acc * x_scale")
     assert mutant != t.expert_path.read_text()
-    res = _stage("swiglu_fwd_fp8", "reference", mutant)
+    res = _stage(judged, "swiglu_fwd_fp8", "reference", mutant)
     assert res.status == "failed" and "differs from the reference" in res.message
 
 
@@ -88,7 +84,8 @@ def test_llama3_block_fp8_epilogues_reduce_the_amax_of_what_they_store():
 @pytest.mark.slow
 @pytest.mark.parametrize("name", TASKS)
 def test_expert_compiles_for_sm90a_with_fp8_warpgroup_mmas(name):
-    res = _stage(name, "compile")
+    with Verifier(stages=["static", "compile"], cache=False, compile_cache=False) as v:
+        res = _stage(v, name, "compile")
     assert res.status == "passed", res.message
     kernels = res.details["kernels"]
     assert kernels and all(k["sm90a"] and k["hgmma"] > 0 for k in kernels)
@@ -103,7 +100,7 @@ def test_expert_compiles_for_sm90a_with_fp8_warpgroup_mmas(name):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("name", TASKS)
 def test_expert_is_correct_on_the_gpu(name):
-    t = _task(name)
-    ctx = Context(task=t, source=t.expert_path.read_text(), seeds=[7, 8], shape_sets=["small", "ragged", "llama3-8b"])
-    res = STAGE_FUNCTIONS["correctness"](ctx)
+    with Verifier(stages=["static", "reference", "compile", "correctness"], cache=False,
+                  shape_sets=["small", "ragged", "llama3-8b"]) as v:
+        res = _stage(v, name, "correctness")
     assert res.status == "passed", res.message

@@ -1,91 +1,110 @@
-"""Every program in tests/bad_programs/ is rejected at the stage its header names,
-with a message containing its ``# expect:`` text; the expert program passes.
+"""The bad-program corpus: every trick class is a family of programs in
+tests/bad_programs/<family>/, each rejected where its header says (``# stage:``)
+with a message holding its ``# expect:`` text.
 
-Static and reference cases run in CI (CPU only); reference cases run the stage
-in-process for speed (the harness's child process is tested in
-test_verifier_harness.py); compile cases are marked slow, GPU cases gpu.
+A program with ``# static: off`` skips the static stage, as a program that
+found a way past the AST rules would: it shows the runtime defences hold on
+their own.  The static cases run in-process (the stage is an AST check); every
+other CPU case goes through one real judge and its sandboxed runners for the
+whole module (``with Verifier() as v``), so the corpus costs one judge and one
+zygote start.  Compile cases are marked slow, GPU cases gpu.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
 from verifier_helpers import EXPERT_PATH, TASK_PATH, corpus
 
+from coda_agent.tasks import SUITE_DIR, SUITES
 from coda_agent.tasks.spec import load_task
+from coda_agent.verifier import Verifier
 from coda_agent.verifier.feedback import render_feedback
-from coda_agent.verifier.report import Report
+from coda_agent.verifier.report import STAGES
 from coda_agent.verifier.static import check_source
 
 CASES = corpus()
+FAMILIES = {"interpreter", "files", "patching", "env", "state", "shapes", "extreme", "dtype", "mutation",
+            "aliasing", "bias", "ragged", "load", "timing", "streams", "memory", "speed"}
+RUNTIME = [c for c in CASES if c.stage != "static" and c.needs == "cpu" and c.family != "hang"]
 
 
 def _id(case) -> str:
-    return case.path.stem
+    return case.id
+
+
+def _task(case):
+    if not case.task:
+        return load_task(TASK_PATH)
+    suite, _, name = case.task.rpartition("/")  # NAME (LLaMA-3) or SUITE/NAME
+    return load_task((SUITES[suite] if suite else SUITE_DIR) / f"{name}.yaml")
 
 
 @pytest.fixture(scope="module")
-def task():
-    return load_task(TASK_PATH)
+def judged():
+    """One verifier session (a judge and its zygote) for every runtime case: the reference stage."""
+    with Verifier(stages=["reference"], cache=False, timeout_s=60, load_timeout_s=5) as v:
+        yield v
 
 
-def test_corpus_is_large_enough():
-    assert len(CASES) >= 25
-    assert {c.stage for c in CASES} >= {"static", "reference"}
-
-
-def test_expert_passes_static(task):
-    assert check_source(EXPERT_PATH.read_text(), task.spec) == []
+def test_every_trick_class_is_a_family_of_several():
+    families = {}
+    for c in CASES:
+        families.setdefault(c.family, []).append(c)
+    assert FAMILIES <= set(families), f"missing families: {sorted(FAMILIES - set(families))}"
+    thin = {f: len(cs) for f, cs in families.items() if f in FAMILIES and len(cs) < 2}
+    assert not thin, f"families with one program: {thin}"
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.stage == "static"], ids=_id)
-def test_static_rejects(case, task):
-    violations = check_source(case.source, task.spec)
-    assert violations, f"{case.path.name} passed the static stage"
-    text = "; ".join(str(v) for v in violations)
-    assert case.expect in text
-    lines = case.source.splitlines()
-    assert 1 <= violations[0].line <= len(lines)
+def test_static_rejects(case):
+    violations = check_source(case.source, _task(case).spec)
+    assert violations, f"{case.id} passed the static stage"
+    assert case.expect in "; ".join(str(v) for v in violations)
+    assert 1 <= violations[0].line <= len(case.source.splitlines())
 
 
-def _run_stage(task, source: str, stage: str):
-    from coda_agent.verifier.stages import STAGE_FUNCTIONS, Context
+@pytest.mark.parametrize("case", RUNTIME, ids=_id)
+def test_runtime_rejects(case, judged, private_caches):
+    task = _task(case)
+    source = case.source.replace("{CACHE_DIR}", str(private_caches))  # the worst case: it knows the path
+    if case.static:
+        assert check_source(source, task.spec) == [], f"{case.id} must pass the static stage to reach it"
+    report = judged.check(task, source)
+    bad = report.failed_stage
+    assert report.outcome == "rejected" and bad is not None and bad.name == case.stage, \
+        report.model_dump_json(indent=1)[:3000]
+    assert case.expect in bad.message, bad.message
+    assert case.expect in render_feedback(report, source)
+    assert "written" not in bad.message, f"{case.id} wrote a file: {bad.message}"
+    assert not list(private_caches.rglob("forged*")) and not Path("/tmp/coda-forged.txt").exists()
 
-    ctx = Context(task=task, source=source, seeds=[1234, 5678], shape_sets=["small", "ragged"])
-    return STAGE_FUNCTIONS[stage](ctx)
 
-
-def test_expert_passes_reference(task):
-    res = _run_stage(task, EXPERT_PATH.read_text(), "reference")
-    assert res.status == "passed", res.message
-
-
-@pytest.mark.parametrize("case", [c for c in CASES if c.stage == "reference" and "timed out" not in c.expect],
-                         ids=_id)
-def test_reference_rejects(case, task):
-    assert check_source(case.source, task.spec) == [], "reference-stage cases must pass static"
-    res = _run_stage(task, case.source, "reference")
-    assert res.status == "failed", f"{case.path.name}: {res.message}"
-    assert case.expect in res.message
-    report = Report(task=task.name, program_sha256="x", outcome="rejected", stages=[res])
-    feedback = render_feedback(report, case.source)
-    assert "reference" in feedback and case.expect in feedback
+def test_the_expert_passes_the_same_judge(judged):
+    report = judged.check(load_task(TASK_PATH), EXPERT_PATH.read_text())
+    assert report.outcome == "cpu_passed", report.model_dump_json(indent=1)
+    assert "no network" in report.versions["sandbox"] and "read-only fs" in report.versions["sandbox"]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", [c for c in CASES if c.needs == "compile"], ids=_id)
-def test_compile_rejects(case, task):
-    res = _run_stage(task, case.source, "compile")
-    assert res.status == "failed" and case.expect in res.message, res.message
+def test_compile_rejects(case):
+    report = Verifier(stages=["compile"], cache=False, compile_cache=False).check(_task(case), case.source)
+    bad = report.failed_stage
+    assert bad is not None and bad.name == "compile" and case.expect in bad.message, bad
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("case", [c for c in CASES if c.needs == "gpu"], ids=_id)
-def test_gpu_rejects(case, task):
-    from coda_agent.verifier import Verifier
-
-    report = Verifier(cache=False, fail_on_target=True, shape_sets=["small", "ragged"]).check(task, case.source)
-    bad = report.failed_stage
-    assert bad is not None and bad.name == case.stage, report.model_dump_json(indent=1)
-    assert case.expect in bad.message
+def test_gpu_rejects(case):
+    """On the GPU a case is rejected, or correct_slow when it is correct and its tricks would
+    only have made it look fast; caught at its stage (``# stage:``) at the latest."""
+    stages = None if case.static else ("reference", "compile", "correctness", "launch_audit", "performance")
+    report = Verifier(stages=stages, cache=False).check(_task(case), case.source)
+    first = next((s for s in report.stages if s.status in ("failed", "slow", "error")), None)
+    assert report.outcome in ("rejected", "correct_slow") and first is not None and first.status != "error" \
+        and STAGES.index(first.name) <= STAGES.index(case.stage), report.model_dump_json(indent=1)[:4000]
+    assert case.expect in first.message, first.message

@@ -1,8 +1,10 @@
-"""The harness around the stages: child process, time limit, crashes, cache, CLI, feedback."""
+"""The harness around the judge: processes, time limits, crashes, the verdict cache, the CLI."""
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,19 +14,11 @@ from verifier_helpers import CORPUS, EXPERT_PATH, TASK_PATH
 from coda_agent.tasks.spec import load_task
 from coda_agent.verifier import Verifier
 from coda_agent.verifier import cache as verdict_cache
-from coda_agent.verifier.compare import compare, pattern_of
+from coda_agent.verifier import harness
 from coda_agent.verifier.feedback import render_feedback
-from coda_agent.verifier.inputs import make_inputs
-from coda_agent.verifier.report import Report
-from coda_agent.tasks.spec import Tolerance
+from coda_agent.verifier.report import Report, StageResult
 
 CPU_STAGES = ["static", "reference"]
-
-
-@pytest.fixture(autouse=True)
-def verdict_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("CODA_CACHE_DIR", str(tmp_path / "verdicts"))
-    return tmp_path / "verdicts"
 
 
 @pytest.fixture(scope="module")
@@ -32,66 +26,198 @@ def task():
     return load_task(TASK_PATH)
 
 
-def test_expert_cpu_passed_in_child(task):
-    report = Verifier(stages=CPU_STAGES, cache=False, timeout_s=120).check(task, EXPERT_PATH.read_text())
+@pytest.fixture(scope="module")
+def session():
+    """One judge for the tests of whole checks (the GPU stages skip without CUDA)."""
+    with Verifier(stages=[s for s in harness.STAGES if s != "compile"], cache=False, timeout_s=8,
+                  load_timeout_s=3) as v:
+        yield v
+
+
+@pytest.fixture(scope="module")
+def runtime():
+    """One judge for programs that skip the static stage (as one that got past it would), started
+    with secrets and markers in its environment that no runner may see."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OPENAI_API_KEY", "sk-secret")
+        mp.setenv("CODA_MODEL", "marker")
+        with Verifier(stages=["reference"], cache=False, timeout_s=8, load_timeout_s=3) as v:
+            v.check(load_task(TASK_PATH), EXPERT_PATH.read_text())  # starts the judge here, with them
+            yield v
+
+
+def test_expert_cpu_passed(task, session):
+    report = session.check(task, EXPERT_PATH.read_text())
     assert report.outcome == "cpu_passed", report.model_dump_json(indent=1)
-    assert [s.status for s in report.stages] == ["passed", "passed"]
+    assert [s.status for s in report.stages][:2] == ["passed", "passed"]
+    assert report.stage("reference").details["shape_sets"] == ["small", "ragged", "ragged+256"]
+    if not torch.cuda.is_available():
+        gpu = report.stages[2:]
+        assert [s.status for s in gpu] == ["skipped"] * 3
+        assert all("no CUDA device: GPU stages skipped" in s.message for s in gpu)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only skip")
-def test_gpu_stages_skipped_never_passed(task):
-    report = Verifier(stages=["static", "reference", "correctness", "launch_audit", "performance"],
-                      cache=False, timeout_s=120).check(task, EXPERT_PATH.read_text())
-    assert report.outcome == "cpu_passed"
-    gpu = [s for s in report.stages if s.name in ("correctness", "launch_audit", "performance")]
-    assert [s.status for s in gpu] == ["skipped"] * 3
-    assert all("no CUDA device: GPU stages skipped" in s.message for s in gpu)
-
-
-def test_hang_becomes_timeout_verdict(task):
-    source = (CORPUS / "reference_infinite_loop.py").read_text()
-    limit = 45.0
+def test_hang_is_a_timeout_and_the_judge_carries_on(task, session):
+    source = (CORPUS / "hang" / "infinite_loop.py").read_text()
     t0 = time.perf_counter()
-    report = Verifier(stages=CPU_STAGES, cache=False, timeout_s=limit).check(task, source)
-    elapsed = time.perf_counter() - t0
-    assert elapsed < limit + 10
+    report = session.check(task, source)
+    assert time.perf_counter() - t0 < 8 + 30
     bad = report.failed_stage
     assert report.outcome == "rejected" and bad.name == "reference" and bad.status == "failed"
-    assert "timed out after 45 s" in bad.message
+    assert "timed out after 8 s" in bad.message
+    assert session.check(task, EXPERT_PATH.read_text()).outcome == "cpu_passed"
 
 
-def test_crash_becomes_verdict(task):
-    # A program cannot kill the process itself (static bans os/sys), so simulate a
-    # native crash the way an aborting illegal memory access ends: SIGSEGV mid-stage.
-    from coda_agent.verifier.harness import _read_results
-
-    import json
-    import tempfile
-    from pathlib import Path
-
-    with tempfile.TemporaryDirectory() as d:
-        p = Path(d, "r.jsonl")
-        p.write_text(json.dumps({"start": "correctness"}) + "\n")
-        res = _read_results(p, "CUDA error: an illegal memory access was encountered", -6, False, 60, 1.0)
-    assert res[-1].name == "correctness" and res[-1].status == "failed"
-    assert "illegal memory access" in res[-1].message
-    res = _read_results(p if p.exists() else Path("/nonexistent"), "", -11, False, 60, 1.0)
-    assert res[-1].status == "error"  # never started: the harness's problem, not the candidate's
+KILL_SELF = """
+import os, signal
+from coda_agent.primitives import Tile, epilogue, gemm
 
 
-def test_cache_hit_and_misses(task, verdict_dir, monkeypatch):
+@epilogue()
+def add_residual(acc, residual: Tile):
+    return {"D": acc + residual}
+
+
+def forward(x, w, r):
+    os.kill(os.getpid(), signal.SIGSEGV)
+
+
+def backward(saved, dy):
+    return {}
+"""
+
+# Its own judge only: the runner's parent is the zygote, whose parent is the judge.
+KILL_JUDGE = KILL_SELF.replace("os.kill(os.getpid(), signal.SIGSEGV)", """zygote = os.getppid()
+    judge = int(open(f"/proc/{zygote}/stat").read().rsplit(")", 1)[1].split()[1])
+    os.kill(judge, signal.SIGKILL)
+    while True:
+        pass""")
+
+
+def test_a_crash_is_the_verdict_of_its_stage(task, runtime):
+    report = runtime.check(task, KILL_SELF)
+    bad = report.failed_stage
+    assert report.outcome == "rejected" and bad.name == "reference"
+    assert "the program ended the runner process (killed by SIGSEGV)" in bad.message
+
+
+def test_a_program_that_kills_the_judge_is_rejected_not_an_error(task):
+    report = Verifier(stages=["reference"], cache=False, timeout_s=20).check(task, KILL_JUDGE)
+    bad = report.failed_stage
+    assert report.outcome == "rejected" and bad.name == "reference", report.model_dump_json(indent=1)
+    assert "the judge process was ended (killed by SIGKILL) while stage reference ran the program" in bad.message
+
+
+def test_the_runner_sees_a_clean_environment(task, runtime):
+    source = (CORPUS / "env" / "dump_environment.py").read_text()
+    message = runtime.check(task, source).failed_stage.message
+    seen = set(message.split("ENVIRONMENT ")[1].split(" CWD")[0].strip("[]").replace("'", "").split(", "))
+    # The allow-list (sandbox.runner_env), plus what the catalogue's imports set for themselves.
+    leaked = [k for k in seen if k.startswith(("CODA_", "PYTEST", "OPENAI")) or "KEY" in k or "TOKEN" in k]
+    assert not leaked and len(seen) < 30, seen
+    cwd = message.split(" CWD ")[1].split(" HOME ")[0]
+    assert "/coda-runners/run-" in cwd and message.split(" HOME ")[1].startswith(cwd)
+
+
+def test_a_load_bomb_fails_fast_under_its_own_limit(task, runtime):
+    source = (CORPUS / "load" / "huge_power.py").read_text()
+    t0 = time.perf_counter()
+    report = runtime.check(task, source)
+    assert time.perf_counter() - t0 < 8  # the load's 3 s, not the run's 8
+    assert "loading the program took longer than 3 s" in report.failed_stage.message
+
+
+FAKE_JUDGE = """
+import json, os, sys, time
+out = os.fdopen(int(sys.argv[1]), "w", buffering=1)
+for line in sys.stdin:
+    n = json.loads(line)["check"]
+    out.write(json.dumps({"check": n, "start": "correctness"}) + "\\n")
+    out.write(json.dumps({"check": n, "waiting": "correctness"}) + "\\n")
+    time.sleep(3)
+    out.write(json.dumps({"check": n, "waited": 3.0}) + "\\n")
+    time.sleep(1)
+    out.write(json.dumps({"check": n, "result": {"name": "correctness", "status": "passed"}}) + "\\n")
+    out.write(json.dumps({"check": n, "done": {"versions": {}}}) + "\\n")
+"""
+
+
+def test_waiting_for_the_gpu_never_counts(task, monkeypatch, tmp_path):
+    """A judge that waits 3 s for the GPU lock and then works 1 s finishes under a 1.5 s budget
+    (and no slack): the harness extends its backstop by every wait it is told of."""
+    (tmp_path / "fake_judge.py").write_text(FAKE_JUDGE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(harness, "JUDGE", "fake_judge")
+    monkeypatch.setattr(harness, "BACKSTOP_S", 0.0)
+    monkeypatch.setattr(verdict_cache, "cuda_available", lambda: True)
+    monkeypatch.setattr(verdict_cache, "device_name", lambda gpu: "a simulated GPU")
+    v = Verifier(stages=["correctness"], cache=False, timeout_s=1.5, load_timeout_s=0.0)
+    report = v.check(task, EXPERT_PATH.read_text())
+    assert [s.status for s in report.stages] == ["passed"], report.model_dump_json(indent=1)
+
+
+PID_JUDGE = """
+import json, os, sys, time
+out = os.fdopen(int(sys.argv[1]), "w", buffering=1)
+for line in sys.stdin:
+    n = json.loads(line)["check"]
+    time.sleep(1)
+    out.write(json.dumps({"check": n, "result": {"name": "reference", "status": "passed",
+                                                 "message": str(os.getpid())}}) + "\\n")
+    out.write(json.dumps({"check": n, "done": {"versions": {}}}) + "\\n")
+"""
+
+
+def test_checks_from_several_threads_each_get_a_judge(task, monkeypatch, tmp_path):
+    """``solve --samples 3`` checks from three threads at once: each check has a judge of its own
+    (they run side by side), and the session keeps them for the next checks."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    (tmp_path / "pid_judge.py").write_text(PID_JUDGE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(harness, "JUDGE", "pid_judge")
+    source = EXPERT_PATH.read_text()
+    with Verifier(stages=["reference"], cache=False) as v:
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(3) as pool:
+            reports = list(pool.map(lambda _: v.check(task, source), range(3)))
+        wall = time.perf_counter() - t0
+        pids = {r.stages[0].message for r in reports}
+        assert all(r.outcome == "cpu_passed" for r in reports) and len(pids) == 3 and wall < 2.9
+        assert v.check(task, source).stages[0].message in pids  # an idle judge of the session
+        assert len(v._idle) == 3
+    assert not v._idle
+
+
+def test_gpu_detection_does_not_depend_on_the_cache_key(task, monkeypatch):
+    def broken():
+        raise verdict_cache.CacheKeyError("no version")
+
+    asked = []
+    monkeypatch.setattr(verdict_cache, "library_versions", broken)
+    monkeypatch.setattr(verdict_cache, "cuda_available", lambda: True)
+    monkeypatch.setattr(Verifier, "_judged", lambda self, task, source, stages, versions: asked.extend(stages) or [])
+    report = Verifier(cache=True).check(task, EXPERT_PATH.read_text())
+    assert report.cache_key is None
+    assert {"correctness", "launch_audit", "performance"} <= set(asked)
+
+
+# --------------------------------------------------------------------------- the verdict cache
+
+def test_cache_hit_and_misses(task, monkeypatch):
     source = EXPERT_PATH.read_text()
     v = Verifier(stages=["static"], cache=True)
     first = v.check(task, source)
     assert not first.cached and first.cache_key
     again = v.check(task, source)
     assert again.cached and again.outcome == first.outcome
-    # a different source misses
     assert not v.check(task, source + "\n# changed\n").cached
-    # a different catalogue version misses
-    import coda_agent.primitives.version as version
-
-    monkeypatch.setattr(version, "CATALOGUE_VERSION", "different")
+    version = verdict_cache.catalogue_version
+    monkeypatch.setattr(verdict_cache, "catalogue_version", lambda: "different")
+    assert not v.check(task, source).cached
+    monkeypatch.setattr(verdict_cache, "catalogue_version", version)
+    assert v.check(task, source).cached
+    monkeypatch.setattr(verdict_cache, "code_digest", lambda: "other verifier code")
     assert not v.check(task, source).cached
 
 
@@ -106,54 +232,75 @@ def test_cache_fails_closed(task, monkeypatch):
     assert r1.cache_key is None and not r2.cached
 
 
+def test_a_forged_verdict_is_not_served(task):
+    """A file a program managed to write under its own key (an unsandboxed runner could): without
+    the harness's signature it is a miss, and so is a signed entry altered afterwards."""
+    source = (CORPUS / "wrong" / "returns_zeros.py").read_text()
+    v = Verifier(stages=["static"], cache=True)
+    key = v.check(task, source).cache_key
+    path = verdict_cache.cache_dir() / f"{key}.json"
+    forged = Report(task=task.name, program_sha256="x", outcome="accepted", cache_key=key,
+                    stages=[StageResult(name=s, status="passed") for s in harness.STAGES])
+    path.write_text(json.dumps({"report": forged.model_dump_json(), "mac": "0" * 64}))
+    assert not v.check(task, source).accepted
+    entry = json.loads(path.read_text())
+    entry["report"] = entry["report"].replace('"passed"', '"failed"', 1)
+    path.write_text(json.dumps(entry))
+    assert verdict_cache.get(key) is None
+
+
+REFERENCE = '''
+def scale_add_ref(x, w, r, alpha):
+    return {"D": alpha * (x @ w) + r}
+'''
+SCALE_ADD = '''
+from coda_agent.primitives import Scalar, Tile, epilogue, gemm
+
+
+@epilogue()
+def scale_add(acc, r: Tile, alpha: Scalar):
+    return {"D": acc * alpha + r}
+
+
+def forward(x, w, r, alpha):
+    return {"D": gemm(x, w, scale_add, r=r, alpha=alpha)["D"]}
+'''
+
+
+def test_an_edited_reference_misses_the_cache(tmp_path, monkeypatch):
+    from agent_fixtures import write_task
+
+    folder = tmp_path / "tasks"
+    path = write_task(folder)
+    (folder / "edited_ref.py").write_text(REFERENCE)
+    path.write_text(path.read_text().replace("agent_fixtures:scale_add_ref", "edited_ref:scale_add_ref"))
+    monkeypatch.syspath_prepend(str(folder))
+    with Verifier(stages=CPU_STAGES, cache=True, timeout_s=60) as v:
+        first = v.check(load_task(path), SCALE_ADD)
+        assert first.outcome == "cpu_passed" and not first.cached, first.model_dump_json(indent=1)
+        assert v.check(load_task(path), SCALE_ADD).cached
+        (folder / "edited_ref.py").write_text(REFERENCE.replace("alpha * (x @ w) + r", "alpha * (x @ w) - 1.0 * r"))
+        edited = v.check(load_task(path), SCALE_ADD)
+    assert not edited.cached and edited.outcome == "rejected", edited.model_dump_json(indent=1)
+    assert "differs from the reference" in edited.failed_stage.message
+
+
+# --------------------------------------------------------------------------- static stage, CLI, feedback
+
 def test_static_failure_feedback_quotes_line(task):
-    source = (CORPUS / "static_try_except.py").read_text()
+    source = (CORPUS / "contract" / "try_except.py").read_text()
     report = Verifier(stages=CPU_STAGES, cache=False).check(task, source)
     assert report.outcome == "rejected" and len(report.stages) == 1
     text = render_feedback(report, source)
     assert "REJECTED at stage `static`" in text and ">" in text and "try:" in text
 
 
-def test_make_inputs_fresh_and_never_zero(task):
-    a = make_inputs(task.spec, "small", 1)
-    b = make_inputs(task.spec, "small", 2)
-    assert all(v.abs().sum() > 0 for v in a.values())
-    assert not torch.equal(a["x"], b["x"])
-    assert a["w"].shape == (128, 96) and a["w"].dtype == torch.bfloat16
+def test_an_oversized_program_is_refused_statically(task):
+    report = Verifier(stages=CPU_STAGES, cache=False).check(task, "x = 1\n" * 100_000)
+    assert report.outcome == "rejected" and "bytes; at most" in report.stages[0].message
 
 
-@pytest.mark.parametrize("mutate,want", [
-    (lambda o: o.__setitem__((slice(None), slice(1, None, 2)), 0), "odd columns"),
-    (lambda o: o.__setitem__((slice(None), slice(0, None, 2)), 0), "even columns"),
-    (lambda o: o.__setitem__((slice(128, None), slice(None)), 0), "last rows (ragged edge)"),
-    (lambda o: o.__setitem__((slice(None), slice(128, None)), 0), "last columns (ragged edge)"),
-    (lambda o: o.__setitem__((3, 5), float("nan")), "NaN"),
-    (lambda o: o.zero_(), "all zeros"),
-])
-def test_mismatch_patterns(mutate, want):
-    g = torch.Generator().manual_seed(0)
-    hi = torch.randn(200, 136, generator=g, dtype=torch.float64)
-    lo = hi.to(torch.bfloat16)
-    out = lo.clone()
-    mutate(out)
-    m = compare("y", "ragged", out, hi, lo, Tolerance())
-    assert m is not None and want in m.pattern, m
-
-
-def test_compare_passes_rounding_only():
-    hi = torch.randn(64, 96, dtype=torch.float64)
-    assert compare("y", "small", hi.to(torch.bfloat16), hi, hi.to(torch.bfloat16), Tolerance()) is None
-
-
-def test_poisoned_nan_is_called_unwritten():
-    hi = torch.randn(64, 96, dtype=torch.float64)
-    out = hi.to(torch.bfloat16)
-    out[:, 64:] = float("nan")
-    m = compare("y", "small", out, hi, hi.to(torch.bfloat16), Tolerance(), poisoned=True)
-    assert m.unwritten_count == 64 * 32 and "unwritten (NaN poison survived)" in m.pattern
-
-
-def test_cli_verify_exit_codes(tmp_path):
+def test_cli_verify_exit_codes(tmp_path, monkeypatch):
     from coda_agent.cli import app
 
     runner = CliRunner()
@@ -161,39 +308,38 @@ def test_cli_verify_exit_codes(tmp_path):
     r = runner.invoke(app, ["verify", str(TASK_PATH), str(EXPERT_PATH), "--stages", "static,reference",
                             "--no-cache", *runs], catch_exceptions=False)
     assert r.exit_code == 3, r.output  # cpu_passed is not an acceptance
-    bad = CORPUS / "static_import_torch.py"
+    bad = CORPUS / "torch_compute" / "import_torch.py"
     r = runner.invoke(app, ["verify", str(TASK_PATH), str(bad), "--json", *runs], catch_exceptions=False)
     assert r.exit_code == 1, r.output
     assert Report.model_validate_json(r.stdout).outcome == "rejected"
     r = runner.invoke(app, ["verify", str(tmp_path / "nope.yaml"), str(bad)], catch_exceptions=False)
     assert r.exit_code == 2
+    slow = Report(task="t", program_sha256="x", outcome="correct_slow",
+                  stages=[StageResult(name="performance", status="slow", message="correct but slow")])
+    monkeypatch.setattr(Verifier, "check", lambda self, task, source: slow)
+    r = runner.invoke(app, ["verify", str(TASK_PATH), str(EXPERT_PATH), *runs], catch_exceptions=False)
+    assert r.exit_code == 4, r.output  # correct but slow is not an acceptance either
+    assert "CORRECT BUT SLOW" in r.output
 
 
-def test_patterns_small_helper():
-    bad = torch.zeros(4, 6, dtype=torch.bool)
-    bad[:, 1::2] = True
-    assert pattern_of(bad, torch.zeros_like(bad), torch.zeros(4, 6), None, False).startswith("odd columns")
-
+# --------------------------------------------------------------------------- compile (sm_90a on the CPU)
 
 @pytest.mark.slow
-def test_expert_compiles_for_sm90a(task):
-    from coda_agent.verifier.stages import STAGE_FUNCTIONS, Context
-
-    res = STAGE_FUNCTIONS["compile"](Context(task=task, source=EXPERT_PATH.read_text(), seeds=[1],
-                                             shape_sets=["small"]))
+def test_expert_compiles_for_sm90a_in_the_runner(task):
+    report = Verifier(stages=["compile"], cache=False, compile_cache=False).check(task, EXPERT_PATH.read_text())
+    res = report.stage("compile")
     assert res.status == "passed", res.message + res.log
     assert len(res.details["kernels"]) == 3 and all(k["hgmma"] > 0 for k in res.details["kernels"])
     assert "slow_calls" not in res.details and all(k["calls"] == 0 for k in res.details["kernels"])
+    assert "sass_unavailable" not in res.details
 
 
 @pytest.mark.slow
 def test_compile_stage_names_slow_path_division(task):
     """`a / b` in an epilogue compiles (it is correct) but to an IEEE division with a
     slow-path CALL per element; the compile stage says so and names the fix."""
-    from coda_agent.verifier.stages import STAGE_FUNCTIONS, Context
-
     source = EXPERT_PATH.read_text().replace("acc + residual", "acc + residual / (acc * acc + 1.0)")
-    res = STAGE_FUNCTIONS["compile"](Context(task=task, source=source, seeds=[1], shape_sets=["small"]))
+    res = Verifier(stages=["compile"], cache=False, compile_cache=False).check(task, source).stage("compile")
     assert res.status == "passed", res.message + res.log
     assert res.details["slow_calls"]["add_residual"] > 0
     assert "slow-path CALLs in add_residual" in res.message and "reciprocal(b)" in res.message
@@ -201,8 +347,9 @@ def test_compile_stage_names_slow_path_division(task):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_expert_accepted_on_gpu(task):
-    report = Verifier(cache=False, shape_sets=["small", "ragged"]).check(task, EXPERT_PATH.read_text())
-    assert report.outcome == "accepted", report.model_dump_json(indent=1)
+def test_expert_correct_on_gpu(task):
+    """The tiny task's shapes are host-bound, so its speed verdict may go either way; it is correct."""
+    report = Verifier(cache=False).check(task, EXPERT_PATH.read_text())
+    assert report.correct, report.model_dump_json(indent=1)
     perf = report.stage("performance").details
-    assert perf["ms"]["program"] > 0 and "vs_gemm" in perf
+    assert perf["ms"]["program"] > 0 and "vs_gemm" in perf and perf["wall_ms"]["program"] > 0

@@ -23,6 +23,16 @@ class BadProgram:
     stage: str
     expect: str  # a substring of the failing stage's message
     needs: str  # "cpu" (static/reference/timeout), "compile" (sm_90a compiler) or "gpu"
+    static: bool  # False: the test skips the static stage, to reach the runtime defences
+    task: str  # "" for the tiny task, else a suite task's name
+
+    @property
+    def family(self) -> str:
+        return self.path.parent.name
+
+    @property
+    def id(self) -> str:
+        return f"{self.family}/{self.path.stem}"
 
     @property
     def source(self) -> str:
@@ -30,13 +40,15 @@ class BadProgram:
 
 
 def corpus() -> list[BadProgram]:
-    """Every tests/bad_programs/*.py with its header: ``# stage: S``, ``# expect: TEXT``
-    and optionally ``# needs: gpu``."""
+    """Every tests/bad_programs/<family>/*.py with its header: ``# stage: S``, ``# expect: TEXT``,
+    and optionally ``# needs: gpu``, ``# static: off`` and ``# task: NAME`` (a suite task)."""
     out = []
-    for path in sorted(CORPUS.glob("*.py")):
-        head = dict(re.findall(r"^# (stage|expect|needs): (.*)$", path.read_text(), re.M))
-        assert "stage" in head and "expect" in head, f"{path.name}: header needs '# stage:' and '# expect:'"
-        needs = head.get("needs", "gpu" if head["stage"] in ("correctness", "launch_audit", "performance")
-                         else "compile" if head["stage"] == "compile" else "cpu")
-        out.append(BadProgram(path, head["stage"].strip(), head["expect"].strip(), needs.strip()))
+    for path in sorted(CORPUS.glob("*/*.py")):
+        head = dict(re.findall(r"^# (stage|expect|needs|static|task): (.*)$", path.read_text(), re.M))
+        assert "stage" in head and "expect" in head, f"{path}: header needs '# stage:' and '# expect:'"
+        stage = head["stage"].strip()
+        needs = head.get("needs", "gpu" if stage in ("correctness", "launch_audit", "performance")
+                         else "compile" if stage == "compile" else "cpu")
+        out.append(BadProgram(path, stage, head["expect"].strip(), needs.strip(),
+                              head.get("static", "on").strip() != "off", head.get("task", "").strip()))
     return out

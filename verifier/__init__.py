@@ -1,17 +1,90 @@
 """The verifier: a program and a task in, one :class:`Report` out.
 
-Stages (each may stop the run): static (AST, in-process) -> reference (CPU,
-PyTorch interpreter of the catalogue vs the task's reference) -> compile
-(sm_90a, SASS gate) -> correctness, launch audit, performance (Hopper GPU).
-Everything after static runs in a child process with a time limit
-(:mod:`.harness`, :mod:`.worker`, :mod:`.stages`).  Verdicts are cached on a
-fail-closed key (:mod:`.cache`), and so are passed compile-stage results
-(:mod:`.compile_cache`); :mod:`.feedback` renders a report for the LLM
-and :mod:`.cli` for people.  Tests: tests/test_verifier*.py and the corpus of
-bad programs in tests/bad_programs/.
+``accepted`` must mean correct and fast, and the program is assumed to be an
+adversary that knows this source.  So the verdict comes from a process the
+program never runs in, and every guarantee rests on what that process checks
+itself.  Three processes (the judges that were gamed and then hardened drew
+the same lines: KernelBench's ``src/eval.py`` after its reward-hacking unit
+tests and issue #165 (zeros passed a bf16 tolerance), the GPU MODE evaluator
+(gpu-mode/kernelbot, reference-kernels: the submission in another process, a
+secret seed combined into every test's, timed calls re-checked), Sakana's
+robust-kbench (several input and init settings per task, forward and
+backward)):
+
+1. **The harness** (:mod:`.harness`, in the caller): the static stage, the
+   verdict cache, the backstop on time, the Report.  It never imports the
+   program.
+2. **The judge** (:mod:`.judge`, :mod:`.check`): loads the task and its
+   reference, draws inputs from seeds only it sees, runs the reference on its
+   own copies, compares, times the baselines, decides each stage.  It never
+   executes candidate code and never unpickles what it receives.
+3. **The runner** (:mod:`.runner`), one per check, behind walls
+   (:mod:`.sandbox`): the only process the program runs in.  It holds no
+   verdict, reference, seed or path to anything the verdict is written on;
+   it calls the program on what it is sent and sends back the results
+   (:mod:`.wire`: JSON and raw bytes; on the GPU, CUDA IPC of memory the
+   runner owns, :mod:`.cuda_ipc`).  From the moment the program loads, the
+   judge believes nothing the runner says that it cannot check.
+
+What each stage guarantees, and what it does not:
+
+- **static** (:mod:`.static`): an AST filter with per-name provenance, the
+  fast first answer with the program's own line.  Guarantees nothing: a
+  Python sandbox by AST rules is escapable, so no check below depends on it
+  (the corpus runs its runtime families with it switched off).
+- **reference** (CPU, :mod:`.stages`): the catalogue's PyTorch lowering against
+  the task's reference on every named shape set under a size budget (at least
+  small and ragged), one set beyond them (the ragged sizes grown by 256:
+  :mod:`.inputs`) and any the task names, each with two fresh draws and one of
+  edge rows (norms of 2^-12 and 2^5, gradients along the output).  Guaranteed
+  by the judge: every declared result is present with its declared dtype and
+  shape (gradients: the input's dtype or fp32), every value within the
+  tolerance of the judge's own reference (CODA's max rule, a norm rule and a
+  bias rule, :mod:`.compare`), no result identical for two different draws.
+  Not guaranteed: that inputs were left alone (on the CPU the runner reports
+  digests; the reference never sees its copies, so a mutation can only hurt
+  the program's own results); that no PyTorch compute ran (the runner's
+  ``TorchAudit``: advice for honest programs).
+- **compile** (sm_90a, in the runner): the SASS gate (HGMMA present, spills,
+  slow-path calls).  The runner reports it, so it is a diagnostic: a program
+  that took over its runner could fake its own compile stage, never its
+  correctness or speed.
+- **correctness** (GPU): the cute lowering against the fp32 reference on
+  every named set that fits the device's *total* memory (chosen before the
+  program runs: holding memory starves no check; a judge that runs out of
+  memory rejects), plus the beyond set, two fresh draws and edge rows each,
+  outputs NaN-poisoned, each call repeated for determinism.  Guaranteed by
+  the judge: as for the reference stage, plus inputs unmodified (the judge
+  reads the runner's input buffers itself) and results that share no memory
+  with inputs or each other (an upstream gradient may be returned as it is).
+  The poisoning runs in the runner: a diagnostic for unwritten tiles.
+- **launch audit** (GPU): what the profiler in the runner saw launched, all
+  inside catalogue calls.  A rule for honest programs, not a guarantee.
+- **performance** (GPU, :mod:`.timing`): on the largest set that fits, the
+  program in the runner and the plain GEMMs, eager and torch.compile in the
+  judge, interleaved in random rounds; input sets rotated; results of calls
+  picked at random after they return compared; the judge's own wall clock
+  over back-to-back blocks bounding every contender's time from below; a
+  fresh recomputation after timing.  Guaranteed: the time the verdict uses is
+  no less than the judge measured from outside, so uncovered side streams,
+  deferred work and patched timers buy nothing; faster than the plain GEMMs by
+  more than 10% is a rejection; meeting ``Target.vs_gemm`` and
+  ``Target.vs_compile`` is accepted, missing either ``correct_slow`` with a
+  performance report.  Not guaranteed: GPU work the runner leaves running
+  after it answers is caught only by the result checks that race it (CUDA
+  gives no cross-process view of another context's queue).
+
+Time: the program's running time (``timeout_s``) and each load
+(``load_timeout_s``) are limited by the judge; time spent waiting for the GPU
+lock (:mod:`.gpu_lock`) never counts.  A crash, a hang, a killed judge: each
+is the verdict of the stage it happened in.  Verdicts are cached, signed, on a
+fail-closed key that covers the verifier's code and the reference's files
+(:mod:`.cache`); passed compiles too (:mod:`.compile_cache`).  :mod:`.feedback`
+renders a report for the LLM, :mod:`.cli` for people.  Tests:
+tests/test_verifier*.py and the families of tricks in tests/bad_programs/.
 """
 
 from coda_agent.verifier.harness import Verifier
-from coda_agent.verifier.report import GPU_STAGES, STAGES, Mismatch, Report, StageResult
+from coda_agent.verifier.report import CORRECT, GPU_STAGES, STAGES, Mismatch, Report, StageResult
 
-__all__ = ["GPU_STAGES", "STAGES", "Mismatch", "Report", "StageResult", "Verifier"]
+__all__ = ["CORRECT", "GPU_STAGES", "STAGES", "Mismatch", "Report", "StageResult", "Verifier"]

@@ -1,25 +1,49 @@
-"""Cached verdicts: one JSON report per key under ``storage.cache_dir("verdicts")``
+"""Cached verdicts: one signed JSON report per key under ``storage.cache_dir("verdicts")``
 (default ``~/.cache/coda-agent/verdicts``).
 
 Fail closed.  Reusing a stale PASS is the worst bug a verifier can have, so the
-key covers everything a verdict depends on: the program source, the catalogue
-version, the library versions (coda_agent, quack, cutlass, torch), the GPU (or
-"cpu"), the task spec (shapes, dtypes, tolerance, target) and the verifier's
-own configuration.  If any part cannot be computed, :func:`cache_key` raises
-and the caller runs uncached.  Harness errors are never cached.
+key covers everything a verdict depends on: the program source; the task spec
+(shapes, dtypes, tolerance, target); the reference's source, as the digest of
+every ``.py`` file in its module's folder (a superset of what it imports from
+there, and so of every file of its dependency closure,
+``Task.reference_files``: an edited helper misses the cache too); a digest of the verifier's own
+code and of the catalogue and task code it runs (:func:`code_digest`); the
+catalogue and library versions; the GPU (or "cpu"); and the verifier's
+configuration.  If any part cannot be computed, :func:`cache_key` raises and
+the caller runs uncached.  Harness errors are never cached.  Whether there is
+a GPU is decided outside the key (:func:`cuda_available`): a failing version
+lookup loses the cache, never the GPU.
+
+Signed: each entry carries an HMAC-SHA256 of the report under a key kept in
+``<dir>/.key`` (mode 0600, made on first use).  A file the program managed to
+write (it cannot, behind the runner's walls: :mod:`.sandbox`) would need that
+key to be served; an unsigned or altered entry is a miss.
 """
 
 from __future__ import annotations
 
+import ast
 import hashlib
+import hmac
+import inspect
 import json
+import os
+import secrets
+import tempfile
+from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from coda_agent import storage
 from coda_agent.verifier.report import Report
 from coda_agent.versions import ABSENT, versions
 
-KEY_FORMAT = 1
+if TYPE_CHECKING:
+    from coda_agent.tasks.spec import Task
+
+KEY_FORMAT = 2
+# coda_agent's code a verdict depends on (relative to the package root).
+CODE_DIRS = ("primitives", "verifier", "tasks")
 
 
 class CacheKeyError(RuntimeError):
@@ -30,39 +54,111 @@ def cache_dir() -> Path:
     return storage.cache_dir("verdicts")
 
 
-def library_versions() -> dict[str, str]:
-    from coda_agent.primitives.version import CATALOGUE_VERSION
+def cuda_available() -> bool:
+    import torch
 
-    out = {"catalogue": CATALOGUE_VERSION, **versions()}
+    return torch.cuda.is_available()
+
+
+def device_name(gpu: bool) -> str:
+    if not gpu:
+        return "cpu"
+    import torch
+
+    p = torch.cuda.get_device_properties(0)
+    return f"{p.name} sm_{p.major}{p.minor}"
+
+
+def catalogue_version() -> str:
+    """``primitives/version.py``'s CATALOGUE_VERSION, read from its source: the harness
+    never imports the catalogue (it runs programs only in the judge's runners)."""
+    import coda_agent
+
+    path = Path(coda_agent.__file__).resolve().parent / "primitives" / "version.py"
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "CATALOGUE_VERSION" for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise CacheKeyError(f"{path} defines no CATALOGUE_VERSION")
+
+
+def library_versions() -> dict[str, str]:
+    out = {"catalogue": catalogue_version(), **versions()}
     for dist, version in out.items():
         if version == ABSENT:
             raise CacheKeyError(f"cannot read the version of {dist}")
     return out
 
 
-def device_name() -> str:
-    import torch
+@lru_cache(maxsize=1)
+def code_digest() -> str:
+    """sha256 over coda_agent's ``*.py`` files in :data:`CODE_DIRS` (paths and contents)."""
+    import coda_agent
 
-    if not torch.cuda.is_available():
-        return "cpu"
-    p = torch.cuda.get_device_properties(0)
-    return f"{p.name} sm_{p.major}{p.minor}"
+    root = Path(coda_agent.__file__).resolve().parent
+    files = sorted(p for d in CODE_DIRS for p in (root / d).rglob("*.py") if "__pycache__" not in p.parts)
+    if not files:
+        raise CacheKeyError(f"no source files under {root} to fingerprint")
+    h = hashlib.sha256()
+    for p in files:
+        h.update(str(p.relative_to(root)).encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()
 
 
-def cache_key(source: str, spec_json: str, config: dict, versions: dict[str, str], device: str) -> str:
-    for part, value in (("versions", versions), ("device", device), ("spec", spec_json)):
+def reference_files(task: "Task") -> dict[str, str]:
+    """{file: sha256} of every ``.py`` file beside the task's reference functions' modules."""
+    fns = [task.reference_fn] + ([task.backward_reference_fn] if task.backward_reference_fn else [])
+    folders = {Path(inspect.getsourcefile(fn) or "").resolve().parent for fn in fns}
+    out = {}
+    for folder in sorted(folders):
+        files = sorted(folder.glob("*.py"))
+        if not files:
+            raise CacheKeyError(f"cannot find the reference's source files (looked in {folder})")
+        out.update({str(p): hashlib.sha256(p.read_bytes()).hexdigest() for p in files})
+    return out
+
+
+def cache_key(source: str, task: "Task", config: dict, versions: dict[str, str]) -> str:
+    spec_json = task.spec.model_dump_json()
+    for part, value in (("versions", versions), ("device", versions.get("device")), ("spec", spec_json)):
         if not value:
             raise CacheKeyError(f"cache key part {part!r} is empty")
     blob = json.dumps({"format": KEY_FORMAT, "source": source, "spec": spec_json, "config": config,
-                       "versions": versions, "device": device}, sort_keys=True)
+                       "versions": versions, "code": code_digest(), "reference": reference_files(task)},
+                      sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def get(key: str) -> Report | None:
-    path = cache_dir() / f"{key}.json"
+def _secret() -> bytes:
+    path = cache_dir() / ".key"
     try:
-        report = Report.model_validate_json(path.read_text())
-    except (OSError, ValueError):
+        return path.read_bytes()
+    except FileNotFoundError:
+        pass
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".key.")  # mode 0600
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(secrets.token_bytes(32))
+        os.link(tmp, path)  # atomic: the first process to link wins, the others read its key
+    except FileExistsError:
+        pass
+    finally:
+        os.unlink(tmp)
+    return path.read_bytes()
+
+
+def _mac(body: str) -> str:
+    return hmac.new(_secret(), body.encode(), hashlib.sha256).hexdigest()
+
+
+def get(key: str) -> Report | None:
+    try:
+        entry = json.loads((cache_dir() / f"{key}.json").read_text())
+        body, mac = entry["report"], entry["mac"]
+        if not isinstance(body, str) or not hmac.compare_digest(str(mac), _mac(body)):
+            return None
+        report = Report.model_validate_json(body)
+    except (OSError, ValueError, KeyError, TypeError):
         return None
     if report.cache_key != key:
         return None
@@ -72,4 +168,8 @@ def get(key: str) -> Report | None:
 def put(key: str, report: Report) -> None:
     if report.outcome == "error":
         return
-    storage.write_atomic(cache_dir() / f"{key}.json", report.model_dump_json(indent=1))
+    body = report.model_dump_json()
+    try:
+        storage.write_atomic(cache_dir() / f"{key}.json", json.dumps({"report": body, "mac": _mac(body)}))
+    except OSError:
+        pass  # a cache that cannot be written is no cache; the verdict stands

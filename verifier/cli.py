@@ -1,9 +1,12 @@
 """``coda-agent verify TASK PROGRAM.py``: the same checks the agent's candidates get.
 
-Exit status: 0 accepted (every stage passed on a Hopper GPU); 3 cpu_passed
-(every stage that ran passed, GPU stages skipped: *not* an acceptance); 1
-rejected (a stage failed: the program is wrong, slow or cheats); 2 error (the
-verifier could not judge, or the task file / arguments are unusable).
+Exit status: 0 accepted (correct and fast: every stage passed on a Hopper
+GPU, the speed targets included); 4 correct_slow (correct on the GPU, slower
+than a target: not an acceptance); 3 cpu_passed (every stage that ran passed,
+GPU stages skipped: not an acceptance); 1 rejected (a stage failed: the program
+is wrong, cheats, or is impossibly fast); 2 error (the verifier could not
+judge, or the task file / arguments are unusable).  Missing a speed target is
+never a pass: there is no switch that makes it one.
 
 The verdict is also written as a run directory (unless ``--no-save``), so
 ``coda-agent review`` and ``export`` work on a hand-written program.  Run
@@ -22,7 +25,7 @@ import typer
 
 from coda_agent.errors import CodaError
 
-EXIT_CODES = {"accepted": 0, "rejected": 1, "error": 2, "cpu_passed": 3}
+EXIT_CODES = {"accepted": 0, "rejected": 1, "error": 2, "cpu_passed": 3, "correct_slow": 4}
 
 
 def verify(
@@ -37,13 +40,14 @@ def verify(
     save: bool = typer.Option(True, "--save/--no-save", help="write the verdict as a run directory "
                                                              "(for review and export)"),
     json_out: bool = typer.Option(False, "--json", help="print the Report as JSON"),
-    timeout: float = typer.Option(900.0, help="seconds the candidate may run before it is killed"),
+    timeout: float = typer.Option(600.0, help="seconds the program may run (waiting for the GPU not counted)"),
+    load_timeout: float = typer.Option(60.0, help="seconds each load of the program may take"),
     no_cache: bool = typer.Option(False, "--no-cache", help="ignore and do not write cached verdicts"),
     no_compile_cache: bool = typer.Option(False, "--no-compile-cache",
                                           help="recompile even if an identical compile passed before"),
-    fail_on_target: bool = typer.Option(False, help="fail the performance stage when the target is missed"),
 ) -> None:
-    """Verify PROGRAM against TASK. Exit 0 accepted, 3 cpu_passed (GPU stages skipped), 1 rejected, 2 error."""
+    """Verify PROGRAM against TASK. Exit 0 accepted, 4 correct_slow, 3 cpu_passed (GPU stages skipped),
+    1 rejected, 2 error."""
     from coda_agent.tasks.spec import load_task, shape_set_names
     from coda_agent.verifier import Verifier
     from coda_agent.verifier.feedback import render_feedback
@@ -54,7 +58,7 @@ def verify(
     source = program.read_text()
     try:
         verifier = Verifier(stages=[s.strip() for s in stages.split(",") if s.strip()] or None,
-                            timeout_s=timeout, cache=not no_cache, fail_on_target=fail_on_target,
+                            timeout_s=timeout, load_timeout_s=load_timeout, cache=not no_cache,
                             compile_cache=not no_compile_cache, shape_sets=shape_set_names(sets, [loaded]))
     except ValueError as e:  # an unknown stage
         raise CodaError(f"--stages: {e}") from None
@@ -79,7 +83,7 @@ def _print_table(report) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    colour = {"passed": "green", "failed": "red", "skipped": "yellow", "error": "magenta"}
+    colour = {"passed": "green", "slow": "yellow", "failed": "red", "skipped": "yellow", "error": "magenta"}
     table = Table(title=f"{report.task}: {report.outcome}{' (cached)' if report.cached else ''}")
     for col in ("stage", "status", "s", "message"):
         table.add_column(col)

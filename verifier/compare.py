@@ -4,7 +4,15 @@ The rule is CODA's: max|out - ref_hi| <= factor * max|ref_lo - ref_hi| + floor,
 where ref_hi is the reference with inputs upcast (fp64 on CPU, fp32 on GPU) and
 ref_lo the reference in the inputs' dtype: the reference's own rounding noise
 sets the bar.  Plus a scale-relative norm check ||out - ref_hi|| / ||ref_hi||
-<= rel_norm, which catches a wrong result hiding under a noisy max.
+<= max(rel_norm, factor * ||ref_lo - ref_hi|| / ||ref_hi||), which catches a
+wrong result hiding under a noisy max (on edge rows, where the reference
+itself is noisier than rel_norm, its own noise sets this bar too).  And a
+bias check: the mean signed error |mean(out - ref_hi)| may not exceed the
+largest of factor * |mean(ref_lo - ref_hi)| (the reference's own bias),
+BIAS_Z standard errors of the reference's noise (rms(ref_lo - ref_hi) /
+sqrt(n)) and ``tol.bias`` * rms(ref_hi), plus the floor: an offset of a
+fraction of the reference's error passes the max rule on every element, but
+on a million elements it stands many standard errors clear of rounding.
 
 The pattern (odd columns, ragged last rows, NaN...) is the most useful thing in
 the feedback: it points at the pairing, the masking or the unwritten tile.
@@ -18,6 +26,7 @@ from coda_agent.tasks.spec import Tolerance
 from coda_agent.verifier.report import Mismatch
 
 TILE = 128  # rows/columns past the last full tile of this size are the "ragged edge"
+BIAS_Z = 8.0  # standard errors of the mean that rounding noise may reach
 
 
 def compare(name: str, shape_set: str, out, hi: torch.Tensor, lo: torch.Tensor, tol: Tolerance,
@@ -45,13 +54,37 @@ def compare(name: str, shape_set: str, out, hi: torch.Tensor, lo: torch.Tensor, 
     nan = torch.isnan(o) & ~torch.isnan(h)
     diff = torch.where(torch.isnan(h) & torch.isnan(o), torch.zeros_like(diff), diff)
     bad = (diff > allowed) | nan
-    hnorm = float(torch.linalg.vector_norm(torch.nan_to_num(h)))
-    rel = float(torch.linalg.vector_norm(torch.nan_to_num(diff, nan=0.0, posinf=0.0))) / max(hnorm, 1e-30)
+    hnorm = max(float(torch.linalg.vector_norm(torch.nan_to_num(h))), 1e-30)
+    rel = float(torch.linalg.vector_norm(torch.nan_to_num(diff, nan=0.0, posinf=0.0))) / hnorm
+    rel_lo = float(torch.linalg.vector_norm(lo_err)) / hnorm
     if nan.any():
         rel = float("nan")
-    if not bad.any() and rel <= tol.rel_norm:
+    if bad.any() or not rel <= max(tol.rel_norm, tol.factor * rel_lo):
+        return _mismatch(name, shape_set, diff, bad, nan, allowed, rel, o, poisoned=poisoned, ref=h)
+    return _bias(name, shape_set, o, h, lo.to(h.device, work), tol, rel)
+
+
+def _bias(name: str, shape_set: str, o: torch.Tensor, h: torch.Tensor, lo: torch.Tensor, tol: Tolerance,
+          rel: float) -> Mismatch | None:
+    finite = torch.isfinite(h) & torch.isfinite(lo)
+    n = int(finite.sum())
+    if n == 0:
         return None
-    return _mismatch(name, shape_set, diff, bad, nan, allowed, rel, o, poisoned=poisoned, ref=h)
+    zero = torch.zeros((), dtype=h.dtype, device=h.device)
+    err = torch.where(finite, o - h, zero)
+    ref_err = torch.where(finite, lo - h, zero)
+    mean = float(err.sum()) / n
+    noise = (float(ref_err.square().sum()) / n) ** 0.5
+    scale = (float(torch.where(finite, h, zero).square().sum()) / n) ** 0.5
+    allowed = max(tol.factor * abs(float(ref_err.sum()) / n), BIAS_Z * noise / n ** 0.5,
+                  tol.bias * scale) + tol.floor
+    if abs(mean) <= allowed:
+        return None
+    return Mismatch(tensor=name, shape_set=shape_set, max_abs_err=float(err.abs().max()), allowed=allowed,
+                    rel_norm_err=rel, pattern=f"systematic bias: mean signed error {mean:.3g} over {n} "
+                                              f"elements (allowed {allowed:.3g}): every element is off "
+                                              "the same way, an offset or a rounding that always goes "
+                                              "one way")
 
 
 def _mismatch(name, shape_set, diff, bad, nan, allowed, rel, out, poisoned=False, ref=None) -> Mismatch:
@@ -81,6 +114,8 @@ def pattern_of(bad: torch.Tensor, nan: torch.Tensor, out: torch.Tensor, ref: tor
                 and float(ref.max() - ref.min()) > 0:
             v = float(finite.flatten()[0])
             return "all zeros" if v == 0 else f"constant ({v:g}) where the reference varies"
+    if not bad.any():
+        return "every element within the limit, but together too far off (the relative norm error)"
     b = bad.reshape(-1, bad.shape[-1]) if bad.ndim >= 2 else bad.reshape(1, -1)
     rows, cols = b.shape
     frac = float(b.float().mean())

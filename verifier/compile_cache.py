@@ -25,7 +25,10 @@ lowering, kernels depend on shapes and dtypes only.
 Only passed results are stored (a failure is cheap to reproduce, and its log
 is the point).  A hit is marked in the result: ``details["cached"]``,
 ``details["compile_seconds"]`` (the original compile time) and a note in the
-message; the stage's ``seconds`` is the time the hit took.
+message; the stage's ``seconds`` is the time the hit took.  The kernels a
+result describes are the runner's report (:mod:`.runner`), so a program that
+took over its runner could store a passed compile under its own source: it
+can fake its own compile stage, a diagnostic, never its correctness or speed.
 """
 
 from __future__ import annotations
@@ -33,7 +36,6 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
-from functools import lru_cache
 from pathlib import Path
 
 from coda_agent import storage
@@ -42,35 +44,20 @@ from coda_agent.verifier import cache as verdict_cache
 from coda_agent.verifier.report import StageResult
 from coda_agent.versions import versions as installed_versions
 
-KEY_FORMAT = 1
-# coda_agent's code the compile result depends on (relative to the package root).
-CODE_DIRS = ("primitives", "verifier", "tasks")
+KEY_FORMAT = 2
 
 
 def cache_dir() -> Path:
     return storage.cache_dir("compile")
 
 
-@lru_cache(maxsize=1)
-def code_digest() -> str:
-    """sha256 over coda_agent's ``*.py`` files in :data:`CODE_DIRS` (paths and contents)."""
-    import coda_agent
-
-    root = Path(coda_agent.__file__).resolve().parent
-    h = hashlib.sha256()
-    files = sorted(p for d in CODE_DIRS for p in (root / d).rglob("*.py") if "__pycache__" not in p.parts)
-    if not files:
-        raise verdict_cache.CacheKeyError(f"no source files under {root} to fingerprint")
-    for p in files:
-        h.update(str(p.relative_to(root)).encode() + b"\0" + p.read_bytes() + b"\0")
-    return h.hexdigest()
-
-
 def target() -> dict[str, str]:
     """The architecture the compile path targets, and the device it runs on."""
+    import torch
+
     from coda_agent.primitives import compile_target
 
-    return {"arch": compile_target(), "device": verdict_cache.device_name()}
+    return {"arch": compile_target(), "device": verdict_cache.device_name(torch.cuda.is_available())}
 
 
 def compile_key(task: Task, source: str) -> str:
@@ -81,7 +68,7 @@ def compile_key(task: Task, source: str) -> str:
     blob = json.dumps({"format": KEY_FORMAT, "stage": "compile", "source": source, "task": task.name,
                        "spec": spec.model_dump_json(), "shape_set": spec.cpu_shape_set,
                        "shapes": spec.shapes[spec.cpu_shape_set], "versions": versions,
-                       "target": target(), "code": code_digest()}, sort_keys=True)
+                       "target": target(), "code": verdict_cache.code_digest()}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 

@@ -1,6 +1,11 @@
 """A Report rendered for the LLM's next message: what failed, at which of the
 program's own lines (quoted), where the numbers differ, and the timing against
-the target.  Short on purpose: the model needs the fix, not the harness's log.
+the target.  For a correct but slow program (``correct_slow``) it is the
+performance report: the time against both targets, where the time goes (each
+catalogue launch's device time and tile configuration, GEMM launches against
+the plain GEMMs, the auxiliary kernels), what is over budget, and the register
+spills and slow-path calls the compile stage found.  Short on purpose: the
+model needs the fix, not the harness's log.
 """
 
 from __future__ import annotations
@@ -67,7 +72,10 @@ def _program_frames_only(log: str) -> str:
 def render_feedback(report: Report, program_source: str) -> str:
     failed = report.failed_stage
     lines = []
-    if failed is None:
+    perf = report.stage("performance")
+    if failed is None and report.outcome == "correct_slow":
+        lines.append(f"CORRECT BUT SLOW: {perf.message}")
+    elif failed is None:
         passed = [s.name for s in report.stages if s.status == "passed"]
         skipped = [s.name for s in report.stages if s.status == "skipped"]
         head = "ACCEPTED" if report.accepted else "Passed " + ", ".join(passed)
@@ -76,21 +84,38 @@ def render_feedback(report: Report, program_source: str) -> str:
         verdict = "The verifier itself failed (not your fault)" if failed.status == "error" else "REJECTED"
         lines.append(f"{verdict} at stage `{failed.name}`.")
         lines += _stage_text(failed, program_source)
-    perf = report.stage("performance")
     if perf is not None and perf.details.get("ms"):
-        d = perf.details
-        ms = d["ms"]
-        lines.append(f"Timing ({d['shape_set']}): program {ms['program']:.3f} ms, plain GEMMs {ms['gemm']:.3f} ms "
-                     f"-> {d['vs_gemm']:.2f}x (target <= {d['target_vs_gemm']})"
-                     + (f", torch.compile {ms['compile']:.3f} ms" if "compile" in ms else "")
-                     + (f", eager {ms['eager']:.3f} ms" if "eager" in ms else "")
-                     + f", {d['tflops']} TFLOP/s.")
-        if d.get("suspicious"):
-            lines.append(f"Suspicious: {d['suspicious']}.")
+        lines += _timing(perf.details)
     comp = report.stage("compile")
-    if failed is not comp and comp is not None and comp.details.get("spills"):
+    if failed is not comp and comp is not None and (comp.details.get("spills") or comp.details.get("slow_calls")):
         lines.append("Note: " + comp.message)
     return "\n".join(lines)
+
+
+def _timing(d: dict) -> list[str]:
+    ms = d["ms"]
+    out = [f"Timing ({d['shape_set']}): program {ms['program']:.3f} ms, plain GEMMs {ms['gemm']:.3f} ms "
+           f"-> {d['vs_gemm']:.2f}x (target <= {d['target_vs_gemm']})"
+           + (f", torch.compile {ms['compile']:.3f} ms -> {d['compile_speedup']:.2f}x faster (target >= "
+              f"{d.get('target_vs_compile')})" if "compile" in ms and "compile_speedup" in d else "")
+           + (f", eager {ms['eager']:.3f} ms" if "eager" in ms else "") + f", {d['tflops']} TFLOP/s."]
+    events, walls = d.get("event_ms", {}), d.get("wall_ms", {})
+    if walls.get("program", 0) > 1.2 * events.get("program", float("inf")):
+        out.append(f"The judge's wall clock per call ({walls['program']:.3f} ms, back to back) exceeds the timed "
+                   f"device time ({events['program']:.3f} ms): the host cannot enqueue a call as fast as the GPU "
+                   "runs it (fewer launches help), or work ran outside the timed events.")
+    prof = d.get("profile")
+    if prof:
+        budget = d["target_vs_gemm"] * ms["gemm"]
+        out.append(f"Budget: {budget:.3f} ms ({d['target_vs_gemm']}x the plain GEMMs); the program is "
+                   f"{ms['program'] - budget:+.3f} ms over it.  Catalogue launches, device time of one call: GEMM "
+                   f"launches {prof['gemm_launches_ms']:.3f} ms against {prof['plain_gemms_ms']:.3f} ms for the "
+                   f"plain GEMMs, auxiliary kernels {prof['aux_launches_ms']:.3f} ms.")
+        for name, t in list(prof["kernel_ms"].items())[:8]:
+            out.append(f"- {name.removeprefix('coda::')}: {t:.3f} ms")
+        if prof.get("configs"):
+            out.append("Tile configurations: " + "; ".join(prof["configs"]))
+    return out
 
 
 def report_markdown(report: Report, program_source: str) -> str:

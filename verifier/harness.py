@@ -1,69 +1,199 @@
-"""``Verifier.check(task, program) -> Report``: the static stage in-process, the rest
-in a child process with a time limit.
+"""``Verifier.check(task, program) -> Report``: the harness, which never runs the program.
 
-The candidate never runs in the harness's own process.  The worker
-(:mod:`.worker`) streams a line per stage; whatever happens to it (a hang
-killed at the limit, a segfault, an aborting illegal memory access) becomes
-the verdict of the stage it was in, and the harness carries on.
+Three processes (the package docstring says what each guarantees):
+
+1. **the harness** (this module, in the caller: the CLI, the agent, eval):
+   the static stage in-process (the AST only), the verdict cache, the time
+   limits, the Report;
+2. **the judge** (:mod:`.judge`), a child started on the first check and kept
+   for the next ones (``with Verifier() as v:`` keeps its judges for a batch;
+   without ``with`` each check starts and ends its own): it runs every later
+   stage.  A judge serves one check at a time; checks from several threads
+   (``solve --samples``) each take an idle judge or start one;
+3. **the runner** (:mod:`.runner`), started by the judge per check, behind
+   walls (:mod:`.sandbox`): the only process the program runs in.
+
+The harness reads the judge's event stream.  The judge enforces the check's
+time limits itself (the runner's answering time and each load's own limit,
+:mod:`.judge`) and reports when it waits for the GPU lock; the harness keeps
+a backstop for a judge that stops answering, :data:`BACKSTOP_S` past those
+limits and extended by every lock wait, so that waiting for the GPU never
+counts.  A judge that dies or is killed while a stage runs fails that stage:
+only the candidate has reason to break it.
 """
 
 from __future__ import annotations
 
+import ctypes
 import datetime as dt
 import hashlib
 import json
 import os
-import secrets
+import select
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from coda_agent.tasks.spec import Task, load_task
 from coda_agent.verifier import cache as verdict_cache
 from coda_agent.verifier.report import GPU_STAGES, STAGES, Report, StageResult
 from coda_agent.verifier.static import check_source
 
+JUDGE = "coda_agent.verifier.judge"  # the module the judge process runs
+MAX_SOURCE_BYTES = 256 << 10
+BACKSTOP_S = 900.0  # past the check's own limits: for the judge's references, baselines and compiles
+LOADS_PER_CHECK = 4  # stages that load the program, each under load_timeout_s
+_SECRET_WORDS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "CREDENTIAL")
+_PR_SET_DUMPABLE = 4
+
+
+class _Judge:
+    """The judge process and its event stream."""
+
+    def __init__(self) -> None:
+        self.log = tempfile.TemporaryFile(prefix="coda-judge-")
+        r, w = os.pipe()
+        env = {k: v for k, v in os.environ.items() if not any(s in k.upper() for s in _SECRET_WORDS)}
+        # The judge imports what the harness can (a task's reference may live in tests/).
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", JUDGE, str(w)], stdin=subprocess.PIPE, stdout=self.log, stderr=subprocess.STDOUT,
+            pass_fds=[w], env=env, start_new_session=True, text=True)
+        os.close(w)
+        self.events = r
+        self.pending = b""
+        self.checks = 0
+        self.references: dict[str, str] = {}  # reference file -> digest the judge imported
+        self.closed = False
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def send(self, req: dict[str, Any]) -> int:
+        self.checks += 1
+        self.proc.stdin.write(json.dumps({**req, "check": self.checks}) + "\n")
+        self.proc.stdin.flush()
+        return self.checks
+
+    def next_event(self, timeout: float) -> dict[str, Any] | None:
+        """The next event, None at the timeout; EOFError when the judge is gone."""
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self.pending:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self.events], [], [], left)[0]:
+                return None
+            chunk = os.read(self.events, 1 << 16)
+            if not chunk:
+                raise EOFError
+            self.pending += chunk
+        line, _, self.pending = self.pending.partition(b"\n")
+        return json.loads(line)
+
+    def tail(self) -> str:
+        self.log.seek(0, os.SEEK_END)
+        size = self.log.tell()
+        self.log.seek(max(0, size - 3000))
+        return self.log.read().decode(errors="replace")
+
+    def kill(self) -> None:
+        self._signal_group()
+        self.proc.wait()
+        self.close()
+
+    def close(self) -> None:
+        """End the judge (a live one ends its runners and exits when its input closes) and free
+        its pipe and log; safe to call again."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.proc.stdin.close()
+        except OSError:  # a dead judge's pipe
+            pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._signal_group()
+            self.proc.wait()
+        os.close(self.events)
+        self.log.close()
+
+    def _signal_group(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def returncode(self) -> str:
+        rc = self.proc.wait()
+        if rc < 0:
+            try:
+                return f"killed by {signal.Signals(-rc).name}"
+            except ValueError:
+                return f"killed by signal {-rc}"
+        return f"exit code {rc}"
+
+
 class Verifier:
-    def __init__(self, stages: list[str] | tuple[str, ...] | None = None, timeout_s: float = 900.0,
-                 cache: bool = True, shape_sets: tuple[str, ...] | list[str] | None = None,
-                 reps: int = 20, fail_on_target: bool = False, compile_cache: bool = True):
-        """``shape_sets``: the sets the GPU stages check; None: each task's own.
-        ``cache``: reuse and store whole verdicts (:mod:`.cache`).  ``compile_cache``:
-        reuse and store passed compile-stage results (:mod:`.compile_cache`), on its own
-        switch because a pass with ``cache=False`` (a fresh verdict) still gains from
-        not recompiling identical kernels; its key is just as fail-closed."""
+    def __init__(self, stages: list[str] | tuple[str, ...] | None = None, timeout_s: float = 600.0,
+                 cache: bool = True, shape_sets: tuple[str, ...] | list[str] | None = None, reps: int = 20,
+                 compile_cache: bool = True, load_timeout_s: float = 60.0):
+        """``shape_sets``: the named sets the GPU stages check (None: each task's own, all
+        that fit).  ``timeout_s``: what the program may spend running (the runner's answers);
+        ``load_timeout_s``: what each load of the program may spend.  ``cache``: reuse and
+        store whole verdicts (:mod:`.cache`).  ``compile_cache``: reuse and store passed
+        compile-stage results (:mod:`.compile_cache`)."""
         unknown = set(stages or ()) - set(STAGES)
         if unknown:
             raise ValueError(f"unknown stages {sorted(unknown)}; choose from {', '.join(STAGES)}")
         self.stages = [s for s in STAGES if stages is None or s in stages]
         self.timeout_s = timeout_s
+        self.load_timeout_s = load_timeout_s
         self.cache = cache
         self.shape_sets = None if shape_sets is None else list(shape_sets)
         self.reps = max(int(reps), 20)
-        self.fail_on_target = fail_on_target
         self.compile_cache = compile_cache
+        self._idle: list[_Judge] = []  # the session's judges between checks
+        self._lock = threading.Lock()
+        self._session = False
+        if os.geteuid() == 0:  # a runner that keeps uid 0 may not ptrace its way in (sandbox.py)
+            ctypes.CDLL(None).prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
 
     def config(self) -> dict:
         return {"stages": self.stages, "shape_sets": self.shape_sets, "reps": self.reps,
-                "fail_on_target": self.fail_on_target}
+                "timeout_s": self.timeout_s, "load_timeout_s": self.load_timeout_s}
+
+    def __enter__(self) -> "Verifier":
+        self._session = True
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._session = False
+        self.close()
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for judge in idle:
+            judge.close()
 
     def check(self, task: Task | str | Path, program_source: str) -> Report:
         task = task if isinstance(task, Task) else load_task(task)
+        gpu = verdict_cache.cuda_available()
         versions, key = {}, None
         try:
-            versions = verdict_cache.library_versions()
-            device = verdict_cache.device_name()
-            versions["device"] = device
-            key = verdict_cache.cache_key(program_source, task.spec.model_dump_json(), self.config(),
-                                          versions, device)
+            versions = {**verdict_cache.library_versions(), "device": verdict_cache.device_name(gpu)}
+            key = verdict_cache.cache_key(program_source, task, self.config(), versions)
         except Exception:  # noqa: BLE001 - fail closed: no key, no cache
             key = None
         if self.cache and key and (hit := verdict_cache.get(key)) is not None:
             return hit
-        stages = self._run(task, program_source, gpu=versions.get("device", "cpu") != "cpu")
+        stages = self._run(task, program_source, gpu, versions)
         report = Report(task=task.name, program_sha256=hashlib.sha256(program_source.encode()).hexdigest(),
                         outcome=Report.outcome_of(stages), stages=stages, versions=versions,
                         cache_key=key, created_utc=dt.datetime.now(dt.timezone.utc).isoformat())
@@ -73,108 +203,114 @@ class Verifier:
 
     # ------------------------------------------------------------------ stages
 
-    def _run(self, task: Task, source: str, gpu: bool) -> list[StageResult]:
+    def _run(self, task: Task, source: str, gpu: bool, versions: dict[str, str]) -> list[StageResult]:
         results: list[StageResult] = []
         if "static" in self.stages:
-            t0 = time.perf_counter()
-            violations = check_source(source, task.spec)
-            results.append(StageResult(
-                name="static", status="failed" if violations else "passed",
-                message="; ".join(str(v) for v in violations[:5])
-                + (f" (+{len(violations) - 5} more)" if len(violations) > 5 else "")
-                if violations else "imports, contract and constructs are allowed",
-                line=violations[0].line if violations else None,
-                details={"violations": [{"line": v.line, "message": v.message} for v in violations]},
-                seconds=round(time.perf_counter() - t0, 3)))
-            if violations:
+            results.append(_static(source, task))
+            if results[-1].status == "failed":
                 return results
         child = [s for s in self.stages if s != "static" and (gpu or s not in GPU_STAGES)]
         if child:
-            results += self._run_child(task, source, child)
+            results += self._judged(task, source, child, versions)
         if not any(r.status in ("failed", "error") for r in results):
             results += [StageResult(name=s, status="skipped", message="no CUDA device: GPU stages skipped")
                         for s in self.stages if s in GPU_STAGES and not gpu]
         return results
 
-    def _run_child(self, task: Task, source: str, stages: list[str]) -> list[StageResult]:
-        with tempfile.TemporaryDirectory(prefix="coda-verify-") as tmp:
-            req, out, err = Path(tmp, "request.json"), Path(tmp, "results.jsonl"), Path(tmp, "stderr.txt")
-            req.write_text(json.dumps({
-                "task_path": str(task.path), "source": source, "stages": stages,
-                "seeds": [secrets.randbits(31) for _ in range(4)], "shape_sets": self._shape_sets(task),
-                "reps": self.reps, "fail_on_target": self.fail_on_target,
-                "compile_cache": self.compile_cache}))
-            env = dict(os.environ)
-            # The child sees the modules the harness sees (a task reference may live in tests/).
-            env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-            t0 = time.perf_counter()
-            with open(err, "w") as ferr:
-                proc = subprocess.Popen([sys.executable, "-m", "coda_agent.verifier.worker", str(req), str(out)],
-                                        stdout=ferr, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-                try:
-                    rc = proc.wait(timeout=self.timeout_s)
-                    timed_out = False
-                except subprocess.TimeoutExpired:
-                    _kill_group(proc)
-                    rc, timed_out = proc.returncode, True
-            elapsed = time.perf_counter() - t0
-            return _read_results(out, err.read_text(errors="replace"), rc, timed_out, self.timeout_s, elapsed)
+    def _take_judge(self, task: Task) -> _Judge:
+        """An idle judge of the session, or a new one; an idle judge that died or imported an
+        older version of this task's reference (a judge never reloads a module) is ended."""
+        refs = verdict_cache.reference_files(task)
+        judge = None
+        with self._lock:
+            while self._idle and judge is None:
+                judge = self._idle.pop()
+                if not judge.alive() or any(judge.references.get(f, d) != d for f, d in refs.items()):
+                    judge.kill()
+                    judge = None
+        judge = judge or _Judge()
+        judge.references.update(refs)
+        return judge
 
+    def _give_back(self, judge: _Judge) -> None:
+        with self._lock:
+            if self._session and judge.alive():
+                self._idle.append(judge)
+                return
+        judge.close()
 
-    def _shape_sets(self, task: Task) -> list[str]:
-        if self.shape_sets is not None:
-            return self.shape_sets
-        # The task's own, smallest first: the performance stage times the last that fits.
-        return sorted(task.spec.shapes, key=task.spec.flops)
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
-
-
-def _read_results(path: Path, stderr: str, rc: int | None, timed_out: bool, limit: float,
-                  elapsed: float) -> list[StageResult]:
-    results: list[StageResult] = []
-    running = None
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if "start" in obj:
-                running = obj["start"]
-            else:
-                results.append(StageResult.model_validate(obj["result"]))
-                running = None
-    tail = stderr[-3000:]
-    if timed_out:
-        results.append(StageResult(
-            name=running or "reference", status="failed", seconds=round(elapsed, 1), log=tail,
-            message=f"timed out after {limit:.0f} s (killed): an infinite loop, a hang or a deadlock "
-                    "in the program; forward/backward must be straight-line catalogue calls",
-            details={"timeout_s": limit}))
-    elif running is not None:
-        why = _signal_name(rc)
-        illegal = "illegal memory access" in stderr or "illegal address" in stderr
-        results.append(StageResult(
-            name=running, status="failed", log=tail, details={"returncode": rc},
-            message=("the kernel made an illegal memory access (the process died)" if illegal else
-                     f"the program crashed the worker process ({why}) during stage {running}")))
-    elif not results:
-        results.append(StageResult(name="reference", status="error", log=tail, details={"returncode": rc},
-                                   message=f"the verifier worker failed to start (exit {rc}); see the log"))
-    return results
-
-
-def _signal_name(rc: int | None) -> str:
-    if rc is not None and rc < 0:
+    def _judged(self, task: Task, source: str, stages: list[str], versions: dict[str, str]) -> list[StageResult]:
+        judge = self._take_judge(task)
         try:
-            return f"killed by {signal.Signals(-rc).name}"
-        except ValueError:
-            pass
-    return f"exit code {rc}"
+            n = judge.send({"task_path": str(task.path), "source": source, "stages": stages,
+                            "shape_sets": self.shape_sets, "reps": self.reps, "compile_cache": self.compile_cache,
+                            "timeout_s": self.timeout_s, "load_timeout_s": self.load_timeout_s})
+            return self._events(judge, n, stages, versions)
+        finally:
+            self._give_back(judge)
+
+    def _events(self, judge: _Judge, n: int, stages: list[str], versions: dict[str, str]) -> list[StageResult]:
+        """The results of check ``n`` from the judge's event stream (the backstop on time)."""
+        results: list[StageResult] = []
+        running: str | None = None
+        deadline = time.monotonic() + self.timeout_s + LOADS_PER_CHECK * self.load_timeout_s + BACKSTOP_S
+        waiting_since: float | None = None
+        try:
+            while True:
+                left = float("inf") if waiting_since is not None else deadline - time.monotonic()
+                event = judge.next_event(min(left, 60.0))
+                if event is None:
+                    if waiting_since is None and time.monotonic() >= deadline:
+                        return results + [self._backstop(judge, running or stages[0])]
+                    continue
+                if event.get("check") != n:
+                    continue
+                if "start" in event:
+                    running = event["start"]
+                elif "waiting" in event:
+                    waiting_since = time.monotonic()
+                elif "waited" in event:
+                    deadline += time.monotonic() - (waiting_since or time.monotonic())
+                    waiting_since = None
+                elif "result" in event:
+                    results.append(StageResult.model_validate(event["result"]))
+                    running = None
+                elif "done" in event:
+                    versions.update(event["done"].get("versions", {}))
+                    return results
+        except EOFError:
+            why = judge.returncode()
+            log = judge.tail()
+            if running is None:
+                return results + [StageResult(name=stages[min(len(results), len(stages) - 1)], status="error",
+                                              log=log, message=f"the verifier's judge process ended ({why}); "
+                                                               "see the log")]
+            return results + [StageResult(name=running, status="failed", log=log,
+                                          message=f"the judge process was ended ({why}) while stage {running} "
+                                                  "ran the program: nothing but the program has a reason to")]
+
+    def _backstop(self, judge: _Judge, stage: str) -> StageResult:
+        log = judge.tail()
+        judge.kill()
+        return StageResult(name=stage, status="failed", log=log, details={"timeout_s": self.timeout_s},
+                           message=f"timed out: the check did not finish within {self.timeout_s:.0f} s of program "
+                                   f"time plus {BACKSTOP_S:.0f} s for the judge (killed): the program hung the "
+                                   "GPU or its runner")
+
+
+def _static(source: str, task: Task) -> StageResult:
+    t0 = time.perf_counter()
+    if len(source.encode()) > MAX_SOURCE_BYTES:
+        violations = [f"line 1: the program is {len(source.encode())} bytes; at most {MAX_SOURCE_BYTES} "
+                      "are read (an epilogue program is a page or two)"]
+        return StageResult(name="static", status="failed", message=violations[0], line=1,
+                           details={"violations": [{"line": 1, "message": violations[0]}]})
+    violations = check_source(source, task.spec)
+    return StageResult(
+        name="static", status="failed" if violations else "passed",
+        message="; ".join(str(v) for v in violations[:5]) + (f" (+{len(violations) - 5} more)"
+                                                             if len(violations) > 5 else "")
+        if violations else "imports, contract and constructs are allowed",
+        line=violations[0].line if violations else None,
+        details={"violations": [{"line": v.line, "message": v.message} for v in violations]},
+        seconds=round(time.perf_counter() - t0, 3))

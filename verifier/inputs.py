@@ -1,18 +1,46 @@
-"""Fresh inputs from a task's declared init distributions, and the references.
+"""What the judge feeds a program: fresh inputs, edge inputs, and the shape sets to check.
 
-Seeds are drawn per run by the harness and never shown to the program, so a
-program cannot special-case the data.  No distribution produces all zeros: a
-zero input would let a program that ignores it pass.
+Seeds are drawn per run by the harness and reach only the judge: the runner
+sees tensors, never a seed.  No distribution produces all zeros: a zero input
+would let a program that ignores it pass.
+
+**Edge inputs** (:func:`edge_inputs`), derived from the declared
+distributions, not per task: every float input whose role is ``activation``,
+``residual``, ``saved`` or ``grad`` has about one row in eight scaled by
+2**-12 (a row of tiny norm: ``eps`` outside the square root, a missing
+``eps``, a division by the row's norm all show) and one in eight by 2**5
+(large magnitudes: a softmax or log-sum-exp without its maximum subtracted
+overflows), the same rows in every tensor with the same leading size.  Powers
+of two keep the scaled values exact in every dtype.  An fp8 input keeps its
+declared distribution: its range is part of the task's scaling recipe.  For a task with a
+backward, :func:`aligned_grads` makes one row in eight of each upstream
+gradient parallel to the forward output: a normalisation's backward then
+nearly cancels to zero on those rows, which is where a gradient computed as a
+difference of large terms in low precision goes wrong.
+
+**Shape sets** (:func:`checked_sets`): every named set of the task that fits
+(on the GPU, by the device's *total* memory, so a program cannot starve the
+checks by holding memory; on the CPU, by :data:`CPU_SET_BYTES`, plus any the
+task names in ``cpu_shape_sets``), and one set beyond them
+(:func:`beyond_set`): the ragged set with every size of at least 128 grown by
+256, so that some dimension has columns past the last multiple of 256 and
+past the largest tile (a program wrong only there passed every named set).
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from coda_agent.tasks.spec import TaskSpec, TensorSpec, eval_expr
+from coda_agent.tasks.spec import FLOAT_DTYPES, TaskSpec, TensorSpec, eval_expr
+from coda_agent.verifier.wire import TORCH_DTYPES, nbytes
 
-TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
-                "int32": torch.int32, "int64": torch.int64}
+EDGE_ROLES = ("activation", "residual", "saved", "grad")
+TINY, LARGE = 2.0 ** -12, 2.0 ** 5
+CPU_SET_BYTES = 64 << 20  # inputs + outputs a CPU check draws per shape set, at most
+GPU_MEMORY_FACTOR = 10  # a set fits when 10x its tensors in fp32 fit in the device's total memory
+BEYOND = 256  # the beyond set adds one 256-wide chunk to every size of at least 128
 
 
 def _draw(spec: TaskSpec, t: TensorSpec, shape_set: str, gen: torch.Generator,
@@ -57,6 +85,46 @@ def make_grads(spec: TaskSpec, shape_set: str, seed: int, device: str = "cpu") -
     return out
 
 
+def _row_picks(rows: int, gen: torch.Generator, device: str) -> torch.Tensor:
+    """0 (plain), 1 (tiny) or 2 (large) per row, about one in eight each."""
+    u = torch.randint(0, 8, (rows,), generator=gen, device=device)
+    return torch.where(u == 0, 1, torch.where(u == 1, 2, 0))
+
+
+def edge_inputs(spec: TaskSpec, shape_set: str, seed: int, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """:func:`make_inputs` with rows of tiny and large norm (module docstring)."""
+    inputs = make_inputs(spec, shape_set, seed, device)
+    gen = torch.Generator(device=device).manual_seed(seed ^ 0xED6E)
+    picks: dict[int, torch.Tensor] = {}
+    for name, t in spec.inputs.items():
+        x = inputs[name]
+        if t.role not in EDGE_ROLES or t.dtype not in FLOAT_DTYPES or x.ndim == 0 or x.shape[0] == 0:
+            continue
+        pick = picks.setdefault(x.shape[0], _row_picks(x.shape[0], gen, device))
+        scale = torch.tensor([1.0, TINY, LARGE], device=device)[pick].reshape(-1, *([1] * (x.ndim - 1)))
+        inputs[name] = (x.float() * scale).to(x.dtype)
+    return inputs
+
+
+def aligned_grads(grads: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor], seed: int
+                  ) -> dict[str, torch.Tensor]:
+    """``grads`` with about one row in eight of each ``d<o>`` parallel to the forward output ``o``
+    (rescaled to the gradient row's own norm)."""
+    out = {}
+    for name, g in grads.items():
+        y = outputs[name[1:]].to(g.device, torch.float32)
+        if g.ndim < 2 or g.shape != y.shape:
+            out[name] = g
+            continue
+        gen = torch.Generator(device=g.device.type).manual_seed(seed ^ 0xA11E)
+        rows = torch.randint(0, 8, (g.shape[0],), generator=gen, device=g.device) == 0
+        gf = g.float().reshape(g.shape[0], -1)
+        yf = y.reshape(g.shape[0], -1)
+        scale = gf.norm(dim=1, keepdim=True) / yf.norm(dim=1, keepdim=True).clamp_min(1e-30)
+        out[name] = torch.where(rows[:, None], yf * scale, gf).reshape(g.shape).to(g.dtype)
+    return out
+
+
 def upcast(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None, device: str | None = None
            ) -> dict[str, torch.Tensor]:
     """Float tensors to ``dtype`` (None keeps it), everything to ``device``."""
@@ -97,3 +165,58 @@ def run_reference(task, inputs: dict[str, torch.Tensor], grads: dict[str, torch.
                 for n, d in zip(spec.gradients, got):
                     result[f"d{n}"] = d.detach() if d is not None else torch.zeros_like(x[n])
     return result
+
+
+# --------------------------------------------------------------------------- shape sets
+
+def result_dtypes(spec: TaskSpec) -> dict[str, list[str]]:
+    """The dtypes each result may have: an output its declared one; a gradient ``d<input>`` the
+    input's own or fp32 (the dtype gradients accumulate in, as a row reduction's does)."""
+    return {**{o: [t.dtype] for o, t in spec.outputs.items()},
+            **{f"d{g}": sorted({spec.inputs[g].dtype, "fp32"}) for g in spec.gradients}}
+
+
+def result_shapes(spec: TaskSpec, shape_set: str) -> dict[str, list[int]]:
+    return {**{o: list(spec.shape_of(t, shape_set)) for o, t in spec.outputs.items()},
+            **{f"d{g}": list(spec.shape_of(spec.inputs[g], shape_set)) for g in spec.gradients}}
+
+
+def result_bytes(spec: TaskSpec, shape_set: str) -> int:
+    """Bytes of one call's results, each at the widest dtype it may have."""
+    shapes = result_shapes(spec, shape_set)
+    return sum(max(nbytes(d, shapes[k]) for d in dtypes) for k, dtypes in result_dtypes(spec).items())
+
+
+def set_bytes(spec: TaskSpec, shape_set: str, itemsize: int | None = None) -> int:
+    """Bytes of one call's tensors (inputs, upstream gradients, results) at their dtypes, or at
+    ``itemsize`` bytes per element."""
+    tensors = [*spec.inputs.values(), *spec.outputs.values(), *(spec.inputs[g] for g in spec.gradients)]
+    tensors += [spec.outputs[o] for o in spec.grad_outputs] if spec.has_backward else []
+    return sum(math.prod(spec.shape_of(t, shape_set)) * (itemsize or TORCH_DTYPES[t.dtype].itemsize) for t in tensors)
+
+
+def beyond_set(spec: TaskSpec) -> tuple[str, dict[str, int]]:
+    """The set past the named ones: the ragged set (else the CPU set) with each size >= 128 grown by 256."""
+    base = "ragged" if "ragged" in spec.shapes else spec.cpu_shape_set
+    binding = {k: v + BEYOND if v >= 128 else v for k, v in spec.shapes[base].items()}
+    return f"{base}+{BEYOND}", binding
+
+
+def with_beyond_set(spec: TaskSpec) -> TaskSpec:
+    """``spec`` with :func:`beyond_set` among its shape sets."""
+    name, binding = beyond_set(spec)
+    return spec.model_copy(update={"shapes": {**spec.shapes, name: binding}})
+
+
+def checked_sets(spec: TaskSpec, named: list[str] | None, device_bytes: int | None) -> tuple[list[str], list[str]]:
+    """(sets to check, smallest first; named sets skipped as too large).  ``spec`` must hold the
+    beyond set (:func:`with_beyond_set`); ``named`` restricts the named sets (None: all);
+    ``device_bytes`` is the GPU's total memory, None for the CPU checks."""
+    beyond, _ = beyond_set(spec)
+    names = [s for s in spec.shapes if s != beyond and (named is None or s in named)]
+    if device_bytes is None:
+        fits = [s for s in names if set_bytes(spec, s) <= CPU_SET_BYTES or s in spec.cpu_shape_sets]
+    else:
+        fits = [s for s in names if set_bytes(spec, s, itemsize=4) * GPU_MEMORY_FACTOR <= device_bytes]
+    skipped = [s for s in names if s not in fits]
+    return sorted(fits + [beyond], key=spec.flops), skipped

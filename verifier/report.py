@@ -6,11 +6,18 @@ here, never exceptions: the agent renders a Report into the next LLM message
 
 Outcome rules (the part everyone depends on):
 
-- ``accepted``: every stage ran and passed.  Only a machine with a Hopper GPU
-  can produce it, because correctness, launch audit and performance need one.
+- ``accepted``: correct and fast.  Every stage ran and passed, the
+  performance stage included: the program met the task's targets against
+  the plain GEMMs (``Target.vs_gemm``) and torch.compile
+  (``Target.vs_compile``).  Only a machine with a Hopper GPU can produce it.
+- ``correct_slow``: every check of correctness passed on the GPU, but the
+  performance stage measured the program slower than a target (its status is
+  ``slow``).  Not an acceptance; the agent keeps going with the performance
+  report.
 - ``cpu_passed``: every stage that ran passed and the GPU stages were skipped
-  (no CUDA).  It is *not* an acceptance: ``coda-agent verify`` exits non-zero.
-- ``rejected``: some stage failed (the candidate is wrong, slow, or cheats).
+  (no CUDA).  Not an acceptance either: nothing was timed.
+- ``rejected``: some stage failed (the program is wrong, cheats, broke the
+  judge, or is faster than the plain GEMMs can be).
 - ``error``: the harness itself could not judge (a bug or a broken install);
   the candidate is not blamed for it.
 """
@@ -23,11 +30,13 @@ from pydantic import BaseModel, Field
 
 STAGES = ("static", "reference", "compile", "correctness", "launch_audit", "performance")
 GPU_STAGES = ("correctness", "launch_audit", "performance")
-REPORT_FORMAT = 1
+REPORT_FORMAT = 2
 
 StageName = Literal["static", "reference", "compile", "correctness", "launch_audit", "performance"]
-StageStatus = Literal["passed", "failed", "skipped", "error"]
-Outcome = Literal["accepted", "cpu_passed", "rejected", "error"]
+# "slow": the performance stage ran on a correct program that missed a speed target.
+StageStatus = Literal["passed", "slow", "failed", "skipped", "error"]
+Outcome = Literal["accepted", "correct_slow", "cpu_passed", "rejected", "error"]
+CORRECT = ("accepted", "correct_slow")  # outcomes whose program passed every correctness check on a GPU
 
 
 class Mismatch(BaseModel):
@@ -42,6 +51,7 @@ class Mismatch(BaseModel):
     unwritten_count: int = 0
     worst_index: list[int] = Field(default_factory=list)
     pattern: str = ""  # e.g. "odd columns only", "ragged last rows", "all"
+    inputs: str = ""  # which draw: "seed", "edge rows (tiny and large norms)", ...
 
 
 class StageResult(BaseModel):
@@ -70,6 +80,11 @@ class Report(BaseModel):
     def accepted(self) -> bool:
         return self.outcome == "accepted"
 
+    @property
+    def correct(self) -> bool:
+        """Correct on the GPU, fast or not."""
+        return self.outcome in CORRECT
+
     def stage(self, name: str) -> StageResult | None:
         return next((s for s in self.stages if s.name == name), None)
 
@@ -83,6 +98,8 @@ class Report(BaseModel):
             return "error"
         if any(s.status == "failed" for s in stages):
             return "rejected"
+        if any(s.status == "slow" for s in stages):
+            return "correct_slow"
         ran = {s.name for s in stages if s.status == "passed"}
         if ran >= set(STAGES):
             return "accepted"

@@ -1,51 +1,65 @@
 """Stage 1, static: read the program as an AST (never import it) and reject what
-no honest epilogue program needs.
+no honest epilogue program needs.  The fast first filter, and feedback with the
+program's own line; no guarantee rests on it (the package docstring says why:
+a Python sandbox by AST filtering is escapable, so the verdict comes from the
+judge, in a process the program never runs in).
 
-A program is a module that composes catalogue calls.  Everything else is either
-a way to compute outside the catalogue (torch, numpy, tensor methods), a way to
-cheat the judge (caching outputs between calls, reading files or the
-environment, introspecting the harness, swallowing errors) or a way to escape
-the sandbox.  Each violation names its line and the fix, because the message is
-what the LLM reads next.
+A program is a module that composes catalogue calls.  Each violation names its
+line and the fix, because the message is what the LLM reads next.
 
-The allow-list, tight on purpose (widen it only with a reason).  Its names
-(the catalogue's importable names and the harness-only ones, the attributes
-and methods allowed on non-catalogue values) come from
-``coda_agent/program_rules.py``, the table the catalogue text the model reads
-is rendered from, so the two cannot disagree:
+**Provenance, per name.**  Every name is resolved the way Python will resolve
+it: the innermost function (or lambda, or comprehension) that binds it, then
+the module, then the builtins.  What it is bound to decides what may be done
+with it, never what it is called: ``from math import e as fr`` binds ``fr`` to a
+float, and a parameter or local named ``fr`` elsewhere is a local value.
 
-- imports: ``from coda_agent.primitives import NAME[, ...]`` and ``import math``
-  / ``from math import ...``; the harness entry points of the catalogue are not
-  for programs.
-- module level: the docstring, imports, function definitions and assignments
-  of constants (numbers, strings, tuples of them, arithmetic over them,
-  ``math`` values and calls such as ``math.sqrt(2 / math.pi)``, and catalogue
-  declarations).  A module-level dict/list/set is mutable state that survives
-  between calls (the classic cached-output cheat), so it is banned.
-- attribute reads and method calls on non-catalogue objects: the table's
-  metadata and free views (``.shape``, ``.t()``, ``.view()``...) and the
-  container methods (``.items()``, ``.append()``...).  Anything else
-  (``.float()``, ``.to()``, ``.clone()``, ``.sum()``...) is PyTorch compute.
-- item assignment only into a dict or list the same function created
-  (``outs = {}; outs["y"] = y``); never into an input, ``saved`` or a tensor.
-- no classes, ``global``/``nonlocal``, ``try``, ``with``, ``async``, dunder
-  names or attributes, attribute assignment, mutable default arguments.
+- **catalogue** (``from coda_agent.primitives import NAME``): called, passed,
+  used as annotations; never reached into (no attributes).
+- **math** (``import math``, ``from math import ...``): ``math.<public name>``;
+  its functions called, its constants read.
+- **the program's own functions and module constants**: called and read.
+- **a local value** (a parameter, anything assigned in a function: tensors,
+  numbers, dicts): the attributes and methods of the program rules table
+  (``coda_agent/program_rules.py``: metadata and free views such as
+  ``.shape`` and ``.t()``, container methods such as ``.items()``); nothing
+  else (``.float()`` is PyTorch compute, ``.gi_frame`` a way out).
+- **builtins**: the allow-list :data:`BUILTINS` (``len``, ``range``, ``min``...,
+  and the exceptions a program may raise); every other builtin is refused
+  with its reason (``open``: files; ``getattr``: reflection; ...).
 
-What an AST cannot see (operator arithmetic on tensors in ``forward``) is
-caught at run time: the reference stage audits PyTorch calls made from the
-program's own lines, and the GPU launch audit counts kernels.
+Also refused: imports other than the catalogue and ``math`` (and any import
+inside a function); the harness's own catalogue entry points (the table's
+``HARNESS_ONLY``: ``load_program``, ``lowering``...); dunder
+names and attributes; classes, ``global``/``nonlocal``, ``try``, ``with``,
+``async``, ``yield``, ``match``; attribute assignment; item assignment except
+into a dict or list the same function created; module-level statements other
+than imports, function definitions and constants (numbers, strings, tuples of
+them, arithmetic over them, ``math`` and catalogue calls on them:
+``GELU_C = math.sqrt(2 / math.pi)``); defaults other than literal constants (a
+computed or mutable default is state that survives between calls); a module
+name bound twice.
+
+The importable names, the harness-only ones and the attributes and methods
+come from :func:`coda_agent.program_rules.static_allow_list`, the table the
+catalogue text the model reads is rendered from, so the two cannot disagree.
 """
 
 from __future__ import annotations
 
 import ast
 import difflib
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 from coda_agent.program_rules import static_allow_list
 from coda_agent.tasks.spec import TaskSpec
 
 ALLOWED = static_allow_list()  # the program rules table: the same one the catalogue text renders
+BUILTINS = {"abs", "all", "any", "bool", "dict", "divmod", "enumerate", "float", "int", "isinstance", "len",
+            "list", "max", "min", "pow", "print", "range", "reversed", "round", "sorted", "str", "sum",
+            "tuple", "zip", "None", "True", "False", "ArithmeticError", "AssertionError", "NotImplementedError",
+            "RuntimeError", "TypeError", "ValueError"}
+MATH_NAMES = frozenset(n for n in dir(math) if not n.startswith("_"))
 
 _WHY = {
     "torch": "PyTorch compute is not allowed; express the math in an @epilogue or an auxiliary catalogue kernel",
@@ -59,16 +73,34 @@ BANNED_NAMES = {
     **dict.fromkeys(["torch", "triton", "cutlass", "quack"], "torch"),
     **dict.fromkeys(["numpy", "np"], "numpy"),
     **dict.fromkeys(["open", "os", "sys", "subprocess", "socket", "pathlib", "Path", "shutil", "io",
-                     "input", "print_function", "environ", "urllib", "requests", "http"], "io"),
-    **dict.fromkeys(["eval", "exec", "compile", "__import__", "getattr", "setattr", "delattr",
-                     "hasattr", "globals", "locals", "vars", "dir", "type", "super", "object",
-                     "importlib", "builtins", "breakpoint", "memoryview", "classmethod",
-                     "staticmethod", "property", "exit", "quit", "help", "ctypes", "pickle"],
-                    "dynamic"),
-    **dict.fromkeys(["inspect", "gc", "traceback", "weakref", "sys"], "introspection"),
-    **dict.fromkeys(["threading", "concurrent", "asyncio", "multiprocessing", "signal"],
-                    "threads"),
+                     "input", "environ", "urllib", "requests", "http"], "io"),
+    **dict.fromkeys(["eval", "exec", "compile", "__import__", "getattr", "setattr", "delattr", "hasattr",
+                     "globals", "locals", "vars", "dir", "type", "super", "object", "importlib", "builtins",
+                     "breakpoint", "memoryview", "classmethod", "staticmethod", "property", "exit", "quit",
+                     "help", "ctypes", "pickle", "id", "hash", "callable", "iter", "next", "format", "repr",
+                     "SystemExit", "KeyboardInterrupt", "BaseException", "Exception"], "dynamic"),
+    **dict.fromkeys(["inspect", "gc", "traceback", "weakref", "frame"], "introspection"),
+    **dict.fromkeys(["threading", "concurrent", "asyncio", "multiprocessing", "signal"], "threads"),
 }
+_SCOPES = (ast.FunctionDef, ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
+_BANNED_STATEMENTS = {
+    ast.ClassDef: "programs define no classes; use functions",
+    ast.Global: "`global` statement: programs keep no state between calls; pass values explicitly",
+    ast.Nonlocal: "`nonlocal` statement: programs keep no state between calls; return values instead",
+    ast.Try: "try/except: a program must not catch errors (it would swallow catalogue errors); remove the "
+             "try and let errors surface",
+    ast.With: "`with` statement: programs need no context managers (the verifier chooses the lowering and "
+              "streams); remove it",
+    ast.AsyncFunctionDef: f"async function: {_WHY['threads']}",
+    ast.AsyncWith: f"async with: {_WHY['threads']}",
+    ast.AsyncFor: f"async for: {_WHY['threads']}",
+    ast.Await: f"await: {_WHY['threads']}",
+    ast.Yield: "`yield`: a program's functions return their results; no generators",
+    ast.YieldFrom: "`yield from`: a program's functions return their results; no generators",
+    ast.Match: "`match` statement: use if/else",
+}
+if hasattr(ast, "TryStar"):
+    _BANNED_STATEMENTS[ast.TryStar] = _BANNED_STATEMENTS[ast.Try]
 
 
 @dataclass
@@ -84,11 +116,13 @@ def check_source(source: str, spec: TaskSpec) -> list[Violation]:
     """All violations in line order; empty when the program may run."""
     try:
         tree = ast.parse(source)
+        checker = _Checker(tree)
+        checker.check_module(tree)
+        checker.check_contract(tree, spec)
     except SyntaxError as e:
         return [Violation(e.lineno or 1, f"syntax error: {e.msg}; fix the Python syntax")]
-    checker = _Checker()
-    checker.check_module(tree)
-    checker.check_contract(tree, spec)
+    except (RecursionError, ValueError, MemoryError) as e:  # nesting too deep for the parser, a NUL byte
+        return [Violation(1, f"the program cannot be read ({type(e).__name__}); write plain, shallow Python")]
     seen: set[tuple[int, str]] = set()
     out = []
     for v in sorted(checker.violations, key=lambda v: v.line):
@@ -105,8 +139,7 @@ def epilogue_function_names(source: str) -> set[str]:
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(
                 _decorator_name(d) == "epilogue" for d in node.decorator_list):
-            names |= {n.name for n in ast.walk(node)
-                      if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+            names |= {n.name for n in ast.walk(node) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
             names |= {"<lambda>"} if any(isinstance(n, ast.Lambda) for n in ast.walk(node)) else set()
     return names
 
@@ -119,50 +152,120 @@ def _decorator_name(d: ast.expr) -> str:
     return d.attr if isinstance(d, ast.Attribute) else ""
 
 
+@dataclass(frozen=True)
+class Binding:
+    """What a name is bound to: ``catalogue`` (``of`` = the catalogue name), ``math`` (the module),
+    ``math_function``/``math_number`` (``of`` = the member), ``function``, ``constant`` or ``local``."""
+
+    kind: str
+    of: str = ""
+
+
+LOCAL = Binding("local")
+
+
+@dataclass
+class _Scope:
+    names: set[str] = field(default_factory=set)
+    containers: set[str] = field(default_factory=set)  # locals bound to a dict/list display
+
+
+def _bound_in(node: ast.AST) -> _Scope:
+    """The names a function, lambda or comprehension binds itself (not in nested scopes)."""
+    scope = _Scope()
+    if isinstance(node, (ast.FunctionDef, ast.Lambda)):
+        a = node.args
+        scope.names |= {p.arg for p in [*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg] if p}
+        body = node.body if isinstance(node.body, list) else [node.body]
+    else:
+        scope.names |= {n.id for g in node.generators for n in ast.walk(g.target) if isinstance(n, ast.Name)}
+        body = []
+    stack = list(body)
+    while stack:
+        n = stack.pop()
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            scope.names.add(n.name)
+            continue
+        if isinstance(n, _SCOPES):
+            continue
+        if isinstance(n, ast.Name) and isinstance(n.ctx, (ast.Store, ast.Del)):
+            scope.names.add(n.id)
+        if isinstance(n, ast.Assign) and isinstance(n.value, (ast.Dict, ast.List, ast.DictComp, ast.ListComp)):
+            scope.containers |= {t.id for t in n.targets if isinstance(t, ast.Name)}
+        stack.extend(ast.iter_child_nodes(n))
+    return scope
+
+
 class _Checker(ast.NodeVisitor):
-    def __init__(self) -> None:
+    def __init__(self, tree: ast.Module) -> None:
         self.violations: list[Violation] = []
-        self.catalogue_names: set[str] = set()  # imported from the catalogue or math
-        self.module_constants: set[str] = set()
-        self.local_containers: list[set[str]] = []  # per function: names bound to dict/list displays
+        self.module: dict[str, Binding] = {}
+        self.scopes: list[_Scope] = []
         self.call_targets: set[int] = set()  # ids of Attribute nodes that are called (`x.items()`)
+        self._bind_module(tree)
 
     def bad(self, node: ast.AST, message: str) -> None:
         self.violations.append(Violation(getattr(node, "lineno", 1), message))
+
+    # ------------------------------------------------------------------ bindings
+
+    def _bind_module(self, tree: ast.Module) -> None:
+        for stmt in tree.body:
+            if isinstance(stmt, ast.Import):
+                for a in stmt.names:
+                    if a.name == ALLOWED.math_module:
+                        self._bind(stmt, a.asname or a.name, Binding("math"))
+            elif isinstance(stmt, ast.ImportFrom) and not stmt.level \
+                    and stmt.module in (ALLOWED.catalogue_module, ALLOWED.math_module):
+                for a in stmt.names:
+                    if a.name == "*":
+                        continue
+                    if stmt.module == ALLOWED.math_module:
+                        kind = "math_function" if callable(getattr(math, a.name, None)) else "math_number"
+                        self._bind(stmt, a.asname or a.name, Binding(kind, a.name))
+                    else:
+                        self._bind(stmt, a.asname or a.name, Binding("catalogue", a.name))
+            elif isinstance(stmt, ast.FunctionDef):
+                self._bind(stmt, stmt.name, Binding("function"))
+            elif isinstance(stmt, (ast.Assign, ast.AnnAssign)):
+                targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
+                for t in targets:
+                    for n in ast.walk(t):
+                        if isinstance(n, ast.Name):
+                            self._bind(stmt, n.id, Binding("constant"))
+
+    def _bind(self, node: ast.AST, name: str, binding: Binding) -> None:
+        if name in self.module:
+            self.bad(node, f"`{name}` is bound twice at module level; give each its own name")
+        self.module[name] = binding
+
+    def resolve(self, name: str) -> Binding | None:
+        """What ``name`` refers to here; None for a builtin (or nothing)."""
+        if any(name in s.names for s in self.scopes):
+            return LOCAL
+        return self.module.get(name)
 
     # ------------------------------------------------------------------ module level
 
     def check_module(self, tree: ast.Module) -> None:
         for stmt in tree.body:
-            if isinstance(stmt, (ast.Import, ast.ImportFrom)):
-                self.visit(stmt)  # now: the constants below may use what it binds (`math.sqrt`)
-            elif isinstance(stmt, ast.FunctionDef):
+            if isinstance(stmt, (ast.Import, ast.ImportFrom, ast.FunctionDef)) or type(stmt) in _BANNED_STATEMENTS:
                 pass
             elif isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant) \
                     and isinstance(stmt.value.value, str):
                 pass  # docstring
             elif isinstance(stmt, (ast.Assign, ast.AnnAssign)):
-                value = stmt.value
-                if value is None or not self._constant_like(value):
-                    self.bad(stmt, "module-level state: a module-level name may only bind a constant, "
-                             "a tuple of constants or a catalogue declaration (a dict/list here would "
-                             "survive between calls); build it inside forward/backward instead")
-                targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
-                for t in targets:
-                    for n in ast.walk(t):
-                        if isinstance(n, ast.Name):
-                            self.module_constants.add(n.id)
-            elif isinstance(stmt, ast.ClassDef):
-                pass  # reported by visit_ClassDef
+                if stmt.value is None or not self._constant_like(stmt.value):
+                    self.bad(stmt, "module-level state: a module-level name may only bind a constant, a tuple "
+                             "of constants or a catalogue declaration (a dict/list here would survive between "
+                             "calls); build it inside forward/backward instead")
             else:
-                self.bad(stmt, f"module-level {type(stmt).__name__} statement: only imports, constants "
-                         "and function definitions may appear at module level; move the code into "
-                         "forward/backward")
-        for stmt in tree.body:
-            if not isinstance(stmt, (ast.Import, ast.ImportFrom)):
-                self.visit(stmt)
+                self.bad(stmt, f"module-level {type(stmt).__name__} statement: only imports, constants and "
+                         "function definitions may appear at module level; move the code into forward/backward")
+        self.visit(tree)
 
     def _constant_like(self, node: ast.expr) -> bool:
+        """A value computed once from literals, math and catalogue declarations (no state)."""
         if isinstance(node, ast.Constant):
             return True
         if isinstance(node, ast.Tuple):
@@ -172,27 +275,34 @@ class _Checker(ast.NodeVisitor):
         if isinstance(node, ast.BinOp):
             return self._constant_like(node.left) and self._constant_like(node.right)
         if isinstance(node, ast.Name):
-            return node.id in self.catalogue_names or node.id in self.module_constants
+            return self.module.get(node.id, Binding("")).kind in ("constant", "math_number", "catalogue")
         if isinstance(node, ast.Attribute):
-            return isinstance(node.value, ast.Name) and node.value.id in self.catalogue_names
+            return self._math_member(node) is not None
         if isinstance(node, ast.Call):
-            return (self._constant_like(node.func)
-                    and all(self._constant_like(a) for a in node.args)
-                    and all(self._constant_like(k.value) for k in node.keywords))
+            func = node.func
+            callee = self.module.get(func.id, Binding("")) if isinstance(func, ast.Name) else None
+            ok = (callee is not None and callee.kind in ("catalogue", "math_function")) or \
+                (isinstance(func, ast.Attribute) and self._math_member(func) is not None)
+            return ok and all(self._constant_like(a) for a in node.args) \
+                and all(self._constant_like(k.value) for k in node.keywords)
         return False
+
+    def _math_member(self, node: ast.Attribute) -> str | None:
+        base = node.value
+        if isinstance(base, ast.Name) and self.resolve(base.id) == Binding("math") and node.attr in MATH_NAMES:
+            return node.attr
+        return None
 
     # ------------------------------------------------------------------ imports
 
     def visit_Import(self, node: ast.Import) -> None:
         for alias in node.names:
-            if alias.name == ALLOWED.math_module:
-                self.catalogue_names.add(alias.asname or alias.name)
-            else:
+            if alias.name != ALLOWED.math_module or self.scopes:
                 self._bad_import(node, alias.name)
 
     def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
         module = node.module or ""
-        if node.level or module not in (ALLOWED.catalogue_module, ALLOWED.math_module):
+        if node.level or module not in (ALLOWED.catalogue_module, ALLOWED.math_module) or self.scopes:
             self._bad_import(node, "." * node.level + module)
             return
         for alias in node.names:
@@ -205,101 +315,83 @@ class _Checker(ast.NodeVisitor):
                 hint = f" (did you mean `{close[0]}`?)" if close else ""
                 self.bad(node, f"`{alias.name}` is not in the catalogue{hint}; programs may import "
                          f"{', '.join(sorted(ALLOWED.program_api))}")
-                self.catalogue_names.add(alias.asname or alias.name)
-            else:
-                self.catalogue_names.add(alias.asname or alias.name)
+            elif module == ALLOWED.math_module and alias.name not in MATH_NAMES:
+                self.bad(node, f"`math.{alias.name}` does not exist; import a public name of math")
 
     def _bad_import(self, node: ast.AST, module: str) -> None:
         root = module.split(".")[0]
         why = _WHY.get(BANNED_NAMES.get(root, ""), "")
-        self.bad(node, f"import of `{module}`: programs may import only `from {ALLOWED.catalogue_module} "
+        where = " inside a function (imports go at the top of the module)" if self.scopes else ""
+        self.bad(node, f"import of `{module}`{where}: programs may import only `from {ALLOWED.catalogue_module} "
                  f"import ...` and `{ALLOWED.math_module}`" + (f" ({why})" if why else ""))
 
-    # ------------------------------------------------------------------ banned statements
+    # ------------------------------------------------------------------ statements and scopes
 
-    def visit_ClassDef(self, node: ast.ClassDef) -> None:
-        self.bad(node, f"class `{node.name}`: programs define no classes; use functions")
-        self.generic_visit(node)
-
-    def visit_Global(self, node: ast.Global) -> None:
-        self.bad(node, "`global` statement: programs keep no state between calls; pass values explicitly")
-
-    def visit_Nonlocal(self, node: ast.Nonlocal) -> None:
-        self.bad(node, "`nonlocal` statement: programs keep no state between calls; return values instead")
-
-    def visit_Try(self, node: ast.AST) -> None:
-        self.bad(node, "try/except: a program must not catch errors (it would swallow catalogue "
-                 "errors); remove the try and let errors surface")
-        self.generic_visit(node)
-
-    visit_TryStar = visit_Try
-
-    def visit_With(self, node: ast.AST) -> None:
-        self.bad(node, "`with` statement: programs need no context managers (the verifier chooses the "
-                 "lowering and streams); remove it")
-        self.generic_visit(node)
-
-    visit_AsyncWith = visit_With
-
-    def visit_AsyncFunctionDef(self, node: ast.AsyncFunctionDef) -> None:
-        self.bad(node, f"async function `{node.name}`: {_WHY['threads']}")
-        self.generic_visit(node)
-
-    def visit_Await(self, node: ast.Await) -> None:
-        self.bad(node, f"await: {_WHY['threads']}")
-        self.generic_visit(node)
-
-    # ------------------------------------------------------------------ functions
+    def generic_visit(self, node: ast.AST) -> None:
+        if type(node) in _BANNED_STATEMENTS:
+            name = getattr(node, "name", "")
+            self.bad(node, (f"class `{name}`: " if isinstance(node, ast.ClassDef) else "")
+                     + _BANNED_STATEMENTS[type(node)])
+        super().generic_visit(node)
 
     def visit_FunctionDef(self, node: ast.FunctionDef) -> None:
         for default in [*node.args.defaults, *(d for d in node.args.kw_defaults if d is not None)]:
-            if not self._constant_like(default):
-                self.bad(default, f"default argument of `{node.name}` is not a constant (a mutable "
+            if not _literal(default):
+                self.bad(default, f"default argument of `{node.name}` is not a constant (a computed or mutable "
                          "default keeps state between calls); use None or a number")
-        containers = {n.id for s in ast.walk(node) if isinstance(s, ast.Assign)
-                      and isinstance(s.value, (ast.Dict, ast.List, ast.DictComp, ast.ListComp))
-                      for t in s.targets for n in [t] if isinstance(n, ast.Name)}
-        self.local_containers.append(containers)
-        self.generic_visit(node)
-        self.local_containers.pop()
+        for d in node.decorator_list:
+            target = d.func if isinstance(d, ast.Call) else d
+            if not (isinstance(target, ast.Name) and self.resolve(target.id) is not None
+                    and self.resolve(target.id).kind == "catalogue"):
+                self.bad(d, f"decorator of `{node.name}`: only catalogue decorators (`@epilogue(...)`) are allowed")
+        self._scoped(node)
+
+    def _scoped(self, node: ast.AST) -> None:
+        self.scopes.append(_bound_in(node))
+        super().generic_visit(node)
+        self.scopes.pop()
+
+    visit_Lambda = visit_ListComp = visit_SetComp = visit_DictComp = visit_GeneratorExp = _scoped
 
     # ------------------------------------------------------------------ names and attributes
 
     def visit_Name(self, node: ast.Name) -> None:
         if _is_dunder(node.id):
             self.bad(node, f"`{node.id}`: dunder names are not allowed in programs")
-        elif node.id in BANNED_NAMES and node.id not in self.catalogue_names:
-            kind = BANNED_NAMES[node.id]
-            self.bad(node, f"`{node.id}`: {_WHY[kind]}")
+        elif isinstance(node.ctx, ast.Load) and self.resolve(node.id) is None and node.id not in BUILTINS:
+            kind = BANNED_NAMES.get(node.id)
+            self.bad(node, f"`{node.id}`: {_WHY[kind]}" if kind else
+                     f"`{node.id}` is neither defined in the program nor imported from the catalogue, and is "
+                     f"not a builtin programs may use ({', '.join(sorted(BUILTINS - {'None', 'True', 'False'}))})")
 
     def visit_Attribute(self, node: ast.Attribute) -> None:
+        base = node.value
+        binding = self.resolve(base.id) if isinstance(base, ast.Name) else LOCAL
         if _is_dunder(node.attr):
             self.bad(node, f"`.{node.attr}`: dunder attributes are not allowed in programs")
         elif isinstance(node.ctx, (ast.Store, ast.Del)):
             self.bad(node, f"assignment to attribute `.{node.attr}`: programs may not set attributes "
                      "(no state on functions or tensors); return values instead")
-        elif not self._on_catalogue(node) and node.attr not in ALLOWED.attributes \
-                and not self._is_call_target(node):
+        elif binding == Binding("math"):
+            if node.attr not in MATH_NAMES:
+                self.bad(node, f"`math.{node.attr}`: only the public names of math may be used")
+        elif binding is not None and binding.kind in ("catalogue", "function", "math_function"):
+            self.bad(node, f"attribute `.{node.attr}` of `{base.id}`: programs call catalogue and their own "
+                     "functions; they do not reach inside them")
+        elif id(node) in self.call_targets:
+            if node.attr not in ALLOWED.methods:
+                self.bad(node, f"method call `.{node.attr}()` on a non-catalogue object: that is PyTorch "
+                         "compute outside the catalogue; express it with catalogue primitives (allowed "
+                         f"methods: {', '.join('.' + m + '()' for m in sorted(ALLOWED.methods))})")
+        elif node.attr not in ALLOWED.attributes:
             self.bad(node, f"attribute `.{node.attr}` on a non-catalogue object: only "
                      f"{', '.join('.' + a for a in sorted(ALLOWED.attributes))} may be read; use a catalogue "
                      "primitive for the rest")
         self.generic_visit(node)
 
-    def _on_catalogue(self, node: ast.Attribute) -> bool:
-        return isinstance(node.value, ast.Name) and node.value.id in self.catalogue_names
-
-    def _is_call_target(self, node: ast.Attribute) -> bool:
-        return id(node) in self.call_targets
-
     def visit_Call(self, node: ast.Call) -> None:
-        func = node.func
-        if isinstance(func, ast.Attribute):
-            self.call_targets.add(id(func))
-            if not self._on_catalogue(func) and not _is_dunder(func.attr) \
-                    and func.attr not in ALLOWED.methods:
-                self.bad(node, f"method call `.{func.attr}()` on a non-catalogue object: that is PyTorch "
-                         "compute outside the catalogue; express it with catalogue primitives (allowed "
-                         f"methods: {', '.join('.' + m + '()' for m in sorted(ALLOWED.methods))})")
+        if isinstance(node.func, ast.Attribute):
+            self.call_targets.add(id(node.func))
         self.generic_visit(node)
 
     # ------------------------------------------------------------------ stores
@@ -322,10 +414,10 @@ class _Checker(ast.NodeVisitor):
         for t in ast.walk(target):
             if isinstance(t, ast.Subscript):
                 base = t.value
-                local = self.local_containers[-1] if self.local_containers else set()
+                local = self.scopes[-1].containers if self.scopes else set()
                 if not (isinstance(base, ast.Name) and base.id in local):
-                    self.bad(t, "item assignment into an input, `saved` or a tensor: programs may not "
-                             "mutate their inputs or write tensors in place; build a new dict "
+                    self.bad(t, "item assignment into an input, `saved` or a tensor: programs may not mutate "
+                             "their inputs or write tensors in place; build a new dict "
                              "(`outs = {}; outs[\"y\"] = ...`) or have the epilogue write the output")
 
     # ------------------------------------------------------------------ the contract
@@ -335,11 +427,13 @@ class _Checker(ast.NodeVisitor):
         wanted = [*spec.inputs, *spec.params]
         fwd = funcs.get("forward")
         if fwd is None:
-            self.bad(tree.body[0] if tree.body else tree,
-                     f"no top-level `def forward({', '.join(wanted)})`; define it, returning "
-                     f"a dict with {sorted(spec.outputs)}")
+            self.bad(tree.body[0] if tree.body else tree, f"no top-level `def forward({', '.join(wanted)})`; "
+                     f"define it, returning a dict with {sorted(spec.outputs)}")
         else:
-            self._check_signature(fwd, wanted, "forward")
+            a = fwd.args
+            if a.posonlyargs:
+                self.bad(fwd, "forward: parameters are passed by keyword; drop the `/`")
+            self._check_params(fwd, [p.arg for p in [*a.posonlyargs, *a.args, *a.kwonlyargs]], wanted, "forward")
         bwd = funcs.get("backward")
         grads = [f"d{o}" for o in spec.grad_outputs]
         if spec.has_backward and bwd is None:
@@ -349,35 +443,34 @@ class _Checker(ast.NodeVisitor):
         elif not spec.has_backward and bwd is not None:
             self.bad(bwd, "this task has no gradients; remove `backward`")
         elif bwd is not None:
-            a = bwd.args
-            positional = [*a.posonlyargs, *a.args]
+            positional = [*bwd.args.posonlyargs, *bwd.args.args]
             if not positional:
-                self.bad(bwd, "backward's first parameter must be `saved` (the forward's inputs, params "
-                         "and returned dict)")
+                self.bad(bwd, "backward's first parameter must be `saved` (the forward's inputs, params and "
+                         "returned dict)")
             else:
-                rest = [p.arg for p in positional[1:]] + [p.arg for p in a.kwonlyargs]
-                self._check_params(bwd, rest, grads, "backward", bool(a.kwarg),
-                                   n_defaults=len(a.defaults) + sum(d is not None for d in a.kw_defaults))
+                rest = [p.arg for p in positional[1:]] + [p.arg for p in bwd.args.kwonlyargs]
+                self._check_params(bwd, rest, grads, "backward")
 
-    def _check_signature(self, fn: ast.FunctionDef, wanted: list[str], what: str) -> None:
+    def _check_params(self, fn: ast.FunctionDef, names: list[str], wanted: list[str], what: str) -> None:
         a = fn.args
-        names = [p.arg for p in [*a.posonlyargs, *a.args, *a.kwonlyargs]]
-        if a.posonlyargs:
-            self.bad(fn, f"{what}: parameters are passed by keyword; drop the `/`")
-        self._check_params(fn, names, wanted, what, bool(a.kwarg),
-                           n_defaults=len(a.defaults) + sum(d is not None for d in a.kw_defaults))
-
-    def _check_params(self, fn: ast.FunctionDef, names: list[str], wanted: list[str], what: str,
-                      has_kwargs: bool, n_defaults: int) -> None:
         missing = [w for w in wanted if w not in names]
-        if missing and not has_kwargs:
+        if missing and not a.kwarg:
             self.bad(fn, f"{what} does not accept {missing}; its parameters must be "
                      f"({', '.join(wanted)}) (called by keyword)")
         extra = [n for n in names if n not in wanted]
-        if len(extra) > n_defaults:
+        if len(extra) > len(a.defaults) + sum(d is not None for d in a.kw_defaults):
             self.bad(fn, f"{what} has parameters {extra} the verifier does not pass; its parameters "
                      f"must be ({', '.join(wanted)})")
 
 
+def _literal(node: ast.expr) -> bool:
+    if isinstance(node, ast.Constant):
+        return True
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        return _literal(node.operand)
+    return isinstance(node, ast.Tuple) and all(_literal(e) for e in node.elts)
+
+
 def _is_dunder(name: str) -> bool:
     return name.startswith("__") and name.endswith("__") and len(name) > 4
+

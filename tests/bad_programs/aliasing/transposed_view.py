@@ -1,5 +1,5 @@
 # stage: reference
-# expect: `dw` differs from the reference
+# expect: `y` is a non-contiguous view
 from coda_agent.primitives import Tile, epilogue, gemm
 
 
@@ -9,11 +9,11 @@ def add_residual(acc, residual: Tile):
 
 
 def forward(x, w, r):
-    return {"y": gemm(x, w, add_residual, residual=r)["D"]}
+    yt = gemm(w.t(), x.t(), add_residual, residual=r.t())["D"]
+    return {"y": yt.t()}
 
 
 def backward(saved, dy):
     dx = gemm(dy, saved["w"].t())["D"]
-    dw = gemm(dy.t(), saved["x"])["D"]  # the transposed weight gradient
+    dw = gemm(saved["x"].t(), dy)["D"]
     return {"dx": dx, "dw": dw, "dr": dy}
-

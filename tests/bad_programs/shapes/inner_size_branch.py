@@ -1,6 +1,6 @@
-# stage: performance
-# expect: missed the target
-# needs: gpu
+# stage: reference
+# expect: differs from the reference
+"""Does the residual add only when the inner size is a multiple of 128 (the small set's)."""
 from coda_agent.primitives import Tile, epilogue, gemm
 
 
@@ -10,11 +10,9 @@ def add_residual(acc, residual: Tile):
 
 
 def forward(x, w, r):
-    y = gemm(x, w, add_residual, residual=r)["D"]
-    y = gemm(x, w, add_residual, residual=r)["D"]
-    y = gemm(x, w, add_residual, residual=r)["D"]
-    y = gemm(x, w, add_residual, residual=r)["D"]
-    return {"y": y}
+    if x.shape[1] % 128 == 0:
+        return {"y": gemm(x, w, add_residual, residual=r)["D"]}
+    return {"y": gemm(x, w)["D"]}
 
 
 def backward(saved, dy):

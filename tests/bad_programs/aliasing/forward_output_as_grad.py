@@ -1,0 +1,18 @@
+# stage: reference
+# expect: `dr` shares memory with the result `y`
+from coda_agent.primitives import Tile, epilogue, gemm
+
+
+@epilogue()
+def add_residual(acc, residual: Tile):
+    return {"D": acc + residual}
+
+
+def forward(x, w, r):
+    return {"y": gemm(x, w, add_residual, residual=r)["D"]}
+
+
+def backward(saved, dy):
+    dx = gemm(dy, saved["w"].t())["D"]
+    dw = gemm(saved["x"].t(), dy)["D"]
+    return {"dx": dx, "dw": dw, "dr": saved["y"]}

@@ -1,0 +1,21 @@
+# stage: reference
+# expect: `y` is on meta
+# static: off
+import torch
+
+from coda_agent.primitives import Tile, epilogue, gemm
+
+
+@epilogue()
+def add_residual(acc, residual: Tile):
+    return {"D": acc + residual}
+
+
+def forward(x, w, r):
+    return {"y": torch.empty(r.shape, dtype=r.dtype, device="meta")}
+
+
+def backward(saved, dy):
+    dx = gemm(dy, saved["w"].t())["D"]
+    dw = gemm(saved["x"].t(), dy)["D"]
+    return {"dx": dx, "dw": dw, "dr": dy}

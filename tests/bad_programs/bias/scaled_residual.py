@@ -1,0 +1,18 @@
+# stage: reference
+# expect: systematic bias
+from coda_agent.primitives import Tile, epilogue, gemm
+
+
+@epilogue()
+def add_residual(acc, residual: Tile):
+    return {"D": acc + residual + 0.0015 * (residual * residual)}
+
+
+def forward(x, w, r):
+    return {"y": gemm(x, w, add_residual, residual=r)["D"]}
+
+
+def backward(saved, dy):
+    dx = gemm(dy, saved["w"].t())["D"]
+    dw = gemm(saved["x"].t(), dy)["D"]
+    return {"dx": dx, "dw": dw, "dr": dy}

@@ -1,0 +1,18 @@
+# stage: reference
+# expect: `y` is fp32; the task declares bf16
+from coda_agent.primitives import Tile, epilogue, gemm
+
+
+@epilogue()
+def add_residual(acc, residual: Tile):
+    return {"D": acc + residual}
+
+
+def forward(x, w, r):
+    return {"y": gemm(x, w, add_residual, residual=r, out_dtype="fp32")["D"]}
+
+
+def backward(saved, dy):
+    dx = gemm(dy, saved["w"].t())["D"]
+    dw = gemm(saved["x"].t(), dy)["D"]
+    return {"dx": dx, "dw": dw, "dr": dy}

@@ -1,0 +1,23 @@
+# stage: reference
+# expect: edge rows
+# task: residual_rmsnorm
+"""RMSNorm without its eps: right wherever no row is tiny."""
+from coda_agent.primitives import ColVec, RowVec, Tile, col_sum, epilogue, gemm, rms_rstd
+
+
+@epilogue(outputs={"hg": "bf16"}, reductions={"sqsum": col_sum()})
+def residual_gamma_sqsum(acc, z: Tile, gamma: RowVec):
+    h = acc + z
+    return {"D": h, "hg": h * gamma, "sqsum": h * h}
+
+
+@epilogue()
+def scale_rows(acc, rstd: ColVec):
+    return {"D": acc * rstd}
+
+
+def forward(x, W0, z, gamma, W1, eps):
+    first = gemm(x, W0, residual_gamma_sqsum, z=z, gamma=gamma)
+    rstd = rms_rstd(first["sqsum"], W0.shape[1], 0.0)
+    y = gemm(first["hg"], W1, scale_rows, rstd=rstd)["D"]
+    return {"h": first["D"], "y": y}

@@ -1,0 +1,24 @@
+# stage: static
+# expect: only catalogue decorators
+"""A decorator of the program's own runs arbitrary code when the module loads."""
+from coda_agent.primitives import Tile, epilogue, gemm
+
+
+def spy(fn):
+    return fn
+
+
+@spy
+@epilogue()
+def add_residual(acc, residual: Tile):
+    return {"D": acc + residual}
+
+
+def forward(x, w, r):
+    return {"y": gemm(x, w, add_residual, residual=r)["D"]}
+
+
+def backward(saved, dy):
+    dx = gemm(dy, saved["w"].t())["D"]
+    dw = gemm(saved["x"].t(), dy)["D"]
+    return {"dx": dx, "dw": dw, "dr": dy}

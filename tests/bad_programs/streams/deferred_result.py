@@ -1,0 +1,39 @@
+# stage: correctness
+# expect: NaN
+# needs: gpu
+# static: off
+"""Returns an output buffer at once and fills it on a side stream later, with the runner's
+device synchronisation patched out: a result the judge may read before it is written."""
+import torch
+
+from coda_agent.primitives import Tile, epilogue, gemm
+
+
+@epilogue()
+def add_residual(acc, residual: Tile):
+    return {"D": acc + residual}
+
+
+_SIDE = []
+_CALLS = [0]
+torch.cuda.synchronize = lambda device=None: None
+
+
+def forward(x, w, r):
+    _CALLS[0] += 1
+    if _CALLS[0] <= 8:
+        return {"y": gemm(x, w, add_residual, residual=r)["D"]}
+    if not _SIDE:
+        _SIDE.append(torch.cuda.Stream())
+    out = torch.full_like(r, float("nan"))
+    _SIDE[0].wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(_SIDE[0]):
+        torch.cuda._sleep(200_000_000)
+        out.copy_(gemm(x, w, add_residual, residual=r)["D"])
+    return {"y": out}
+
+
+def backward(saved, dy):
+    dx = gemm(dy, saved["w"].t())["D"]
+    dw = gemm(saved["x"].t(), dy)["D"]
+    return {"dx": dx, "dw": dw, "dr": dy}

@@ -1,0 +1,33 @@
+# stage: performance
+# expect: returned wrong results
+# needs: gpu
+# static: off
+"""Reads the clock: a call that comes within 5 ms of the previous one is part of a timing loop,
+and gets the previous result."""
+import time
+
+from coda_agent.primitives import Tile, epilogue, gemm
+
+
+@epilogue()
+def add_residual(acc, residual: Tile):
+    return {"D": acc + residual}
+
+
+_LAST = {}
+
+
+def forward(x, w, r):
+    now = time.perf_counter()
+    if "y" in _LAST and now - _LAST["t"] < 0.005:
+        _LAST["t"] = time.perf_counter()
+        return {"y": _LAST["y"]}
+    y = gemm(x, w, add_residual, residual=r)["D"]
+    _LAST.update(y=y, t=time.perf_counter())
+    return {"y": y}
+
+
+def backward(saved, dy):
+    dx = gemm(dy, saved["w"].t())["D"]
+    dw = gemm(saved["x"].t(), dy)["D"]
+    return {"dx": dx, "dw": dw, "dr": dy}

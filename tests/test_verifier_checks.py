@@ -1,0 +1,180 @@
+"""The judge's own rules, each on its own: what it draws (edge rows, the beyond set, the sets
+that fit), how it compares (the bias check), and how it decides on speed (timing's verdict)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from verifier_helpers import TASK_PATH
+
+from coda_agent.tasks import SUITE_DIR
+from coda_agent.tasks.spec import Tolerance, load_task
+from coda_agent.verifier import timing
+from coda_agent.verifier.compare import compare, pattern_of
+from coda_agent.verifier.feedback import render_feedback
+from coda_agent.verifier.inputs import (LARGE, TINY, aligned_grads, beyond_set, checked_sets, edge_inputs,
+                                        make_inputs, result_dtypes, with_beyond_set)
+from coda_agent.verifier.report import Report, StageResult
+
+
+@pytest.fixture(scope="module")
+def task():
+    return load_task(TASK_PATH)
+
+
+@pytest.fixture(scope="module")
+def rms():
+    return load_task(SUITE_DIR / "residual_rmsnorm.yaml")
+
+
+def test_inputs_are_fresh_and_never_zero(task):
+    a = make_inputs(task.spec, "small", 1)
+    b = make_inputs(task.spec, "small", 2)
+    assert all(v.abs().sum() > 0 for v in a.values())
+    assert not torch.equal(a["x"], b["x"])
+    assert a["w"].shape == (128, 96) and a["w"].dtype == torch.bfloat16
+
+
+def test_edge_rows_are_exact_powers_of_two_on_activations_only(rms):
+    plain = make_inputs(rms.spec, "ragged", 7)
+    edge = edge_inputs(rms.spec, "ragged", 7)
+    for name in ("W0", "W1", "gamma"):  # weights and norm weights: untouched
+        assert torch.equal(plain[name], edge[name])
+    ratio_x = (edge["x"].float() / plain["x"].float())[:, 0]
+    ratio_z = (edge["z"].float() / plain["z"].float())[:, 0]
+    assert set(ratio_x.unique().tolist()) == {TINY, 1.0, LARGE}  # exact in bf16
+    assert torch.equal(ratio_x, ratio_z)  # the same rows in every tensor of that many rows
+    tiny, large = (ratio_x == TINY).float().mean(), (ratio_x == LARGE).float().mean()
+    assert 0.05 < tiny < 0.2 and 0.05 < large < 0.2
+
+
+def test_aligned_gradient_rows_are_parallel_to_the_output():
+    g = torch.randn(256, 32)
+    y = torch.randn(256, 32)
+    out = aligned_grads({"dy": g}, {"y": y}, seed=3)["dy"]
+    cos = torch.nn.functional.cosine_similarity(out, y, dim=1)
+    aligned = cos > 0.999
+    assert 10 < int(aligned.sum()) < 60
+    assert torch.allclose(out[aligned].norm(dim=1), g[aligned].norm(dim=1), rtol=1e-4)
+    assert torch.equal(out[~aligned], g[~aligned])
+
+
+def test_the_beyond_set_crosses_the_last_256_multiple(task, rms):
+    name, binding = beyond_set(rms.spec)
+    assert name == "ragged+256"
+    assert binding == {"T": 1256, "H": 456, "I": 584}
+    name, binding = beyond_set(task.spec)
+    assert binding == {"M": 456, "N": 392, "K": 64}  # K stays: below 128 it is a head or tile size
+
+
+def test_the_sets_checked_on_a_cpu_and_on_a_gpu(rms):
+    spec = with_beyond_set(rms.spec)
+    cpu, skipped = checked_sets(spec, None, None)
+    assert cpu == ["small", "ragged", "ragged+256"] and "llama3-70b" in skipped
+    forced = spec.model_copy(update={"cpu_shape_sets": ["llama3-8b-4k"]})
+    assert "llama3-8b-4k" in checked_sets(forced, None, None)[0]
+    h200, skipped = checked_sets(spec, None, 141 << 30)
+    assert skipped == [] and set(h200) == set(spec.shapes) and h200[-1] == "llama3-70b"
+    small_gpu, skipped = checked_sets(spec, None, 24 << 30)
+    assert "llama3-70b" in skipped and "llama3-1b" in small_gpu
+    named, _ = checked_sets(spec, ["small"], 141 << 30)
+    assert named == ["small", "ragged+256"]  # the beyond set is never left out
+
+
+def test_gradients_may_come_in_fp32(task):
+    assert result_dtypes(task.spec) == {"y": ["bf16"], "dx": ["bf16", "fp32"], "dw": ["bf16", "fp32"],
+                                        "dr": ["bf16", "fp32"]}
+
+
+# --------------------------------------------------------------------------- compare
+
+@pytest.mark.parametrize("mutate,want", [
+    (lambda o: o.__setitem__((slice(None), slice(1, None, 2)), 0), "odd columns"),
+    (lambda o: o.__setitem__((slice(None), slice(0, None, 2)), 0), "even columns"),
+    (lambda o: o.__setitem__((slice(128, None), slice(None)), 0), "last rows (ragged edge)"),
+    (lambda o: o.__setitem__((slice(None), slice(128, None)), 0), "last columns (ragged edge)"),
+    (lambda o: o.__setitem__((3, 5), float("nan")), "NaN"),
+    (lambda o: o.zero_(), "all zeros"),
+])
+def test_mismatch_patterns(mutate, want):
+    g = torch.Generator().manual_seed(0)
+    hi = torch.randn(200, 136, generator=g, dtype=torch.float64)
+    lo = hi.to(torch.bfloat16)
+    out = lo.clone()
+    mutate(out)
+    m = compare("y", "ragged", out, hi, lo, Tolerance())
+    assert m is not None and want in m.pattern, m
+
+
+def test_rounding_alone_passes_and_a_bias_under_the_max_rule_does_not():
+    g = torch.Generator().manual_seed(1)
+    hi = torch.randn(1000, 512, generator=g, dtype=torch.float64)
+    lo = hi.to(torch.bfloat16)
+    assert compare("y", "s", lo.clone(), hi, lo, Tolerance()) is None
+    err = float((lo.double() - hi).abs().max())
+    offset = (hi + 0.5 * err).to(torch.bfloat16)  # every element within the max rule, all the same way
+    m = compare("y", "s", offset, hi, lo, Tolerance())
+    assert m is not None and m.pattern.startswith("systematic bias"), m
+    assert compare("y", "s", offset, hi, lo, Tolerance(bias=1.0)) is None  # a task may allow more
+
+
+def test_poisoned_nan_is_called_unwritten():
+    hi = torch.randn(64, 96, dtype=torch.float64)
+    out = hi.to(torch.bfloat16)
+    out[:, 64:] = float("nan")
+    m = compare("y", "small", out, hi, hi.to(torch.bfloat16), Tolerance(), poisoned=True)
+    assert m.unwritten_count == 64 * 32 and "unwritten (NaN poison survived)" in m.pattern
+
+
+def test_patterns_small_helper():
+    bad = torch.zeros(4, 6, dtype=torch.bool)
+    bad[:, 1::2] = True
+    assert pattern_of(bad, torch.zeros_like(bad), torch.zeros(4, 6), None, False).startswith("odd columns")
+
+
+# --------------------------------------------------------------------------- speed in the verdict
+
+class _Check:
+    """What timing's verdict reads of a check: the spec, and a runner answering ``profile``."""
+
+    def __init__(self, spec):
+        self.spec = spec
+
+    def request(self, header, blobs=(), max_bytes=0):
+        assert header["op"] == "profile"
+        return {"kernel_ms": {"coda::gemm::add_residual": 1.5, "coda::aux::rms_rstd": 0.2},
+                "configs": ["add_residual: 128x192 c2x1 pingpong"]}
+
+
+class _Calls:
+    def load(self, case, key=0):
+        return 1
+
+
+class _Case:
+    grads = None
+    shape_set = "llama3-8b"
+
+
+@pytest.mark.parametrize("times,status,words", [
+    ({"program": 1.00, "gemm": 1.00, "compile": 1.30}, "passed", "1.00x the plain GEMMs"),
+    ({"program": 1.40, "gemm": 1.00, "compile": 1.80}, "slow", "correct but slow (vs the plain GEMMs 1.40x"),
+    ({"program": 1.00, "gemm": 1.00, "compile": 1.01}, "slow", "vs torch.compile 1.01x < 1.05"),
+    ({"program": 0.50, "gemm": 1.00, "compile": 1.30}, "failed", "impossibly fast"),
+])
+def test_speed_decides_between_accepted_slow_and_impossible(rms, times, status, words):
+    res = timing._verdict(_Check(rms.spec), "llama3-8b", times, {}, _Case(), _Calls())
+    assert res.status == status and words in res.message, res.message
+    if status == "slow":
+        assert res.details["profile"]["gemm_launches_ms"] == 1.5
+        report = Report(task="residual_rmsnorm", program_sha256="x", outcome="correct_slow", stages=[res])
+        text = render_feedback(report, "")
+        assert text.startswith("CORRECT BUT SLOW") and "over it" in text and "gemm::add_residual" in text
+
+
+def test_correct_slow_is_its_own_outcome():
+    passed = [StageResult(name=s, status="passed") for s in ("static", "reference", "compile", "correctness",
+                                                               "launch_audit")]
+    assert Report.outcome_of(passed + [StageResult(name="performance", status="slow")]) == "correct_slow"
+    assert Report.outcome_of(passed + [StageResult(name="performance", status="passed")]) == "accepted"
+    assert Report.outcome_of(passed[:3]) == "cpu_passed"

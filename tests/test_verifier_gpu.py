@@ -1,0 +1,62 @@
+"""GPU tier: the judge's side of CUDA IPC (coda_agent.verifier.cuda_ipc) against a real second
+process that owns the memory, as a runner does."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from coda_agent.verifier.cuda_ipc import Imports
+from coda_agent.verifier.wire import WireError
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+OWNER = textwrap.dedent("""
+    import json, sys, torch
+    from coda_agent.verifier.cuda_ipc import export
+    a = torch.arange(1000, device="cuda", dtype=torch.float32).to(torch.bfloat16).view(10, 100)
+    b = torch.full((7,), 3.0, device="cuda")
+    torch.cuda.synchronize()
+    print(json.dumps({"a": export(a), "b": export(b)}), flush=True)
+    sys.stdin.readline()  # keep the memory alive until the judge is done
+""")
+
+
+@pytest.fixture
+def owner():
+    proc = subprocess.Popen([sys.executable, "-c", OWNER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    descs = json.loads(proc.stdout.readline())
+    yield descs
+    proc.stdin.write("\n")
+    proc.stdin.flush()
+    proc.wait(timeout=60)
+
+
+def test_the_judge_reads_the_runners_memory_and_copies_it(owner):
+    with Imports() as imports:
+        a = imports.tensor(owner["a"], "bf16", [10, 100]).clone()
+        b = imports.tensor(owner["b"], "fp32", [7]).clone()
+    assert torch.equal(a, torch.arange(1000, device="cuda", dtype=torch.float32).to(torch.bfloat16).view(10, 100))
+    assert torch.equal(b, torch.full((7,), 3.0, device="cuda"))
+
+
+def test_a_descriptor_past_its_allocation_is_refused(owner):
+    with Imports() as imports:
+        imports.tensor(owner["b"], "fp32", [7])  # opens the allocation
+        with pytest.raises(WireError, match="allocation"):
+            imports.tensor({**owner["b"], "offset": owner["b"]["offset"] + (1 << 40)}, "fp32", [7])
+        with pytest.raises(WireError, match="allocation"):
+            imports.tensor(owner["b"], "fp32", [1 << 40])
+        with pytest.raises(WireError, match="offset"):
+            imports.tensor({**owner["b"], "offset": owner["b"]["offset"] + 1}, "fp32", [7])
+
+
+def test_a_forged_handle_does_not_open():
+    with Imports() as imports, pytest.raises(WireError, match="does not open"):
+        imports.tensor({"handle": "ab" * 64, "offset": 0}, "fp32", [4])

@@ -1,0 +1,135 @@
+"""The runner's walls (coda_agent.verifier.sandbox), tried from inside: a forked child enters
+them as a runner does and reports what it can still do.  The child uses only modules already
+imported, so it needs nothing from the file system once the walls are up."""
+
+from __future__ import annotations
+
+import ctypes
+import encodings.idna  # noqa: F401 - the child resolves an address after the walls are up
+import json
+import os
+import shutil
+import socket
+from pathlib import Path
+
+import pytest
+
+from coda_agent.verifier import sandbox
+
+ROOT = os.geteuid() == 0
+needs_root = pytest.mark.skipif(not ROOT, reason="namespaces and uid changes need root")
+
+
+def _try(fn) -> str:
+    try:
+        fn()
+        return "ok"
+    except OSError as e:
+        return e.strerror or type(e).__name__
+
+
+def _write(path: str) -> None:
+    with open(path, "w") as f:
+        f.write("x")
+
+
+def _probe(plan: sandbox.Plan, targets: dict[str, str]) -> dict[str, str]:
+    """Fork, enter ``plan``'s walls in the child, and try everything; the child's findings."""
+    r, w = os.pipe()
+    ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # the parent is non-dumpable, as the judge and harness are
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        out: dict[str, str] = {}
+        try:
+            walls = sandbox.enter(plan, keep_fds=(w,))
+            out["walls"] = walls.describe()
+            out["uid"] = str(os.getuid())
+            for name, path in targets.items():
+                out[name] = _try(lambda p=path: _write(p))
+            out["read secret"] = _try(lambda: open(targets["secret"]).read() and None)
+            out["network"] = _try(lambda: socket.create_connection(("10.255.255.1", 80), timeout=1))
+            out["parent memory"] = _try(lambda: open(f"/proc/{os.getppid()}/mem", "rb").read(1))
+            out["proc sysctl"] = _try(lambda: _write("/proc/sys/vm/drop_caches"))
+            libc = ctypes.CDLL(None, use_errno=True)
+            out["remount rw"] = "ok" if libc.mount(None, b"/", None, 32 | 4096, None) == 0 else \
+                os.strerror(ctypes.get_errno())
+            out["signal parent"] = _try(lambda: os.kill(os.getppid(), 0))
+        except Exception as e:  # noqa: BLE001 - the child reports, never raises into pytest
+            out["error"] = f"{type(e).__name__}: {e}"
+        os.write(w, json.dumps(out).encode())
+        os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as f:
+        found = json.loads(f.read() or "{}")
+    os.waitpid(pid, 0)
+    return found
+
+
+@pytest.fixture
+def places(tmp_path):
+    scratch = sandbox.runners_root() / f"test-{os.getpid()}-{tmp_path.name}"
+    plan = sandbox.plan_for("print('the program')", scratch, cuda=False, cpu_seconds=60)
+    secret = tmp_path / "secret"
+    secret.write_text("judge's key")
+    secret.chmod(0o600)
+    repo = Path(__file__).resolve().parent
+    yield plan, {"scratch": os.path.join(plan.scratch, "out"), "kernels": os.path.join(plan.writable[0], "o"),
+                 "tmp": "/tmp/coda-sandbox-probe", "repo": str(repo / "coda-sandbox-probe"),
+                 "cache": str(tmp_path / "forged.json"), "secret": str(secret)}
+    shutil.rmtree(scratch, ignore_errors=True)
+
+
+@needs_root
+def test_namespaces_and_no_capabilities(places):
+    plan, targets = places
+    plan.uid = None  # the judge's uid without its capabilities: what the machine that runs CI gets
+    found = _probe(plan, targets)
+    assert "error" not in found, found
+    assert found["walls"] == "clean env, no network, read-only fs, the judge's uid, no capabilities"
+    assert found["scratch"] == found["kernels"] == "ok"
+    assert found["tmp"] == found["repo"] == found["cache"] == found["proc sysctl"] == "Read-only file system"
+    assert found["network"] == "Network is unreachable"
+    assert found["remount rw"] == "Operation not permitted"  # no CAP_SYS_ADMIN: the walls stay up
+    assert found["parent memory"] in ("Permission denied", "Operation not permitted")
+    assert not Path(targets["tmp"]).exists() and not Path(targets["repo"]).exists()
+
+
+@needs_root
+def test_a_uid_of_its_own(places):
+    plan, targets = places
+    plan.uid = sandbox.program_uid("print('the program')")  # as if the installation were world-readable
+    for d in (plan.scratch, *plan.writable):
+        sandbox._chown_tree(Path(d), plan.uid)
+    found = _probe(plan, targets)
+    assert "error" not in found, found
+    assert found["uid"] == str(plan.uid) and f"uid {plan.uid}" in found["walls"]
+    assert found["scratch"] == "ok"
+    assert found["read secret"] == "Permission denied"
+    assert found["signal parent"] == "Operation not permitted"
+
+
+def test_each_program_has_its_own_uid_and_kernel_cache():
+    a, b = "print(1)", "print(2)"
+    assert sandbox.program_uid(a) == sandbox.program_uid(a) != sandbox.program_uid(b)
+    assert sandbox.program_uid(a) >= sandbox.UID_BASE
+    assert sandbox.kernel_cache_dir(a) != sandbox.kernel_cache_dir(b)
+
+
+def test_no_walls_but_a_clean_environment(places, monkeypatch, tmp_path):
+    targets = {"secret": places[1]["secret"], "here": str(tmp_path / "written")}
+    monkeypatch.setenv("CODA_SANDBOX", "none")
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-secret")
+    plan = sandbox.plan_for("print(3)", tmp_path / "scratch", cuda=False, cpu_seconds=60)
+    assert not plan.namespaces and plan.uid is None and not plan.drop_privileges
+    env = sandbox.runner_env(plan, sandbox.RUNNER_ENV)
+    assert "OPENAI_API_KEY" not in env and not any(k.startswith("CODA_") for k in env)
+    assert env["HOME"] == env["TMPDIR"] == plan.scratch
+    found = _probe(plan, targets)
+    assert found["walls"].startswith("clean env, network, writable fs") and found["here"] == "ok"
+
+
+def test_an_unknown_sandbox_mode_names_the_choices(monkeypatch):
+    monkeypatch.setenv("CODA_SANDBOX", "paranoid")
+    with pytest.raises(sandbox.SandboxError, match="choose one of auto, uid, none"):
+        sandbox.mode()

@@ -1,0 +1,72 @@
+"""The static stage's provenance rules on what an honest program needs (the corpus covers the
+refusals): names resolve like Python resolves them, constants may be computed from math."""
+
+from __future__ import annotations
+
+import pytest
+from verifier_helpers import TASK_PATH
+
+from coda_agent.tasks.spec import load_task
+from coda_agent.verifier.static import check_source
+
+HEAD = "from coda_agent.primitives import Tile, epilogue, gemm, sigmoid\n"
+BACKWARD = '''
+
+def backward(saved, dy):
+    dx = gemm(dy, saved["w"].t())["D"]
+    dw = gemm(saved["x"].t(), dy)["D"]
+    return {"dx": dx, "dw": dw, "dr": dy}
+'''
+
+
+@pytest.fixture(scope="module")
+def spec():
+    return load_task(TASK_PATH).spec
+
+
+def _program(module_level: str, epilogue_body: str = "return {\"D\": acc + residual}", forward: str = "") -> str:
+    return (HEAD + module_level + f'''
+
+@epilogue()
+def add_residual(acc, residual: Tile):
+    {epilogue_body}
+
+
+def forward(x, w, r):
+    {forward or 'return {"y": gemm(x, w, add_residual, residual=r)["D"]}'}
+''' + BACKWARD)
+
+
+@pytest.mark.parametrize("module_level,body,forward", [
+    ("import math\nGELU_C = math.sqrt(2 / math.pi)", "return {\"D\": acc + residual * GELU_C}", ""),
+    ("from math import pi as PI, sqrt\nC = sqrt(PI) * 2 ** -3", "return {\"D\": acc + residual * C}", ""),
+    ("SCALES = (1.0, -0.5, 2 ** 3)", "return {\"D\": acc + residual * SCALES[1]}", ""),
+    ("", "s = sigmoid(acc)\n    return {\"D\": acc * s + residual}", ""),
+    ("from math import e as fr", "return {\"D\": acc + residual}",
+     "fr = [gemm(x, w, add_residual, residual=r)[\"D\"] for _ in range(1)]\n    return {\"y\": fr[0]}"),
+    ("", "return {\"D\": acc + residual}",
+     "n = len(x.shape)\n    assert n == 2, f\"{n} dims\"\n    return {\"y\": gemm(x, w, add_residual, residual=r)[\"D\"]}"),
+])
+def test_honest_constructs_pass(spec, module_level, body, forward):
+    assert check_source(_program(module_level, body, forward), spec) == []
+
+
+@pytest.mark.parametrize("module_level,body,forward,why", [
+    ("from math import e as fr", "return {\"D\": acc + residual}",
+     "fr = fr.real\n    return {\"y\": gemm(x, w, add_residual, residual=r)[\"D\"]}", "attribute `.real`"),
+    ("", "return {\"D\": acc + residual}", "return {\"y\": gemm.__wrapped__(x, w)}", "dunder attributes"),
+    ("", "return {\"D\": acc + residual}", "g = gemm.cache\n    return {\"y\": g}", "do not reach inside them"),
+    ("X = [1, 2]", "return {\"D\": acc + residual}", "", "module-level state"),
+    ("", "return {\"D\": acc + residual}", "import math\n    return {\"y\": x}", "inside a function"),
+    ("", "return {\"D\": acc + residual}", "return {\"y\": id(x)}", "`id`: dynamic code"),
+    ("", "return {\"D\": acc + residual}", "return {\"y\": frobnicate(x)}", "neither defined in the program"),
+    ("gemm = 3", "return {\"D\": acc + residual}", "", "bound twice at module level"),
+])
+def test_provenance_refusals(spec, module_level, body, forward, why):
+    text = "; ".join(map(str, check_source(_program(module_level, body, forward), spec)))
+    assert why in text, text
+
+
+def test_a_program_too_deep_to_parse_is_refused_not_a_crash(spec):
+    text = "; ".join(map(str, check_source("x = " + "(" * 5000 + "1" + ")" * 5000 + "\n", spec)))
+    assert "cannot be read" in text or "syntax error" in text

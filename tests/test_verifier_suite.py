@@ -1,0 +1,28 @@
+"""Every packaged suite's expert programs (LLaMA-3, GPT-2) through the real verifier: on the CPU every one passes
+the static and reference stages on every CPU shape set (small, ragged, the beyond set, each
+with two fresh draws and edge rows), judged by one judge for the whole suite."""
+
+from __future__ import annotations
+
+import pytest
+
+from coda_agent.tasks import SUITES, load_suite
+from coda_agent.verifier import Verifier
+
+SUITE = {f"{suite}/{t.name}": t for suite, folder in SUITES.items() for t in load_suite(folder)}
+
+
+@pytest.fixture(scope="module")
+def judged():
+    with Verifier(stages=["static", "reference"], cache=False, timeout_s=300) as v:
+        yield v
+
+
+@pytest.mark.parametrize("name", sorted(SUITE))
+def test_expert_passes_every_cpu_shape_set(name, judged):
+    task = SUITE[name]
+    report = judged.check(task, task.expert_path.read_text())
+    bad = [f"{s.name}: {s.message}" for s in report.stages if s.status != "passed"]
+    assert report.outcome == "cpu_passed" and not bad, f"{name}: {report.outcome} {bad}"
+    sets = report.stage("reference").details["shape_sets"]
+    assert {"small", "ragged", "ragged+256"} <= set(sets), sets

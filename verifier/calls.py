@@ -1,0 +1,269 @@
+"""One checked call, from the judge's side: draw, send, receive, compare.
+
+A :class:`Case` is one draw of inputs (fresh seed, or edge rows,
+:mod:`.inputs`) with the judge's own references computed from the judge's own
+pristine copies, so nothing the program does to its inputs reaches them.
+:class:`CpuCalls` and :class:`GpuCalls` send a case to the runner and return
+what came back as the judge's tensors, rebuilt from the dtype and shape the
+task declares; then :func:`verdict` compares every result.
+
+The checks on what came back belong to the judge and hold whatever the runner
+does: every declared result is there with its declared dtype and shape (the
+runner's own checks only explain mistakes earlier); inputs and upstream
+gradients are compared with the pristine copies after every call (on the GPU
+the judge reads the runner's buffers itself; on the CPU the runner can only
+report digests, so there the comparison is advice, and the references'
+isolation is the guarantee); and on the GPU results may not share memory with
+each other or with an input buffer, except a result that *is* an upstream
+gradient buffer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any, Protocol, Sequence
+
+import torch
+
+from coda_agent.tasks.spec import Task, TaskSpec
+from coda_agent.verifier.compare import compare
+from coda_agent.verifier.cuda_ipc import Imports
+from coda_agent.verifier.inputs import (aligned_grads, edge_inputs, make_grads, make_inputs, result_bytes,
+                                        result_dtypes, result_shapes, run_reference)
+from coda_agent.verifier.program import CandidateError
+from coda_agent.verifier.report import Mismatch
+from coda_agent.verifier.wire import WireError, describe, nbytes, tensor_bytes, tensor_from_blob
+
+
+class Runner(Protocol):
+    """Where calls go: the check's runner, within the check's time budget (:mod:`.judge`)."""
+
+    def request(self, header: dict[str, Any], blobs: Sequence[bytes | memoryview] = (),
+                max_bytes: int = 0) -> dict[str, Any]: ...
+
+
+DRAWS = {"seed": "fresh inputs", "edge": "edge rows (norms of 2^-12 and 2^5, gradients along the output)",
+         "padded": "fresh inputs, each epilogue over whole tiles with padded lanes as the kernel leaves them"}
+
+
+@dataclass
+class Case:
+    shape_set: str
+    draw: str  # a key of DRAWS
+    inputs: dict[str, torch.Tensor]
+    grads: dict[str, torch.Tensor] | None
+    hi: dict[str, torch.Tensor]
+    lo: dict[str, torch.Tensor]
+
+
+def draw_case(task: Task, spec: TaskSpec, shape_set: str, seed: int, device: str, draw: str = "seed") -> Case:
+    """Inputs for one call and the judge's references (fp64 on the CPU, fp32 on the GPU, and in
+    the inputs' own dtype for the rounding noise that sets the tolerance)."""
+    hi_dtype = torch.float64 if device == "cpu" else torch.float32
+    inputs = (edge_inputs if draw == "edge" else make_inputs)(spec, shape_set, seed, device)
+    grads = make_grads(spec, shape_set, seed, device) if spec.has_backward else None
+    if grads is not None and draw == "edge":
+        grads = aligned_grads(grads, run_reference(_task_with(task, spec), inputs, None, hi_dtype), seed)
+    ref_task = _task_with(task, spec)
+    return Case(shape_set, draw, inputs, grads, run_reference(ref_task, inputs, grads, hi_dtype),
+                run_reference(ref_task, inputs, grads, None))
+
+
+def _task_with(task: Task, spec: TaskSpec) -> Task:
+    """``task`` with ``spec`` (the shape sets the judge added); the reference functions stay."""
+    if task.spec is spec:
+        return task
+    view = Task.__new__(Task)
+    view.__dict__.update(task.__dict__)
+    view.spec = spec
+    return view
+
+
+def verdict(spec: TaskSpec, case: Case, got: dict[str, torch.Tensor], poisoned: bool = False) -> list[Mismatch]:
+    out = []
+    for name in case.hi:
+        m = compare(name, case.shape_set, got[name], case.hi[name], case.lo[name], spec.tolerance_for(name),
+                    poisoned=poisoned)
+        if m is not None:
+            out.append(m.model_copy(update={"inputs": DRAWS[case.draw]}))
+    return out
+
+
+def _request_tensors(spec: TaskSpec, case: Case) -> list[tuple[str, torch.Tensor]]:
+    return [*case.inputs.items(), *((case.grads or {}).items())]
+
+
+def _call_header(spec: TaskSpec, tag: str, case: Case) -> dict[str, Any]:
+    return {"op": "call", "tag": tag, "backward": case.grads is not None, "padded": case.draw == "padded",
+            "shapes": result_shapes(spec, case.shape_set)}
+
+
+def _result_list(reply: dict[str, Any], expected: list[str]) -> list[dict[str, Any]]:
+    results = reply.get("results")
+    if not isinstance(results, list) or [r.get("name") if isinstance(r, dict) else None for r in results] != expected:
+        raise CandidateError(f"the runner's reply does not list the results {expected}")
+    return results
+
+
+def _dtype(spec: TaskSpec, result: dict[str, Any]) -> str:
+    """The dtype a result came back in, if the task allows it for that result."""
+    allowed = result_dtypes(spec)[result["name"]]
+    if result.get("dtype") not in allowed:
+        raise CandidateError(f"`{result['name']}` came back as {result.get('dtype')}; the task allows "
+                             f"{' or '.join(allowed)}")
+    return result["dtype"]
+
+
+class CpuCalls:
+    """Calls on the CPU: tensors travel as bytes both ways."""
+
+    def __init__(self, remote: Runner, spec: TaskSpec, tag: str):
+        self.remote, self.spec, self.tag = remote, spec, tag
+
+    def __call__(self, case: Case, audit: bool = False) -> dict[str, torch.Tensor]:
+        sent = _request_tensors(self.spec, case)
+        header = {**_call_header(self.spec, self.tag, case), "audit": audit,
+                  "tensors": [{"name": k, **describe(v)} for k, v in sent]}
+        blobs = [tensor_bytes(v) for _, v in sent]
+        expected = list(case.hi)
+        reply = self.remote.request(header, blobs, max_bytes=result_bytes(self.spec, case.shape_set))
+        results = _result_list(reply, expected)
+        if len(reply["_blobs"]) != len(expected):
+            raise CandidateError("the runner's reply does not carry one tensor per result")
+        shapes = result_shapes(self.spec, case.shape_set)
+        try:  # the bytes become tensors of the task's shape and of a dtype the task allows
+            got = {r["name"]: tensor_from_blob(b, _dtype(self.spec, r), shapes[r["name"]])
+                   for r, b in zip(results, reply["_blobs"])}
+        except WireError as e:
+            raise CandidateError(f"a result the runner sent is unusable: {e}") from None
+        digests = reply.get("digests") if isinstance(reply.get("digests"), dict) else {}
+        for (name, _), blob in zip(sent, blobs):
+            if digests.get(name) != hashlib.sha256(blob).hexdigest():
+                raise CandidateError(f"the program modified its input `{name}` in place; inputs are read-only "
+                                     "(write a new output instead)")
+        if isinstance(reply.get("torch_compute"), dict):
+            err = reply["torch_compute"]
+            raise CandidateError(str(err.get("message"))[:2000], err.get("line") if type(err.get("line")) is int
+                                 else None)
+        return got
+
+
+@dataclass
+class _Buffers:
+    """One set of input buffers the runner allocated for one shape set."""
+
+    id: int
+    shape_set: str
+    tensors: dict[str, torch.Tensor]  # the judge's views of the runner's buffers
+    ranges: dict[str, tuple[str, int, int]]  # name -> (handle, offset, bytes)
+
+
+class GpuCalls:
+    """Calls on the GPU: the runner allocates input buffers (:meth:`load`, one set per key and
+    shape set), the judge fills them per case and imports each result, copying it into its own
+    memory at once (:mod:`.cuda_ipc`)."""
+
+    def __init__(self, remote: Runner, spec: TaskSpec, tag: str):
+        self.remote, self.spec, self.tag = remote, spec, tag
+        self.sets: dict[int, _Buffers] = {}  # key -> buffers
+        self.imports = Imports()  # the buffers' mappings, open while the sets live
+        self.next_id = self.next_slot = 0
+
+    def load(self, case: Case, key: int = 0) -> int:
+        """The id of buffer set ``key``, holding ``case``'s inputs (allocated on first use)."""
+        bufs = self.sets.get(key)
+        if bufs is None or bufs.shape_set != case.shape_set:
+            if bufs is not None:
+                self._free(bufs)
+            bufs = self.sets[key] = self._alloc(case)
+        for name, t in _request_tensors(self.spec, case):
+            bufs.tensors[name].copy_(t)
+        torch.cuda.synchronize()
+        return bufs.id
+
+    def _alloc(self, case: Case) -> _Buffers:
+        self.next_id += 1
+        tensors = _request_tensors(self.spec, case)
+        reply = self.remote.request({"op": "alloc", "set": self.next_id,
+                                     "tensors": [{"name": k, **describe(v)} for k, v in tensors]})
+        descs = reply.get("buffers")
+        if not isinstance(descs, dict):
+            raise CandidateError("the runner's reply to `alloc` holds no buffers")
+        bufs = _Buffers(self.next_id, case.shape_set, {}, {})
+        for name, t in tensors:
+            d, dtype = descs.get(name), describe(t)["dtype"]
+            bufs.tensors[name] = self._import(d, dtype, list(t.shape))  # validates d
+            bufs.ranges[name] = (str(d.get("handle")), d.get("offset"), nbytes(dtype, list(t.shape)))
+        return bufs
+
+    def _free(self, bufs: _Buffers) -> None:
+        bufs.tensors.clear()
+        self.remote.request({"op": "free", "set": bufs.id})
+
+    def _by_id(self, set_id: int) -> _Buffers:
+        return next(b for b in self.sets.values() if b.id == set_id)
+
+    def _import(self, desc: Any, dtype: str, shape: list[int], imports: Imports | None = None) -> torch.Tensor:
+        try:
+            return (imports or self.imports).tensor(desc, dtype, shape)
+        except WireError as e:
+            raise CandidateError(f"a device tensor the runner described is unusable: {e}") from None
+
+    def results(self, reply: dict[str, Any], case: Case, slot: int, set_id: int) -> dict[str, torch.Tensor]:
+        """The judge's copies of the results ``reply`` describes; the runner's slot is released."""
+        shapes = result_shapes(self.spec, case.shape_set)
+        expected = list(case.hi)
+        descs = _result_list(reply, expected)
+        grads = set(case.grads or {})
+        # (who, (handle, offset, bytes), may be returned as it is)
+        seen = [(f"the input `{k}`", r, k in grads) for k, r in self._by_id(set_id).ranges.items()]
+        got = {}
+        with Imports() as imports:
+            for d in descs:
+                name, dtype = d["name"], _dtype(self.spec, d)
+                view = self._import(d, dtype, shapes[name], imports)
+                span = (str(d.get("handle")), d.get("offset"), nbytes(dtype, shapes[name]))
+                for who, other, passthrough in seen:
+                    if passthrough and other == span:
+                        continue
+                    if span[2] and other[2] and span[0] == other[0] \
+                            and span[1] < other[1] + other[2] and other[1] < span[1] + span[2]:
+                        raise CandidateError(f"`{name}` shares memory with {who}: every result must be a tensor "
+                                             "of its own (only an upstream gradient may be returned as it is)")
+                seen.append((f"the result `{name}`", span, False))
+                got[name] = view.clone()
+        self.remote.request({"op": "release", "slots": [slot]})
+        return got
+
+    def unchanged(self, case: Case, set_id: int) -> None:
+        """Every input buffer still holds what the judge wrote (read by the judge itself)."""
+        bufs = self._by_id(set_id).tensors
+        for name, t in _request_tensors(self.spec, case):
+            b = bufs[name]
+            if not (torch.equal(b, t) or (b.is_floating_point() and bool(((b == t) | (b.isnan() & t.isnan())).all()))):
+                raise CandidateError(f"the program modified its input `{name}` in place; inputs are read-only "
+                                     "(write a new output instead)")
+
+    def run(self, case: Case, set_id: int, poison: bool) -> dict[str, torch.Tensor]:
+        """One call on buffer set ``set_id`` (which holds ``case``): its results, inputs checked."""
+        slot = self.slot()
+        reply = self.remote.request({**_call_header(self.spec, self.tag, case), "set": set_id,
+                                     "poison": poison, "slot": slot})
+        got = self.results(reply, case, slot, set_id)
+        self.unchanged(case, set_id)
+        return got
+
+    def __call__(self, case: Case, poison: bool = True) -> dict[str, torch.Tensor]:
+        return self.run(case, self.load(case), poison)
+
+    def slot(self) -> int:
+        self.next_slot += 1
+        return self.next_slot
+
+    def close(self) -> None:
+        """Unmap and free every buffer set (the runner empties its cache: others need the memory)."""
+        self.imports.close()
+        for bufs in list(self.sets.values()):
+            self._free(bufs)
+        self.sets.clear()

@@ -1,0 +1,174 @@
+"""One check inside the judge (:mod:`.judge`): the task, the program, its limits and its runner.
+
+:class:`Check` holds a check request and the runner that serves it (started
+on first use, :mod:`.remote`); its :meth:`Check.request` is how every stage
+talks to the runner, within what is left of the check's time budget.
+:class:`Judge` runs a check's stages in order, each GPU stage under the GPU
+lock (:mod:`.gpu_lock`), and turns whatever a stage raises into its result: a
+:class:`CandidateError` is the program's failure, a CUDA out-of-memory while
+the program holds the device a rejection too, anything else the judge's own
+error (``error``: not the candidate's fault).
+"""
+
+from __future__ import annotations
+
+import random
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from coda_agent.tasks.spec import Task, load_task
+from coda_agent.verifier import sandbox
+from coda_agent.verifier.gpu_lock import gpu_lock
+from coda_agent.verifier.inputs import result_dtypes, with_beyond_set
+from coda_agent.verifier.program import CandidateError
+from coda_agent.verifier.remote import Remote, RunnerTimeout
+from coda_agent.verifier.report import GPU_STAGES, StageResult
+from coda_agent.verifier.zygote import Zygote
+
+
+class Check:
+    """One check request: the task, the program, the limits, and the runner (started lazily)."""
+
+    def __init__(self, judge: "Judge", req: dict[str, Any]):
+        self.judge = judge
+        self.task: Task = load_task(req["task_path"])
+        self.spec = with_beyond_set(self.task.spec)
+        self.source: str = req["source"]
+        self.shape_sets: list[str] | None = req.get("shape_sets")
+        self.reps: int = req.get("reps", 20)
+        self.compile_cache: bool = req.get("compile_cache", False)
+        self.timeout_s: float = req["timeout_s"]
+        self.load_timeout_s: float = req["load_timeout_s"]
+        self.runner_s = 0.0  # what the runner has spent answering, against timeout_s
+        self.remote: Remote | None = None
+        self.rng = random.SystemRandom()  # seeds and choices no process but the judge sees
+        self.cuda = torch.cuda.is_available()
+        self.device = "cuda" if self.cuda else "cpu"
+
+    def seed(self) -> int:
+        return self.rng.randrange(1 << 31)
+
+    def contract(self) -> dict[str, Any]:
+        spec = self.spec
+        return {"inputs": list(spec.inputs), "params": dict(spec.params),
+                "outputs": {o: t.dtype for o, t in spec.outputs.items()}, "gradients": list(spec.gradients),
+                "grad_outputs": list(spec.grad_outputs), "result_dtypes": result_dtypes(spec)}
+
+    def runner(self) -> Remote:
+        if self.remote is None or self.remote.dead:
+            if self.remote is not None:
+                self.remote.close()
+            scratch = Path(tempfile.mkdtemp(prefix="run-", dir=sandbox.runners_root()))
+            self.remote = Remote(self.source, scratch, self.cuda, self.judge.zygote(), int(self.timeout_s) + 600)
+        return self.remote
+
+    def request(self, header: dict[str, Any], blobs: Sequence[bytes | memoryview] = (),
+                max_bytes: int = 0) -> dict[str, Any]:
+        """A runner request within what is left of the check's time budget."""
+        left = self.timeout_s - self.runner_s
+        t0 = time.monotonic()
+        try:
+            return self.runner().request(header, blobs, timeout=max(left, 0.001), max_bytes=max_bytes)
+        except RunnerTimeout as e:
+            raise CandidateError(f"timed out after {self.timeout_s:.0f} s (killed): an infinite loop, a hang "
+                                 "or a deadlock in the program; forward/backward must be straight-line "
+                                 "catalogue calls", log=e.log) from None
+        finally:
+            self.runner_s += time.monotonic() - t0
+
+    def load(self, tag: str, lowering: str) -> None:
+        """Load the program in the runner under its own time limit."""
+        header = {"op": "load", "tag": tag, "lowering": lowering, "source": self.source,
+                  "contract": self.contract()}
+        try:
+            self.runner().request(header, timeout=self.load_timeout_s)
+        except RunnerTimeout as e:
+            raise CandidateError(f"loading the program took longer than {self.load_timeout_s:.0f} s (killed): "
+                                 "module-level code runs once at import and must be declarations and "
+                                 "constants, not computation", log=e.log) from None
+
+    def close(self) -> None:
+        if self.remote is not None:
+            self.remote.close()
+            self.remote = None
+
+
+class Judge:
+    def __init__(self, emit: Callable[[dict[str, Any]], None], zygote: Zygote | None):
+        self.emit = emit
+        self._zygote = zygote
+        self.broken = False  # a CUDA error poisoned this process: finish the check, then exit
+
+    def zygote(self) -> Zygote | None:
+        """The runner zygote, on a machine without CUDA (:mod:`.zygote`)."""
+        if torch.cuda.is_available():
+            return None
+        if self._zygote is None:
+            self._zygote = Zygote()
+        return self._zygote
+
+    def close(self) -> None:
+        if self._zygote is not None:
+            self._zygote.close()
+
+    def check(self, n: int, req: dict[str, Any]) -> None:
+        from coda_agent.verifier.stages import STAGE_FUNCTIONS
+
+        check = None
+        versions: dict[str, str] = {}
+        try:
+            check = Check(self, req)
+            for stage in req["stages"]:
+                self.emit({"check": n, "start": stage})
+                res = self._stage(n, check, stage, STAGE_FUNCTIONS[stage])
+                self.emit({"check": n, "result": res.model_dump()})
+                if res.status in ("failed", "error"):
+                    break
+            if check.remote is not None:
+                versions["sandbox"] = check.remote.walls
+        except Exception as e:  # noqa: BLE001 - the task or the request is unusable: the harness's problem
+            self.emit({"check": n, "result": StageResult(
+                name=req["stages"][0], status="error", message=f"the judge could not start the check: "
+                f"{type(e).__name__}: {e}", log=traceback.format_exc()[-4000:]).model_dump()})
+        finally:
+            if check is not None:
+                check.close()
+            if torch.cuda.is_available() and torch.cuda.is_initialized() and not self.broken:
+                torch.cuda.empty_cache()
+        self.emit({"check": n, "done": {"versions": versions}})
+
+    def _stage(self, n: int, check: Check, stage: str, fn: Callable[[Check], StageResult]) -> StageResult:
+        t0 = time.perf_counter()
+        waited = 0.0
+        try:
+            if stage in GPU_STAGES:
+                self.emit({"check": n, "waiting": stage})
+                with gpu_lock(stage) as w:
+                    waited = w[0]
+                    self.emit({"check": n, "waited": round(waited, 3)})
+                    res = fn(check)
+                    torch.cuda.synchronize()
+                    torch.cuda.empty_cache()  # a neighbour waiting for the lock needs the memory
+            else:
+                res = fn(check)
+        except CandidateError as e:
+            res = StageResult(name=stage, status="failed", message=e.message, line=e.line, log=e.log)
+        except torch.OutOfMemoryError as e:
+            res = StageResult(name=stage, status="failed", message=(
+                "the GPU ran out of memory while the judge checked the program (the judge sizes its checks "
+                "to the device's total memory, so a program must not hold memory between calls): "
+                f"{str(e)[:300]}"))
+        except Exception as e:  # noqa: BLE001 - the judge's own failure: not the candidate's fault
+            self.broken = self.broken or "CUDA error" in str(e)
+            res = StageResult(name=stage, status="error", log=traceback.format_exc()[-4000:],
+                              message=f"verifier error in stage {stage}: {type(e).__name__}: {e}")
+        res.seconds = round(time.perf_counter() - t0 - waited, 3)
+        if waited > 0.01:
+            res.details["gpu_wait_s"] = round(waited, 2)
+        return res
+

@@ -1,0 +1,269 @@
+"""Calling a candidate program by the task's contract, inside the runner.
+
+Everything here runs in the untrusted runner process (:mod:`.runner`): it is
+the verifier's code, but once the program has run, the process may be the
+program's.  So these checks explain honest mistakes to the LLM (a result of
+the wrong dtype, an input written in place, PyTorch compute outside the
+catalogue) and guarantee nothing: the judge re-checks what matters from its
+side of the channel.
+
+A :class:`Contract` is what the runner knows of the task: the names of the
+inputs and params (with the params' values), the results a call returns and
+their dtypes, and which inputs get gradients.  No reference, no seeds.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from dataclasses import dataclass, field
+from types import MappingProxyType, ModuleType
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from coda_agent.verifier.wire import DTYPE_NAMES
+
+MAX_LOG = 4000
+
+
+class CandidateError(Exception):
+    """The program failed in a way the stage reports as its verdict."""
+
+    def __init__(self, message: str, line: int | None = None, log: str = ""):
+        super().__init__(message)
+        self.message, self.line, self.log = message, line, log
+
+    def to_json(self) -> dict[str, Any]:
+        return {"message": self.message, "line": self.line, "log": self.log}
+
+
+@dataclass
+class Contract:
+    inputs: list[str]
+    params: dict[str, Any]
+    outputs: dict[str, str]  # name -> declared dtype
+    gradients: list[str]  # inputs that get a gradient d<input>
+    grad_outputs: list[str]  # outputs whose upstream gradient d<output> backward receives
+    result_dtypes: dict[str, list[str]] = field(default_factory=dict)  # what each result may be
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> "Contract":
+        return cls(**obj)
+
+
+def trim(text: str, limit: int = MAX_LOG) -> str:
+    return text if len(text) <= limit else text[:limit // 4] + "\n...\n" + text[-3 * limit // 4:]
+
+
+def candidate_error(e: BaseException, name: str, doing: str) -> CandidateError:
+    """``e`` as the program's failure, with the program's own line when the traceback has one."""
+    line = getattr(e, "line", None)
+    if line is None and isinstance(e, SyntaxError):
+        line = e.lineno
+    frames = [(f, n) for f, n in traceback.walk_tb(e.__traceback__) if name in f.f_code.co_filename]
+    if line is None and frames:
+        line = frames[-1][1]
+    where = f" (line {line})" if line else ""
+    tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+    return CandidateError(f"{doing} raised {type(e).__name__}: {e}{where}", line, trim(tb))
+
+
+def load(source: str, tag: str) -> ModuleType:
+    from coda_agent.primitives import load_program
+
+    name = f"candidate_{tag}"
+    try:
+        return load_program(source, name)
+    except Exception as e:  # noqa: BLE001 - the candidate's failure, reported with its line
+        raise candidate_error(e, name, "loading the program") from None
+
+
+def call(contract: Contract, mod: ModuleType, inputs: dict[str, torch.Tensor],
+         grads: dict[str, torch.Tensor] | None, audit: "TorchAudit | None" = None) -> dict[str, Any]:
+    """forward (+ backward): the outputs and ``d<input>`` gradients in one dict."""
+    name = mod.__file__
+    try:
+        with audit or _nullcontext():
+            outs = mod.forward(**inputs, **contract.params)
+    except Exception as e:  # noqa: BLE001
+        raise candidate_error(e, name, "forward") from None
+    if not isinstance(outs, dict):
+        raise CandidateError(f"forward returned {type(outs).__name__}; return a dict with "
+                             f"{sorted(contract.outputs)}")
+    missing = [o for o in contract.outputs if o not in outs]
+    if missing:
+        raise CandidateError(f"forward's returned dict lacks {missing}; it must hold every task output "
+                             f"{sorted(contract.outputs)} (extra entries are saved state for backward)")
+    result = {o: outs[o] for o in contract.outputs}
+    if grads is not None:
+        saved = MappingProxyType({**inputs, **contract.params, **outs})
+        try:
+            with audit or _nullcontext():
+                back = mod.backward(saved, **grads)
+        except Exception as e:  # noqa: BLE001
+            raise candidate_error(e, name, "backward") from None
+        wanted = [f"d{g}" for g in contract.gradients]
+        if not isinstance(back, dict):
+            raise CandidateError(f"backward returned {type(back).__name__}; return a dict with {wanted}")
+        missing = [w for w in wanted if w not in back]
+        if missing:
+            raise CandidateError(f"backward's returned dict lacks {missing}")
+        result.update({w: back[w] for w in wanted})
+    return result
+
+
+class _nullcontext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *a: Any) -> bool:
+        return False
+
+
+def check_results(contract: Contract, results: dict[str, Any], shapes: dict[str, list[int]],
+                  inputs: dict[str, torch.Tensor], grads: dict[str, torch.Tensor] | None,
+                  device: str) -> dict[str, torch.Tensor]:
+    """Every result a dense, contiguous tensor of the declared dtype and shape on ``device``,
+    sharing memory with no input and no other result; an upstream gradient may be returned
+    as it is (a residual connection's gradient, as autograd passes it)."""
+    for name, t in results.items():
+        allowed = contract.result_dtypes[name]
+        if type(t) is not torch.Tensor:
+            raise CandidateError(f"`{name}` is a {type(t).__module__}.{type(t).__name__}, not a torch.Tensor: "
+                                 "return the tensor a catalogue call produced")
+        if t.device.type != device or t.is_meta:
+            raise CandidateError(f"`{name}` is on {t.device}; results live on {device}")
+        if t.layout != torch.strided or t.is_sparse:
+            raise CandidateError(f"`{name}` has layout {t.layout}; results are dense tensors")
+        if DTYPE_NAMES.get(t.dtype) not in allowed:
+            raise CandidateError(f"`{name}` is {DTYPE_NAMES.get(t.dtype, t.dtype)}; the task declares "
+                                 f"{' or '.join(allowed)}: produce it in that dtype (an epilogue output's dtype, "
+                                 "gemm's out_dtype)")
+        if list(t.shape) != shapes[name]:
+            raise CandidateError(f"`{name}` has shape {list(t.shape)}; the task declares {shapes[name]}")
+        if not t.is_contiguous():
+            raise CandidateError(f"`{name}` is a non-contiguous view (strides {list(t.stride())}): results "
+                                 "must be dense row-major tensors; a transposed or sliced view is not one")
+    passthrough = {id(g) for g in (grads or {}).values()}
+    owners = [(f"the input `{k}`", v) for k, v in {**inputs, **(grads or {})}.items()]
+    seen: list[tuple[str, torch.Tensor]] = []
+    for name, t in results.items():
+        for who, other in owners + seen:
+            if id(t) in passthrough and other is t:
+                continue
+            if _overlap(t, other):
+                raise CandidateError(f"`{name}` shares memory with {who}: every result must be a tensor of "
+                                     "its own (only an upstream gradient may be returned as it is)")
+        seen.append((f"the result `{name}`", t))
+    return results
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.device != b.device or a.numel() == 0 or b.numel() == 0:
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
+# --------------------------------------------------------------------------- PyTorch calls
+
+# Metadata and free views a program may touch on a tensor directly.
+_TORCH_OK = {"shape", "dtype", "device", "ndim", "T", "mT", "t", "size", "dim", "view", "is_cuda",
+             "__get__", "__len__", "__iter__", "__format__", "__repr__"}
+
+
+def _basic_index(index: Any) -> bool:
+    """Ints, slices, None and ... only: a free view (``x[r0:r1]``), not a gather."""
+    items = index if isinstance(index, tuple) else (index,)
+    return all(i is None or i is Ellipsis or isinstance(i, (int, slice)) for i in items)
+
+
+class TorchAudit(TorchFunctionMode):
+    """Records PyTorch calls whose nearest Python caller is the program's own
+    forward/backward (not an @epilogue body the catalogue traces, not the
+    catalogue itself): tensor arithmetic an AST cannot tell from int math."""
+
+    def __init__(self, program_file: str, epilogue_names: set[str]):
+        super().__init__()
+        self.program_file = program_file
+        self.epilogue_names = epilogue_names
+        self.calls: list[tuple[int, str]] = []
+        self._torch_dir = torch.__file__.rsplit("/", 1)[0]
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        name = getattr(func, "__name__", str(func))
+        if name not in _TORCH_OK and not (name == "__getitem__" and _basic_index(args[1] if len(args) > 1 else None)):
+            f = sys._getframe(1)
+            while f is not None and f.f_code.co_filename.startswith(self._torch_dir):
+                f = f.f_back
+            if f is not None and f.f_code.co_filename == self.program_file \
+                    and f.f_code.co_name not in self.epilogue_names:
+                self.calls.append((f.f_lineno, name))
+        return func(*args, **(kwargs or {}))
+
+    def verdict(self) -> CandidateError | None:
+        if not self.calls:
+            return None
+        line, name = self.calls[0]
+        ops = sorted({n for _, n in self.calls})
+        return CandidateError(f"PyTorch compute in the program at line {line} (`{name}`; in all: "
+                              f"{', '.join(ops[:8])}): forward/backward may only call catalogue "
+                              "functions; move the math into an @epilogue or use an auxiliary "
+                              "catalogue kernel", line)
+
+
+def poison_allocator() -> None:
+    """Fill the caching allocator's free memory with NaN bytes (0xFF), then free it:
+    outputs the catalogue allocates next start as NaN, so unwritten tiles show."""
+    free, _ = torch.cuda.mem_get_info()
+    big = torch.empty(int(min(free * 0.6, 32 << 30)), dtype=torch.uint8, device="cuda").fill_(0xFF)
+    small = [torch.empty(512 << 10, dtype=torch.uint8, device="cuda").fill_(0xFF) for _ in range(64)]
+    torch.cuda.synchronize()
+    del big, small
+
+
+# --------------------------------------------------------------------------- the launch audit
+
+_LAUNCH_API = ("LaunchKernel", "cuLaunch", "cudaLaunch", "Memcpy", "Memset", "memcpy", "memset")
+
+
+def profile(contract: Contract, mod: ModuleType, inputs: dict[str, torch.Tensor],
+            grads: dict[str, torch.Tensor] | None, epilogue_names: set[str]) -> dict[str, Any]:
+    """One call under torch.profiler and the launch ledger: what ran, where, and for how long."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from coda_agent.primitives import launch_ledger
+
+    call(contract, mod, inputs, grads)  # warm-up: compile and autotune outside the profile
+    torch.cuda.synchronize()
+    audit = TorchAudit(mod.__file__, epilogue_names)
+    with launch_ledger() as ledger, torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        call(contract, mod, inputs, grads, audit)
+        torch.cuda.synchronize()
+    events = list(prof.events())
+    cuda = torch.autograd.DeviceType.CUDA
+    ranges = [e for e in events if e.name.startswith("coda::") and e.device_type != cuda]
+    kernels = [e for e in events if e.device_type == cuda and not e.name.startswith("coda::")]
+    launches = [e for e in events if e.device_type != cuda and any(a in e.name for a in _LAUNCH_API)]
+    outside = []
+    for e in launches:
+        t = e.time_range.start
+        if not any(r.time_range.start <= t <= r.time_range.end for r in ranges):
+            parent = e.cpu_parent
+            while parent is not None and parent.cpu_parent is not None and not parent.name.startswith("aten::"):
+                parent = parent.cpu_parent
+            outside.append(parent.name if parent is not None else e.name)
+    # A record_function range also appears on the device timeline, spanning its kernels.
+    per_range: dict[str, float] = {}
+    for e in events:
+        if e.device_type == cuda and e.name.startswith("coda::"):
+            per_range[e.name] = per_range.get(e.name, 0.0) + (e.time_range.end - e.time_range.start) / 1e3
+    err = audit.verdict()
+    return {"ledger": [f"{entry.kind}:{entry.name}" for entry in ledger],
+            "configs": [f"{entry.name}: {entry.config}" for entry in ledger if entry.kind == "gemm"],
+            "kernels": [k.name for k in kernels][:50], "n_kernels": len(kernels),
+            "kernel_ms": {k: round(v, 4) for k, v in per_range.items()},
+            "outside": sorted(set(outside)), "torch_compute": err.to_json() if err else None}

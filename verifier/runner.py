@@ -1,0 +1,272 @@
+"""The runner: the one process in which a candidate program runs.
+
+It holds no verdict, no reference, no seeds and no path to anything the
+verdict is written on: it receives tensors on its channel (:mod:`.wire`),
+calls the program (:mod:`.program`) and sends back what the program returned,
+with timings when asked.  The judge (:mod:`.judge`) starts it behind walls
+(:mod:`.sandbox`) and believes nothing it says that the judge cannot check.
+
+Two ways in: ``python -m coda_agent.verifier.runner FD PLAN`` (a fresh
+process: the GPU path, since CUDA does not survive ``fork``), or
+:func:`serve` in a child the zygote forked (:mod:`.zygote`: the CPU path,
+which saves the catalogue's import per program).  Either way
+:func:`sandbox.enter` runs before anything untrusted.
+
+On the CPU tensors travel as bytes.  On the GPU the runner owns every buffer
+that crosses: ``alloc`` makes the input buffers the judge fills, results stay
+alive in numbered slots until the judge ``release``s them, and both are
+described by CUDA IPC handles (:mod:`.cuda_ipc`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import hashlib
+import json
+import os
+import socket
+import sys
+import time
+from typing import Any, Callable
+
+import torch
+
+from coda_agent.verifier import cuda_ipc, sandbox
+from coda_agent.verifier import program as prog
+from coda_agent.verifier.program import CandidateError, Contract
+from coda_agent.verifier.wire import TORCH_DTYPES, Channel, PeerGone, describe, tensor_bytes, tensor_from_blob
+
+MAX_REQUEST_BYTES = 1 << 34  # what the judge may send (it is trusted; this is a sanity bound)
+FLUSH_BYTES = 256 << 20  # written before each timed call: the H200's L2 is 60 MiB
+
+
+class State:
+    def __init__(self, device: str):
+        self.device = device
+        self.contract: Contract | None = None
+        self.programs: dict[str, tuple[Any, str, set[str]]] = {}  # tag -> (module, lowering, epilogue fns)
+        self.buffers: dict[int, dict[str, torch.Tensor]] = {}
+        self.slots: dict[int, dict[str, torch.Tensor]] = {}
+        self.flush: torch.Tensor | None = None
+
+
+# --------------------------------------------------------------------------- requests
+
+def _load(st: State, req: dict, blobs: list[bytes]) -> tuple[dict, list]:
+    from coda_agent.primitives import lowering
+    from coda_agent.verifier.static import epilogue_function_names
+
+    st.contract = Contract.from_json(req["contract"])
+    with lowering(req["lowering"]):
+        mod = prog.load(req["source"], req["tag"])
+    st.programs[req["tag"]] = (mod, req["lowering"], _epilogues(req["source"], epilogue_function_names))
+    return {"loaded": req["tag"]}, []
+
+
+def _epilogues(source: str, names: Callable[[str], set[str]]) -> set[str]:
+    try:
+        return names(source)
+    except SyntaxError:
+        return set()
+
+
+def _tensors(st: State, req: dict, blobs: list[bytes]) -> tuple[dict[str, torch.Tensor], dict | None]:
+    """The call's inputs and upstream gradients: from the blobs (CPU) or a buffer set (GPU)."""
+    if "set" in req:
+        bufs = st.buffers[req["set"]]
+        inputs = {k: bufs[k] for k in st.contract.inputs}
+        grads = {k: bufs[k] for k in bufs if k not in inputs} if req.get("backward") else None
+        return inputs, grads
+    items = iter(zip(req["tensors"], blobs))
+    got = {d["name"]: tensor_from_blob(b, d["dtype"], d["shape"]) for d, b in items}
+    inputs = {k: got[k] for k in st.contract.inputs}
+    grads = {k: v for k, v in got.items() if k not in inputs} if req.get("backward") else None
+    return inputs, grads
+
+
+def _run(st: State, req: dict, inputs: dict, grads: dict | None, audit: Any = None) -> dict[str, torch.Tensor]:
+    from coda_agent.primitives import lowering
+    from coda_agent.primitives.lowering import padded_lanes
+
+    mod, lowering_name, _ = st.programs[req["tag"]]
+    # padded: the reference lowering folds a ragged tile's padded lanes as the kernel does
+    with lowering(lowering_name), padded_lanes() if req.get("padded") else contextlib.nullcontext():
+        results = prog.call(st.contract, mod, inputs, grads, audit)
+    return prog.check_results(st.contract, results, req["shapes"], inputs, grads, st.device)
+
+
+def _reply_results(st: State, results: dict[str, torch.Tensor], slot: int | None) -> tuple[list[dict], list]:
+    if st.device == "cuda":
+        st.slots[slot] = results
+        return [{"name": k, **describe(v), **cuda_ipc.export(v)} for k, v in results.items()], []
+    return [{"name": k, **describe(v)} for k, v in results.items()], [tensor_bytes(v) for v in results.values()]
+
+
+def _call(st: State, req: dict, blobs: list[bytes]) -> tuple[dict, list]:
+    inputs, grads = _tensors(st, req, blobs)
+    if req.get("poison"):
+        prog.poison_allocator()
+    mod, _, epilogues = st.programs[req["tag"]]
+    audit = prog.TorchAudit(mod.__file__, epilogues) if req.get("audit") else None
+    results = _run(st, req, inputs, grads, audit)
+    if st.device == "cuda":
+        torch.cuda.synchronize()
+    descs, out = _reply_results(st, results, req.get("slot"))
+    reply: dict[str, Any] = {"results": descs}
+    if st.device == "cpu":  # the judge compares these with its own copies' digests
+        reply["digests"] = {k: hashlib.sha256(tensor_bytes(v)).hexdigest()
+                            for k, v in {**inputs, **(grads or {})}.items()}
+    if audit is not None and (err := audit.verdict()):
+        reply["torch_compute"] = err.to_json()
+    return reply, out
+
+
+def _compile(st: State, req: dict, blobs: list[bytes]) -> tuple[dict, list]:
+    from coda_agent.primitives import compile_only
+
+    st.contract = Contract.from_json(req["contract"])
+    # Shape carriers: under the compile lowering kernels depend on shapes and dtypes only.
+    # CPU tensors suffice without a GPU; with one, quack's compile path wants CUDA tensors.
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    carriers = {d["name"]: torch.empty(d["shape"], dtype=TORCH_DTYPES[d["dtype"]], device=device)
+                for d in req["tensors"]}
+    inputs = {k: carriers[k] for k in st.contract.inputs}
+    grads = {k: v for k, v in carriers.items() if k not in inputs} if req.get("backward") else None
+    kernels_json: list[dict] = []
+    with compile_only() as kernels:
+        try:
+            mod = prog.load(req["source"], "compile")
+            prog.call(st.contract, mod, inputs, grads)
+        except CandidateError as e:
+            e.log = prog.trim("\n".join(k.log for k in kernels if k.log) + "\n" + e.log)
+            raise
+        for k in kernels:
+            sass = vars(k.sass) if k.sass is not None else None
+            kernels_json.append({"epilogue": k.epilogue, "config": k.config, "seconds": round(k.seconds, 2),
+                                 "log": prog.trim(k.log), "sass": sass})
+    return {"kernels": kernels_json}, []
+
+
+def _profile(st: State, req: dict, blobs: list[bytes]) -> tuple[dict, list]:
+    from coda_agent.primitives import lowering
+
+    inputs, grads = _tensors(st, req, blobs)
+    mod, lowering_name, epilogues = st.programs[req["tag"]]
+    with lowering(lowering_name):
+        return prog.profile(st.contract, mod, inputs, grads, epilogues), []
+
+
+def _alloc(st: State, req: dict, blobs: list[bytes]) -> tuple[dict, list]:
+    bufs = {d["name"]: torch.empty(d["shape"], dtype=TORCH_DTYPES[d["dtype"]], device="cuda")
+            for d in req["tensors"]}
+    st.buffers[req["set"]] = bufs
+    torch.cuda.synchronize()
+    return {"buffers": {k: cuda_ipc.export(v) for k, v in bufs.items()}}, []
+
+
+def _free(st: State, req: dict, blobs: list[bytes]) -> tuple[dict, list]:
+    st.buffers.pop(req["set"], None)
+    st.slots.clear()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # the next shape set, and the judge, need the memory back
+    return {"freed": req["set"]}, []
+
+
+def _release(st: State, req: dict, blobs: list[bytes]) -> tuple[dict, list]:
+    for slot in req["slots"]:
+        st.slots.pop(slot, None)
+    return {"released": len(req["slots"])}, []
+
+
+def _time(st: State, req: dict, blobs: list[bytes]) -> tuple[dict, list]:
+    """One timed call: L2 flushed, then a spin longer than the host needs to enqueue the
+    call (the judge sets it), CUDA events around the call, the device synchronized."""
+    from coda_agent.primitives.timing import _cycles_per_ms
+
+    if st.flush is None:
+        st.flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    inputs, grads = _tensors(st, req, blobs)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    st.flush.fill_(1)
+    torch.cuda._sleep(int(req["spin_ms"] * _cycles_per_ms()))
+    start.record()
+    results = _run(st, req, inputs, grads)
+    end.record()
+    torch.cuda.synchronize()
+    descs, _ = _reply_results(st, results, req["slot"])
+    return {"ms": start.elapsed_time(end), "results": descs}, []
+
+
+def _block(st: State, req: dict, blobs: list[bytes]) -> tuple[dict, list]:
+    """Calls back to back on the given buffer sets, the device synchronized before and after:
+    the judge times this from outside with its own clock."""
+    torch.cuda.synchronize()
+    kept = []
+    for set_id, slot in zip(req["sets"], req["slots"]):
+        inputs, grads = _tensors(st, {**req, "set": set_id}, blobs)
+        kept.append((slot, _run(st, req, inputs, grads)))
+    torch.cuda.synchronize()
+    return {"results": [_reply_results(st, r, slot)[0] for slot, r in kept]}, []
+
+
+def _enqueue(st: State, req: dict, blobs: list[bytes]) -> tuple[dict, list]:
+    from coda_agent.primitives.timing import enqueue_ms
+
+    inputs, grads = _tensors(st, req, blobs)
+    ms = enqueue_ms(lambda: _run(st, req, inputs, grads))
+    return {"host_ms": ms}, []
+
+
+def _ping(st: State, req: dict, blobs: list[bytes]) -> tuple[dict, list]:
+    return {"pong": True}, []
+
+
+OPS: dict[str, Callable[[State, dict, list[bytes]], tuple[dict, list]]] = {
+    "load": _load, "call": _call, "compile": _compile, "profile": _profile, "alloc": _alloc, "free": _free,
+    "release": _release, "time": _time, "block": _block, "enqueue": _enqueue, "ping": _ping}
+
+
+# --------------------------------------------------------------------------- the process
+
+def serve(channel: Channel, walls: sandbox.Walls, device: str) -> None:
+    """Answer the judge's requests until it closes the channel."""
+    st = State(device)
+    channel.send({"ready": True, "walls": walls.describe(), "pid": os.getpid(), "device": device})
+    while True:
+        try:
+            req, blobs = channel.recv(None, MAX_REQUEST_BYTES)
+        except PeerGone:
+            return
+        t0 = time.perf_counter()
+        try:
+            reply, out = OPS[req["op"]](st, req, blobs)
+        except CandidateError as e:
+            reply, out = {"error": e.to_json()}, []
+        except Exception as e:  # noqa: BLE001 - whatever broke, the judge decides what it means
+            reply, out = {"error": prog.candidate_error(e, "candidate_", f"the runner's `{req.get('op')}`")
+                          .to_json()}, []
+        reply["runner_s"] = round(time.perf_counter() - t0, 4)
+        channel.send(reply, out)
+
+
+def start(channel_fd: int, plan: sandbox.Plan, keep: tuple[int, ...]) -> None:
+    """Enter the walls, then serve; a runner that cannot build its walls says so and exits."""
+    channel = Channel(socket.socket(fileno=channel_fd))
+    try:
+        walls = sandbox.enter(plan, keep_fds=(channel_fd, *keep))
+    except sandbox.SandboxError as e:
+        channel.send({"ready": False, "error": str(e)})
+        return
+    serve(channel, walls, "cuda" if plan.cuda else "cpu")
+
+
+def main(argv: list[str]) -> int:
+    fd, plan = int(argv[0]), sandbox.Plan(**json.loads(argv[1]))
+    start(fd, plan, keep=())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,318 @@
+"""The runner's walls: what a candidate program can reach once it runs.
+
+The judge plans each runner (:func:`plan_for`, :func:`runner_env`); the
+runner calls :func:`enter` first thing, before it loads a program.  Layers,
+each applied where the machine allows it and reported back
+(``Report.versions["sandbox"]``):
+
+1. **Always** (any machine, any user): a clean environment built from an
+   allow-list (no API keys, no ``CODA_*`` markers, no inherited secrets); a
+   fresh empty working directory that is also ``HOME`` and ``TMPDIR``; no file
+   descriptor but its channel to the judge and its log pipe; a session of its
+   own (the judge kills the whole group); resource limits: no core files,
+   caps on file size, open files and CPU seconds (a backstop behind the
+   judge's wall-clock limits), and on the address space where no CUDA needs
+   its large reservations.
+2. **Namespaces** (``unshare(2)``; needs root): a private network namespace
+   (nothing but a down loopback) and a private mount namespace in which every
+   file system is read-only, /proc and /dev included (device nodes, the GPU's,
+   still open read-write), except the scratch directory and the program's own
+   kernel cache; /dev/shm, /dev/pts and /dev/mqueue stay as they are.  No PID
+   or IPC namespace: legacy CUDA IPC between judge and runner needs both
+   shared.
+3. **No privileges** (needs root to give them up): the bounding set emptied,
+   root's special treatment locked off (securebits), every capability
+   dropped, ``no_new_privs``, non-dumpable; and, where the GPU device nodes
+   and the Python installation are world-accessible, a uid/gid of the
+   program's own (derived from its digest) with no supplementary groups.
+   Without capabilities the runner cannot undo its mounts, and the judge,
+   the zygote and the harness are non-dumpable too, so it cannot ptrace or
+   read the memory of any of them.
+
+What this guarantees: with all three, a program that escapes every Python
+rule can compute, waste its own time and memory, write its scratch directory
+and its kernel cache, and lie on its channel; the verdict depends on nothing
+it can reach.  If it keeps uid 0 (the Python installation is under a private
+home directory, as on the machine the tests run on) it can still read what
+root can read (and put it in an error message: keep secrets out of files on
+verifier machines) and signal root's processes: killing the judge mid-stage
+is a rejection (:mod:`.harness`), but it could kill other processes of the
+machine.  With layer 1 alone (``CODA_SANDBOX=none``, or a harness that does
+not run as root) the program runs as the judge's user, unconfined: it could
+overwrite files others read later (cached verdicts are signed, :mod:`.cache`,
+with a key that user can read) or interfere with other processes.  The
+judge's checks still decide the verdict of the program itself.
+
+``CODA_SANDBOX``: ``auto`` (default: every layer the machine allows), ``uid``
+(layers 1 and 3: for a machine where CUDA misbehaves inside namespaces) or
+``none`` (layer 1).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import resource
+import shutil
+import stat
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+MODES = ("auto", "uid", "none")
+
+# Environment variables a runner may inherit (values from the judge's environment).
+INHERITED_ENV = ("PATH", "LANG", "LC_ALL", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "LD_LIBRARY_PATH",
+                 "CUTE_DSL_ARCH", "QUACK_ARCH")
+# The runner's kernel caches, relative to its scratch directory (quack reads its variable at
+# import, so a runner forked from the zygote finds its own), and one intra-op thread: the
+# runner and the judge take turns, and idle OpenMP threads spinning in one starve the other
+# (measured on 2 cores: a reference stage 15x slower with the default).  The compile stage's
+# cubins go to a temporary directory of each compile's own (primitives/dsl_scope.py), in
+# the runner's TMPDIR.
+RUNNER_ENV = {"QUACK_CACHE_DIR": "kernels/quack", "TRITON_CACHE_DIR": "kernels/triton", "OMP_NUM_THREADS": "1"}
+UID_BASE = 1_500_000_000  # runner uids: UID_BASE + 24 bits of the program's digest
+FILE_SIZE_LIMIT = 1 << 30  # bytes one runner may write to one file (cubins, kernel objects)
+OPEN_FILES_LIMIT = 4096
+CPU_ADDRESS_SPACE = 24 << 30  # RLIMIT_AS without CUDA (an sm_90a compile stays far below it)
+
+# mount(2) and unshare(2) flags, prctl(2) options
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 1, 2, 4, 8
+_MS_REMOUNT, _MS_BIND, _MS_REC, _MS_PRIVATE = 32, 4096, 16384, 1 << 18
+_OPTION_FLAGS = {"nosuid": _MS_NOSUID, "nodev": _MS_NODEV, "noexec": _MS_NOEXEC,
+                 "noatime": 1024, "nodiratime": 2048, "relatime": 1 << 21}
+_CLONE_NEWNS, _CLONE_NEWNET = 0x00020000, 0x40000000
+_PR_SET_DUMPABLE, _PR_CAPBSET_DROP, _PR_SET_SECUREBITS, _PR_SET_NO_NEW_PRIVS, _PR_CAP_AMBIENT = 4, 24, 28, 38, 47
+_SECBITS_LOCKED_NOROOT = 0xEF  # noroot, no setuid fixup, no ambient raise, all locked (keep_caps off)
+_LINUX_CAPABILITY_VERSION_3 = 0x20080522
+_UNTOUCHED = ("/dev/shm", "/dev/pts", "/dev/mqueue")  # mounts left as they are
+
+
+class SandboxError(RuntimeError):
+    """A wall the plan asks for could not be built; the runner must not run the program."""
+
+
+@dataclass
+class Plan:
+    """What the judge asks for one runner (sent to it as JSON)."""
+
+    namespaces: bool
+    scratch: str  # the fresh working directory (HOME, TMPDIR)
+    writable: list[str] = field(default_factory=list)  # other directories left writable (the kernel cache)
+    uid: int | None = None  # None: keep the judge's user
+    drop_privileges: bool = False  # give up root's capabilities (as uid, when one is set)
+    cpu_seconds: int = 3600
+    cuda: bool = False
+
+
+@dataclass
+class Walls:
+    """What :func:`enter` built, as the runner reports it."""
+
+    network: bool = False
+    read_only: bool = False
+    uid: int | None = None
+    capabilities: bool = True
+    address_space: bool = False
+
+    def describe(self) -> str:
+        parts = ["clean env", "no network" if self.network else "network",
+                 "read-only fs" if self.read_only else "writable fs",
+                 f"uid {self.uid}" if self.uid is not None else "the judge's uid",
+                 "capabilities" if self.capabilities else "no capabilities"]
+        return ", ".join(parts)
+
+
+def mode() -> str:
+    value = os.environ.get("CODA_SANDBOX") or "auto"
+    if value not in MODES:
+        raise SandboxError(f"CODA_SANDBOX={value!r}: choose one of {', '.join(MODES)}")
+    return value
+
+
+def program_uid(source: str) -> int:
+    """A uid of the program's own: the same program always runs as the same stranger."""
+    return UID_BASE + int(hashlib.sha256(source.encode()).hexdigest()[:6], 16)
+
+
+def runners_root() -> Path:
+    """Where runners' directories live: traversable by any uid (0711), listable by none."""
+    root = Path(tempfile.gettempdir()) / "coda-runners"
+    root.mkdir(mode=0o711, exist_ok=True)
+    return root
+
+
+KERNEL_CACHE_DAYS = 7  # a program's kernel cache unused this long is removed
+
+
+def kernel_cache_dir(source: str) -> Path:
+    """The program's own kernel caches (quack, Triton): only runners of the same source share
+    them, so a program can poison nothing but its own later runs."""
+    return runners_root() / "kernels" / hashlib.sha256(source.encode()).hexdigest()[:24]
+
+
+def prune_kernel_caches(now: float) -> None:
+    """Remove the kernel caches of programs not verified for :data:`KERNEL_CACHE_DAYS` (every
+    candidate an LLM writes leaves one)."""
+    for d in (runners_root() / "kernels").glob("*"):
+        try:
+            if now - d.stat().st_mtime > KERNEL_CACHE_DAYS * 86400:
+                shutil.rmtree(d, ignore_errors=True)
+        except FileNotFoundError:
+            pass
+
+
+def plan_for(source: str, scratch: Path, cuda: bool, cpu_seconds: int) -> Plan:
+    """The walls this machine allows for a runner of ``source``; creates its directories."""
+    m = mode()
+    root = os.geteuid() == 0
+    uid = program_uid(source) if m != "none" and root and _strangers_can_run(cuda) else None
+    kernels = kernel_cache_dir(source)
+    (kernels.parent).mkdir(mode=0o711, parents=True, exist_ok=True)
+    for d in (scratch, kernels):
+        d.mkdir(mode=0o700, exist_ok=True)
+        os.utime(d)  # in use (prune_kernel_caches)
+        if root:  # the runner's own, whoever it runs as (a program may have run under another plan before)
+            _chown_tree(d, uid if uid is not None else 0)
+    return Plan(namespaces=m == "auto" and root, scratch=str(scratch), writable=[str(kernels)], uid=uid,
+                drop_privileges=m != "none" and root, cpu_seconds=cpu_seconds, cuda=cuda)
+
+
+def _strangers_can_run(cuda: bool) -> bool:
+    """Another uid can open the GPU and read the Python installation this runner imports."""
+    if cuda:
+        nodes = [p for p in Path("/dev").glob("nvidia*") if not p.is_dir()]
+        if not all(p.stat().st_mode & (stat.S_IROTH | stat.S_IWOTH) == stat.S_IROTH | stat.S_IWOTH
+                   for p in nodes):
+            return False
+    for entry in [p for p in sys.path if p and os.path.isdir(p)]:
+        path = Path(entry).resolve()
+        for d in [path, *path.parents]:
+            if not d.stat().st_mode & stat.S_IXOTH:
+                return False
+    return True
+
+
+def _chown_tree(top: Path, uid: int) -> None:
+    if top.stat().st_uid == uid:
+        return
+    os.chown(top, uid, uid)
+    for dirpath, dirnames, filenames in os.walk(top):
+        for name in dirnames + filenames:
+            os.chown(os.path.join(dirpath, name), uid, uid, follow_symlinks=False)
+
+
+def runner_env(plan: Plan, extra: dict[str, str]) -> dict[str, str]:
+    """The runner's whole environment: the allow-list, the scratch paths and ``extra``."""
+    env = {k: os.environ[k] for k in INHERITED_ENV if k in os.environ}
+    env.update(HOME=plan.scratch, TMPDIR=plan.scratch, XDG_CACHE_HOME=os.path.join(plan.scratch, ".cache"),
+               PYTHONPATH=os.pathsep.join(p for p in sys.path if p), PYTHONDONTWRITEBYTECODE="1",
+               PYTHONUNBUFFERED="1",
+               PYTORCH_CUDA_ALLOC_CONF="expandable_segments:False")  # CUDA IPC cannot export those
+    env.update(extra)
+    return env
+
+
+# --------------------------------------------------------------------------- inside the runner
+
+def enter(plan: Plan, keep_fds: tuple[int, ...]) -> Walls:
+    """Build the walls around the current process.  Raises :class:`SandboxError` when a
+    layer the plan asks for fails: a runner without its promised walls must not run."""
+    _close_except(keep_fds)
+    if os.getsid(0) != os.getpid():
+        os.setsid()
+    walls = Walls(address_space=_limits(plan))
+    if plan.namespaces:
+        _namespaces(plan)
+        walls.network = walls.read_only = True
+    os.chdir(plan.scratch)  # after the bind mounts: a directory entered before stays on the read-only mount
+    if plan.drop_privileges:
+        _drop_capabilities(plan.uid)
+        walls.capabilities = False
+        walls.uid = plan.uid
+    libc = _libc()
+    _check(libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
+    _check(libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0), "prctl(PR_SET_DUMPABLE)")  # other runners may not ptrace it
+    return walls
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+
+def _drop_capabilities(uid: int | None) -> None:
+    """Give up root's powers for good: the bounding set, then (as ``uid`` if given) every
+    capability, with root's special treatment locked off so that no exec brings them back."""
+    libc = _libc()
+    for cap in range(64):  # EINVAL past the kernel's last capability
+        libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0)
+    libc.prctl(_PR_CAP_AMBIENT, 4, 0, 0, 0)  # PR_CAP_AMBIENT_CLEAR_ALL
+    _check(libc.prctl(_PR_SET_SECUREBITS, _SECBITS_LOCKED_NOROOT, 0, 0, 0), "prctl(PR_SET_SECUREBITS)")
+    if uid is not None:
+        try:
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+        except OSError as e:
+            raise SandboxError(f"cannot drop to uid {uid}: {e}") from None
+    empty = (_CapData * 2)()
+    _check(libc.capset(ctypes.byref(_CapHeader(_LINUX_CAPABILITY_VERSION_3, 0)), empty), "capset(none)")
+
+
+def _close_except(keep: tuple[int, ...]) -> None:
+    lo = 3
+    for fd in sorted(k for k in keep if k >= 3):
+        os.closerange(lo, fd)
+        lo = fd + 1
+    os.closerange(lo, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+
+
+def _limits(plan: Plan) -> bool:
+    limits = [(resource.RLIMIT_CORE, 0), (resource.RLIMIT_FSIZE, FILE_SIZE_LIMIT),
+              (resource.RLIMIT_NOFILE, OPEN_FILES_LIMIT), (resource.RLIMIT_CPU, plan.cpu_seconds)]
+    if not plan.cuda:  # CUDA reserves terabytes of address space up front
+        limits.append((resource.RLIMIT_AS, CPU_ADDRESS_SPACE))
+    for which, value in limits:
+        hard = resource.getrlimit(which)[1]
+        value = value if hard == resource.RLIM_INFINITY else min(value, hard)
+        resource.setrlimit(which, (value, value))
+    return not plan.cuda
+
+
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        raise SandboxError(f"{what} failed: {os.strerror(ctypes.get_errno())}")
+
+
+def _namespaces(plan: Plan) -> None:
+    libc = _libc()
+    _check(libc.unshare(_CLONE_NEWNS | _CLONE_NEWNET), "unshare(network, mount)")
+    _check(libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None), "making the mount tree private")
+    writable = [os.path.realpath(p) for p in [plan.scratch, *plan.writable]]
+    for path in writable:  # each its own mount, so the read-only remounts below pass them by
+        _check(libc.mount(path.encode(), path.encode(), None, _MS_BIND | _MS_REC, None), f"binding {path}")
+    for point, options in _mounts():
+        if point in writable or any(point == u or point.startswith(u + "/") for u in _UNTOUCHED):
+            continue
+        flags = _MS_REMOUNT | _MS_BIND | _MS_RDONLY | sum(f for o, f in _OPTION_FLAGS.items() if o in options)
+        if libc.mount(None, point.encode(), None, flags, None) != 0 and "ro" not in options:
+            raise SandboxError(f"remounting {point} read-only failed: {os.strerror(ctypes.get_errno())}")
+
+
+def _mounts() -> list[tuple[str, set[str]]]:
+    """(mount point, per-mount options) of this mount namespace."""
+    out = []
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        fields = line.split()
+        out.append((fields[4].encode().decode("unicode_escape"), set(fields[5].split(","))))
+    return out

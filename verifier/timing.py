@@ -1,0 +1,313 @@
+"""Stage 6, performance: timing the program cannot steer, and speed in the verdict.
+
+The program runs in the runner; the baselines (the plain GEMMs of the task's
+shapes, eager and torch.compile of the reference) run in the judge.  On the
+largest named shape set that fits the device:
+
+1. **Input sets rotate**: the judge draws :data:`INPUT_SETS` sets with fresh
+   seeds, and every timed call takes one at random, so a result cached from
+   an earlier call is wrong for the next (counting calls or reading the clock
+   to tell "being timed" from "being checked" buys nothing).
+2. **Per-call timing** (the project's method, ``primitives.timing.measure_each``):
+   every round times each contender once in a fresh random order, each call
+   after an L2 flush and a spin longer than the host needs to enqueue it,
+   with CUDA events and the device synchronised around it.  For the program
+   the runner takes these times, so they are its claim.
+3. **Wall-clock blocks, the judge's own clock**: each contender also runs
+   blocks of calls back to back, the device synchronised before and after
+   (the runner's side: :func:`runner._block`), and the judge times the whole
+   request from outside.  A contender's time is the larger of its median
+   event time and its wall time per call: work on a side stream the events
+   never covered, work deferred until after the events, a timer patched to
+   report less, all land inside the judge's wall clock.  (A host-bound
+   program is measured at its host's pace there, as it runs in eager mode.)
+4. **Random results checked**: after a timed call or a block returns, the
+   judge picks calls at random (the runner cannot know which before it
+   answers) and compares their results with the reference of their input
+   set; the runner keeps every result until then.
+5. **A fresh recomputation** after timing, on a new draw.
+
+Verdict: faster than the plain GEMMs by more than :data:`IMPOSSIBLE` is a
+rejection (a fused epilogue cannot beat its own GEMMs: some GEMM did not
+run); otherwise the stage passes when the program meets ``Target.vs_gemm``
+and ``Target.vs_compile`` and is ``slow`` when it misses either (the outcome
+``correct_slow``), with a performance report: per-catalogue-launch device
+time and configuration from one profiled call, and what is over budget.
+
+What it does not guarantee: GPU work a runner leaves running after it answers
+(after escaping Python and skipping its own synchronisation) can overlap what
+the judge does next; it is caught only by the result checks racing it.  A
+single GPU context for judge and program would close this, which CUDA does
+not offer across processes.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from statistics import median
+from typing import Any, Callable
+
+import torch
+
+from coda_agent.tasks.spec import Task
+from coda_agent.verifier.calls import Case, GpuCalls, draw_case, verdict
+from coda_agent.verifier.inputs import checked_sets, result_bytes, result_shapes, set_bytes
+from coda_agent.verifier.check import Check
+from coda_agent.verifier.program import CandidateError
+from coda_agent.verifier.report import StageResult
+from coda_agent.verifier.stages import mismatch_message
+from coda_agent.verifier.wire import TORCH_DTYPES
+
+INPUT_SETS = 3
+CHECK_FRACTION = 0.25  # chance a per-call timing's results are compared
+BLOCK_ROUNDS, BLOCK_MS, BLOCK_CALLS = 3, 20.0, (2, 16)
+BLOCK_BYTES = 8 << 30  # results a block may keep alive in the runner
+CHECKED_PER_BLOCK = 2
+IMPOSSIBLE = 0.9  # program / plain GEMMs below this: rejected
+SPIN_CAP_MS = 20.0
+PING_CAP_MS = 0.5  # what the judge grants as the channel's round trip, at most
+
+
+def _float(value: Any, what: str) -> float:
+    if type(value) not in (int, float) or not math.isfinite(value) or value < 0:
+        raise CandidateError(f"the runner reported {value!r} as {what}")
+    return float(value)
+
+
+class _Program:
+    """The program as a timed contender: requests to the runner."""
+
+    def __init__(self, check: Check, calls: GpuCalls, cases: list[Case], sets: list[int], tag: str):
+        self.check, self.calls, self.cases, self.sets, self.tag = check, calls, cases, sets, tag
+        self.backward = cases[0].grads is not None
+        self.shapes = result_shapes(check.spec, cases[0].shape_set)
+
+    def _header(self, op: str) -> dict[str, Any]:
+        return {"op": op, "tag": self.tag, "backward": self.backward, "shapes": self.shapes}
+
+    def _check(self, reply_results: Any, j: int, slot: int, where: str) -> None:
+        got = self.calls.results({"results": reply_results}, self.cases[j], slot, self.sets[j])
+        ms = verdict(self.check.spec, self.cases[j], got)
+        if ms:
+            raise CandidateError(f"{where} returned wrong results: {mismatch_message(ms)}")
+
+    def timed(self, spin_ms: float, rep: int) -> float:
+        j = self.check.rng.randrange(len(self.cases))
+        slot = self.calls.slot()
+        reply = self.check.request({**self._header("time"), "set": self.sets[j], "slot": slot,
+                                    "spin_ms": spin_ms})
+        ms = _float(reply.get("ms"), "a call's time")
+        if self.check.rng.random() < CHECK_FRACTION:
+            self._check(reply.get("results"), j, slot, f"timed call {rep + 1}")
+        else:
+            self.check.request({"op": "release", "slots": [slot]})
+        return ms
+
+    def block(self, calls: int, ping_ms: float) -> float:
+        order = [self.check.rng.randrange(len(self.cases)) for _ in range(calls)]
+        slots = [self.calls.slot() for _ in order]
+        t0 = time.perf_counter()
+        reply = self.check.request({**self._header("block"), "sets": [self.sets[j] for j in order], "slots": slots})
+        wall = (time.perf_counter() - t0) * 1e3 - ping_ms
+        results = reply.get("results")
+        if not isinstance(results, list) or len(results) != calls:
+            raise CandidateError("the runner's reply to `block` does not hold one result list per call")
+        for i in sorted(self.check.rng.sample(range(calls), min(CHECKED_PER_BLOCK, calls))):
+            self._check(results[i], order[i], slots[i], f"call {i + 1} of a block of {calls}")
+        self.check.request({"op": "release", "slots": slots})
+        return wall / calls
+
+
+class _Local:
+    """A baseline as a timed contender, in the judge."""
+
+    def __init__(self, fn: Callable[[], Any]):
+        from coda_agent.primitives.timing import SPIN_FACTOR, SPIN_FLOOR_MS, enqueue_ms
+
+        self.fn = fn
+        for _ in range(3):
+            fn()
+        self.spin_ms = min(SPIN_FACTOR * enqueue_ms(fn) + SPIN_FLOOR_MS, SPIN_CAP_MS)
+        self.flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+
+    def timed(self, spin_ms: float, rep: int) -> float:
+        from coda_agent.primitives.timing import _cycles_per_ms
+
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        self.flush.fill_(1)
+        torch.cuda._sleep(int(self.spin_ms * _cycles_per_ms()))
+        start.record()
+        self.fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end)
+
+    def block(self, calls: int, ping_ms: float) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            self.fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) * 1e3 / calls
+
+
+def _timing_set(check: Check) -> str:
+    total = torch.cuda.get_device_properties(0).total_memory
+    sets, _ = checked_sets(check.spec, check.shape_sets, total)
+    named = [s for s in sets if s in check.task.spec.shapes]
+    return max(named or sets, key=check.spec.flops)
+
+
+def _baselines(task: Task, spec: Any, case: Case, details: dict[str, Any]) -> dict[str, Callable[[], Any]]:
+    dtype = TORCH_DTYPES[next(iter(spec.inputs.values())).dtype]
+    dtype = dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+    mats = [(torch.randn(m, k, device="cuda", dtype=dtype), torch.randn(k, n, device="cuda", dtype=dtype))
+            for m, n, k in spec.gemm_shapes(case.shape_set)]
+    fns: dict[str, Callable[[], Any]] = {"gemm": lambda: [a @ b for a, b in mats]}
+    for base in spec.baselines:
+        if base in ("eager", "compile"):
+            try:
+                fns[base] = _torch_baseline(task, case, compiled=base == "compile")
+                fns[base]()  # compiles here, so a failure is the baseline's, not the timing's
+            except Exception as e:  # noqa: BLE001 - a baseline that cannot run is reported, not fatal
+                fns.pop(base, None)
+                details[f"{base}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    return fns
+
+
+def _torch_baseline(task: Task, case: Case, compiled: bool) -> Callable[[], Any]:
+    spec = task.spec
+    # dynamic=False: a judge that already compiled this reference at another shape
+    # would otherwise recompile it with dynamic shapes, a slower baseline.
+    ref = torch.compile(task.reference_fn, dynamic=False) if compiled else task.reference_fn
+    x = {k: v.detach().clone() for k, v in case.inputs.items()}
+    if not case.grads:
+        return lambda: ref(**x, **spec.params)
+    for n in spec.gradients:
+        x[n].requires_grad_(True)
+    names = spec.grad_outputs
+
+    def fwd_bwd() -> Any:
+        outs = ref(**x, **spec.params)
+        return torch.autograd.grad([outs[o] for o in names], [x[n] for n in spec.gradients],
+                                   [case.grads[f"d{o}"] for o in names], allow_unused=True)
+    return fwd_bwd
+
+
+def performance(check: Check) -> StageResult:
+    spec = check.spec
+    shape_set = _timing_set(check)
+    check.load("performance", "cute")
+    calls = GpuCalls(check, spec, "performance")
+    details: dict[str, Any] = {"reps": check.reps}
+    try:
+        cases = [draw_case(check.task, spec, shape_set, check.seed(), "cuda") for _ in range(INPUT_SETS)]
+        sets = [calls.load(case, key=i) for i, case in enumerate(cases)]
+        for case, sid in zip(cases, sets):  # warm-up (compiles, tuning lookups), and a first check
+            if ms := verdict(spec, case, calls.run(case, sid, poison=False)):
+                return StageResult(name="performance", status="failed", mismatches=ms,
+                                   message="before timing: " + mismatch_message(ms))
+        program = _Program(check, calls, cases, sets, "performance")
+        host = check.request({**program._header("enqueue"), "set": sets[0]})
+        from coda_agent.primitives.timing import SPIN_FACTOR, SPIN_FLOOR_MS
+
+        host_ms = _float(host.get("host_ms"), "the host time of a call")
+        spin_ms = min(SPIN_FACTOR * host_ms + SPIN_FLOOR_MS, SPIN_CAP_MS)
+        contenders: dict[str, Any] = {"program": program}
+        contenders.update({k: _Local(fn) for k, fn in _baselines(check.task, spec, cases[0], details).items()})
+        times = _measure(check, contenders, spin_ms, details)
+        fresh = draw_case(check.task, spec, shape_set, check.seed(), "cuda")
+        if ms := verdict(spec, fresh, calls.run(fresh, calls.load(fresh, key=0), poison=False)):
+            return StageResult(name="performance", status="failed", mismatches=ms,
+                               message="after timing, on fresh inputs: " + mismatch_message(ms))
+        details["host_ms"] = round(host_ms, 4)
+        res = _verdict(check, shape_set, times, details, cases[0], calls)
+    finally:
+        calls.close()
+    return res
+
+
+def _measure(check: Check, contenders: dict[str, Any], spin_ms: float, details: dict[str, Any]) -> dict[str, float]:
+    names = list(contenders)
+    events: dict[str, list[float]] = {n: [] for n in names}
+    for rep in range(check.reps):
+        for name in check.rng.sample(names, len(names)):
+            events[name].append(contenders[name].timed(spin_ms, rep))
+    event_ms = {n: median(v) for n, v in events.items()}
+    ping_ms = min(PING_CAP_MS, min(_ping(check) for _ in range(5)))
+    n_calls = _block_calls(check, event_ms["program"])
+    walls: dict[str, list[float]] = {n: [] for n in names}
+    for _ in range(BLOCK_ROUNDS):
+        for name in check.rng.sample(names, len(names)):
+            walls[name].append(contenders[name].block(n_calls, ping_ms if name == "program" else 0.0))
+    wall_ms = {n: median(v) for n, v in walls.items()}
+    details["event_ms"] = {n: round(v, 4) for n, v in event_ms.items()}
+    details["wall_ms"] = {n: round(v, 4) for n, v in wall_ms.items()}
+    details["block_calls"] = n_calls
+    return {n: max(event_ms[n], wall_ms[n]) for n in names}
+
+
+def _ping(check: Check) -> float:
+    t0 = time.perf_counter()
+    check.request({"op": "ping"})
+    return (time.perf_counter() - t0) * 1e3
+
+
+def _block_calls(check: Check, program_ms: float) -> int:
+    per_call = max(result_bytes(check.spec, _timing_set(check)), 1)
+    lo, hi = BLOCK_CALLS
+    n = math.ceil(BLOCK_MS / max(program_ms, 1e-3))
+    return max(lo, min(hi, n, BLOCK_BYTES // per_call))
+
+
+def _verdict(check: Check, shape_set: str, times: dict[str, float], details: dict[str, Any], case: Case,
+             calls: GpuCalls) -> StageResult:
+    spec = check.spec
+    t_prog, t_gemm = times["program"], times["gemm"]
+    flops = spec.flops(shape_set)
+    details["shape_set"] = shape_set
+    details["ms"] = {k: round(v, 4) for k, v in times.items()}
+    details["tflops"] = round(flops / (t_prog * 1e-3) / 1e12, 1)
+    details["gbytes_per_s"] = round(set_bytes(spec, shape_set) / (t_prog * 1e-3) / 1e9, 1)
+    ratio = t_prog / t_gemm
+    details["vs_gemm"] = round(ratio, 3)
+    details["target_vs_gemm"] = spec.target.vs_gemm
+    details["target_vs_compile"] = spec.target.vs_compile
+    if "compile" in times:
+        details["compile_speedup"] = round(times["compile"] / t_prog, 3)
+    summary = (f"{t_prog:.3f} ms on {shape_set} = {ratio:.2f}x the plain GEMMs ({t_gemm:.3f} ms; target <= "
+               f"{spec.target.vs_gemm})" + (f", torch.compile {times['compile']:.3f} ms = "
+                                             f"{details['compile_speedup']:.2f}x (target >= {spec.target.vs_compile})"
+                                             if "compile" in times else "")
+               + (f", eager {times['eager']:.3f} ms" if "eager" in times else "") + f", {details['tflops']} TFLOP/s")
+    if ratio < IMPOSSIBLE:
+        return StageResult(name="performance", status="failed", details=details,
+                           message=f"impossibly fast: {summary}.  A fused epilogue runs its GEMMs and more, so "
+                                   f"it cannot be {1 / ratio:.2f}x faster than the plain GEMMs of the same shapes: "
+                                   "some GEMM did not run, or the timing was not of the whole call")
+    missed = [f"vs the plain GEMMs {ratio:.2f}x > {spec.target.vs_gemm}"] if ratio > spec.target.vs_gemm else []
+    if "compile" in times and details["compile_speedup"] < spec.target.vs_compile:
+        missed.append(f"vs torch.compile {details['compile_speedup']:.2f}x < {spec.target.vs_compile}")
+    details["target_met"] = not missed
+    if not missed:
+        return StageResult(name="performance", status="passed", details=details, message=summary)
+    details["profile"] = _profile(check, calls, case, t_gemm)
+    return StageResult(name="performance", status="slow", details=details,
+                       message=f"correct but slow ({'; '.join(missed)}): {summary}")
+
+
+def _profile(check: Check, calls: GpuCalls, case: Case, t_gemm: float) -> dict[str, Any]:
+    """Where the time goes, from one profiled call (the runner's report, for the feedback)."""
+    prof = check.request({"op": "profile", "tag": "performance", "set": calls.load(case, key=0),
+                          "backward": case.grads is not None,
+                          "shapes": result_shapes(check.spec, case.shape_set)})
+    kernel_ms = {str(k): float(v) for k, v in (prof.get("kernel_ms") or {}).items()
+                 if type(v) in (int, float)}
+    gemm_ms = sum(v for k, v in kernel_ms.items() if k.startswith("coda::gemm::"))
+    return {"kernel_ms": dict(sorted(kernel_ms.items(), key=lambda kv: -kv[1])[:12]),
+            "configs": [str(c) for c in prof.get("configs", [])][:12],
+            "gemm_launches_ms": round(gemm_ms, 4),
+            "aux_launches_ms": round(sum(kernel_ms.values()) - gemm_ms, 4),
+            "plain_gemms_ms": round(t_gemm, 4)}

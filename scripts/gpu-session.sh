@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# One device call's worth of recorded GPU work, run on the H200 after
+# `source scripts/gpu-env.sh`.  Each argument is PART:SECONDS; the parts run in
+# the order given, each under its own time limit (a part that overruns is
+# stopped and the next one starts), and everything they write lands in
+# $OUT/results.tgz (one file back, whatever happened), ready to unpack into
+# bench/results/h200-<date>-<name>/.  Parts:
+#   tier            the GPU test tier (pytest -m gpu) but the suite-wide verification
+#   verify-SUITE    `coda-agent eval tasks/SUITE --author expert`: every expert through
+#                   the whole verifier on every shape set (the batch dir comes back)
+#   warm            cold and warm verification of the block experts (CODA_GPU_RESULTS)
+#   train           bench/train_step.py (the budget is the part's seconds less 20)
+#   bench-SUITE     bench/run.py --suite SUITE (BENCH_TASKS / BENCH_SETS narrow it)
+#   fp8             bench/fp8.py;   fp8loss   bench/fp8_loss.py
+# Usage: bash scripts/gpu-session.sh tier:150 verify-llama3:380
+set -u
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+out="${OUT:?set OUT to the folder that comes back}"
+res="$out/r"
+mkdir -p "$res"
+cd "$root"
+export PYTHONUNBUFFERED=1 CODA_CACHE_DIR="${CODA_CACHE_DIR:-/tmp/coda-cache}"
+
+{ date -u +%FT%TZ; nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,memory.total --format=csv,noheader
+  python3 -c "import coda_agent.versions as v, json; print(json.dumps(v.environment((*v.KERNEL_LIBRARIES, \"triton\", \"liger-kernel\", \"torchao\", \"transformers\"))))"; } >"$res/machine.txt" 2>&1
+
+part() {  # NAME SECONDS COMMAND...: run COMMAND under the limit, log to $res/NAME.log
+    local name=$1 secs=$2; shift 2
+    local t0=$SECONDS
+    echo "== $name (limit ${secs}s): $*"
+    timeout --signal=INT --kill-after=15 "$secs" "$@" >"$res/$name.log" 2>&1
+    local rc=$?
+    echo "$name rc=$rc wall=$((SECONDS - t0))s" | tee -a "$res/parts.txt"
+    tail -n 4 "$res/$name.log"
+}
+
+for item in "$@"; do
+    name=${item%%:*} secs=${item##*:}
+    case $name in
+        tier)
+            part tier "$secs" python3 -m pytest -m gpu -q -p no:cacheprovider -rfE --durations=25 \
+                --ignore=tests/test_suite_gpu.py -k "not every_config and not test_expert_on_gpu" ;;
+        verify-*)
+            suite=${name#verify-}
+            part "$name" "$secs" python3 -m coda_agent.cli eval "tasks/$suite" --author expert --workers 8 \
+                --runs-dir "$res/runs-$suite" ;;
+        warm)
+            mkdir -p "$res/warm"
+            CODA_GPU_RESULTS="$res/warm" part warm "$secs" python3 -m pytest -q -p no:cacheprovider -rfE \
+                tests/test_suite_gpu.py -k "${WARM_TASKS:-llama3/llama3_block or llama3/mlp_block}" ;;
+        train)
+            part train "$secs" python3 bench/train_step.py --out "$res/train" --budget-s $((secs - 20)) ;;
+        bench-*)
+            suite=${name#bench-}
+            part "$name" "$secs" python3 bench/run.py --suite "$suite" --out "$res/bench-$suite" \
+                ${BENCH_TASKS:+--tasks "$BENCH_TASKS"} ${BENCH_SETS:+--sets "$BENCH_SETS"} ${BENCH_ARGS:-} ;;
+        fp8)
+            part fp8 "$secs" python3 bench/fp8.py "$res/fp8" --budget-s $((secs - 60)) ;;
+        fp8loss)
+            part fp8loss "$secs" python3 bench/fp8_loss.py "$res/fp8-loss" --budget-s $((secs - 20)) ;;
+        *)
+            echo "unknown part: $name" | tee -a "$res/parts.txt" ;;
+    esac
+done
+
+# Run dirs hold compiled artifacts and caches that need not come back.
+find "$res" -name "*.cubin" -o -name "*.so" -o -name "*.o" | xargs -r rm -f
+tar -C "$out" -czf "$out/results.tgz" r && rm -rf "$res"
+ls -la "$out"

@@ -115,7 +115,9 @@ def padding_lanes() -> bool:
 
 @contextlib.contextmanager
 def launch_ledger() -> Iterator[list[Launch]]:
-    """Collect a :class:`Launch` per device-work call made inside."""
+    """Collect a :class:`Launch` per device-work call made inside.  A context variable:
+    autograd runs a CUDA backward on its own device threads, which do not see it, so a
+    backward through autograd is collected under ``torch.autograd.set_multithreading_enabled(False)``."""
     launches: list[Launch] = []
     token = _ledger.set(launches)
     try:

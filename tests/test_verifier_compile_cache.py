@@ -165,8 +165,8 @@ def test_key_covers_task_versions_target_and_code(task, monkeypatch):
 
 def test_the_verifier_passes_the_switch_to_the_judge(monkeypatch):
     sent = []
-    monkeypatch.setattr(Verifier, "_judge_for", lambda self, task: type("J", (), {
-        "send": lambda _, req: sent.append(req) or 1,
+    monkeypatch.setattr(Verifier, "_take_judge", lambda self, task: type("J", (), {
+        "send": lambda _, req: sent.append(req) or 1, "alive": lambda _: True, "close": lambda _: None,
         "next_event": lambda _, timeout: {"check": 1, "done": {"versions": {}}}})())
     task = load_task(TASK_PATH)
     for flag in (True, False):

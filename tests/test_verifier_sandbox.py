@@ -5,6 +5,7 @@ imported, so it needs nothing from the file system once the walls are up."""
 from __future__ import annotations
 
 import ctypes
+import getpass
 import encodings.idna  # noqa: F401 - the child resolves an address after the walls are up
 import json
 import os
@@ -33,8 +34,9 @@ def _write(path: str) -> None:
         f.write("x")
 
 
-def _probe(plan: sandbox.Plan, targets: dict[str, str]) -> dict[str, str]:
-    """Fork, enter ``plan``'s walls in the child, and try everything; the child's findings."""
+def _probe(plan: sandbox.Plan, targets: dict[str, str], env: dict[str, str] | None = None) -> dict[str, str]:
+    """Fork, enter ``plan``'s walls in the child (with ``env`` as its environment), and try
+    everything; the child's findings."""
     r, w = os.pipe()
     ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # the parent is non-dumpable, as the judge and harness are
     pid = os.fork()
@@ -42,9 +44,16 @@ def _probe(plan: sandbox.Plan, targets: dict[str, str]) -> dict[str, str]:
         os.close(r)
         out: dict[str, str] = {}
         try:
+            if env is not None:
+                os.environ.clear()
+                os.environ.update(env)
             walls = sandbox.enter(plan, keep_fds=(w,))
             out["walls"] = walls.describe()
             out["uid"] = str(os.getuid())
+            try:  # torch's inductor cache path asks for the user name (a runner's uid has no passwd entry)
+                out["user"] = getpass.getuser()
+            except KeyError as e:
+                out["user"] = f"KeyError: {e}"
             for name, path in targets.items():
                 out[name] = _try(lambda p=path: _write(p))
             out["read secret"] = _try(lambda: open(targets["secret"]).read() and None)
@@ -101,9 +110,10 @@ def test_a_uid_of_its_own(places):
     plan.uid = sandbox.program_uid("print('the program')")  # as if the installation were world-readable
     for d in (plan.scratch, *plan.writable):
         sandbox._chown_tree(Path(d), plan.uid)
-    found = _probe(plan, targets)
+    found = _probe(plan, targets, env=sandbox.runner_env(plan, sandbox.RUNNER_ENV))
     assert "error" not in found, found
     assert found["uid"] == str(plan.uid) and f"uid {plan.uid}" in found["walls"]
+    assert found["user"] == "coda-runner"
     assert found["scratch"] == "ok"
     assert found["read secret"] == "Permission denied"
     assert found["signal parent"] == "Operation not permitted"
@@ -133,3 +143,20 @@ def test_an_unknown_sandbox_mode_names_the_choices(monkeypatch):
     monkeypatch.setenv("CODA_SANDBOX", "paranoid")
     with pytest.raises(sandbox.SandboxError, match="choose one of auto, uid, none"):
         sandbox.mode()
+
+
+def test_walls_come_down_one_mode_at_a_time_and_the_report_says_why(monkeypatch):
+    """Where CUDA fails in a fresh runner (before any program), the judge lowers its mode:
+    auto -> uid -> none, each step with the reason; below none it gives up with the error."""
+    from coda_agent.verifier.check import Judge
+
+    assert [sandbox.weaker(m) for m in sandbox.MODES] == ["uid", "none", None]
+    monkeypatch.delenv("CODA_SANDBOX", raising=False)
+    judge = Judge(emit=lambda obj: None, zygote=None)
+    assert judge.sandbox_mode == "auto"
+    judge.lower_walls("CUDA does not start behind no network: cudaGetDeviceCount")
+    judge.lower_walls("CUDA does not start behind uid 1500000007")
+    assert judge.sandbox_mode == "none"
+    assert judge.lowered[0].startswith("auto -> uid (CUDA does not start behind no network")
+    with pytest.raises(RuntimeError, match="even with CODA_SANDBOX=none: boom"):
+        judge.lower_walls("boom")

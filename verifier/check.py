@@ -13,6 +13,7 @@ error (``error``: not the candidate's fault).
 from __future__ import annotations
 
 import random
+import shutil
 import tempfile
 import time
 import traceback
@@ -26,7 +27,7 @@ from coda_agent.verifier import sandbox
 from coda_agent.verifier.gpu_lock import gpu_lock
 from coda_agent.verifier.inputs import result_dtypes, with_beyond_set
 from coda_agent.verifier.program import CandidateError
-from coda_agent.verifier.remote import Remote, RunnerTimeout
+from coda_agent.verifier.remote import Remote, RunnerTimeout, WallsTooHigh
 from coda_agent.verifier.report import GPU_STAGES, StageResult
 from coda_agent.verifier.zygote import Zygote
 
@@ -63,8 +64,15 @@ class Check:
         if self.remote is None or self.remote.dead:
             if self.remote is not None:
                 self.remote.close()
-            scratch = Path(tempfile.mkdtemp(prefix="run-", dir=sandbox.runners_root()))
-            self.remote = Remote(self.source, scratch, self.cuda, self.judge.zygote(), int(self.timeout_s) + 600)
+            while True:
+                scratch = Path(tempfile.mkdtemp(prefix="run-", dir=sandbox.runners_root()))
+                try:
+                    self.remote = Remote(self.source, scratch, self.cuda, self.judge.zygote(),
+                                         int(self.timeout_s) + 600, self.judge.sandbox_mode)
+                    break
+                except WallsTooHigh as e:
+                    shutil.rmtree(scratch, ignore_errors=True)
+                    self.judge.lower_walls(str(e))
         return self.remote
 
     def request(self, header: dict[str, Any], blobs: Sequence[bytes | memoryview] = (),
@@ -103,6 +111,17 @@ class Judge:
         self.emit = emit
         self._zygote = zygote
         self.broken = False  # a CUDA error poisoned this process: finish the check, then exit
+        self.sandbox_mode = sandbox.mode()  # lowered where CUDA fails behind the walls (sandbox.py)
+        self.lowered: list[str] = []
+
+    def lower_walls(self, why: str) -> None:
+        """CUDA failed behind ``self.sandbox_mode``'s walls before any program ran: the next
+        runners get the next mode down; below ``none`` the machine cannot run GPU checks."""
+        lower = sandbox.weaker(self.sandbox_mode)
+        if lower is None:
+            raise RuntimeError(f"CUDA does not start in a runner even with CODA_SANDBOX=none: {why}")
+        self.lowered.append(f"{self.sandbox_mode} -> {lower} ({why})")
+        self.sandbox_mode = lower
 
     def zygote(self) -> Zygote | None:
         """The runner zygote, on a machine without CUDA (:mod:`.zygote`)."""
@@ -130,7 +149,7 @@ class Judge:
                 if res.status in ("failed", "error"):
                     break
             if check.remote is not None:
-                versions["sandbox"] = check.remote.walls
+                versions["sandbox"] = check.remote.walls + "".join(f"; lowered: {why}" for why in self.lowered)
         except Exception as e:  # noqa: BLE001 - the task or the request is unusable: the harness's problem
             self.emit({"check": n, "result": StageResult(
                 name=req["stages"][0], status="error", message=f"the judge could not start the check: "

@@ -33,6 +33,10 @@ from coda_agent.verifier.zygote import Zygote
 
 LOG_TAIL = 64 << 10
 START_TIMEOUT_S = 120.0  # a runner's imports and CUDA start, at most
+class WallsTooHigh(RuntimeError):
+    """CUDA does not work behind the walls asked for (found before any program ran)."""
+
+
 class RunnerTimeout(CandidateError):
     """The runner gave no reply within the time it was allowed (it has been killed)."""
 
@@ -65,9 +69,10 @@ class _LogTail:
 class Remote:
     """One runner process for one program (module docstring)."""
 
-    def __init__(self, source: str, scratch: Path, cuda: bool, zygote_: Zygote | None, cpu_seconds: int):
+    def __init__(self, source: str, scratch: Path, cuda: bool, zygote_: Zygote | None, cpu_seconds: int,
+                 mode: str | None = None):
         self.cuda = cuda
-        self.plan = sandbox.plan_for(source, scratch, cuda, cpu_seconds)
+        self.plan = sandbox.plan_for(source, scratch, cuda, cpu_seconds, mode)
         os.symlink(self.plan.writable[0], os.path.join(self.plan.scratch, "kernels"))
         env = sandbox.runner_env(self.plan, sandbox.RUNNER_ENV)
         mine, theirs = socket.socketpair()
@@ -95,9 +100,32 @@ class Remote:
             raise RuntimeError(f"the runner did not start ({e}); its log:\n{self.log.text()[-3000:]}") from None
         if not hello.get("ready"):
             self.kill()
+            if hello.get("cuda_failed"):
+                raise WallsTooHigh(str(hello.get("error")))
             raise RuntimeError(f"the runner could not build its walls: {hello.get('error')} "
                                "(CODA_SANDBOX=uid or none lowers them; see verifier/sandbox.py)")
         self.walls = str(hello.get("walls", ""))
+        if cuda:
+            self._check_probe(hello.get("probe"))
+
+    def _check_probe(self, desc: Any) -> None:
+        """The judge reads the runner's probe tensor through CUDA IPC: both directions of the
+        transport the GPU stages use work behind these walls."""
+        import torch
+
+        from coda_agent.verifier.cuda_ipc import Imports
+        from coda_agent.verifier.runner import PROBE_LEN
+
+        try:
+            with Imports() as imports:
+                got = imports.tensor(desc, "int32", [PROBE_LEN]).clone()
+            ok = torch.equal(got.cpu(), torch.arange(PROBE_LEN, dtype=torch.int32))
+        except Exception as e:  # noqa: BLE001 - no program has run: the walls are the cause
+            self.kill()
+            raise WallsTooHigh(f"CUDA IPC from a runner behind {self.walls} fails: {type(e).__name__}: {e}") from None
+        if not ok:
+            self.kill()
+            raise WallsTooHigh(f"CUDA IPC from a runner behind {self.walls} reads wrong values")
 
     def request(self, header: dict[str, Any], blobs: Sequence[bytes | memoryview] = (), timeout: float | None = None,
                 max_bytes: int = 0) -> dict[str, Any]:

@@ -39,6 +39,7 @@ from coda_agent.verifier.wire import TORCH_DTYPES, Channel, PeerGone, describe, 
 
 MAX_REQUEST_BYTES = 1 << 34  # what the judge may send (it is trusted; this is a sanity bound)
 FLUSH_BYTES = 256 << 20  # written before each timed call: the H200's L2 is 60 MiB
+PROBE_LEN = 16  # int32 values 0..15 the judge reads through CUDA IPC before any program runs
 
 
 class State:
@@ -230,10 +231,11 @@ OPS: dict[str, Callable[[State, dict, list[bytes]], tuple[dict, list]]] = {
 
 # --------------------------------------------------------------------------- the process
 
-def serve(channel: Channel, walls: sandbox.Walls, device: str) -> None:
+def serve(channel: Channel, walls: sandbox.Walls, device: str, probe: dict | None = None) -> None:
     """Answer the judge's requests until it closes the channel."""
     st = State(device)
-    channel.send({"ready": True, "walls": walls.describe(), "pid": os.getpid(), "device": device})
+    channel.send({"ready": True, "walls": walls.describe(), "pid": os.getpid(), "device": device,
+                  **({"probe": probe} if probe is not None else {})})
     while True:
         try:
             req, blobs = channel.recv(None, MAX_REQUEST_BYTES)
@@ -259,7 +261,17 @@ def start(channel_fd: int, plan: sandbox.Plan, keep: tuple[int, ...]) -> None:
     except sandbox.SandboxError as e:
         channel.send({"ready": False, "error": str(e)})
         return
-    serve(channel, walls, "cuda" if plan.cuda else "cpu")
+    probe = None
+    if plan.cuda:  # before any program: CUDA must work behind these walls (sandbox.py)
+        try:
+            probe = torch.arange(PROBE_LEN, dtype=torch.int32, device="cuda")
+            torch.cuda.synchronize()
+            probe_desc = cuda_ipc.export(probe)
+        except Exception as e:  # noqa: BLE001 - any failure means these walls and CUDA do not mix
+            channel.send({"ready": False, "cuda_failed": True,
+                          "error": f"CUDA does not start behind {walls.describe()}: {type(e).__name__}: {e}"})
+            return
+    serve(channel, walls, "cuda" if plan.cuda else "cpu", probe_desc if probe is not None else None)
 
 
 def main(argv: list[str]) -> int:

@@ -45,7 +45,12 @@ judge's checks still decide the verdict of the program itself.
 
 ``CODA_SANDBOX``: ``auto`` (default: every layer the machine allows), ``uid``
 (layers 1 and 3: for a machine where CUDA misbehaves inside namespaces) or
-``none`` (layer 1).
+``none`` (layer 1).  A GPU runner proves that CUDA works behind its walls before
+it accepts a program (it allocates a tensor and the judge reads it through CUDA
+IPC, :mod:`.remote`); where it does not, the judge lowers the walls one mode at
+a time (:func:`weaker`) for the rest of its life, and every report names the
+walls it ran behind and why they were lowered.  No program has run in a probing
+runner, so a program cannot lower its own walls.
 """
 
 from __future__ import annotations
@@ -132,6 +137,12 @@ def mode() -> str:
     return value
 
 
+def weaker(current: str) -> str | None:
+    """The next mode down from ``current`` (None below ``none``)."""
+    i = MODES.index(current)
+    return MODES[i + 1] if i + 1 < len(MODES) else None
+
+
 def program_uid(source: str) -> int:
     """A uid of the program's own: the same program always runs as the same stranger."""
     return UID_BASE + int(hashlib.sha256(source.encode()).hexdigest()[:6], 16)
@@ -164,9 +175,10 @@ def prune_kernel_caches(now: float) -> None:
             pass
 
 
-def plan_for(source: str, scratch: Path, cuda: bool, cpu_seconds: int) -> Plan:
-    """The walls this machine allows for a runner of ``source``; creates its directories."""
-    m = mode()
+def plan_for(source: str, scratch: Path, cuda: bool, cpu_seconds: int, m: str | None = None) -> Plan:
+    """The walls this machine allows for a runner of ``source`` under mode ``m`` (default
+    :func:`mode`); creates its directories."""
+    m = m or mode()
     root = os.geteuid() == 0
     uid = program_uid(source) if m != "none" and root and _strangers_can_run(cuda) else None
     kernels = kernel_cache_dir(source)
@@ -207,7 +219,11 @@ def _chown_tree(top: Path, uid: int) -> None:
 def runner_env(plan: Plan, extra: dict[str, str]) -> dict[str, str]:
     """The runner's whole environment: the allow-list, the scratch paths and ``extra``."""
     env = {k: os.environ[k] for k in INHERITED_ENV if k in os.environ}
+    # USER/LOGNAME: a runner's uid has no passwd entry, and getpass.getuser() (which
+    # torch's inductor cache path calls on the first custom-op dispatch) reads these first.
     env.update(HOME=plan.scratch, TMPDIR=plan.scratch, XDG_CACHE_HOME=os.path.join(plan.scratch, ".cache"),
+               USER="coda-runner", LOGNAME="coda-runner",
+               TORCHINDUCTOR_CACHE_DIR=os.path.join(plan.scratch, ".cache", "inductor"),
                PYTHONPATH=os.pathsep.join(p for p in sys.path if p), PYTHONDONTWRITEBYTECODE="1",
                PYTHONUNBUFFERED="1",
                PYTORCH_CUDA_ALLOC_CONF="expandable_segments:False")  # CUDA IPC cannot export those

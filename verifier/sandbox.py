@@ -244,13 +244,13 @@ def enter(plan: Plan, keep_fds: tuple[int, ...]) -> Walls:
         _namespaces(plan)
         walls.network = walls.read_only = True
     os.chdir(plan.scratch)  # after the bind mounts: a directory entered before stays on the read-only mount
-    if plan.drop_privileges:
+    if plan.drop_privileges:  # layer 3 (module docstring); mode none keeps layer 1 alone
         _drop_capabilities(plan.uid)
         walls.capabilities = False
         walls.uid = plan.uid
-    libc = _libc()
-    _check(libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
-    _check(libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0), "prctl(PR_SET_DUMPABLE)")  # other runners may not ptrace it
+        libc = _libc()
+        _check(libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
+        _check(libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0), "prctl(PR_SET_DUMPABLE)")  # other runners may not ptrace it
     return walls
 
 

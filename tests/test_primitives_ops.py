@@ -238,3 +238,19 @@ def test_a_patched_transformers_model_compiles_whole():
     assert torch.equal(compiled, eager)
     for k in want:  # AOTAutograd decomposes HF's own ops (SDPA, RMSNorm): bf16 rounding differs there
         assert (got[k].float() - want[k].float()).abs().max() <= 2e-2 * want[k].float().abs().max() + 1e-3, k
+
+
+def test_a_call_s_buffer_prefills_lie_inside_a_catalogue_range():
+    """The verifier's launch audit attributes device work to ``coda::`` profiler ranges: a
+    select's zero pre-fill, made before the op runs, must lie inside one too (else an honest
+    program is rejected for work the catalogue did)."""
+    from torch.profiler import profile
+
+    with profile() as prof:
+        gemm(A, B, lse_target, target=torch.randint(-1, N, (M,)))
+    events = list(prof.events())
+    ranges = [e.time_range for e in events if e.name.startswith("coda::")]
+    fills = [e for e in events if e.name in ("aten::zeros", "aten::zero_", "aten::fill_", "aten::full")]
+    assert fills, "the select's buffer is pre-filled"
+    outside = [e.name for e in fills if not any(r.start <= e.time_range.start <= r.end for r in ranges)]
+    assert not outside, outside

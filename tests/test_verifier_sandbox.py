@@ -153,10 +153,10 @@ def test_walls_come_down_one_mode_at_a_time_and_the_report_says_why(monkeypatch)
     assert [sandbox.weaker(m) for m in sandbox.MODES] == ["uid", "none", None]
     monkeypatch.delenv("CODA_SANDBOX", raising=False)
     judge = Judge(emit=lambda obj: None, zygote=None)
-    assert judge.sandbox_mode == "auto"
-    judge.lower_walls("CUDA does not start behind no network: cudaGetDeviceCount")
-    judge.lower_walls("CUDA does not start behind uid 1500000007")
-    assert judge.sandbox_mode == "none"
+    assert judge.sandbox_mode == {False: "auto", True: "auto"}
+    judge.lower_walls(True, "CUDA does not start behind no network: cudaGetDeviceCount")
+    judge.lower_walls(True, "CUDA does not start behind uid 1500000007")
+    assert judge.sandbox_mode == {False: "auto", True: "none"}  # CPU runners keep every wall
     assert judge.lowered[0].startswith("auto -> uid (CUDA does not start behind no network")
     with pytest.raises(RuntimeError, match="even with CODA_SANDBOX=none: boom"):
-        judge.lower_walls("boom")
+        judge.lower_walls(True, "boom")

@@ -46,7 +46,9 @@ class Check:
         self.timeout_s: float = req["timeout_s"]
         self.load_timeout_s: float = req["load_timeout_s"]
         self.runner_s = 0.0  # what the runner has spent answering, against timeout_s
-        self.remote: Remote | None = None
+        self.remotes: dict[bool, Remote] = {}  # by cuda: a CPU runner, then a GPU one (on a GPU machine)
+        self.walls: dict[str, str] = {}  # "cpu"/"cuda" -> the walls its runner reported
+        self.gpu_stage = False  # set by the judge per stage: a GPU stage needs a CUDA runner
         self.rng = random.SystemRandom()  # seeds and choices no process but the judge sees
         self.cuda = torch.cuda.is_available()
         self.device = "cuda" if self.cuda else "cpu"
@@ -61,19 +63,29 @@ class Check:
                 "grad_outputs": list(spec.grad_outputs), "result_dtypes": result_dtypes(spec)}
 
     def runner(self) -> Remote:
-        if self.remote is None or self.remote.dead:
-            if self.remote is not None:
-                self.remote.close()
+        """The runner for the current stage: the CPU stages (reference, compile) run the
+        program on the CPU, also on a GPU machine; the GPU stages in a CUDA runner.  A runner
+        is started on first use and again after it died; the other device's is closed."""
+        cuda = self.cuda and self.gpu_stage
+        other = self.remotes.pop(not cuda, None)
+        if other is not None:
+            other.close()
+        remote = self.remotes.get(cuda)
+        if remote is None or remote.dead:
+            if remote is not None:
+                remote.close()
             while True:
                 scratch = Path(tempfile.mkdtemp(prefix="run-", dir=sandbox.runners_root()))
                 try:
-                    self.remote = Remote(self.source, scratch, self.cuda, self.judge.zygote(),
-                                         int(self.timeout_s) + 600, self.judge.sandbox_mode)
+                    remote = Remote(self.source, scratch, cuda, self.judge.zygote(), int(self.timeout_s) + 600,
+                                    self.judge.sandbox_mode[cuda])
                     break
                 except WallsTooHigh as e:
                     shutil.rmtree(scratch, ignore_errors=True)
-                    self.judge.lower_walls(str(e))
-        return self.remote
+                    self.judge.lower_walls(cuda, str(e))
+            self.remotes[cuda] = remote
+            self.walls["cuda" if cuda else "cpu"] = remote.walls
+        return remote
 
     def request(self, header: dict[str, Any], blobs: Sequence[bytes | memoryview] = (),
                 max_bytes: int = 0) -> dict[str, Any]:
@@ -101,9 +113,9 @@ class Check:
                                  "constants, not computation", log=e.log) from None
 
     def close(self) -> None:
-        if self.remote is not None:
-            self.remote.close()
-            self.remote = None
+        for remote in self.remotes.values():
+            remote.close()
+        self.remotes.clear()
 
 
 class Judge:
@@ -111,17 +123,19 @@ class Judge:
         self.emit = emit
         self._zygote = zygote
         self.broken = False  # a CUDA error poisoned this process: finish the check, then exit
-        self.sandbox_mode = sandbox.mode()  # lowered where CUDA fails behind the walls (sandbox.py)
+        # by cuda: a GPU runner's mode is lowered where CUDA fails behind the walls (sandbox.py)
+        self.sandbox_mode = {False: sandbox.mode(), True: sandbox.mode()}
         self.lowered: list[str] = []
 
-    def lower_walls(self, why: str) -> None:
-        """CUDA failed behind ``self.sandbox_mode``'s walls before any program ran: the next
-        runners get the next mode down; below ``none`` the machine cannot run GPU checks."""
-        lower = sandbox.weaker(self.sandbox_mode)
+    def lower_walls(self, cuda: bool, why: str) -> None:
+        """CUDA failed behind the walls of ``self.sandbox_mode[cuda]`` before any program ran:
+        the next such runners get the next mode down; below ``none`` the machine cannot run
+        GPU checks."""
+        lower = sandbox.weaker(self.sandbox_mode[cuda])
         if lower is None:
             raise RuntimeError(f"CUDA does not start in a runner even with CODA_SANDBOX=none: {why}")
-        self.lowered.append(f"{self.sandbox_mode} -> {lower} ({why})")
-        self.sandbox_mode = lower
+        self.lowered.append(f"{self.sandbox_mode[cuda]} -> {lower} ({why})")
+        self.sandbox_mode[cuda] = lower
 
     def zygote(self) -> Zygote | None:
         """The runner zygote, on a machine without CUDA (:mod:`.zygote`)."""
@@ -148,8 +162,9 @@ class Judge:
                 self.emit({"check": n, "result": res.model_dump()})
                 if res.status in ("failed", "error"):
                     break
-            if check.remote is not None:
-                versions["sandbox"] = check.remote.walls + "".join(f"; lowered: {why}" for why in self.lowered)
+            if check.walls:
+                versions["sandbox"] = "; ".join(f"{dev}: {walls}" for dev, walls in check.walls.items()) + \
+                    "".join(f"; lowered: {why}" for why in self.lowered)
         except Exception as e:  # noqa: BLE001 - the task or the request is unusable: the harness's problem
             self.emit({"check": n, "result": StageResult(
                 name=req["stages"][0], status="error", message=f"the judge could not start the check: "
@@ -164,6 +179,7 @@ class Judge:
     def _stage(self, n: int, check: Check, stage: str, fn: Callable[[Check], StageResult]) -> StageResult:
         t0 = time.perf_counter()
         waited = 0.0
+        check.gpu_stage = stage in GPU_STAGES
         try:
             if stage in GPU_STAGES:
                 self.emit({"check": n, "waiting": stage})

@@ -92,6 +92,9 @@ class Imports:
     """Runner allocations the judge has opened; :meth:`close` unmaps them all."""
 
     def __init__(self) -> None:
+        # cuIpcOpenMemHandle needs a current context on this thread; a runtime call sets the
+        # primary one (the judge may not have touched CUDA yet, as when it checks a runner's probe)
+        torch.cuda.synchronize()
         self._open: dict[str, tuple[int, int]] = {}  # handle hex -> (base in this process, size)
 
     def tensor(self, desc: Any, dtype: str, shape: list[int]) -> torch.Tensor:

@@ -75,6 +75,8 @@ class Remote:
         self.plan = sandbox.plan_for(source, scratch, cuda, cpu_seconds, mode)
         os.symlink(self.plan.writable[0], os.path.join(self.plan.scratch, "kernels"))
         env = sandbox.runner_env(self.plan, sandbox.RUNNER_ENV)
+        if not cuda:  # a CPU runner on a GPU machine sees no GPU (and keeps its address-space limit)
+            env["CUDA_VISIBLE_DEVICES"] = ""
         mine, theirs = socket.socketpair()
         log_r, log_w = os.pipe()
         self.zygote = zygote_ if not cuda else None

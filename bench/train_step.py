@@ -67,8 +67,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 CONTENDERS = ("eager", "compile", "liger", "compile_liger", "coda", "coda_eager")
 # What the default run measures first: the comparisons the question turns on, then the rest.
-PLAN = [("1b", "eager"), ("1b", "compile"), ("1b", "coda"), ("1b", "compile_liger"), ("8b", "eager"),
-        ("8b", "compile"), ("8b", "coda"), ("8b", "compile_liger"), ("curve", "curve"), ("1b", "liger"),
+# Priority: the rows the target compares (CODA against the strongest compiled
+# baseline) first at both configs, then the other baselines, then the loss curve.
+PLAN = [("1b", "compile"), ("1b", "coda"), ("8b", "compile"), ("8b", "coda"), ("1b", "compile_liger"),
+        ("8b", "compile_liger"), ("1b", "eager"), ("8b", "eager"), ("curve", "curve"), ("1b", "liger"),
         ("8b", "liger"), ("1b", "coda_eager"), ("8b", "coda_eager")]
 ATTENTION = ("flash", "fmha", "attention", "sdpa", "scaled_dot")
 GEMM = ("gemm", "matmul", "nvjet", "cutlass", "xmma", "wgmma", "cublas", "_mm_", "tem_fused_mm")

@@ -2,10 +2,11 @@
 
 Layer map (each concept in the module named after it):
 
-- ``pool.py``: :class:`VerifierPool`, a ``Verifier`` that runs ``check`` in
-  worker processes, one per visible GPU (``CUDA_VISIBLE_DEVICES`` each) plus
-  CPU workers for the CPU stages; restarts a killed worker and retries its job.
-  ``worker.py`` is the worker process.
+- ``pool.py``: :class:`VerifierPool`, a ``Verifier`` whose ``check`` runs on
+  a thread per visible GPU (its judges pinned to that GPU) plus CPU threads
+  for the CPU stages, over the verifier's own process isolation.
+  ``ray_pool.py``: the same phases as Ray tasks past one host (``--ray``,
+  the optional ``[ray]`` extra).
 - ``batch.py``: the batch directory ``runs/batch-<utc>/``, one agent run
   directory per (task, sample), made atomically.
 - ``runner.py``: ``coda-agent eval``'s engine: a thread per trajectory
@@ -19,11 +20,13 @@ Layer map (each concept in the module named after it):
 - ``cli.py``: the ``eval``, ``report``, ``review`` and ``export`` commands.
 
 Why this shape: the agent already owns trajectories, budgets, logging and
-resume, and the verifier owns judging; eval only schedules them (threads for
-the I/O-bound LLM calls, processes for verification, which needs its own
-GPU and can crash) and reads back what the run directories say.
+resume, and the verifier owns judging and its isolation (a sandboxed runner
+behind a judge process per check); eval only schedules them (threads for the
+I/O-bound LLM calls, a thread per GPU for verification, Ray tasks across
+hosts) and reads back what the run directories say.
 
 Tests: ``tests/test_eval*.py`` (the CLI end to end against the scripted
-OpenAI server, kill and resume, the pool with a killed worker, review,
-export's gradients, and the HTML page in headless Chromium).
+OpenAI server, kill and resume, the pool with a crashing verification, a
+local Ray cluster, review, export's gradients, and the HTML page in headless
+Chromium).
 """

@@ -30,8 +30,11 @@ def eval_batch(
     tasks: Optional[Path] = typer.Argument(None, help="A folder of task YAMLs (e.g. tasks/llama3) or one YAML."),
     model: Optional[str] = typer.Option(None, help="Model name [CODA_MODEL]."),
     samples: Optional[int] = typer.Option(None, "--samples", "-k", help="Trajectories per task [1]."),
-    workers: Optional[int] = typer.Option(None, help="CPU verification workers (default 1-2; plus one "
-                                                     "GPU worker per visible GPU)."),
+    workers: Optional[int] = typer.Option(None, help="CPU verification threads (default 1-2; plus one "
+                                                     "per visible GPU)."),
+    ray: Optional[str] = typer.Option(None, "--ray", help="Verify on a Ray cluster: auto (the one Ray finds, "
+                                                          "else a local one) or its ADDRESS; needs "
+                                                          "pip install 'coda-agent[ray]'."),
     concurrency: int = typer.Option(8, help="Trajectories (and so LLM calls) in flight at once."),
     author: Optional[Author] = typer.Option(None, help="llm (default), expert or replay."),
     transcript: Optional[Path] = typer.Option(None, help="replay: an earlier batch directory; task T sample i "
@@ -51,14 +54,14 @@ def eval_batch(
     temperature: Optional[float] = typer.Option(None),
     verifier: Optional[str] = typer.Option(None, hidden=True, help="module:factory of the Verifier."),
 ) -> None:
-    """Run every task k times (LLM calls in parallel, verification in a worker pool); write a summary."""
+    """Run every task k times (LLM calls in parallel, verification on a thread per GPU or on Ray); write a summary."""
     # The transcript path is kept absolute: each run's config.json names what it replays.
     flags = {"author": author.value if author else None,
              "transcript": str(transcript.resolve()) if transcript else None, "verifier": verifier,
              "llm": {"base_url": base_url, "api_key": api_key, "model": model, "temperature": temperature},
              "budget": {"max_turns": max_turns, "max_tokens": max_tokens, "max_cost": max_cost,
                         "max_wall_s": max_wall}}
-    batch, summary = _eval(tasks, resume, samples, workers, concurrency, runs_dir, config, sets, flags)
+    batch, summary = _eval(tasks, resume, samples, workers, ray, concurrency, runs_dir, config, sets, flags)
     from .summary import markdown
 
     typer.echo(markdown(summary))
@@ -85,14 +88,14 @@ def _load(tasks_path: Path) -> list:
 
 
 def _eval(tasks_path: Path | None, resume: Path | None, samples: int | None, workers: int | None,
-          concurrency: int, runs_dir: Path, config: Path | None, sets: str | None, flags: dict[str, Any]):
+          ray: str | None, concurrency: int, runs_dir: Path, config: Path | None, sets: str | None,
+          flags: dict[str, Any]):
     from coda_agent.agent.config import load_config
     from coda_agent.agent.prompt import load_catalogue
     from coda_agent.tasks.spec import shape_set_names
 
     from . import summary as batch_summary
     from .batch import BatchDir
-    from .pool import VerifierPool
     from .runner import run_batch
 
     if resume is not None:
@@ -115,18 +118,20 @@ def _eval(tasks_path: Path | None, resume: Path | None, samples: int | None, wor
         turns_given = flags["budget"]["max_turns"] is not None
     if samples is not None and samples < 1:
         raise CodaError("--samples must be at least 1")
+    if ray is not None and workers is not None:
+        raise CodaError("--workers sets this machine's verification threads; with --ray the cluster's "
+                        "resources decide: give one of them")
     if cfg.author == "expert":
         lacking = [f"{t.name} ({t.path})" for t in tasks if t.expert_path is None]
         if lacking:
             raise CodaError(f"--author expert: {', '.join(lacking)} {'has' if len(lacking) == 1 else 'have'} "
                             "no expert program; use --author llm, or give each an `expert:` file")
-    cfg.load_verifier()  # a bad --verifier (or --sets it cannot take) fails here, not in every worker
     catalogue = load_catalogue()
-    with VerifierPool(cfg.verifier, cpu_workers=workers, options=cfg.verifier_options()) as pool:
-        workers_meta = {"cpu": sum(w.name.startswith("cpu") for w in pool.workers), "gpus": pool.gpus}
+    # A bad --verifier (or --sets it cannot take) fails in the pool's constructor, before any batch exists.
+    with _pool(cfg, workers, ray) as pool:
         if resume is None:
             batch = BatchDir.create(runs_dir, tasks, samples or 1, cfg.model_dump(mode="json"), turns_given,
-                                    workers_meta)
+                                    pool.meta())
         typer.echo(f"batch: {batch.path}  ({len(tasks)} tasks x {batch.samples} samples; {pool.describe()})",
                    err=True)
         try:
@@ -134,11 +139,24 @@ def _eval(tasks_path: Path | None, resume: Path | None, samples: int | None, wor
         except KeyboardInterrupt:
             typer.echo(f"interrupted; continue with: coda-agent eval --resume {batch.path}", err=True)
             # Exit now, as a kill would: trajectories still on their threads would keep the process
-            # alive, and every run directory is safe to abandon mid-way.
+            # alive, and every run directory is safe to abandon mid-way.  A local Ray cluster is
+            # ended first: its processes would outlive this one.
+            pool.close(wait=False)
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(130)
     return batch, batch_summary.write(batch)
+
+
+def _pool(cfg, workers: int | None, ray: str | None):
+    """Where the batch is verified: threads on this machine, or Ray tasks with ``--ray``."""
+    if ray is not None:
+        from .ray_pool import RayPool
+
+        return RayPool(cfg, ray)
+    from .pool import VerifierPool
+
+    return VerifierPool(cfg, cpu_threads=workers)
 
 
 def report(

@@ -2,8 +2,9 @@
 
 The trajectories' LLM calls run concurrently (``concurrency`` threads; their
 time goes into the endpoint and the verifier, not Python) and every one calls
-the same :class:`~.pool.VerifierPool`, which bounds verification by its
-worker processes.  Each trajectory is ``agent.loop.solve`` on its own run
+the same pool (:class:`~.pool.VerifierPool`, a thread per GPU, or
+:class:`~.ray_pool.RayPool`), which bounds verification by its threads or
+the cluster's resources.  Each trajectory is ``agent.loop.solve`` on its own run
 directory (``samples=1``), so budgets, stop reasons, logging and resume are the
 agent's own; this module only decides what to run and shows progress.
 

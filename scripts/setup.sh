@@ -13,6 +13,8 @@ if [ ! -x .venv/bin/python ] || [ "$(cat .venv/.coda-stamp 2>/dev/null)" != "$st
     # CPU torch first, so the pinned quack/cutlass do not pull a multi-GB CUDA build.
     .venv/bin/python -m pip install "torch==2.13.0"
     .venv/bin/python -m pip install -e ".[test]"
+    # The [ray] extra: tests/test_eval_ray.py runs `eval --ray auto` on a local cluster.
+    .venv/bin/python -m pip install -e ".[ray]"
   } > "$log" 2>&1 || { tail -40 "$log" >&2; echo "setup failed; full log: $log" >&2; exit 1; }
   .venv/bin/python -c "import coda_agent.primitives" >/dev/null
   echo "$stamp_src" > .venv/.coda-stamp

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from agent_fixtures import GOOD, WRONG, fenced
-from eval_fixtures import perf_program, three_tasks, write_tasks
+from eval_fixtures import buggy, perf_program, three_tasks, write_tasks
 from typer.testing import CliRunner
 
 from coda_agent.agent.rundir import read_events
@@ -83,7 +83,7 @@ def test_expert_then_replay_on_a_cpu_machine(tmp_path):
     md = (batch / "summary.md").read_text()
     assert "| alpha | no (cpu_passed 2/2) | 1, 1 | - | n/a | n/a | 0 | $0.0000 |" in md
     assert "nothing could be accepted" in md and md in r.output
-    # every attempt says which worker judged it
+    # every attempt says which verification thread judged it
     report = json.loads((batch / "alpha/sample-0/attempts/01/report.json").read_text())
     assert report["versions"]["ran_on"] in ("cpu-0", "cpu-1")
     assert json.loads((batch / "batch.json").read_text())["workers"] == {"cpu": 2, "gpus": []}
@@ -98,8 +98,25 @@ def test_expert_then_replay_on_a_cpu_machine(tmp_path):
     assert cfg["transcript"] == str(batch / "gamma/sample-1")
 
 
+def test_a_crashing_verification_stops_its_trajectories_and_the_batch_goes_on(tmp_path):
+    tasks = write_tasks(tmp_path / "tasks", {"alpha": GOOD, "crashy": buggy(GOOD, "cpu"), "gamma": GOOD})
+    r = cli("eval", tasks, "--author", "expert", "--samples", 2, "--workers", 2, "--runs-dir", tmp_path / "runs",
+            *SIM)
+    assert r.exit_code == 3, r.output
+    batch = only_batch(tmp_path / "runs")
+    check_summary_against_runs(batch)
+    assert {t: w["stops"] for t, w in runs_say(batch).items()} == {
+        "alpha": ["cpu_passed"] * 2, "crashy": ["verifier_error"] * 2, "gamma": ["cpu_passed"] * 2}
+    report = json.loads((batch / "crashy/sample-1/attempts/01/report.json").read_text())
+    assert report["outcome"] == "error" and report["versions"]["ran_on"] in ("cpu-0", "cpu-1")
+    assert report["stages"][0]["message"] == "the verifier raised RuntimeError: a simulated verifier bug on the cpu"
+    assert "crashy sample 0: verifier_error after 1 turns" in r.output
+    r = cli("eval", "--resume", batch, *SIM)  # as every stop but model_error, a verifier error is final
+    assert r.exit_code == 3 and "resuming: 6 finished trajectories kept, 0 to run" in r.output, r.output
+
+
 def test_simulated_gpus_split_the_stages_and_give_speedups(tmp_path, monkeypatch):
-    # Two "GPUs": the GPU workers get CUDA_VISIBLE_DEVICES=3 and =5; SimVerifier's GPU stages report
+    # Two "GPUs": the GPU threads' judges get CUDA_VISIBLE_DEVICES=3 and =5; SimVerifier's GPU stages report
     # the performance numbers written in each expert program.
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
     tasks = write_tasks(tmp_path / "tasks", {"fast": perf_program(0.95, 1.6), "slow": perf_program(1.25, 0.9),
@@ -262,7 +279,7 @@ def test_a_bad_task_file_is_reported_and_skipped(tmp_path):
     assert r.exit_code == 0 and "alpha" in r.output and f"skipped: {tasks / 'broken.yaml'}" in r.output, r.output
 
 
-def test_sets_reach_every_worker_and_must_exist(tmp_path):
+def test_sets_reach_every_verifier_and_must_exist(tmp_path):
     tasks = three_tasks(tmp_path / "tasks")
     r = cli("eval", tasks, "--author", "expert", "--sets", "small", "--runs-dir", tmp_path / "runs", *SIM)
     assert r.exit_code == 3, r.output

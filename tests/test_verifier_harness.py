@@ -150,7 +150,7 @@ def test_waiting_for_the_gpu_never_counts(task, monkeypatch, tmp_path):
     monkeypatch.setattr(harness, "JUDGE", "fake_judge")
     monkeypatch.setattr(harness, "BACKSTOP_S", 0.0)
     monkeypatch.setattr(verdict_cache, "cuda_available", lambda: True)
-    monkeypatch.setattr(verdict_cache, "device_name", lambda gpu: "a simulated GPU")
+    monkeypatch.setattr(verdict_cache, "device_name", lambda gpu, index: "a simulated GPU")
     v = Verifier(stages=["correctness"], cache=False, timeout_s=1.5, load_timeout_s=0.0)
     report = v.check(task, EXPERT_PATH.read_text())
     assert [s.status for s in report.stages] == ["passed"], report.model_dump_json(indent=1)

@@ -60,12 +60,12 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def device_name(gpu: bool) -> str:
+def device_name(gpu: bool, index: int = 0) -> str:
     if not gpu:
         return "cpu"
     import torch
 
-    p = torch.cuda.get_device_properties(0)
+    p = torch.cuda.get_device_properties(index)
     return f"{p.name} sm_{p.major}{p.minor}"
 
 

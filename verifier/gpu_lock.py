@@ -1,8 +1,10 @@
 """Sharing one GPU between candidates verified side by side.
 
 Most of a verification is CPU work (static checks, the reference lowering,
-compiling for sm_90a), so a batch runs several candidates at once.  The GPU
-stages then need an order.  The performance stage must have the device alone,
+compiling for sm_90a), so several candidates are checked at once: ``solve
+--samples`` gives each trajectory a judge of its own, and two commands may
+share a machine.  The GPU stages then need an order.  (``eval`` gives each
+GPU one verification thread, so inside a batch the lock is never contended.)  The performance stage must have the device alone,
 or a neighbour's kernels would be timed with the candidate's; so must
 correctness, which sizes its shape sets to the free memory (seen on the H200:
 with three candidates side by side, one neighbour's 70B-shape tensors left a

@@ -13,6 +13,10 @@ Three processes (the package docstring says what each guarantees):
 3. **the runner** (:mod:`.runner`), started by the judge per check, behind
    walls (:mod:`.sandbox`): the only process the program runs in.
 
+A Verifier's ``device`` is the ``CUDA_VISIBLE_DEVICES`` its judges start
+with, so that one process can hold a Verifier per GPU (eval's thread per
+GPU, :mod:`coda_agent.eval.pool`) without touching its own environment.
+
 The harness reads the judge's event stream.  The judge enforces the check's
 time limits itself (the runner's answering time and each load's own limit,
 :mod:`.judge`) and reports when it waits for the GPU lock; the harness keeps
@@ -39,6 +43,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from coda_agent.devices import visible_gpus
 from coda_agent.tasks.spec import Task, load_task
 from coda_agent.verifier import cache as verdict_cache
 from coda_agent.verifier.report import GPU_STAGES, STAGES, Report, StageResult
@@ -53,12 +58,14 @@ _PR_SET_DUMPABLE = 4
 
 
 class _Judge:
-    """The judge process and its event stream."""
+    """The judge process and its event stream; ``device``: its ``CUDA_VISIBLE_DEVICES`` (None: the caller's)."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: str | None) -> None:
         self.log = tempfile.TemporaryFile(prefix="coda-judge-")
         r, w = os.pipe()
         env = {k: v for k, v in os.environ.items() if not any(s in k.upper() for s in _SECRET_WORDS)}
+        if device is not None:
+            env["CUDA_VISIBLE_DEVICES"] = device
         # The judge imports what the harness can (a task's reference may live in tests/).
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         self.proc = subprocess.Popen(
@@ -142,12 +149,14 @@ class _Judge:
 class Verifier:
     def __init__(self, stages: list[str] | tuple[str, ...] | None = None, timeout_s: float = 600.0,
                  cache: bool = True, shape_sets: tuple[str, ...] | list[str] | None = None, reps: int = 20,
-                 compile_cache: bool = True, load_timeout_s: float = 60.0):
+                 compile_cache: bool = True, load_timeout_s: float = 60.0, device: str | None = None):
         """``shape_sets``: the named sets the GPU stages check (None: each task's own, all
         that fit).  ``timeout_s``: what the program may spend running (the runner's answers);
         ``load_timeout_s``: what each load of the program may spend.  ``cache``: reuse and
         store whole verdicts (:mod:`.cache`).  ``compile_cache``: reuse and store passed
-        compile-stage results (:mod:`.compile_cache`)."""
+        compile-stage results (:mod:`.compile_cache`).  ``device``: the GPU the judges use, as a
+        ``CUDA_VISIBLE_DEVICES`` value of this process (``""``: none, the GPU stages are skipped;
+        None: every GPU this process sees), so that threads of one process can each own a GPU."""
         unknown = set(stages or ()) - set(STAGES)
         if unknown:
             raise ValueError(f"unknown stages {sorted(unknown)}; choose from {', '.join(STAGES)}")
@@ -158,6 +167,7 @@ class Verifier:
         self.shape_sets = None if shape_sets is None else list(shape_sets)
         self.reps = max(int(reps), 20)
         self.compile_cache = compile_cache
+        self.device = device
         self._idle: list[_Judge] = []  # the session's judges between checks
         self._lock = threading.Lock()
         self._session = False
@@ -184,10 +194,11 @@ class Verifier:
 
     def check(self, task: Task | str | Path, program_source: str) -> Report:
         task = task if isinstance(task, Task) else load_task(task)
-        gpu = verdict_cache.cuda_available()
+        gpu = self.device != "" and verdict_cache.cuda_available()
         versions, key = {}, None
         try:
-            versions = {**verdict_cache.library_versions(), "device": verdict_cache.device_name(gpu)}
+            versions = {**verdict_cache.library_versions(),
+                        "device": verdict_cache.device_name(gpu, _torch_index(self.device))}
             key = verdict_cache.cache_key(program_source, task, self.config(), versions)
         except Exception:  # noqa: BLE001 - fail closed: no key, no cache
             key = None
@@ -228,7 +239,7 @@ class Verifier:
                 if not judge.alive() or any(judge.references.get(f, d) != d for f, d in refs.items()):
                     judge.kill()
                     judge = None
-        judge = judge or _Judge()
+        judge = judge or _Judge(self.device)
         judge.references.update(refs)
         return judge
 
@@ -296,6 +307,12 @@ class Verifier:
                            message=f"timed out: the check did not finish within {self.timeout_s:.0f} s of program "
                                    f"time plus {BACKSTOP_S:.0f} s for the judge (killed): the program hung the "
                                    "GPU or its runner")
+
+
+def _torch_index(device: str | None) -> int:
+    """This process's torch index of the GPU named by ``device`` (a ``CUDA_VISIBLE_DEVICES`` id)."""
+    visible = visible_gpus() if device else []
+    return visible.index(device) if device in visible else 0
 
 
 def _static(source: str, task: Task) -> StageResult:

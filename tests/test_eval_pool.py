@@ -116,3 +116,38 @@ def test_closing_ends_every_session_and_refuses_work(agent_task):
     with pytest.raises(RuntimeError, match="closed"):
         pool.check(agent_task, GOOD)
     assert pool.meta() == {"cpu": 2, "gpus": ["4"]}
+
+
+ENV_JUDGE = """
+import json, os, sys
+out = os.fdopen(int(sys.argv[1]), "w", buffering=1)
+for line in sys.stdin:
+    req = json.loads(line)
+    for stage in req["stages"]:  # each stage passes and says what GPUs this judge sees
+        out.write(json.dumps({"check": req["check"], "result": {
+            "name": stage, "status": "passed", "message": os.environ.get("CUDA_VISIBLE_DEVICES", "unset")}}) + "\\n")
+    out.write(json.dumps({"check": req["check"], "done": {"versions": {}}}) + "\\n")
+"""
+
+
+def test_the_real_verifier_pins_each_threads_judges(agent_task, monkeypatch, tmp_path):
+    """The real harness on every thread, a judge that reports its CUDA_VISIBLE_DEVICES: the CPU
+    stages' judges see no GPU, each GPU thread's see its own, and the report names that GPU."""
+    from coda_agent.verifier import cache as verdict_cache
+    from coda_agent.verifier import harness
+
+    (tmp_path / "env_judge.py").write_text(ENV_JUDGE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(harness, "JUDGE", "env_judge")
+    monkeypatch.setattr(verdict_cache, "cuda_available", lambda: True)
+    monkeypatch.setattr(verdict_cache, "device_name", lambda gpu, index: f"GPU {index}" if gpu else "cpu")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    with VerifierPool(AgentConfig(), cpu_threads=1) as pool:
+        with ThreadPoolExecutor(4) as ex:
+            reports = list(ex.map(lambda i: pool.check(agent_task, GOOD + f"# {i}\n"), range(4)))
+    for r in reports:
+        seen = {s.name: s.message for s in r.stages if s.name != "static"}
+        gpu = r.versions["ran_on"].rpartition("gpu-")[2]
+        assert r.outcome == "accepted" and gpu in ("3", "5"), r
+        assert seen == {"reference": "", "compile": "", **{s: gpu for s in GPU_STAGES}}
+        assert r.versions["device"] == f"GPU {['3', '5'].index(gpu)}"

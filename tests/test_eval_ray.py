@@ -57,7 +57,8 @@ def comparable(batch: Path) -> dict:
 
 
 def real_tasks(folder: Path) -> Path:
-    """A suite task with its expert, and its twin whose expert returns a wrong gradient."""
+    """A suite task with its expert, and its twin whose expert the static stage rejects (no judge
+    starts for it: the test stays short)."""
     (folder / "experts").mkdir(parents=True)
     yaml = (SUITE / "out_proj_residual.yaml").read_text()
     expert = (SUITE / "experts/out_proj_residual.py").read_text()
@@ -65,7 +66,7 @@ def real_tasks(folder: Path) -> Path:
     (folder / "experts/out_proj_residual.py").write_text(expert)
     (folder / "out_proj_wrong.yaml").write_text(yaml.replace("name: out_proj_residual", "name: out_proj_wrong")
                                                 .replace("experts/out_proj_residual.py", "experts/wrong.py"))
-    (folder / "experts/wrong.py").write_text(expert.replace('"dresidual": dy}', '"dresidual": dy * 2}'))
+    (folder / "experts/wrong.py").write_text("import os\n" + expert)
     return folder
 
 
@@ -82,6 +83,8 @@ def test_the_same_batch_on_a_local_ray_cluster(tmp_path, monkeypatch, ray):
     (local_batch,), (ray_batch,) = (tmp_path / "local").iterdir(), (tmp_path / "ray").iterdir()
     assert comparable(ray_batch) == comparable(local_batch)
     assert comparable(ray_batch)["suite"]["cpu_passed_trajectories"] == 1
+    wrong = json.loads((ray_batch / "out_proj_wrong/sample-0/attempts/01/report.json").read_text())
+    assert [(s["name"], s["status"]) for s in wrong["stages"]] == [("static", "failed")]
     assert json.loads((ray_batch / "batch.json").read_text())["workers"] == \
            {"ray": "auto", "cpus": os.cpu_count(), "gpus": 0}
     for report in ray_batch.glob("*/sample-0/attempts/01/report.json"):

@@ -37,6 +37,7 @@ import json
 import logging
 import os
 import socket
+import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -77,8 +78,6 @@ def verify_phase(verifier_cfg: dict[str, Any], phase: str, task_path: str, task_
     try:
         report = _SESSIONS[key].check(load_task(path), source)
     except Exception as e:  # noqa: BLE001 - the candidate must be answered, and the batch go on
-        import traceback
-
         report = error_report(task_name, phase, f"the verifier raised {type(e).__name__}: {e}",
                               traceback.format_exc())
     return report.model_dump(mode="json"), where

@@ -34,7 +34,7 @@ def eval_batch(
                                                      "per visible GPU)."),
     ray: Optional[str] = typer.Option(None, "--ray", help="Verify on a Ray cluster: auto (the one Ray finds, "
                                                           "else a local one) or its ADDRESS; needs "
-                                                          "pip install 'coda-agent[ray]'."),
+                                                          "pip install 'coda-agent\\[ray]'."),
     concurrency: int = typer.Option(8, help="Trajectories (and so LLM calls) in flight at once."),
     author: Optional[Author] = typer.Option(None, help="llm (default), expert or replay."),
     transcript: Optional[Path] = typer.Option(None, help="replay: an earlier batch directory; task T sample i "

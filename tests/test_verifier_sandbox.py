@@ -160,3 +160,27 @@ def test_walls_come_down_one_mode_at_a_time_and_the_report_says_why(monkeypatch)
     assert judge.lowered[0].startswith("auto -> uid (CUDA does not start behind no network")
     with pytest.raises(RuntimeError, match="even with CODA_SANDBOX=none: boom"):
         judge.lower_walls(True, "boom")
+
+
+def test_a_runner_dies_with_the_process_that_started_it(tmp_path):
+    """A runner busy in a program never outlives its judge: once the walls are up, the end
+    of its parent kills it (PR_SET_PDEATHSIG, set after the uid change that would clear it)."""
+    import subprocess
+    import sys
+    import time
+
+    plan = sandbox.plan_for("while True: pass", tmp_path / "scratch", cuda=False, cpu_seconds=60)
+    child = (f"import os, sys, time; from coda_agent.verifier import sandbox; "
+             f"plan = sandbox.Plan(**{vars(plan)!r}); "
+             f"pid = os.fork()\n"
+             f"if pid == 0:\n"
+             f"    sandbox.enter(plan, keep_fds=(1,)); print(os.getpid(), flush=True)\n"
+             f"    while True: pass\n"
+             f"time.sleep(3); os._exit(0)")
+    parent = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=60)
+    runner = int(parent.stdout.split()[0])
+    deadline = time.time() + 10
+    while time.time() < deadline and os.path.exists(f"/proc/{runner}") and \
+            "Z" not in open(f"/proc/{runner}/stat").read().split()[2]:
+        time.sleep(0.1)
+    assert not os.path.exists(f"/proc/{runner}") or "Z" in open(f"/proc/{runner}/stat").read().split()[2]

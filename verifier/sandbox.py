@@ -60,6 +60,7 @@ import hashlib
 import os
 import resource
 import shutil
+import signal
 import stat
 import sys
 import tempfile
@@ -89,7 +90,8 @@ _MS_REMOUNT, _MS_BIND, _MS_REC, _MS_PRIVATE = 32, 4096, 16384, 1 << 18
 _OPTION_FLAGS = {"nosuid": _MS_NOSUID, "nodev": _MS_NODEV, "noexec": _MS_NOEXEC,
                  "noatime": 1024, "nodiratime": 2048, "relatime": 1 << 21}
 _CLONE_NEWNS, _CLONE_NEWNET = 0x00020000, 0x40000000
-_PR_SET_DUMPABLE, _PR_CAPBSET_DROP, _PR_SET_SECUREBITS, _PR_SET_NO_NEW_PRIVS, _PR_CAP_AMBIENT = 4, 24, 28, 38, 47
+_PR_SET_PDEATHSIG, _PR_SET_DUMPABLE, _PR_CAPBSET_DROP, _PR_SET_SECUREBITS = 1, 4, 24, 28
+_PR_SET_NO_NEW_PRIVS, _PR_CAP_AMBIENT = 38, 47
 _SECBITS_LOCKED_NOROOT = 0xEF  # noroot, no setuid fixup, no ambient raise, all locked (keep_caps off)
 _LINUX_CAPABILITY_VERSION_3 = 0x20080522
 _UNTOUCHED = ("/dev/shm", "/dev/pts", "/dev/mqueue")  # mounts left as they are
@@ -236,6 +238,7 @@ def runner_env(plan: Plan, extra: dict[str, str]) -> dict[str, str]:
 def enter(plan: Plan, keep_fds: tuple[int, ...]) -> Walls:
     """Build the walls around the current process.  Raises :class:`SandboxError` when a
     layer the plan asks for fails: a runner without its promised walls must not run."""
+    parent = os.getppid()
     _close_except(keep_fds)
     if os.getsid(0) != os.getpid():
         os.setsid()
@@ -251,7 +254,17 @@ def enter(plan: Plan, keep_fds: tuple[int, ...]) -> Walls:
         libc = _libc()
         _check(libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
         _check(libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0), "prctl(PR_SET_DUMPABLE)")  # other runners may not ptrace it
+    _die_with(parent)
     return walls
+
+
+def _die_with(parent: int) -> None:
+    """SIGKILL when the process that started this one (the judge, or the zygote, each from its
+    only thread) ends, so a runner busy in a program never outlives its judge.  Set after the
+    uid change, which clears it; a parent already gone means exit now."""
+    _check(_libc().prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl(PR_SET_PDEATHSIG)")
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 class _CapHeader(ctypes.Structure):

@@ -7,24 +7,48 @@ import pytest
 # --------------------------------------------------------------------------- every test
 
 
+@pytest.fixture(scope="session")
+def session_compiles(tmp_path_factory):
+    """One compile cache for the session (per xdist worker): the compile stage's passed results,
+    keyed fail-closed on source, task, libraries and target, so a test that verifies an expert
+    reuses the sm_90a compile another test of the session already paid for."""
+    return tmp_path_factory.mktemp("session-compiles")
+
+
 @pytest.fixture(scope="session", autouse=True)
-def private_caches_for_the_session(tmp_path_factory):
+def private_caches_for_the_session(tmp_path_factory, session_compiles):
     """Module-scoped fixtures (a verifier session, a judge) start before any test's own caches."""
-    root = tmp_path_factory.mktemp("session-caches")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("CODA_CACHE_DIR", str(root / "coda"))
-        mp.setenv("XDG_CACHE_HOME", str(root / "xdg"))
+        _private_caches(tmp_path_factory.mktemp("session-caches"), session_compiles, mp)
         yield
 
 
 @pytest.fixture(autouse=True)
-def private_caches(tmp_path_factory, monkeypatch):
+def private_caches(tmp_path_factory, monkeypatch, session_compiles):
     """No test reads or writes the user's caches (verdicts, compiles, tuning): each test gets
-    its own CODA_CACHE_DIR and XDG_CACHE_HOME."""
-    root = tmp_path_factory.mktemp("caches")
-    monkeypatch.setenv("CODA_CACHE_DIR", str(root / "coda"))
-    monkeypatch.setenv("XDG_CACHE_HOME", str(root / "xdg"))
+    its own CODA_CACHE_DIR and XDG_CACHE_HOME, whose ``compile`` folder is the session's
+    (a test that must compile afresh passes ``compile_cache=False`` or sets its own
+    CODA_CACHE_DIR)."""
+    return _private_caches(tmp_path_factory.mktemp("caches"), session_compiles, monkeypatch)
+
+
+def _private_caches(root, compiles, mp: pytest.MonkeyPatch):
+    """CODA_CACHE_DIR and XDG_CACHE_HOME under ``root``, the compile folder linked to ``compiles``."""
+    (root / "coda").mkdir()
+    (root / "coda" / "compile").symlink_to(compiles, target_is_directory=True)
+    mp.setenv("CODA_CACHE_DIR", str(root / "coda"))
+    mp.setenv("XDG_CACHE_HOME", str(root / "xdg"))
     return root / "coda"
+
+
+@pytest.fixture(scope="session")
+def compile_judge(private_caches_for_the_session):
+    """The verifier's compile stage alone, one judge for the session, through the session's
+    compile cache (the suite tests' sm_90a compiles, reused by the solve CLI tests)."""
+    from coda_agent.verifier import Verifier
+
+    with Verifier(stages=["compile"], cache=False, timeout_s=600) as v:
+        yield v
 
 
 # --------------------------------------------------------------------------- agent

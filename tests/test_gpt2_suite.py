@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from suite_checks import check_spec, draw, load_expert, problems, run_program, sass_problems, static_violations
+from suite_checks import (check_spec, draw, kernel_report, load_expert, problems, run_program, sass_problems,
+                          static_violations)
 from suite_checks import task as _task
 
 from coda_agent.primitives import compile_only
@@ -137,7 +138,7 @@ def test_expert_compiles_for_sm90a(name):
     gemms = len(kernels) - len(passes)
     assert (gemms, len(passes)) == KERNELS[name], [(k.epilogue, k.shapes) for k in kernels]
     assert {k.epilogue for k in passes} <= PASSES
-    assert not sass_problems(name, kernels, KNOWN_SPILLS)
+    assert not sass_problems(name, [kernel_report(k) for k in kernels], KNOWN_SPILLS)
 
 
 @pytest.mark.gpu

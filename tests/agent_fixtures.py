@@ -11,8 +11,14 @@ would; a syntax error fails the static stage with its line number.
 from __future__ import annotations
 
 import ast
+import contextlib
 import hashlib
+import os
+import subprocess
+import sys
 import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from coda_agent.verifier.report import GPU_STAGES, STAGES, Report, StageResult
@@ -136,3 +142,27 @@ def _is_epilogue(decorator: ast.expr) -> bool:
 def cpu_verifier(shape_sets: list[str] | None = None) -> RuleVerifier:
     """A verifier factory for the CLI's ``--verifier``: a machine without a GPU."""
     return RuleVerifier("cpu_passed", shape_sets)
+
+
+@contextlib.contextmanager
+def cli_killed_when(server, requests: int, *args, gates: tuple[threading.Event, ...] = ()) -> Iterator[None]:
+    """``coda-agent ARGS`` in a child process (these fixtures on its PYTHONPATH) until ``server``
+    has seen ``requests`` requests; the body runs while it waits there, then the process is
+    killed and ``gates`` (the server's hanging replies) are released."""
+    here = str(Path(__file__).parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen([sys.executable, "-m", "coda_agent.cli", *map(str, args)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while len(server.requests) < requests:
+            assert proc.poll() is None, proc.stdout.read().decode()
+            assert time.monotonic() < deadline, f"the CLI never sent request {requests}"
+            time.sleep(0.05)
+        yield
+    finally:
+        proc.kill()
+        proc.wait()
+        for gate in gates:
+            gate.set()
+

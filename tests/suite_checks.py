@@ -138,6 +138,12 @@ def problems(t, shape_set: str, seed: int, source: str | None = None, *,
     return out
 
 
+def mutant_problems(t, old: str, new: str, shape_set: str, seed: int) -> list[str]:
+    """:func:`problems` of the expert with one slip: ``old`` (which must be in it) replaced by ``new``."""
+    src = t.expert_path.read_text()
+    assert old in src, old
+    return problems(t, shape_set, seed, source=src.replace(old, new, 1))
+
 def compiled_by_the_verifier(verifier, t) -> list[dict]:
     """The verifier's compile stage on the task's expert program (through the session's compile
     cache, so the solve CLI tests reuse it): one report per kernel, its SASS counts included."""

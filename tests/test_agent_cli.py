@@ -3,21 +3,16 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
-from agent_fixtures import GOOD, WRONG, fenced
+from agent_fixtures import GOOD, WRONG, cli_killed_when, fenced
 from typer.testing import CliRunner
 
 from coda_agent.agent.rundir import read_events
 from coda_agent.cli import app
 
 pytestmark = pytest.mark.usefixtures("agent_env")
-TESTS = Path(__file__).parent
 RULE = ["--verifier", "agent_fixtures:RuleVerifier"]
 
 
@@ -97,23 +92,10 @@ def test_kill_and_resume_loses_and_repeats_nothing(agent_task, openai_server, tm
     runs = tmp_path / "runs"
     openai_server.reply(fenced(WRONG))
     gate = openai_server.hang()  # the second request hangs: the process is killed while waiting
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.Popen([sys.executable, "-m", "coda_agent.cli", "solve", str(agent_task.path),
-                             "--base-url", openai_server.base_url, "--model", "test-model",
-                             "--runs-dir", str(runs), *RULE], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 60
-        while len(openai_server.requests) < 2:
-            assert proc.poll() is None, proc.stdout.read().decode()
-            assert time.monotonic() < deadline, "the CLI never sent its second request"
-            time.sleep(0.05)
+    with cli_killed_when(openai_server, 2, "solve", agent_task.path, "--base-url", openai_server.base_url,
+                         "--model", "test-model", "--runs-dir", runs, *RULE, gates=(gate,)):
         run = only_run(runs)
         assert (run / "attempts/01/report.json").is_file()
-    finally:
-        proc.kill()
-        proc.wait()
-        gate.set()
     assert not (run / "attempts/02").exists()
 
     openai_server.reply(fenced(GOOD))

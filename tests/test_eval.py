@@ -7,15 +7,12 @@ Every check of the summary is against the run directories themselves
 from __future__ import annotations
 
 import json
-import os
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from agent_fixtures import GOOD, WRONG, fenced
+from agent_fixtures import GOOD, WRONG, cli_killed_when, fenced
 from eval_fixtures import buggy, perf_program, three_tasks, write_tasks
 from typer.testing import CliRunner
 
@@ -23,7 +20,6 @@ from coda_agent.agent.rundir import read_events
 from coda_agent.cli import app
 
 pytestmark = pytest.mark.usefixtures("agent_env")
-TESTS = Path(__file__).parent
 SIM = ["--verifier", "eval_fixtures:SimVerifier"]
 
 
@@ -174,26 +170,13 @@ def test_kill_halfway_and_resume(tmp_path, openai_server):
     openai_server.reply(fenced(GOOD))
     gates = [openai_server.hang(), openai_server.hang()]
     openai_server.fallback = ("reply", fenced(GOOD), 100, 50, "stop")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.Popen([sys.executable, "-m", "coda_agent.cli", "eval", str(tasks), "--model", "test-model",
-                             "--base-url", openai_server.base_url, "--samples", "2", "--concurrency", "2",
-                             "--runs-dir", str(runs), *SIM], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 60
-        while len(openai_server.requests) < 4:
-            assert proc.poll() is None, proc.stdout.read().decode()
-            assert time.monotonic() < deadline, "the CLI never got to its hanging requests"
-            time.sleep(0.05)
+    with cli_killed_when(openai_server, 4, "eval", tasks, "--model", "test-model", "--base-url",
+                         openai_server.base_url, "--samples", 2, "--concurrency", 2, "--runs-dir", runs, *SIM,
+                         gates=tuple(gates)):
         batch = only_batch(runs)
         done_before = {p.parent for p in batch.glob("*/sample-*/result.json")
                        if json.loads(p.read_text())["stop_reason"]}
         assert len(done_before) == 2
-    finally:
-        proc.kill()
-        proc.wait()
-        for g in gates:
-            g.set()
     transcripts = {p: (p / "transcript.jsonl").read_bytes() for p in done_before}
     assert not (batch / "summary.json").exists()
 

@@ -15,8 +15,8 @@ import math
 
 import pytest
 import torch
-from suite_checks import (check_spec, compiled_by_the_verifier, draw, load_expert, problems, run_program,
-                          sass_problems, static_violations)
+from suite_checks import (check_spec, compiled_by_the_verifier, draw, load_expert, mutant_problems, problems,
+                          run_program, sass_problems, static_violations)
 from suite_checks import task as _task
 
 from coda_agent.primitives import lowering
@@ -77,11 +77,7 @@ MUTANTS = [
 @pytest.mark.parametrize("name,old,new", MUTANTS)
 def test_check_catches_broken_experts(name, old, new):
     """The verifier's check is sharp enough to reject a one-token bug in each expert."""
-    task = _task(name)
-    src = task.expert_path.read_text()
-    assert old in src, old
-    assert problems(task, "ragged", seed=11, source=src.replace(old, new)), \
-        f"mutant {new!r} of {name} passed"
+    assert mutant_problems(_task(name), old, new, "ragged", seed=11), f"mutant {new!r} of {name} passed"
 
 
 def test_gradient_tasks_have_backward():

@@ -139,10 +139,10 @@ def problems(t, shape_set: str, seed: int, source: str | None = None, *,
 
 
 def mutant_problems(t, old: str, new: str, shape_set: str, seed: int) -> list[str]:
-    """:func:`problems` of the expert with one slip: ``old`` (which must be in it) replaced by ``new``."""
+    """:func:`problems` of the expert with one slip: every ``old`` (it must be there) made ``new``."""
     src = t.expert_path.read_text()
     assert old in src, old
-    return problems(t, shape_set, seed, source=src.replace(old, new, 1))
+    return problems(t, shape_set, seed, source=src.replace(old, new))
 
 def compiled_by_the_verifier(verifier, t) -> list[dict]:
     """The verifier's compile stage on the task's expert program (through the session's compile

@@ -29,6 +29,7 @@ def dry_run(out: Path, pattern: str, *args: str) -> dict:
 
 def test_dry_run_covers_the_suite_and_renders_a_table(tmp_path):
     results = dry_run(tmp_path, "dryrun-*.json", "--reps", "1")
+    (path,) = tmp_path.glob("dryrun-*.json")
     rows = results["rows"]
     assert {r["task"] for r in rows} >= {"swiglu_fwd", "lm_head_xent", "llama3_block", "mlp_block"}
     for r in rows:

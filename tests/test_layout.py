@@ -12,13 +12,14 @@
 - No CLI module imports another module's private (``_name``) functions: what
   two commands share is public, in the module that owns it.
 
-ARCHITECTURE.md states the same order; a failure names the module, the line
-and the import.
+ARCHITECTURE.md states the same order, and every file or folder it names
+exists; a failure names the module, the line and the import.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 from pathlib import Path
 
@@ -127,3 +128,27 @@ def test_the_checks_see_violations():
         (1, ["tasks", "spec"], []), (3, ["eval", "summary"], ["_private"]), (4, ["agent"], ["rundir"])]
     assert _imports_in("from .kernel import Kernel\n", ["kernels"], is_package=True) == [
         (1, ["kernels", "kernel"], ["Kernel"])]
+
+
+def _named_paths(markdown: str) -> set[str]:
+    """The repository paths a document names in backticks (``agent/loop.py``, ``tests/``,
+    ``tests/test_bench*.py``), leaving out placeholders (``runs/<utc>/``) and paths outside."""
+    out = set()
+    for span in re.findall(r"`([^`]+)`", re.sub(r"```.*?```", "", markdown, flags=re.S)):
+        if "<" in span or span.startswith(("../", "/", "coda::")):
+            continue
+        for m in re.finditer(r"(?:[\w.*-]+/)+[\w.*-]*|[\w*-]+\.(?:py|md|sh|yaml|toml|txt)\b", span):
+            out.add(m.group(0))
+    return out
+
+
+def test_architecture_names_only_files_that_exist():
+    doc = (ROOT / "ARCHITECTURE.md").read_text()
+    named = _named_paths(doc)
+    assert {"agent/loop.py", "tests/bad_programs/", "tests/test_bench*.py"} <= named  # the parser sees them
+    run_layout = (ROOT / "agent" / "rundir.py").read_text()  # what a run directory holds
+
+    def exists(p: str) -> bool:  # a name a table row gives inside its folder exists somewhere below
+        return bool(list(ROOT.glob(p.rstrip("/"))) or list(ROOT.glob(f"**/{p.rstrip('/')}"))) or p in run_layout
+    missing = sorted(p for p in named if not exists(p))
+    assert not missing, f"ARCHITECTURE.md names what is not in the tree (keep it true): {missing}"

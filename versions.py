@@ -16,6 +16,8 @@ from coda_agent import __version__
 
 # The libraries a kernel's behaviour depends on: every cache key names them.
 KERNEL_LIBRARIES = ("coda-agent", "quack-kernels", "nvidia-cutlass-dsl", "torch")
+# What a run record names beside them: the libraries a run may have used.
+ENVIRONMENT = (*KERNEL_LIBRARIES, "triton", "openai", "liger-kernel")
 ABSENT = "absent"
 
 
@@ -32,8 +34,7 @@ def versions(dists: Iterable[str] = KERNEL_LIBRARIES) -> dict[str, str]:
     return out
 
 
-def environment(dists: Iterable[str] = (*KERNEL_LIBRARIES, "triton", "openai", "liger-kernel")
-                ) -> dict[str, str | None]:
+def environment(dists: Iterable[str] = ENVIRONMENT) -> dict[str, str | None]:
     """:func:`versions` of ``dists`` plus ``python``, torch's ``cuda`` (None in a
     CPU build) and the ``gpu`` ("none" without one)."""
     out: dict[str, str | None] = {"python": platform.python_version(), **versions(dists)}

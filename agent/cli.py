@@ -26,6 +26,20 @@ from .protocols import CodaError
 EXIT_CPU_PASSED = EXIT_CODES["cpu_passed"]  # the code `coda-agent verify` gives the same outcome
 
 
+# The options `solve` and `eval` share (eval/cli.py takes them from here), so they mean and say the same.
+MAX_TURNS = typer.Option(None, help="Model calls per trajectory [10].")
+MAX_TOKENS = typer.Option(None, help="Token budget (prompt + completion) of each trajectory.")
+MAX_COST = typer.Option(None, help="Money budget of each trajectory, USD (needs a price).")
+MAX_WALL = typer.Option(None, help="Wall-time budget of each trajectory, seconds (retries of a failing "
+                                   "endpoint included).")
+BASE_URL = typer.Option(None, help="OpenAI-compatible endpoint [OPENAI_BASE_URL].")
+API_KEY = typer.Option(None, help="API key [OPENAI_API_KEY].")
+MODEL = typer.Option(None, help="Model name [CODA_MODEL].")
+CONFIG = typer.Option(None, help="Config YAML [~/.config/coda-agent/config.yaml].")
+TEMPERATURE = typer.Option(None)
+VERIFIER = typer.Option(None, hidden=True, help="module:factory of the Verifier.")
+
+
 def solve(
     task: Optional[Path] = typer.Argument(None, help="Task YAML, e.g. tasks/llama3/swiglu_fwd.yaml."),
     author: Optional[Author] = typer.Option(None, help="llm (default), expert (the task's human-written "
@@ -34,23 +48,22 @@ def solve(
     samples: Optional[int] = typer.Option(None, "--samples", "-k", help="Independent trajectories, run in parallel."),
     sets: Optional[str] = typer.Option(None, "--sets", help="Shape sets the verifier checks, comma-separated "
                                                             "[the task's own]."),
-    max_turns: Optional[int] = typer.Option(None, help="Model calls per trajectory [10]."),
-    max_tokens: Optional[int] = typer.Option(None, help="Token budget (prompt + completion) of each trajectory."),
-    max_cost: Optional[float] = typer.Option(None, help="Money budget of each trajectory, USD (needs a price)."),
-    max_wall: Optional[float] = typer.Option(None, help="Wall-time budget of each trajectory, seconds "
-                                                        "(retries of a failing endpoint included)."),
+    max_turns: Optional[int] = MAX_TURNS,
+    max_tokens: Optional[int] = MAX_TOKENS,
+    max_cost: Optional[float] = MAX_COST,
+    max_wall: Optional[float] = MAX_WALL,
     runs_dir: Path = typer.Option(Path("runs"), help="Where run directories go."),
     resume: Optional[Path] = typer.Option(None, help="Continue a killed or budget-stopped run directory."),
-    base_url: Optional[str] = typer.Option(None, help="OpenAI-compatible endpoint [OPENAI_BASE_URL]."),
-    api_key: Optional[str] = typer.Option(None, help="API key [OPENAI_API_KEY]."),
-    model: Optional[str] = typer.Option(None, help="Model name [CODA_MODEL]."),
-    config: Optional[Path] = typer.Option(None, help="Config YAML [~/.config/coda-agent/config.yaml]."),
-    temperature: Optional[float] = typer.Option(None),
+    base_url: Optional[str] = BASE_URL,
+    api_key: Optional[str] = API_KEY,
+    model: Optional[str] = MODEL,
+    config: Optional[Path] = CONFIG,
+    temperature: Optional[float] = TEMPERATURE,
     top_p: Optional[float] = typer.Option(None),
     max_output_tokens: Optional[int] = typer.Option(None, help="max_tokens of each reply."),
     seed: Optional[int] = typer.Option(None),
     timeout: Optional[float] = typer.Option(None, help="Seconds per model request [600]."),
-    verifier: Optional[str] = typer.Option(None, hidden=True, help="module:factory of the Verifier."),
+    verifier: Optional[str] = VERIFIER,
 ) -> None:
     """Write a program for one task with an LLM, verify it, feed failures back, until accepted."""
     flags = {"author": author.value if author else None, "transcript": str(transcript) if transcript else None,

@@ -57,6 +57,36 @@ def utc_now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
 
 
+def utc_stamp() -> str:
+    """The UTC second, as run and batch directory names start or end with it."""
+    return datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+
+
+def new_dir(base: Path) -> Path:
+    """``base`` made here, or ``base-2``, ``base-3``, ... when two runs start in the same second."""
+    path, i = base, 1
+    while True:
+        try:
+            path.mkdir(parents=True)
+            return path
+        except FileExistsError:
+            i += 1
+            path = base.with_name(f"{base.name}-{i}")
+
+
+def read_record(file: Path, fmt: int, what: str, where: str, fix: str = "") -> dict[str, Any]:
+    """The JSON record that makes a folder a ``what`` directory (a run, a batch), refused when it
+    is absent (``fix`` says what to give instead) or in a format this coda-agent does not write;
+    ``where`` starts each message."""
+    if not file.is_file():
+        raise CodaError(f"{where}: not a {what} directory (no {file.name}){fix}")
+    record = json.loads(file.read_text())
+    if record.get("format") != fmt:
+        raise CodaError(f"{where}: {what} format {record.get('format')}, this coda-agent writes {fmt}; "
+                        f"start a new {what}")
+    return record
+
+
 def read_events(path: Path) -> list[dict[str, Any]]:
     """The transcript's events; a half-written last line (a kill mid-write) is dropped."""
     if not path.is_file():
@@ -159,17 +189,8 @@ class RunDir:
 
     @classmethod
     def create(cls, runs_dir: Path, task, author: str, config: dict[str, Any]) -> "RunDir":
-        stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
         label = re.sub(r"[^A-Za-z0-9._-]+", "-", author).strip("-") or "author"
-        base = runs_dir / f"{stamp}-{task.name}-{label}"
-        path, i = base, 1
-        while True:  # two runs in the same second get -2, -3, ...
-            try:
-                path.mkdir(parents=True)
-                break
-            except FileExistsError:
-                i += 1
-                path = base.with_name(f"{base.name}-{i}")
+        path = new_dir(runs_dir / f"{utc_stamp()}-{task.name}-{label}")
         shutil.copyfile(task.path, path / "task.yaml")
         for f in task.reference_files():
             (path / "reference").mkdir(exist_ok=True)
@@ -181,13 +202,7 @@ class RunDir:
 
     @classmethod
     def open(cls, path: Path) -> "RunDir":
-        cfg = path / "config.json"
-        if not cfg.is_file():
-            raise CodaError(f"--resume {path}: not a run directory (no config.json)")
-        saved = json.loads(cfg.read_text())
-        if saved.get("format") != RUN_FORMAT:
-            raise CodaError(f"--resume {path}: run format {saved.get('format')}, this coda-agent writes "
-                            f"{RUN_FORMAT}; start a new run")
+        saved = read_record(path / "config.json", RUN_FORMAT, "run", f"--resume {path}")
         return cls(path, saved["config"]["budget"]["samples"])
 
     def saved(self) -> dict[str, Any]:

@@ -40,11 +40,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from run import stats  # noqa: E402  (bench/run.py)
+from run import stats, versions  # noqa: E402  (bench/run.py)
 
-from coda_agent.primitives import CATALOGUE_VERSION  # noqa: E402
 from coda_agent.tasks import SUITE_DIR, load_task  # noqa: E402
-from coda_agent.versions import environment  # noqa: E402
+from coda_agent.storage import write_atomic  # noqa: E402
 
 FP8_SUITE = SUITE_DIR.parent / "llama3_fp8"
 BLOCKS = ("mlp_block", "llama3_block")
@@ -97,16 +96,16 @@ MODULES = {"mlp_block": (MLPBlock, ("h",)), "llama3_block": (Llama3Block, ("attn
 
 
 def _program(task: Any, inputs: dict, grads: dict, lowering_name: str) -> Callable[[], Any]:
+    from coda_agent.kernels.contract import run
     from coda_agent.primitives import load_program, lowering
 
     prog = load_program(task.expert_path.read_text(), task.name)
     params = dict(task.spec.params)
 
-    def run() -> Any:
+    def fused() -> Any:
         with lowering(lowering_name):
-            out = prog.forward(**inputs, **params)
-            return prog.backward({**inputs, **params, **out}, **grads)
-    return run
+            return run(prog, inputs, params, grads, task.spec.outputs, task.spec.gradients)
+    return fused
 
 
 def _torch_block(name: str, inputs: dict, grads: dict, eps: float, recipe: str | None,
@@ -207,9 +206,7 @@ def main() -> int:
     device = "cpu" if args.dry_run else "cuda"
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{'fp8-anchors' if device == 'cuda' else 'fp8-anchors-dryrun'}.json"
-    versions = {**environment((*("coda-agent", "quack-kernels", "nvidia-cutlass-dsl", "torch"), "torchao")),
-                "catalogue": CATALOGUE_VERSION}
-    results: dict[str, Any] = {"versions": versions, "reps": args.reps, "rows": []}
+    results: dict[str, Any] = {"versions": versions(("torchao",)), "reps": args.reps, "rows": []}
     t0 = time.time()
     for name in args.blocks.split(","):
         for shape_set in args.sets.split(","):
@@ -227,7 +224,7 @@ def main() -> int:
             print(json.dumps({k: row.get(k) for k in ("block", "shape_set", "coda_fp8_over_fp8_gemms",
                                                       "coda_fp8_speedup_vs_torchao_rowwise", "error")}),
                   flush=True)
-            path.write_text(json.dumps(results, indent=1))
+            write_atomic(path, json.dumps(results, indent=1))
             if device == "cuda":
                 torch.cuda.empty_cache()
     print(f"wrote {path}")

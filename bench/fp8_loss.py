@@ -52,6 +52,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from coda_agent.storage import write_atomic
 from coda_agent.tasks.llama3_fp8 import references as R
 
 RECIPES = ("bf16", "torchao_rowwise", "torchao_tensorwise", "coda_delayed", "coda_rowscale",
@@ -387,7 +388,7 @@ def main() -> int:
     elif not path.is_file():
         ap.error(f"{path} does not exist; run without --plot first")
     summary = summarize(path)
-    (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
+    write_atomic(args.out / "summary.json", json.dumps(summary, indent=1))
     print(json.dumps(summary["verdict_vs_band"]))
     try:
         plot(path, args.out / "loss.png")

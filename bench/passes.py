@@ -37,6 +37,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from run import stats, versions  # noqa: E402  # bench/run.py
 
+from coda_agent.storage import write_atomic  # noqa: E402
+
 DGELU = '''
 from coda_agent.primitives import Tile, epilogue, erf, exp, row_sum
 
@@ -178,7 +180,7 @@ def run_experiments(path: Path, experiments: dict[str, Callable[[], dict]], **he
             traceback.print_exc(limit=5)
             result[name] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
         result[f"{name}_s"] = round(time.time() - t0, 1)
-        path.write_text(json.dumps(result, indent=1))
+        write_atomic(path, json.dumps(result, indent=1))
         print(f"{name}: {result[f'{name}_s']} s", flush=True)
     return 0
 

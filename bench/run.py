@@ -41,11 +41,13 @@ from typing import Any, Callable
 import torch
 
 from coda_agent.primitives import CATALOGUE_VERSION, gemm, launch_ledger, load_program, lowering, tuning
+from coda_agent.kernels.contract import run
 from coda_agent.primitives.timing import enqueue_ms, measure_each, measure_steady
 from coda_agent.storage import write_atomic
 from coda_agent.tasks import SUITE_DIR, load_suite
 from coda_agent.verifier.inputs import make_grads, make_inputs
-from coda_agent.versions import environment
+from coda_agent.verifier.timing import reference_call
+from coda_agent.versions import ENVIRONMENT, environment
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -119,11 +121,7 @@ def bench_task(task: Any, shape_set: str, reps: int, tune: bool, device: str = "
 
     def fused() -> Any:
         with lowering(low):
-            out = prog.forward(**inputs, **params)
-            if spec.has_backward:
-                saved = {**inputs, **params, **out}
-                out = {**out, **prog.backward(saved, **grads)}
-            return out
+            return run(prog, inputs, params, grads if spec.has_backward else None, spec.outputs, spec.gradients)
 
     if tune and device == "cuda":
         with tuning.autotune() as tuned:  # every untuned GEMM call: tune once, cache on disk
@@ -144,18 +142,9 @@ def bench_task(task: Any, shape_set: str, reps: int, tune: bool, device: str = "
             return [gemm(a, b) for a, b in mats]
 
     ref = task.reference_fn
-    float_inputs = [k for k, v in inputs.items() if v.is_floating_point()]
 
     def torch_run(fn: Callable) -> Callable[[], Any]:
-        def run() -> Any:
-            leaf = {k: (v.detach().requires_grad_(k in spec.gradients) if k in float_inputs else v)
-                    for k, v in inputs.items()}
-            out = fn(**leaf, **params)
-            if spec.has_backward:
-                outs = [out[g[1:]] for g in grads]
-                torch.autograd.backward(outs, [grads[g] for g in grads])
-            return out
-        return run
+        return reference_call(fn, spec, inputs, grads if spec.has_backward else None)
 
     contenders: dict[str, Callable[[], Any]] = {
         "fused": fused, "gemm_cublas": lambda: [a @ b for a, b in mats], "gemm_quack": quack_gemms,
@@ -213,9 +202,10 @@ def _ratios(spec: Any, shape_set: str, row: dict) -> dict:
     return row
 
 
-def versions() -> dict:
-    """What the run ran on: libraries, CUDA, the GPU, and the catalogue's version."""
-    return {**environment(), "catalogue": CATALOGUE_VERSION}
+def versions(extra: tuple[str, ...] = ()) -> dict:
+    """What a benchmark ran on: libraries (and ``extra`` distributions), CUDA, the GPU, and the
+    catalogue's version; every bench/ record names them so."""
+    return {**environment((*ENVIRONMENT, *extra)), "catalogue": CATALOGUE_VERSION}
 
 
 def main() -> int:

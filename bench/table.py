@@ -14,6 +14,8 @@ import math
 import sys
 from pathlib import Path
 
+from coda_agent.storage import write_atomic
+
 ROOT = Path(__file__).resolve().parent.parent
 START, END = "<!-- bench-table:start -->", "<!-- bench-table:end -->"
 
@@ -164,7 +166,7 @@ def update(args: list[str], doc: Path = ROOT / "BENCHMARKS.md") -> None:
     head, _, rest = text.partition(START)
     _, _, tail = rest.partition(END)
     body = "\n\n".join(sections)
-    doc.write_text(f"{head}{START}\n{body}\n{END}{tail}")
+    write_atomic(doc, f"{head}{START}\n{body}\n{END}{tail}")
     print(f"updated {doc} from {', '.join(a.partition('=')[0] for a in args)}")
 
 

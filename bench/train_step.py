@@ -53,6 +53,8 @@ from typing import Any
 
 import torch
 
+from coda_agent.storage import write_atomic
+
 ROOT = Path(__file__).resolve().parent.parent
 
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -265,7 +267,7 @@ def child(args: argparse.Namespace, device: str) -> int:
     out = Path(args.out)
     if args.one == "curve":
         result = loss_curve(args.curve_steps, device, "tiny" if args.dry_run else "curve")
-        (out / "loss_curve.json").write_text(json.dumps(result, indent=1))
+        write_atomic(out / "loss_curve.json", json.dumps(result, indent=1))
         try:
             plot(out)
         except ImportError:
@@ -274,7 +276,7 @@ def child(args: argparse.Namespace, device: str) -> int:
     config, contender = args.one.split(":")
     row = measure("tiny" if args.dry_run else config, contender, args.steps, args.warmup, device)
     row["config"] = config
-    (out / f"step-{config}-{contender}.json").write_text(json.dumps(row, indent=1))
+    write_atomic(out / f"step-{config}-{contender}.json", json.dumps(row, indent=1))
     return 0
 
 
@@ -310,7 +312,7 @@ def drive(args: argparse.Namespace, device: str) -> int:
                 ok, log = proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
             except subprocess.TimeoutExpired:
                 ok, log = False, f"killed at the budget's end after {time.time() - t0:.0f} s"
-            (out / f"{name.replace(':', '-')}.log").write_text(log)
+            write_atomic(out / f"{name.replace(':', '-')}.log", log)
             if contender == "curve":
                 results["curve"] = "loss_curve.json" if ok else {"error": log[-600:]}
             elif ok:
@@ -322,9 +324,9 @@ def drive(args: argparse.Namespace, device: str) -> int:
             else:
                 results["rows"].append({"config": config, "contender": contender, "error": log[-600:]})
             results.setdefault("wall_s", {})[name] = round(time.time() - t0, 1)
-            (out / "train_step.json").write_text(json.dumps(results, indent=1))
+            write_atomic(out / "train_step.json", json.dumps(results, indent=1))
             print(json.dumps({"run": name, "ok": ok, "s": results["wall_s"][name]}), flush=True)
-    (out / "train_step.json").write_text(json.dumps(results, indent=1))
+    write_atomic(out / "train_step.json", json.dumps(results, indent=1))
     print(f"wrote {out / 'train_step.json'}")
     return 0
 

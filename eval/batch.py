@@ -24,12 +24,11 @@ import hashlib
 import json
 import os
 import shutil
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from coda_agent.agent.protocols import CodaError
-from coda_agent.agent.rundir import RunDir, utc_now
+from coda_agent.agent.rundir import RunDir, new_dir, read_record, utc_now, utc_stamp
 from coda_agent.storage import write_json
 
 if TYPE_CHECKING:
@@ -59,15 +58,7 @@ class BatchDir:
     @classmethod
     def create(cls, runs_dir: Path, tasks: list["Task"], samples: int, config: dict[str, Any],
                turns_given: bool, workers: dict[str, Any]) -> "BatchDir":
-        stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-        path, i = runs_dir / f"batch-{stamp}", 1
-        while True:
-            try:
-                path.mkdir(parents=True)
-                break
-            except FileExistsError:
-                i += 1
-                path = runs_dir / f"batch-{stamp}-{i}"
+        path = new_dir(runs_dir / f"batch-{utc_stamp()}")
         meta = {"format": BATCH_FORMAT, "created_utc": utc_now(), "samples": samples,
                 "tasks": [{"name": t.name, "path": str(Path(t.path).resolve()), "sha256": sha256_file(t.path)}
                           for t in tasks],
@@ -78,13 +69,8 @@ class BatchDir:
 
     @classmethod
     def open(cls, path: Path) -> "BatchDir":
-        f = path / "batch.json"
-        if not f.is_file():
-            raise CodaError(f"{path}: not a batch directory (no batch.json); give a runs/batch-<utc>/ folder")
-        meta = json.loads(f.read_text())
-        if meta.get("format") != BATCH_FORMAT:
-            raise CodaError(f"{path}: batch format {meta.get('format')}, this coda-agent writes {BATCH_FORMAT}; "
-                            "start a new batch")
+        meta = read_record(path / "batch.json", BATCH_FORMAT, "batch", str(path),
+                           "; give a runs/batch-<utc>/ folder")
         return cls(path, meta)
 
     @property

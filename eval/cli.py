@@ -21,6 +21,8 @@ from typing import Any, Optional
 
 import typer
 
+from coda_agent.agent.cli import (API_KEY, BASE_URL, CONFIG, MAX_COST, MAX_TOKENS, MAX_TURNS, MAX_WALL, MODEL,
+                                  TEMPERATURE, VERIFIER)
 from coda_agent.agent.config import Author
 from coda_agent.agent.protocols import CodaError
 from coda_agent.verifier.cli import EXIT_CODES
@@ -28,7 +30,7 @@ from coda_agent.verifier.cli import EXIT_CODES
 
 def eval_batch(
     tasks: Optional[Path] = typer.Argument(None, help="A folder of task YAMLs (e.g. tasks/llama3) or one YAML."),
-    model: Optional[str] = typer.Option(None, help="Model name [CODA_MODEL]."),
+    model: Optional[str] = MODEL,
     samples: Optional[int] = typer.Option(None, "--samples", "-k", help="Trajectories per task [1]."),
     workers: Optional[int] = typer.Option(None, help="CPU verification threads (default 1-2; plus one "
                                                      "per visible GPU)."),
@@ -42,17 +44,16 @@ def eval_batch(
     resume: Optional[Path] = typer.Option(None, help="Finish a killed batch: runs/batch-<utc>/."),
     sets: Optional[str] = typer.Option(None, "--sets", help="Shape sets the verifier checks, comma-separated "
                                                             "[each task's own]."),
-    max_turns: Optional[int] = typer.Option(None, help="Model calls per trajectory [10]."),
-    max_tokens: Optional[int] = typer.Option(None, help="Token budget (prompt + completion) of each trajectory."),
-    max_cost: Optional[float] = typer.Option(None, help="Money budget of each trajectory, USD (needs a price)."),
-    max_wall: Optional[float] = typer.Option(None, help="Wall-time budget of each trajectory, seconds "
-                                                        "(retries of a failing endpoint included)."),
+    max_turns: Optional[int] = MAX_TURNS,
+    max_tokens: Optional[int] = MAX_TOKENS,
+    max_cost: Optional[float] = MAX_COST,
+    max_wall: Optional[float] = MAX_WALL,
     runs_dir: Path = typer.Option(Path("runs"), help="Where batch directories go."),
-    base_url: Optional[str] = typer.Option(None, help="OpenAI-compatible endpoint [OPENAI_BASE_URL]."),
-    api_key: Optional[str] = typer.Option(None, help="API key [OPENAI_API_KEY]."),
-    config: Optional[Path] = typer.Option(None, help="Config YAML [~/.config/coda-agent/config.yaml]."),
-    temperature: Optional[float] = typer.Option(None),
-    verifier: Optional[str] = typer.Option(None, hidden=True, help="module:factory of the Verifier."),
+    base_url: Optional[str] = BASE_URL,
+    api_key: Optional[str] = API_KEY,
+    config: Optional[Path] = CONFIG,
+    temperature: Optional[float] = TEMPERATURE,
+    verifier: Optional[str] = VERIFIER,
 ) -> None:
     """Run every task k times (LLM calls in parallel, verification on a thread per GPU or on Ray); write a summary."""
     # The transcript path is kept absolute: each run's config.json names what it replays.

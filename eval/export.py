@@ -24,7 +24,6 @@ fails the export, not the training run that imports it.
 from __future__ import annotations
 
 import re
-import shutil
 import textwrap
 from pathlib import Path
 
@@ -89,8 +88,8 @@ def export(run: Path, to: Path, allow_cpu_only: bool = False) -> Path:
     to.mkdir(parents=True, exist_ok=True)
     write_atomic(to / f"{module}.py", render_module(kernel, c, review, module, spec_text))
     attempt = c.path / "attempts" / f"{c.result['best_attempt']:02d}"
-    shutil.copyfile(c.path / c.kind / "report.md", to / f"{module}.report.md")
-    shutil.copyfile(attempt / "report.json", to / f"{module}.report.json")
+    write_atomic(to / f"{module}.report.md", (c.path / c.kind / "report.md").read_text())
+    write_atomic(to / f"{module}.report.json", (attempt / "report.json").read_text())
     write_json(to / f"{module}.review.json", review)
     return to / f"{module}.py"
 

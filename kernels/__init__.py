@@ -15,9 +15,12 @@
 
 Layer map:
 
+- ``contract.py``: calling a program by its task's contract, forward and
+  backward: the one implementation, which the Kernel, the verifier's runner and
+  the benchmarks share (it imports only torch);
 - ``kernel.py``: :class:`Kernel` (a program bound to its task, the one place
-  that runs a program forward and backward for autograd), its
-  ``autograd.Function``, :class:`KernelModule`, input checks, the catalogue guard;
+  that turns the contract into autograd), its ``autograd.Function``,
+  :class:`KernelModule`, input checks, the catalogue guard;
 - ``source.py``: :func:`load_kernel` from a run directory (and the final-program
   rules ``eval/review.py`` shares);
 - ``llama.py``: :func:`apply_to_llama`, the transformers drop-in (weight
@@ -26,19 +29,21 @@ Layer map:
 
 The folder sits above ``tasks`` and below ``verifier`` in the import graph: it
 needs the catalogue and task specs only, so everything above may use it.
-Nothing here has an import-time side effect; transformers is imported only by
-``llama.py`` (the ``hf`` extra).
+Nothing here has an import-time side effect, and importing the folder imports
+none of its modules: each public name loads its own on first use, so the
+runner's ``contract`` costs no catalogue import, and transformers is imported
+only by ``llama.py`` (the ``hf`` extra).
 """
 
-from .kernel import Kernel, KernelError, KernelModule
-from .source import load_kernel
+_LAZY = {"Kernel": "kernel", "KernelError": "kernel", "KernelModule": "kernel", "load_kernel": "source",
+         "apply_to_llama": "llama"}
 
 
-def __getattr__(name: str):  # noqa: ANN202 - the drop-in imports transformers on first use only
-    if name == "apply_to_llama":
-        from .llama import apply_to_llama
+def __getattr__(name: str):  # noqa: ANN202 - each name loads its module on first use
+    if name in _LAZY:
+        import importlib
 
-        return apply_to_llama
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -54,6 +54,8 @@ from coda_agent.primitives import CATALOGUE_VERSION, CatalogueError, load_progra
 from coda_agent.primitives.operands import OUTPUT_DTYPES
 from coda_agent.tasks.spec import ExprError, TaskSpec, eval_expr, expr_symbols
 
+from .contract import ContractError, call_backward, call_forward
+
 TORCH_DTYPES = {**OUTPUT_DTYPES, "int32": torch.int32, "int64": torch.int64}
 
 
@@ -138,19 +140,17 @@ class Kernel:
         """The program's forward, no autograd: the outputs and the state kept for backward."""
         if not torch.compiler.is_compiling():  # traced, the catalogue's own call checks still run
             check_inputs(self.spec, inputs, self.origin)
-        outs = self.program.forward(**inputs, **params)
-        if not isinstance(outs, dict) or any(o not in outs for o in self.outputs):
-            raise KernelError(f"{self.origin}: forward must return a dict with {list(self.outputs)}; got "
-                              f"{sorted(outs) if isinstance(outs, dict) else type(outs).__name__}")
-        return dict(outs)
+        try:
+            return call_forward(self.program, inputs, params, self.outputs)
+        except ContractError as e:
+            raise KernelError(f"{self.origin}: {e}") from None
 
     def backward(self, saved: dict[str, Any], grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The program's backward: ``d<input>`` for every name in ``gradients``."""
-        back = self.program.backward(saved, **grads)
-        missing = [f"d{g}" for g in self.gradients if not isinstance(back, dict) or f"d{g}" not in back]
-        if missing:
-            raise KernelError(f"{self.origin}: backward returned no {missing}")
-        return back
+        try:
+            return call_backward(self.program, saved, grads, self.gradients)
+        except ContractError as e:
+            raise KernelError(f"{self.origin}: {e}") from None
 
     # ------------------------------------------------------------------ calling it
 

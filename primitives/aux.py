@@ -185,7 +185,7 @@ def xent_grad_(logits: torch.Tensor, lse: torch.Tensor, target: torch.Tensor,
     sum, because ``lse`` comes from the GEMM's fp32 accumulator and the stored
     logits are rounded (at logits of about 100 a bf16 rounding moves
     ``exp(x - lse)`` by a quarter, and the row's probabilities no longer sum to
-    one: the verifier's edge rows found this).  Rows whose
+    one: the verifier's edge rows check this).  Rows whose
     target is ``ignore_index`` become 0; a target outside [0, V) subtracts no
     one-hot.  Returns ``logits`` (now dlogits), ready to be the A operand of
     dX = dlogits @ W and the B operand of dW = X^T @ dlogits."""

@@ -134,9 +134,10 @@ def _sig(fn: object) -> str:
     return f"{fn.__name__}{inspect.signature(fn)}"  # type: ignore[attr-defined]
 
 
-def _sample_epilogues() -> dict[str, tuple[object, dict]]:
+def sample_epilogues() -> dict[str, tuple[object, dict]]:
     """One epilogue per rule of ``default_config`` (program_rules.CONFIG_CASES names them),
-    with the operands the rule reads."""
+    with the operands the rule reads: the catalogue text states their tiles, and
+    tests/test_tuning.py holds the rules to them."""
     @_epilogue()
     def elementwise(acc, scale: Scalar):
         return {"D": acc * scale}
@@ -160,7 +161,7 @@ def _sample_epilogues() -> dict[str, tuple[object, dict]]:
 
 def config_lines() -> list[str]:
     """What ``config=None`` picks for each of the rules table's cases, computed now."""
-    samples = _sample_epilogues()
+    samples = sample_epilogues()
     out = []
     for case in rules.CONFIG_CASES:
         epi, operands = samples[case.epilogue] if case.epilogue else (None, {})

@@ -4,6 +4,8 @@ from pathlib import Path
 
 import typer
 
+from coda_agent.storage import write_atomic
+
 
 def catalogue(out: Path = typer.Option(None, "--out", "-o", help="Write the Markdown here.")) -> None:
     """Render the epilogue catalogue (signatures, semantics, constraints, examples)."""
@@ -13,5 +15,5 @@ def catalogue(out: Path = typer.Option(None, "--out", "-o", help="Write the Mark
     if out is None:
         typer.echo(text, nl=False)
     else:
-        out.write_text(text)
+        write_atomic(out, text)
         typer.echo(f"wrote {out}")

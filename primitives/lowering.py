@@ -27,11 +27,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterator, TypeVar
 
 import torch
 
 LOWERINGS = ("auto", "reference", "cute", "compile")
+
+T = TypeVar("T")
 
 _lowering: contextvars.ContextVar[str] = contextvars.ContextVar("coda_lowering", default="auto")
 _ledger: contextvars.ContextVar[list | None] = contextvars.ContextVar("coda_ledger", default=None)
@@ -72,15 +74,23 @@ class CompiledKernel:
 
 
 @contextlib.contextmanager
+def set_within(var: contextvars.ContextVar, value: T) -> Iterator[T]:
+    """``var`` holds ``value`` inside (and yields it), and what it held before after: the one
+    way every catalogue setting is scoped."""
+    token = var.set(value)
+    try:
+        yield value
+    finally:
+        var.reset(token)
+
+
+@contextlib.contextmanager
 def lowering(name: str) -> Iterator[None]:
     """Run the enclosed catalogue calls with one lowering."""
     if name not in LOWERINGS:
         raise ValueError(f"unknown lowering {name!r}; choose one of {LOWERINGS}")
-    token = _lowering.set(name)
-    try:
+    with set_within(_lowering, name):
         yield
-    finally:
-        _lowering.reset(token)
 
 
 def current_lowering(*tensors: object) -> str:
@@ -101,11 +111,8 @@ def padded_lanes() -> Iterator[None]:
     whose results change inside is right on the CPU and wrong on the GPU at
     ragged shapes: e.g. a col_sum of ``acc + bias`` adds the stale bias of each
     padded column."""
-    token = _padded.set(True)
-    try:
+    with set_within(_padded, True):
         yield
-    finally:
-        _padded.reset(token)
 
 
 def padding_lanes() -> bool:
@@ -118,24 +125,15 @@ def launch_ledger() -> Iterator[list[Launch]]:
     """Collect a :class:`Launch` per device-work call made inside.  A context variable:
     autograd runs a CUDA backward on its own device threads, which do not see it, so a
     backward through autograd is collected under ``torch.autograd.set_multithreading_enabled(False)``."""
-    launches: list[Launch] = []
-    token = _ledger.set(launches)
-    try:
+    with set_within(_ledger, []) as launches:
         yield launches
-    finally:
-        _ledger.reset(token)
 
 
 @contextlib.contextmanager
 def compile_only() -> Iterator[list[CompiledKernel]]:
     """Compile every GEMM for sm_90a instead of running it (CPU is enough)."""
-    kernels: list[CompiledKernel] = []
-    token = _compiled.set(kernels)
-    try:
-        with lowering("compile"):
-            yield kernels
-    finally:
-        _compiled.reset(token)
+    with set_within(_compiled, []) as kernels, lowering("compile"):
+        yield kernels
 
 
 def record_compiled(kernel: CompiledKernel) -> None:
@@ -156,9 +154,5 @@ def launching(kind: str, name: str, config: str = "") -> Iterator[None]:
     sink = _ledger.get()
     if sink is not None:
         sink.append(Launch(kind, name, config))
-    token = _launching.set(True)
-    try:
-        with torch.profiler.record_function(f"coda::{kind}::{name}"):
-            yield
-    finally:
-        _launching.reset(token)
+    with set_within(_launching, True), torch.profiler.record_function(f"coda::{kind}::{name}"):
+        yield

@@ -160,18 +160,21 @@ def _round_cute(dtype_name: str) -> Callable:
     return impl
 
 
-exp = MathFn("exp", 1, torch.exp, lambda x: _cm().math.exp(x, fastmath=True),
-             "e**x.", "exp(acc - m)")
-exp2 = MathFn("exp2", 1, torch.exp2, lambda x: _cm().math.exp2(x, fastmath=True),
-              "2**x.", "exp2(acc * 1.4426950408889634)")
-log = MathFn("log", 1, torch.log, lambda x: _cm().math.log(x, fastmath=True),
-             "Natural logarithm.", "log(acc * acc + 1.0)")
-rsqrt = MathFn("rsqrt", 1, torch.rsqrt, lambda x: _cm().math.rsqrt(x, fastmath=True),
-               "1 / sqrt(x).", "acc * rsqrt(var + eps)")
-sqrt = MathFn("sqrt", 1, torch.sqrt, lambda x: _cm().math.sqrt(x, fastmath=True),
-              "Square root.", "sqrt(acc * acc + 1.0)")
-tanh = MathFn("tanh", 1, torch.tanh, lambda x: _cm().math.tanh(x, fastmath=True),
-              "Hyperbolic tangent.", "tanh(acc)")
+def _fast(name: str, doc: str, example: str) -> MathFn:
+    """A one-argument function that torch and ``cutlass.cute.math`` both name ``name``, in
+    the hardware's fast form on the GPU."""
+    return MathFn(name, 1, getattr(torch, name), lambda x: getattr(_cm().math, name)(x, fastmath=True),
+                  doc, example)
+
+
+exp = _fast("exp", "e**x.", "exp(acc - m)")
+exp2 = _fast("exp2", "2**x.", "exp2(acc * 1.4426950408889634)")
+log = _fast("log", "Natural logarithm.", "log(acc * acc + 1.0)")
+rsqrt = _fast("rsqrt", "1 / sqrt(x).", "acc * rsqrt(var + eps)")
+sqrt = _fast("sqrt", "Square root.", "sqrt(acc * acc + 1.0)")
+tanh = _fast("tanh", "Hyperbolic tangent.", "tanh(acc)")
+
+
 def _reduce_angle(x: Any) -> Any:
     # RoPE angles reach ~1e5 rad. The precise sin/cos carry a slow-path
     # (Payne-Hanek) reduction with a local-memory table (hundreds of STL/LDL in

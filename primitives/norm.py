@@ -73,29 +73,20 @@ _ROUNDING = {torch.bfloat16: round_bf16, torch.float16: round_fp16}
 
 
 @lru_cache(maxsize=None)
-def _fold_over_rows(dtype: torch.dtype) -> Epilogue:
-    """The fold for a weight stored (N, K) (``B = W.t()``): one pass over W's rows."""
+def _fold(dtype: torch.dtype, over_rows: bool) -> Epilogue:
+    """The fold as one pass over the weight as it is stored: over the rows of a weight stored
+    (N, K) (``B = W.t()``; gamma and beta one per column of the pass, the sums down its
+    columns), else over ``B`` stored (K, N) (one per row, the sums along its rows)."""
     rounded = _ROUNDING[dtype]
 
-    @epilogue(reductions={"gw": col_sum(), "bw": col_sum()})
-    def layernorm_fold(w: Tile, gamma: RowVec, beta: RowVec):
+    def layernorm_fold(w, gamma, beta):  # noqa: ANN001, ANN202 - its kinds are set below
         wg = rounded(w * gamma)
         return {"D": wg, "gw": wg, "bw": w * beta}
 
-    return layernorm_fold
+    vec, total = (RowVec, col_sum) if over_rows else (ColVec, row_sum)
+    layernorm_fold.__annotations__ = {"w": Tile, "gamma": vec, "beta": vec}
+    return epilogue(reductions={"gw": total(), "bw": total()})(layernorm_fold)
 
-
-@lru_cache(maxsize=None)
-def _fold_over_columns(dtype: torch.dtype) -> Epilogue:
-    """The fold for a weight stored (K, N) (``B`` itself): one pass over B."""
-    rounded = _ROUNDING[dtype]
-
-    @epilogue(reductions={"gw": row_sum(), "bw": row_sum()})
-    def layernorm_fold(b: Tile, gamma: ColVec, beta: ColVec):
-        bg = rounded(b * gamma)
-        return {"D": bg, "gw": bg, "bw": b * beta}
-
-    return layernorm_fold
 
 
 def _mean_rstd(sums: torch.Tensor, sumsq: torch.Tensor, dim: int, eps: float) -> dict[str, torch.Tensor]:
@@ -156,10 +147,10 @@ def layernorm_fold(B: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor,
     if B.dtype not in _ROUNDING:
         raise CatalogueError(f"layernorm_fold: B has dtype {B.dtype}; the mainloop takes bf16 or fp16")
     if B.stride(0) == 1:  # a transposed view of a weight stored (N, K)
-        out = tile_pass(_fold_over_rows(B.dtype), w=B.t(), gamma=gamma, beta=beta)
+        out = tile_pass(_fold(B.dtype, over_rows=True), w=B.t(), gamma=gamma, beta=beta)
         folded = out["D"].t()
     elif B.stride(1) == 1:
-        out = tile_pass(_fold_over_columns(B.dtype), b=B, gamma=gamma, beta=beta)
+        out = tile_pass(_fold(B.dtype, over_rows=False), w=B, gamma=gamma, beta=beta)
         folded = out["D"]
     else:
         raise CatalogueError(f"layernorm_fold: B has strides {B.stride()}; give a weight stored row-major "

@@ -188,61 +188,53 @@ class Tile(Kind):
         return _zero_padded(value, mp, np_)  # TMA fills out-of-bounds loads with zeros
 
 
-class RowVec(Kind):
-    """One value per output column, length N, broadcast down the rows (gamma, bias)."""
+class _Vector(Kind):
+    """A vector broadcast over the tile: one value per output column (a RowVec, length N)
+    or per output row (a ColVec, length M)."""
 
-    hint = "A RowVec has one value per output column (length N); per-row values are a ColVec."
+    per_column = True
+    quack_load = ""  # the quack EpiOp that loads it
 
     @classmethod
     def expected_shape(cls, m: int, n: int) -> tuple[int, ...]:
-        return (n,)
+        return (n,) if cls.per_column else (m,)
+
+    @classmethod
+    def quack_op(cls, name: str, stat: HeadRms | None) -> Any:
+        from quack.epilogue import ops
+
+        return getattr(ops, cls.quack_load)(name)
+
+    @classmethod
+    def quack_value(cls, value: Any) -> Any:
+        return value.reshape(1, -1)
+
+    @classmethod
+    def padded(cls, value: Any, mp: int, np_: int) -> Any:
+        return _stale_padded(value, np_ if cls.per_column else mp)
+
+
+class RowVec(_Vector):
+    """One value per output column, length N, broadcast down the rows (gamma, bias)."""
+
+    hint = "A RowVec has one value per output column (length N); per-row values are a ColVec."
+    per_column, quack_load = True, "RowVecLoad"
 
     @classmethod
     def reference_argument(cls, value: Any, acc: torch.Tensor, pairs_acc: bool, stat: HeadRms | None) -> Any:
         return _per_column(value.float().reshape(1, -1), pairs_acc)
 
-    @classmethod
-    def quack_op(cls, name: str, stat: HeadRms | None) -> Any:
-        from quack.epilogue import ops
 
-        return ops.RowVecLoad(name)
-
-    @classmethod
-    def quack_value(cls, value: Any) -> Any:
-        return value.reshape(1, -1)
-
-
-    @classmethod
-    def padded(cls, value: Any, mp: int, np_: int) -> Any:
-        return _stale_padded(value, np_)
-
-class ColVec(Kind):
+class ColVec(_Vector):
     """One value per output row, length M, broadcast across columns (inverse RMS)."""
 
     hint = "A ColVec has one value per output row (length M); per-column values are a RowVec."
-
-    @classmethod
-    def expected_shape(cls, m: int, n: int) -> tuple[int, ...]:
-        return (m,)
+    per_column, quack_load = False, "ColVecLoad"
 
     @classmethod
     def reference_argument(cls, value: Any, acc: torch.Tensor, pairs_acc: bool, stat: HeadRms | None) -> Any:
         return value.float().reshape(-1, 1)
 
-    @classmethod
-    def quack_op(cls, name: str, stat: HeadRms | None) -> Any:
-        from quack.epilogue import ops
-
-        return ops.ColVecLoad(name)
-
-    @classmethod
-    def quack_value(cls, value: Any) -> Any:
-        return value.reshape(1, -1)
-
-
-    @classmethod
-    def padded(cls, value: Any, mp: int, np_: int) -> Any:
-        return _stale_padded(value, mp)
 
 class Scalar(Kind):
     """A Python number baked into the kernel (eps, a scale)."""

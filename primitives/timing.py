@@ -4,7 +4,9 @@
   interleaved in rounds (a rested GPU, each contender at the same clock);
 - :func:`measure_steady` times one contender back to back (the regime of a
   training step, where each kernel runs at the clock its own power allows);
-- :func:`enqueue_ms` is the host's side: how long one call takes to enqueue.
+- :func:`enqueue_ms` is the host's side: how long one call takes to enqueue;
+- :class:`FlushedCall` is one timed call, which :func:`measure_each`, the
+  verifier's performance stage and its runner all time the same way.
 
 ``device="cpu"`` runs the same rounds and loops on the host's clock: the
 benchmark's dry run (``bench/run.py --dry-run``) checks its plumbing with it
@@ -28,6 +30,33 @@ import torch
 # under load, at 1.5x and at 3x, on the H200
 # (bench/results/h200-2026-11-29-c/sweep-contention.json).
 SPIN_FACTOR, SPIN_FLOOR_MS = 1.5, 0.05
+FLUSH_BYTES = 256 << 20  # written before each timed call: the H200's L2 is 60 MiB
+
+
+def spin_ms(host_ms: float, cap_ms: float) -> float:
+    """The spin before a timed call whose host enqueues it in ``host_ms``, at most ``cap_ms``."""
+    return min(SPIN_FACTOR * host_ms + SPIN_FLOOR_MS, cap_ms)
+
+
+class FlushedCall:
+    """Times one call on a rested GPU, the way every contender is timed: the device
+    synchronized, the L2 flushed, a spin of ``spin`` ms (:func:`spin_ms`) so that the
+    call's launches are all queued before the start event fires, CUDA events around
+    the call, the device synchronized after it.  ``timer(fn, spin) -> (ms, fn())``."""
+
+    def __init__(self) -> None:
+        self.flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+        self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def __call__(self, fn: Callable[[], Any], spin: float) -> tuple[float, Any]:
+        torch.cuda.synchronize()
+        self.flush.fill_(1)
+        torch.cuda._sleep(int(spin * _cycles_per_ms()))
+        self.start.record()
+        result = fn()
+        self.end.record()
+        torch.cuda.synchronize()
+        return self.start.elapsed_time(self.end), result
 
 
 def measure_each(fns: Mapping[str, Callable[[], Any]], reps: int = 20, warmup: int = 3, device: str = "cuda"
@@ -58,26 +87,19 @@ def measure_each(fns: Mapping[str, Callable[[], Any]], reps: int = 20, warmup: i
     if device != "cuda":
         return _measure_each_on_host(fns, reps, warmup)
     names = list(fns)
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    spin: dict[str, int] = {}
+    timer = FlushedCall()
+    spin: dict[str, float] = {}
     host: dict[str, float] = {}
     for name in names:
         for _ in range(warmup):
             fns[name]()
         host[name] = enqueue_ms(fns[name])
-        spin[name] = int(min(SPIN_FACTOR * host[name] + SPIN_FLOOR_MS, 200.0) * _cycles_per_ms())
+        spin[name] = spin_ms(host[name], 200.0)
     times: dict[str, list[float]] = {name: [] for name in names}
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     order = random.Random(0)
     for _ in range(reps):
         for name in order.sample(names, len(names)):
-            flush.fill_(1)
-            torch.cuda._sleep(spin[name])
-            start.record()
-            fns[name]()
-            end.record()
-            torch.cuda.synchronize()
-            times[name].append(start.elapsed_time(end))
+            times[name].append(timer(fns[name], spin[name])[0])
     return {name: (sorted(times[name]), host[name]) for name in names}
 
 

@@ -40,6 +40,7 @@ from coda_agent.versions import versions
 
 from . import cute
 from .fp8 import mainloop_key
+from .lowering import set_within
 from .tile_config import TileConfig, tunable
 from .timing import measure_each
 from .version import CATALOGUE_VERSION
@@ -162,12 +163,8 @@ def autotune() -> Iterator[list[dict]]:
     """Inside, a cute ``gemm(config=None)`` whose lookup misses is tuned on the spot
     (:func:`tune`) and its winner cached; yields a record per tuned call.  Calls that
     accumulate into a buffer are not tuned (timing them would keep adding into it)."""
-    record: list[dict] = []
-    token = _autotune.set(record)
-    try:
+    with set_within(_autotune, []) as record:
         yield record
-    finally:
-        _autotune.reset(token)
 
 
 def autotuning() -> bool:

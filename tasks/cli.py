@@ -19,6 +19,7 @@ from typing import List, Optional
 import typer
 
 from coda_agent.errors import CodaError, handle_errors
+from coda_agent.storage import write_atomic
 
 tasks_app = typer.Typer(help="List, write and check task specs.", no_args_is_help=False)
 
@@ -93,8 +94,7 @@ def new(
         reference = f"{_relative(file, out.resolve())}:{fn}"
     text = skeleton(name, reference, out.resolve(), parse_shapes(shapes), parse_inputs(inputs),
                     parse_params(params), [g.strip() for g in gradients.split(",") if g.strip()])
-    out.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
+    write_atomic(path, text)
     todos = [field for field, _ in todo_fields(yaml.safe_load(text))]
     typer.echo(f"wrote {path}; fill in {', '.join(todos)} (the TODOs), then: coda-agent tasks check {path}")
 

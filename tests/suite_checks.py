@@ -13,10 +13,11 @@ with the task's tolerance (CODA's rule plus the relative-norm check).
 from __future__ import annotations
 
 import contextlib
-from types import MappingProxyType, ModuleType
+from types import ModuleType
 
 import torch
 
+from coda_agent.kernels import contract
 from coda_agent.primitives import load_program, lowering
 from coda_agent.primitives.lowering import padded_lanes
 from coda_agent.tasks import SUITES, load_task
@@ -76,23 +77,9 @@ def draw(t, shape_set: str, seed: int) -> tuple[dict[str, torch.Tensor], dict[st
 
 def run_program(t, mod: ModuleType, inputs: dict[str, torch.Tensor],
                 grads: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
-    """The verifier's contract: ``forward(**inputs, **params)``, then (with grads)
-    ``backward(saved, **grads)`` with saved = inputs + params + everything forward
-    returned.  The outputs and ``d<input>`` gradients in one dict (under whatever
-    lowering the caller has set)."""
-    spec = t.spec
-    outs = mod.forward(**inputs, **spec.params)
-    assert isinstance(outs, dict), f"forward returned {type(outs).__name__}"
-    missing = [o for o in spec.outputs if o not in outs]
-    assert not missing, f"forward's dict lacks {missing}"
-    got = {o: outs[o] for o in spec.outputs}
-    if grads:
-        back = mod.backward(MappingProxyType({**inputs, **spec.params, **outs}), **grads)
-        assert isinstance(back, dict), f"backward returned {type(back).__name__}"
-        missing = [f"d{n}" for n in spec.gradients if f"d{n}" not in back]
-        assert not missing, f"backward's dict lacks {missing}"
-        got.update({f"d{n}": back[f"d{n}"] for n in spec.gradients})
-    return got
+    """The verifier's contract (``kernels/contract.py``): the outputs and ``d<input>``
+    gradients in one dict (under whatever lowering the caller has set)."""
+    return contract.run(mod, inputs, t.spec.params, grads or None, t.spec.outputs, t.spec.gradients)
 
 
 def mismatches(t, shape_set: str, got: dict, inputs: dict[str, torch.Tensor],

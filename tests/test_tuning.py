@@ -103,18 +103,11 @@ def test_lookup_memo_belongs_to_its_epilogue(tmp_path, monkeypatch):
 def test_default_config_rules():
     """The untuned heuristic, rule by rule (each rule's H200 evidence is in
     default_config's docstring)."""
+    from coda_agent.primitives.catalogue import sample_epilogues
     from coda_agent.primitives.tile_config import default_config
 
+    samples = sample_epilogues()
     prog = load_program(SRC + '''
-@epilogue()
-def dswiglu(acc, dpre: PairedTile):
-    g, u = unpack(dpre)
-    return {"D": pack(acc * u, acc * g)}
-
-@epilogue(reductions={"sq": col_sum(partials=True)})
-def partial_sq(acc):
-    return {"D": acc, "sq": acc * acc}
-
 @epilogue(pairs="acc")
 def rot(acc, cs: Tile):
     e, o = unpack(acc)
@@ -122,8 +115,8 @@ def rot(acc, cs: Tile):
 ''')
     assert default_config(None, {}) == TileConfig(128, 192, 2, 1, True)
     assert default_config(prog.residual_rms, {}, n=4096) == TileConfig(128, 192, 2, 1, True)
-    assert default_config(prog.dswiglu, {}, n=8192) == TileConfig(128, 128, 1, 2, True)
-    assert default_config(prog.partial_sq, {}, n=4096).tile_n == 128  # partial layout is contract
+    assert default_config(samples["paired"][0], {}, n=8192) == TileConfig(128, 128, 1, 2, True)
+    assert default_config(samples["partials"][0], {}, n=4096).tile_n == 128  # partial layout is contract
     assert default_config(prog.rot, {}, n=128).tile_n == 128
     assert default_config(prog.rot, {}, n=64).tile_n == 64
     assert default_config(prog.rot, {}, n=4096).tile_n == 192

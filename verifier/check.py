@@ -41,7 +41,7 @@ class Check:
         self.spec = with_beyond_set(self.task.spec)
         self.source: str = req["source"]
         self.shape_sets: list[str] | None = req.get("shape_sets")
-        self.reps: int = req.get("reps", 20)
+        self.reps: int = req["reps"]
         self.compile_cache: bool = req.get("compile_cache", False)
         self.timeout_s: float = req["timeout_s"]
         self.load_timeout_s: float = req["load_timeout_s"]

@@ -147,8 +147,10 @@ class _Judge:
 
 
 class Verifier:
+    reps = 20  # calls of each contender the performance stage times, in interleaved rounds
+
     def __init__(self, stages: list[str] | tuple[str, ...] | None = None, timeout_s: float = 600.0,
-                 cache: bool = True, shape_sets: tuple[str, ...] | list[str] | None = None, reps: int = 20,
+                 cache: bool = True, shape_sets: tuple[str, ...] | list[str] | None = None,
                  compile_cache: bool = True, load_timeout_s: float = 60.0, device: str | None = None):
         """``shape_sets``: the named sets the GPU stages check (None: each task's own, all
         that fit).  ``timeout_s``: what the program may spend running (the runner's answers);
@@ -165,7 +167,6 @@ class Verifier:
         self.load_timeout_s = load_timeout_s
         self.cache = cache
         self.shape_sets = None if shape_sets is None else list(shape_sets)
-        self.reps = max(int(reps), 20)
         self.compile_cache = compile_cache
         self.device = device
         self._idle: list[_Judge] = []  # the session's judges between checks

@@ -14,15 +14,17 @@ their dtypes, and which inputs get gradients.  No reference, no seeds.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import traceback
 from dataclasses import dataclass, field
-from types import MappingProxyType, ModuleType
-from typing import Any
+from types import ModuleType
+from typing import Any, Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode
 
+from coda_agent.kernels.contract import ContractError, call_backward, call_forward, saved_state
 from coda_agent.verifier.wire import DTYPE_NAMES
 
 MAX_LOG = 4000
@@ -82,44 +84,28 @@ def load(source: str, tag: str) -> ModuleType:
 
 def call(contract: Contract, mod: ModuleType, inputs: dict[str, torch.Tensor],
          grads: dict[str, torch.Tensor] | None, audit: "TorchAudit | None" = None) -> dict[str, Any]:
-    """forward (+ backward): the outputs and ``d<input>`` gradients in one dict."""
-    name = mod.__file__
-    try:
-        with audit or _nullcontext():
-            outs = mod.forward(**inputs, **contract.params)
-    except Exception as e:  # noqa: BLE001
-        raise candidate_error(e, name, "forward") from None
-    if not isinstance(outs, dict):
-        raise CandidateError(f"forward returned {type(outs).__name__}; return a dict with "
-                             f"{sorted(contract.outputs)}")
-    missing = [o for o in contract.outputs if o not in outs]
-    if missing:
-        raise CandidateError(f"forward's returned dict lacks {missing}; it must hold every task output "
-                             f"{sorted(contract.outputs)} (extra entries are saved state for backward)")
+    """forward (+ backward) by the contract (``kernels/contract.py``): the outputs and
+    ``d<input>`` gradients in one dict."""
+    with _as_candidate(mod.__file__, "forward"), audit or contextlib.nullcontext():
+        outs = call_forward(mod, inputs, contract.params, contract.outputs)
     result = {o: outs[o] for o in contract.outputs}
     if grads is not None:
-        saved = MappingProxyType({**inputs, **contract.params, **outs})
-        try:
-            with audit or _nullcontext():
-                back = mod.backward(saved, **grads)
-        except Exception as e:  # noqa: BLE001
-            raise candidate_error(e, name, "backward") from None
-        wanted = [f"d{g}" for g in contract.gradients]
-        if not isinstance(back, dict):
-            raise CandidateError(f"backward returned {type(back).__name__}; return a dict with {wanted}")
-        missing = [w for w in wanted if w not in back]
-        if missing:
-            raise CandidateError(f"backward's returned dict lacks {missing}")
-        result.update({w: back[w] for w in wanted})
+        saved = saved_state(inputs, contract.params, outs)
+        with _as_candidate(mod.__file__, "backward"), audit or contextlib.nullcontext():
+            result.update(call_backward(mod, saved, grads, contract.gradients))
     return result
 
 
-class _nullcontext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *a: Any) -> bool:
-        return False
+@contextlib.contextmanager
+def _as_candidate(name: str, doing: str) -> Iterator[None]:
+    """The program's failures as its verdict: a broken contract as it is, anything it raised with
+    its own line."""
+    try:
+        yield
+    except ContractError as e:
+        raise CandidateError(str(e)) from None
+    except Exception as e:  # noqa: BLE001 - the candidate's failure, reported with its line
+        raise candidate_error(e, name, doing) from None
 
 
 def check_results(contract: Contract, results: dict[str, Any], shapes: dict[str, list[int]],

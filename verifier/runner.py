@@ -38,7 +38,6 @@ from coda_agent.verifier.program import CandidateError, Contract
 from coda_agent.verifier.wire import TORCH_DTYPES, Channel, PeerGone, describe, tensor_bytes, tensor_from_blob
 
 MAX_REQUEST_BYTES = 1 << 34  # what the judge may send (it is trusted; this is a sanity bound)
-FLUSH_BYTES = 256 << 20  # written before each timed call: the H200's L2 is 60 MiB
 PROBE_LEN = 16  # int32 values 0..15 the judge reads through CUDA IPC before any program runs
 
 
@@ -49,7 +48,7 @@ class State:
         self.programs: dict[str, tuple[Any, str, set[str]]] = {}  # tag -> (module, lowering, epilogue fns)
         self.buffers: dict[int, dict[str, torch.Tensor]] = {}
         self.slots: dict[int, dict[str, torch.Tensor]] = {}
-        self.flush: torch.Tensor | None = None
+        self.timer: Any = None  # a FlushedCall, made on the first timed call
 
 
 # --------------------------------------------------------------------------- requests
@@ -181,23 +180,15 @@ def _release(st: State, req: dict, blobs: list[bytes]) -> tuple[dict, list]:
 
 
 def _time(st: State, req: dict, blobs: list[bytes]) -> tuple[dict, list]:
-    """One timed call: L2 flushed, then a spin longer than the host needs to enqueue the
-    call (the judge sets it), CUDA events around the call, the device synchronized."""
-    from coda_agent.primitives.timing import _cycles_per_ms
+    """One timed call (``primitives.timing.FlushedCall``; the judge sets the spin)."""
+    from coda_agent.primitives.timing import FlushedCall
 
-    if st.flush is None:
-        st.flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    if st.timer is None:
+        st.timer = FlushedCall()
     inputs, grads = _tensors(st, req, blobs)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    st.flush.fill_(1)
-    torch.cuda._sleep(int(req["spin_ms"] * _cycles_per_ms()))
-    start.record()
-    results = _run(st, req, inputs, grads)
-    end.record()
-    torch.cuda.synchronize()
+    ms, results = st.timer(lambda: _run(st, req, inputs, grads), req["spin_ms"])
     descs, _ = _reply_results(st, results, req["slot"])
-    return {"ms": start.elapsed_time(end), "results": descs}, []
+    return {"ms": ms, "results": descs}, []
 
 
 def _block(st: State, req: dict, blobs: list[bytes]) -> tuple[dict, list]:

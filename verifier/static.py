@@ -396,19 +396,12 @@ class _Checker(ast.NodeVisitor):
 
     # ------------------------------------------------------------------ stores
 
-    def visit_Assign(self, node: ast.Assign) -> None:
-        for t in node.targets:
+    def visit_Assign(self, node: ast.Assign | ast.AugAssign | ast.Delete) -> None:
+        for t in node.targets if hasattr(node, "targets") else [node.target]:
             self._check_store(t)
         self.generic_visit(node)
 
-    def visit_AugAssign(self, node: ast.AugAssign) -> None:
-        self._check_store(node.target)
-        self.generic_visit(node)
-
-    def visit_Delete(self, node: ast.Delete) -> None:
-        for t in node.targets:
-            self._check_store(t)
-        self.generic_visit(node)
+    visit_AugAssign = visit_Delete = visit_Assign
 
     def _check_store(self, target: ast.expr) -> None:
         for t in ast.walk(target):

@@ -50,6 +50,7 @@ from typing import Any, Callable
 
 import torch
 
+from coda_agent.primitives.timing import FlushedCall, enqueue_ms, spin_ms
 from coda_agent.tasks.spec import Task
 from coda_agent.verifier.calls import Case, GpuCalls, draw_case, verdict
 from coda_agent.verifier.inputs import checked_sets, result_bytes, result_shapes, set_bytes
@@ -92,11 +93,11 @@ class _Program:
         if ms:
             raise CandidateError(f"{where} returned wrong results: {mismatch_message(ms)}")
 
-    def timed(self, spin_ms: float, rep: int) -> float:
+    def timed(self, spin: float, rep: int) -> float:
         j = self.check.rng.randrange(len(self.cases))
         slot = self.calls.slot()
         reply = self.check.request({**self._header("time"), "set": self.sets[j], "slot": slot,
-                                    "spin_ms": spin_ms})
+                                    "spin_ms": spin})
         ms = _float(reply.get("ms"), "a call's time")
         if self.check.rng.random() < CHECK_FRACTION:
             self._check(reply.get("results"), j, slot, f"timed call {rep + 1}")
@@ -123,26 +124,14 @@ class _Local:
     """A baseline as a timed contender, in the judge."""
 
     def __init__(self, fn: Callable[[], Any]):
-        from coda_agent.primitives.timing import SPIN_FACTOR, SPIN_FLOOR_MS, enqueue_ms
-
         self.fn = fn
         for _ in range(3):
             fn()
-        self.spin_ms = min(SPIN_FACTOR * enqueue_ms(fn) + SPIN_FLOOR_MS, SPIN_CAP_MS)
-        self.flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+        self.spin_ms = spin_ms(enqueue_ms(fn), SPIN_CAP_MS)
+        self.timer = FlushedCall()
 
-    def timed(self, spin_ms: float, rep: int) -> float:
-        from coda_agent.primitives.timing import _cycles_per_ms
-
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        self.flush.fill_(1)
-        torch.cuda._sleep(int(self.spin_ms * _cycles_per_ms()))
-        start.record()
-        self.fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end)
+    def timed(self, spin: float, rep: int) -> float:
+        return self.timer(self.fn, self.spin_ms)[0]
 
     def block(self, calls: int, ping_ms: float) -> float:
         torch.cuda.synchronize()
@@ -178,21 +167,29 @@ def _baselines(task: Task, spec: Any, case: Case, details: dict[str, Any]) -> di
 
 
 def _torch_baseline(task: Task, case: Case, compiled: bool) -> Callable[[], Any]:
-    spec = task.spec
     # dynamic=False: a judge that already compiled this reference at another shape
     # would otherwise recompile it with dynamic shapes, a slower baseline.
     ref = torch.compile(task.reference_fn, dynamic=False) if compiled else task.reference_fn
-    x = {k: v.detach().clone() for k, v in case.inputs.items()}
-    if not case.grads:
-        return lambda: ref(**x, **spec.params)
+    return reference_call(ref, task.spec, case.inputs, case.grads)
+
+
+def reference_call(fn: Callable[..., Any], spec: Any, inputs: dict[str, torch.Tensor],
+                   grads: dict[str, torch.Tensor] | None) -> Callable[[], Any]:
+    """A PyTorch reference (eager or compiled) as a timed contender, on its own copies of
+    ``inputs``: forward, and given ``grads`` the backward autograd derives for the task's
+    ``gradients`` from the upstream gradients of its ``grad_outputs``.  The verifier's
+    baselines and the benchmark's (``bench/run.py``) are this one call."""
+    x = {k: v.detach().clone() for k, v in inputs.items()}
+    if not grads:
+        return lambda: fn(**x, **spec.params)
     for n in spec.gradients:
         x[n].requires_grad_(True)
     names = spec.grad_outputs
 
     def fwd_bwd() -> Any:
-        outs = ref(**x, **spec.params)
+        outs = fn(**x, **spec.params)
         return torch.autograd.grad([outs[o] for o in names], [x[n] for n in spec.gradients],
-                                   [case.grads[f"d{o}"] for o in names], allow_unused=True)
+                                   [grads[f"d{o}"] for o in names], allow_unused=True)
     return fwd_bwd
 
 
@@ -211,13 +208,11 @@ def performance(check: Check) -> StageResult:
                                    message="before timing: " + mismatch_message(ms))
         program = _Program(check, calls, cases, sets, "performance")
         host = check.request({**program._header("enqueue"), "set": sets[0]})
-        from coda_agent.primitives.timing import SPIN_FACTOR, SPIN_FLOOR_MS
-
         host_ms = _float(host.get("host_ms"), "the host time of a call")
-        spin_ms = min(SPIN_FACTOR * host_ms + SPIN_FLOOR_MS, SPIN_CAP_MS)
+        spin = spin_ms(host_ms, SPIN_CAP_MS)
         contenders: dict[str, Any] = {"program": program}
         contenders.update({k: _Local(fn) for k, fn in _baselines(check.task, spec, cases[0], details).items()})
-        times = _measure(check, contenders, spin_ms, details)
+        times = _measure(check, contenders, spin, details)
         fresh = draw_case(check.task, spec, shape_set, check.seed(), "cuda")
         if ms := verdict(spec, fresh, calls.run(fresh, calls.load(fresh, key=0), poison=False)):
             return StageResult(name="performance", status="failed", mismatches=ms,
@@ -229,12 +224,12 @@ def performance(check: Check) -> StageResult:
     return res
 
 
-def _measure(check: Check, contenders: dict[str, Any], spin_ms: float, details: dict[str, Any]) -> dict[str, float]:
+def _measure(check: Check, contenders: dict[str, Any], spin: float, details: dict[str, Any]) -> dict[str, float]:
     names = list(contenders)
     events: dict[str, list[float]] = {n: [] for n in names}
     for rep in range(check.reps):
         for name in check.rng.sample(names, len(names)):
-            events[name].append(contenders[name].timed(spin_ms, rep))
+            events[name].append(contenders[name].timed(spin, rep))
     event_ms = {n: median(v) for n, v in events.items()}
     ping_ms = min(PING_CAP_MS, min(_ping(check) for _ in range(5)))
     n_calls = _block_calls(check, event_ms["program"])

@@ -136,9 +136,3 @@ def tensor_from_blob(blob: bytes, dtype: str, shape: Sequence[int]) -> torch.Ten
 def describe(t: torch.Tensor) -> dict[str, Any]:
     return {"dtype": DTYPE_NAMES.get(t.dtype, str(t.dtype)), "shape": list(t.shape)}
 
-
-def expect_dict(obj: Any, keys: Sequence[str], what: str) -> dict[str, Any]:
-    """``obj`` as a dict holding ``keys``, or a WireError naming ``what`` it should be."""
-    if not isinstance(obj, dict) or any(k not in obj for k in keys):
-        raise WireError(f"{what}: expected an object with {list(keys)}")
-    return obj

@@ -1,0 +1,77 @@
+"""Calling a program by its task's contract: the one implementation.
+
+A program (one module of catalogue calls, see ``primitives``) solves a task
+(``tasks/spec.py``) through two functions:
+
+- ``forward(**inputs, **params)`` returns a dict holding every task output;
+  any other entries are state it keeps for its backward;
+- ``backward(saved, **{d<output>: ...})`` gets ``saved`` = inputs + params +
+  everything forward returned, and the upstream gradients of the task's
+  ``grad_outputs``; it returns a dict holding ``d<input>`` for every input in
+  the task's ``gradients``.
+
+Everything that runs a program goes through :func:`call_forward` and
+:func:`call_backward` (or :func:`run`, both in one): :class:`.kernel.Kernel`
+for autograd, the verifier's runner (``verifier/program.py``), the benchmarks.
+What they add is their own: the Kernel its input checks and autograd, the
+runner its PyTorch audit and the program's line in an error.
+
+A program that breaks the contract (no dict, a missing name) raises
+:class:`ContractError`, whose message names what is missing; an exception the
+program itself raises passes through unchanged, so each caller reports it its
+own way.  This module imports only torch: the verifier's runner, where
+candidate programs run, imports it too.
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType, ModuleType
+from typing import Any, Iterable, Mapping
+
+
+class ContractError(Exception):
+    """A program's forward or backward returned something the task's contract does not allow."""
+
+
+def call_forward(program: ModuleType, inputs: Mapping[str, Any], params: Mapping[str, Any],
+                 outputs: Iterable[str]) -> dict[str, Any]:
+    """``program.forward``: every task output, and the state it keeps for backward."""
+    outputs = sorted(outputs)
+    outs = program.forward(**inputs, **params)
+    if not isinstance(outs, dict):
+        raise ContractError(f"forward returned {type(outs).__name__}; return a dict with {outputs}")
+    missing = [o for o in outputs if o not in outs]
+    if missing:
+        raise ContractError(f"forward's returned dict lacks {missing}; it must hold every task output "
+                            f"{outputs} (extra entries are saved state for backward)")
+    return dict(outs)
+
+
+def call_backward(program: ModuleType, saved: Mapping[str, Any], grads: Mapping[str, Any],
+                  gradients: Iterable[str]) -> dict[str, Any]:
+    """``program.backward``: ``d<input>`` for every input in ``gradients``, nothing else."""
+    wanted = [f"d{g}" for g in gradients]
+    back = program.backward(saved, **grads)
+    if not isinstance(back, dict):
+        raise ContractError(f"backward returned {type(back).__name__}; return a dict with {wanted}")
+    missing = [w for w in wanted if w not in back]
+    if missing:
+        raise ContractError(f"backward's returned dict lacks {missing}")
+    return {w: back[w] for w in wanted}
+
+
+def saved_state(inputs: Mapping[str, Any], params: Mapping[str, Any], outs: Mapping[str, Any]
+                ) -> Mapping[str, Any]:
+    """What backward is given: inputs, params and everything forward returned, read-only."""
+    return MappingProxyType({**inputs, **params, **outs})
+
+
+def run(program: ModuleType, inputs: Mapping[str, Any], params: Mapping[str, Any],
+        grads: Mapping[str, Any] | None, outputs: Iterable[str], gradients: Iterable[str]) -> dict[str, Any]:
+    """forward, then (given ``grads``) backward: the task outputs and ``d<input>`` in one dict."""
+    outputs = list(outputs)
+    outs = call_forward(program, inputs, params, outputs)
+    result = {o: outs[o] for o in outputs}
+    if grads is not None:
+        result.update(call_backward(program, saved_state(inputs, params, outs), grads, gradients))
+    return result

@@ -75,14 +75,6 @@ def test_checker_catches_mutant(name, orig, mutant):
     assert mutant_problems(task(name), orig, mutant, "small", seed=7), f"{name}: mutant {mutant!r} passed"
 
 
-@pytest.mark.parametrize("name", TASKS)
-def test_expert_is_right_in_padded_lanes(name):
-    """Over whole tiles, as the kernel runs it: the sums fold a ragged tile's padded
-    lanes, where Tiles and the accumulator are 0 and vectors hold stale values."""
-    failures = problems(task(name), "ragged", seed=3030 + TASKS.index(name), padded=True)
-    assert not failures, f"{name}:\n" + "\n".join(failures)
-
-
 def test_padded_lanes_catch_a_bias_in_a_sum():
     """Folding h = acc + b + x itself is right on the real extent and wrong on the
     GPU at a ragged width (each padded column adds the stale bias): the plain
@@ -137,13 +129,3 @@ def test_expert_compiles_for_sm90a(name):
     assert {k.epilogue for k in passes} <= PASSES
     assert not sass_problems(name, [kernel_report(k) for k in kernels], KNOWN_SPILLS)
 
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("shape_set", CPU_SETS)
-@pytest.mark.parametrize("name", TASKS)
-def test_expert_on_gpu(name, shape_set):
-    """The cute lowering (quack's SM90 GEMM, the passes' zero mainloop) against the fp64 CPU reference."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU (Hopper)")
-    failures = problems(task(name), shape_set, seed=4321, lowering_name="cute", device="cuda")
-    assert not failures, f"{name}/{shape_set} on GPU:\n" + "\n".join(failures)

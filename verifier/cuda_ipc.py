@@ -92,9 +92,6 @@ class Imports:
     """Runner allocations the judge has opened; :meth:`close` unmaps them all."""
 
     def __init__(self) -> None:
-        # cuIpcOpenMemHandle needs a current context on this thread; a runtime call sets the
-        # primary one (the judge may not have touched CUDA yet, as when it checks a runner's probe)
-        torch.cuda.synchronize()
         self._open: dict[str, tuple[int, int]] = {}  # handle hex -> (base in this process, size)
 
     def tensor(self, desc: Any, dtype: str, shape: list[int]) -> torch.Tensor:
@@ -124,6 +121,9 @@ class Imports:
             h = _Handle()
             ctypes.memmove(ctypes.addressof(h), raw, HANDLE_BYTES)
             ptr = ctypes.c_uint64()
+            # cuIpcOpenMemHandle needs a current context on this thread; a runtime call makes the
+            # primary one current (the judge may not have touched CUDA yet: a runner's probe)
+            torch.cuda.synchronize()
             try:
                 _call("cuIpcOpenMemHandle_v2", ctypes.byref(ptr), h, _LAZY_ENABLE_PEER_ACCESS)
             except CudaError as e:

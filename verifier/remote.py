@@ -33,6 +33,8 @@ from coda_agent.verifier.zygote import Zygote
 
 LOG_TAIL = 64 << 10
 START_TIMEOUT_S = 120.0  # a runner's imports and CUDA start, at most
+
+
 class WallsTooHigh(RuntimeError):
     """CUDA does not work behind the walls asked for (found before any program ran)."""
 

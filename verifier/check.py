@@ -51,7 +51,6 @@ class Check:
         self.gpu_stage = False  # set by the judge per stage: a GPU stage needs a CUDA runner
         self.rng = random.SystemRandom()  # seeds and choices no process but the judge sees
         self.cuda = torch.cuda.is_available()
-        self.device = "cuda" if self.cuda else "cpu"
 
     def seed(self) -> int:
         return self.rng.randrange(1 << 31)

@@ -86,7 +86,25 @@ def export(t: torch.Tensor) -> dict[str, Any]:
     return {"handle": ctypes.string_at(ctypes.addressof(h), HANDLE_BYTES).hex(), "offset": t.data_ptr() - base}
 
 
+PROBE_LEN = 16  # int32 values 0..15: what a GPU runner exports before it accepts any program
+
+
+def probe() -> tuple[torch.Tensor, dict[str, Any]]:
+    """The runner's side of the start-up probe: a tensor (kept alive by the caller while the
+    judge reads it) and its description."""
+    t = torch.arange(PROBE_LEN, dtype=torch.int32, device="cuda")
+    torch.cuda.synchronize()
+    return t, export(t)
+
+
 # --------------------------------------------------------------------------- the judge's side
+
+def probe_reads_back(desc: Any) -> bool:
+    """The judge's side of the start-up probe: whether the runner's tensor reads as it should."""
+    with Imports() as imports:
+        got = imports.tensor(desc, "int32", [PROBE_LEN]).clone()
+    return torch.equal(got.cpu(), torch.arange(PROBE_LEN, dtype=torch.int32))
+
 
 class Imports:
     """Runner allocations the judge has opened; :meth:`close` unmaps them all."""

@@ -115,15 +115,10 @@ class Remote:
     def _check_probe(self, desc: Any) -> None:
         """The judge reads the runner's probe tensor through CUDA IPC: both directions of the
         transport the GPU stages use work behind these walls."""
-        import torch
-
-        from coda_agent.verifier.cuda_ipc import Imports
-        from coda_agent.verifier.runner import PROBE_LEN
+        from coda_agent.verifier.cuda_ipc import probe_reads_back  # the judge's CUDA: only on a GPU machine
 
         try:
-            with Imports() as imports:
-                got = imports.tensor(desc, "int32", [PROBE_LEN]).clone()
-            ok = torch.equal(got.cpu(), torch.arange(PROBE_LEN, dtype=torch.int32))
+            ok = probe_reads_back(desc)
         except Exception as e:  # noqa: BLE001 - no program has run: the walls are the cause
             self.kill()
             raise WallsTooHigh(f"CUDA IPC from a runner behind {self.walls} fails: {type(e).__name__}: {e}") from None

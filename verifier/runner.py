@@ -38,7 +38,6 @@ from coda_agent.verifier.program import CandidateError, Contract
 from coda_agent.verifier.wire import TORCH_DTYPES, Channel, PeerGone, describe, tensor_bytes, tensor_from_blob
 
 MAX_REQUEST_BYTES = 1 << 34  # what the judge may send (it is trusted; this is a sanity bound)
-PROBE_LEN = 16  # int32 values 0..15 the judge reads through CUDA IPC before any program runs
 
 
 class State:
@@ -252,17 +251,15 @@ def start(channel_fd: int, plan: sandbox.Plan, keep: tuple[int, ...]) -> None:
     except sandbox.SandboxError as e:
         channel.send({"ready": False, "error": str(e)})
         return
-    probe = None
+    probe, desc = None, None
     if plan.cuda:  # before any program: CUDA must work behind these walls (sandbox.py)
         try:
-            probe = torch.arange(PROBE_LEN, dtype=torch.int32, device="cuda")
-            torch.cuda.synchronize()
-            probe_desc = cuda_ipc.export(probe)
+            probe, desc = cuda_ipc.probe()
         except Exception as e:  # noqa: BLE001 - any failure means these walls and CUDA do not mix
             channel.send({"ready": False, "cuda_failed": True,
                           "error": f"CUDA does not start behind {walls.describe()}: {type(e).__name__}: {e}"})
             return
-    serve(channel, walls, "cuda" if plan.cuda else "cpu", probe_desc if probe is not None else None)
+    serve(channel, walls, "cuda" if plan.cuda else "cpu", desc)
 
 
 def main(argv: list[str]) -> int:

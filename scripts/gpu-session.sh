@@ -7,9 +7,10 @@
 # bench/results/h200-<date>-<name>/.  Parts:
 #   tier            the GPU test tier (pytest -m gpu) but the suite-wide verification
 #   verify-SUITE    `coda-agent eval tasks/SUITE --author expert`: every expert through
-#                   the whole verifier on every shape set (the batch dir comes back)
+#                   the whole verifier on every shape set (the batch dir comes back; a
+#                   batch left unfinished under /tmp/coda-runs/SUITE is resumed)
 #   warm            cold and warm verification of the block experts (CODA_GPU_RESULTS)
-#   train           bench/train_step.py (the budget is the part's seconds less 20)
+#   train           bench/train_step.py (the budget is the part's seconds less 20; TRAIN_ARGS)
 #   bench-SUITE     bench/run.py --suite SUITE (BENCH_TASKS / BENCH_SETS narrow it)
 #   fp8             bench/fp8.py;   fp8loss   bench/fp8_loss.py
 # Usage: bash scripts/gpu-session.sh tier:150 verify-llama3:380
@@ -40,16 +41,22 @@ for item in "$@"; do
         tier)
             part tier "$secs" python3 -m pytest -m gpu -q -p no:cacheprovider -rfE --durations=25 \
                 --ignore=tests/test_suite_gpu.py -k "not every_config and not test_expert_on_gpu" ;;
-        verify-*)
-            suite=${name#verify-}
-            part "$name" "$secs" python3 -m coda_agent.cli eval "tasks/$suite" --author expert --workers 8 \
-                --runs-dir "$res/runs-$suite" ;;
+        verify-*)  # the batch lives outside $OUT, so the next call on a warm machine resumes it
+            suite=${name#verify-} runs=/tmp/coda-runs/${name#verify-}
+            batch=$(ls -d "$runs"/batch-* 2>/dev/null | tail -n 1)
+            if [ -n "$batch" ]; then
+                part "$name" "$secs" python3 -m coda_agent.cli eval --resume "$batch" --workers 8
+            else
+                part "$name" "$secs" python3 -m coda_agent.cli eval "tasks/$suite" --author expert --workers 8 \
+                    --runs-dir "$runs"
+            fi
+            cp -r "$runs" "$res/runs-$suite" ;;
         warm)
             mkdir -p "$res/warm"
             CODA_GPU_RESULTS="$res/warm" part warm "$secs" python3 -m pytest -q -p no:cacheprovider -rfE \
                 tests/test_suite_gpu.py -k "${WARM_TASKS:-llama3/llama3_block or llama3/mlp_block}" ;;
         train)
-            part train "$secs" python3 bench/train_step.py --out "$res/train" --budget-s $((secs - 20)) ;;
+            part train "$secs" python3 bench/train_step.py --out "$res/train" --budget-s $((secs - 20)) ${TRAIN_ARGS:-} ;;
         bench-*)
             suite=${name#bench-}
             part "$name" "$secs" python3 bench/run.py --suite "$suite" --out "$res/bench-$suite" \

@@ -58,3 +58,31 @@ def test_bigram_corpus_is_fixed_and_learnable():
     assert a.shape == (3, 2, 16) and a.equal(train_step.bigram_corpus(64, 2, 16, 3, "cpu"))
     pairs = {(int(x), int(y)) for x, y in zip(a[..., :-1].flatten(), a[..., 1:].flatten())}
     assert len({y for x, y in pairs if x == int(a[0, 0, 0])}) <= 4  # at most 4 successors per token
+
+
+def test_compiled_contenders_reach_sdpa_without_a_mask(monkeypatch):
+    """Under torch.compile, transformers' "sdpa" passes an explicit causal mask (which rules
+    out the flash kernel); the benchmark's attention passes none and asks for is_causal,
+    with the same logits."""
+    import torch
+    import torch.nn.functional as F
+
+    seen = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs.get("attn_mask") is None, kwargs.get("is_causal")))
+        return sdpa(*args, **kwargs)
+
+    model, _, _ = train_step.build("tiny", "cpu", torch.float32)
+    ids = torch.randint(0, model.config.vocab_size, (2, 16))
+    eager = model(input_ids=ids).logits
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    compiled = torch.compile(model, backend="aot_eager")(input_ids=ids).logits
+    assert seen and all(s == (True, True) for s in seen), seen
+    torch.testing.assert_close(compiled, eager)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa)
+    monkeypatch.setattr(train_step, "register_causal_sdpa", lambda: "sdpa")
+    masked = train_step.build("tiny", "cpu", torch.float32)[0]  # the same seed: the same weights
+    assert masked.config._attn_implementation == "sdpa"
+    torch.testing.assert_close(masked(input_ids=ids).logits, eager)

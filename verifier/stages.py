@@ -43,16 +43,19 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _check_sets(check: Check, sets: list[str], device: str, call: Callable[[Case], dict[str, torch.Tensor]],
-                determinism: bool, poisoned: bool, padded: bool = False) -> StageResult | None:
+                determinism: bool, poisoned: bool, padded: bool = False,
+                seconds: dict[str, float] | None = None) -> StageResult | None:
     """Every set: two fresh draws and one of edge rows (no result may come out identical for
     two different draws); with ``padded``, one more draw with the epilogues run over whole
     tiles (:func:`~coda_agent.primitives.lowering.padded_lanes`), where a reduction that folds
     padded lanes shows what the kernel would compute (on a set whose sizes every tile divides
     it is the plain draw again, which costs little and needs no rule for which sets are ragged
     under which of the program's tile configurations).
-    None when everything matched, else the failed StageResult's fields."""
+    None when everything matched, else the failed StageResult's fields; ``seconds`` gets
+    each finished set's time (judge and runner together)."""
     spec = check.spec
     for shape_set in sets:
+        t0 = time.perf_counter()
         seen: list[tuple[Case, dict[str, torch.Tensor]]] = []
         draws = ["seed"] * SEEDS_PER_SET + ["edge"] + (["padded"] if padded else [])
         for draw in draws:
@@ -73,6 +76,8 @@ def _check_sets(check: Check, sets: list[str], device: str, call: Callable[[Case
                                        message=f"not deterministic: `{diff[0]}` differs between two runs on "
                                                f"the same inputs ({shape_set})")
             seen.append((case, got))
+        if seconds is not None:
+            seconds[shape_set] = round(time.perf_counter() - t0, 2)
     return None
 
 
@@ -182,8 +187,9 @@ def correctness(check: Check) -> StageResult:
     sets, skipped = checked_sets(check.spec, check.shape_sets, total)
     check.load("correctness", "cute")
     calls = GpuCalls(check, check.spec, "correctness")
+    seconds: dict[str, float] = {}
     try:
-        failed = _check_sets(check, sets, "cuda", calls, determinism=True, poisoned=True)
+        failed = _check_sets(check, sets, "cuda", calls, determinism=True, poisoned=True, seconds=seconds)
     finally:
         calls.close()
     if failed is not None:
@@ -193,7 +199,7 @@ def correctness(check: Check) -> StageResult:
                                "edge rows each, NaN-poisoned outputs, inputs unmodified, deterministic)"
                                + (f"; NOT checked, too large for this GPU's {total / 2**30:.0f} GiB: "
                                   f"{', '.join(skipped)}" if skipped else ""),
-                       details={"shape_sets": sets, "skipped_shape_sets": skipped})
+                       details={"shape_sets": sets, "skipped_shape_sets": skipped, "seconds_by_set": seconds})
 
 
 # --------------------------------------------------------------------------- 5. launch audit

@@ -14,25 +14,33 @@ largest named shape set that fits the device:
    with CUDA events and the device synchronised around it.  For the program
    the runner takes these times, so they are its claim.
 3. **Wall-clock blocks, the judge's own clock**: each contender also runs
-   blocks of calls back to back, the device synchronised before and after
-   (the runner's side: :func:`runner._block`), and the judge times the whole
-   request from outside.  A contender's time is the larger of its median
-   event time and its wall time per call: work on a side stream the events
-   never covered, work deferred until after the events, a timer patched to
-   report less, all land inside the judge's wall clock.  (A host-bound
-   program is measured at its host's pace there, as it runs in eager mode.)
+   blocks of calls back to back (at least :data:`BLOCK_MS` of work), the device
+   synchronised before and after (the runner's side: :func:`runner._block`),
+   and the judge times the whole request from outside.  Work on a side stream
+   the events never covered, work deferred until after the events, a timer
+   patched to report less, all land inside the judge's wall clock; so does a
+   host that cannot keep up (a host-bound program is measured at its host's
+   pace there, as it runs in eager mode).
 4. **Random results checked**: after a timed call or a block returns, the
    judge picks calls at random (the runner cannot know which before it
    answers) and compares their results with the reference of their input
    set; the runner keeps every result until then.
 5. **A fresh recomputation** after timing, on a new draw.
 
-Verdict: faster than the plain GEMMs by more than :data:`IMPOSSIBLE` is a
-rejection (a fused epilogue cannot beat its own GEMMs: some GEMM did not
-run); otherwise the stage passes when the program meets ``Target.vs_gemm``
-and ``Target.vs_compile`` and is ``slow`` when it misses either (the outcome
-``correct_slow``), with a performance report: per-catalogue-launch device
-time and configuration from one profiled call, and what is over budget.
+Verdict: the two regimes are compared each with itself, never across: back
+to back, big GEMMs run at the power cap (the H200's SM clock drops 10-25%),
+while a rested per-call timing runs at a higher clock, so the larger of a
+contender's two times would compare one contender's throttled time with
+another's rested one.  The program's ratio to the plain GEMMs is the larger
+of its per-call ratio and its back-to-back ratio, its speed-up over
+torch.compile the smaller of the two; faster than the plain GEMMs by more
+than :data:`IMPOSSIBLE` in either regime is a rejection (a fused epilogue
+cannot beat its own GEMMs: some GEMM did not run, or the events did not see
+the whole call); otherwise the stage passes when the program meets
+``Target.vs_gemm`` and ``Target.vs_compile`` and is ``slow`` when it misses
+either (the outcome ``correct_slow``), with a performance report:
+per-catalogue-launch device time and configuration from one profiled call,
+and what is over budget.
 
 What it does not guarantee: GPU work a runner leaves running after it answers
 (after escaping Python and skipping its own synchronisation) can overlap what
@@ -46,7 +54,7 @@ from __future__ import annotations
 import math
 import time
 from statistics import median
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -62,7 +70,7 @@ from coda_agent.verifier.wire import TORCH_DTYPES
 
 INPUT_SETS = 3
 CHECK_FRACTION = 0.25  # chance a per-call timing's results are compared
-BLOCK_ROUNDS, BLOCK_MS, BLOCK_CALLS = 3, 20.0, (2, 16)
+BLOCK_ROUNDS, BLOCK_MS, BLOCK_CALLS = 5, 100.0, (3, 32)
 BLOCK_BYTES = 8 << 30  # results a block may keep alive in the runner
 CHECKED_PER_BLOCK = 2
 IMPOSSIBLE = 0.9  # program / plain GEMMs below this: rejected
@@ -224,7 +232,14 @@ def performance(check: Check) -> StageResult:
     return res
 
 
-def _measure(check: Check, contenders: dict[str, Any], spin: float, details: dict[str, Any]) -> dict[str, float]:
+class Times(NamedTuple):
+    """Each contender's median ms in the two regimes (module docstring, 2 and 3)."""
+
+    per_call: dict[str, float]  # CUDA events around one flushed call on a rested GPU
+    back_to_back: dict[str, float]  # the judge's wall clock over a block, per call
+
+
+def _measure(check: Check, contenders: dict[str, Any], spin: float, details: dict[str, Any]) -> Times:
     names = list(contenders)
     events: dict[str, list[float]] = {n: [] for n in names}
     for rep in range(check.reps):
@@ -232,7 +247,7 @@ def _measure(check: Check, contenders: dict[str, Any], spin: float, details: dic
             events[name].append(contenders[name].timed(spin, rep))
     event_ms = {n: median(v) for n, v in events.items()}
     ping_ms = min(PING_CAP_MS, min(_ping(check) for _ in range(5)))
-    n_calls = _block_calls(check, event_ms["program"])
+    n_calls = _block_calls(check, max(event_ms.values()))
     walls: dict[str, list[float]] = {n: [] for n in names}
     for _ in range(BLOCK_ROUNDS):
         for name in check.rng.sample(names, len(names)):
@@ -240,8 +255,9 @@ def _measure(check: Check, contenders: dict[str, Any], spin: float, details: dic
     wall_ms = {n: median(v) for n, v in walls.items()}
     details["event_ms"] = {n: round(v, 4) for n, v in event_ms.items()}
     details["wall_ms"] = {n: round(v, 4) for n, v in wall_ms.items()}
+    details["wall_spread"] = {n: round((max(v) - min(v)) / median(v), 3) for n, v in walls.items()}
     details["block_calls"] = n_calls
-    return {n: max(event_ms[n], wall_ms[n]) for n in names}
+    return Times(event_ms, wall_ms)
 
 
 def _ping(check: Check) -> float:
@@ -250,40 +266,51 @@ def _ping(check: Check) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-def _block_calls(check: Check, program_ms: float) -> int:
+def _block_calls(check: Check, slowest_ms: float) -> int:
+    """Calls per block: enough for :data:`BLOCK_MS` of the slowest contender's work (the
+    request's fixed costs, its round trip and the first call's launch, spread thin), as
+    many as the runner may keep results of."""
     per_call = max(result_bytes(check.spec, _timing_set(check)), 1)
     lo, hi = BLOCK_CALLS
-    n = math.ceil(BLOCK_MS / max(program_ms, 1e-3))
+    n = math.ceil(BLOCK_MS / max(slowest_ms, 1e-3))
     return max(lo, min(hi, n, BLOCK_BYTES // per_call))
 
 
-def _verdict(check: Check, shape_set: str, times: dict[str, float], details: dict[str, Any], case: Case,
+def _verdict(check: Check, shape_set: str, times: Times, details: dict[str, Any], case: Case,
              calls: GpuCalls) -> StageResult:
     spec = check.spec
-    t_prog, t_gemm = times["program"], times["gemm"]
+    per_call, back = times
+    t_prog, t_gemm = per_call["program"], per_call["gemm"]
     flops = spec.flops(shape_set)
     details["shape_set"] = shape_set
-    details["ms"] = {k: round(v, 4) for k, v in times.items()}
+    details["ms"] = {k: round(v, 4) for k, v in per_call.items()}
     details["tflops"] = round(flops / (t_prog * 1e-3) / 1e12, 1)
     details["gbytes_per_s"] = round(set_bytes(spec, shape_set) / (t_prog * 1e-3) / 1e9, 1)
-    ratio = t_prog / t_gemm
+    ratios = (t_prog / t_gemm, back["program"] / back["gemm"])
+    ratio = max(ratios)
     details["vs_gemm"] = round(ratio, 3)
+    details["vs_gemm_by_regime"] = [round(r, 3) for r in ratios]
     details["target_vs_gemm"] = spec.target.vs_gemm
     details["target_vs_compile"] = spec.target.vs_compile
-    if "compile" in times:
-        details["compile_speedup"] = round(times["compile"] / t_prog, 3)
+    if "compile" in per_call:
+        speedups = (per_call["compile"] / t_prog, back["compile"] / back["program"])
+        details["compile_speedup"] = round(min(speedups), 3)
+        details["compile_speedup_by_regime"] = [round(r, 3) for r in speedups]
     summary = (f"{t_prog:.3f} ms on {shape_set} = {ratio:.2f}x the plain GEMMs ({t_gemm:.3f} ms; target <= "
-               f"{spec.target.vs_gemm})" + (f", torch.compile {times['compile']:.3f} ms = "
+               f"{spec.target.vs_gemm})" + (f", torch.compile {per_call['compile']:.3f} ms, "
                                              f"{details['compile_speedup']:.2f}x (target >= {spec.target.vs_compile})"
-                                             if "compile" in times else "")
-               + (f", eager {times['eager']:.3f} ms" if "eager" in times else "") + f", {details['tflops']} TFLOP/s")
-    if ratio < IMPOSSIBLE:
+                                             if "compile" in per_call else "")
+               + (f", eager {per_call['eager']:.3f} ms" if "eager" in per_call else "")
+               + f", {details['tflops']} TFLOP/s; back to back {back['program']:.3f} ms against "
+               f"{back['gemm']:.3f} ms of plain GEMMs" + (f" and {back['compile']:.3f} ms of torch.compile"
+                                                          if "compile" in back else ""))
+    if min(ratios) < IMPOSSIBLE:
         return StageResult(name="performance", status="failed", details=details,
                            message=f"impossibly fast: {summary}.  A fused epilogue runs its GEMMs and more, so "
-                                   f"it cannot be {1 / ratio:.2f}x faster than the plain GEMMs of the same shapes: "
-                                   "some GEMM did not run, or the timing was not of the whole call")
+                                   f"it cannot be {1 / min(ratios):.2f}x faster than the plain GEMMs of the same "
+                                   "shapes: some GEMM did not run, or the timing was not of the whole call")
     missed = [f"vs the plain GEMMs {ratio:.2f}x > {spec.target.vs_gemm}"] if ratio > spec.target.vs_gemm else []
-    if "compile" in times and details["compile_speedup"] < spec.target.vs_compile:
+    if "compile" in per_call and details["compile_speedup"] < spec.target.vs_compile:
         missed.append(f"vs torch.compile {details['compile_speedup']:.2f}x < {spec.target.vs_compile}")
     details["target_met"] = not missed
     if not missed:

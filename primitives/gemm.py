@@ -44,7 +44,7 @@ from .epilogue import Epilogue, registered
 from .errors import CatalogueError
 from .lowering import current_lowering, launching
 from .operands import INPUT_DTYPES, OUTPUT_DTYPES, row_bytes
-from .tile_config import H100_SMS, TileConfig, default_config, tunable
+from .tile_config import H100_SMS, MAX_TILE_N, TileConfig, default_config, tunable
 from .tuning import autotuning, lookup, tune
 
 PLAIN = "plain"  # the op's name for "no epilogue"
@@ -297,6 +297,10 @@ def _launch(epi: Epilogue | None, A: torch.Tensor, B: torch.Tensor, operands: di
     cfg = cfg or default_config(epi, operands, n, m, _sm_count(A), fp8_promote=on_fp8 and not fast_accum)
     for name in epi.head_stats if epi is not None else ():
         hd = operands[name]
+        if hd > MAX_TILE_N:
+            raise CatalogueError(f"gemm: head statistic {name!r} needs a whole head in one tile, and quack's "
+                                 f"SM90 tiles hold at most {MAX_TILE_N} columns: head_dim {hd} is wider (head statistics "
+                                 f"support head_dim up to {MAX_TILE_N})")
         if cfg.tile_n % hd:
             raise CatalogueError(f"gemm: head statistic {name!r} needs whole heads in a tile: tile_n "
                                  f"{cfg.tile_n} is not a multiple of head_dim {hd}; use "

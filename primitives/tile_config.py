@@ -15,6 +15,10 @@ from typing import Any
 from .epilogue import Epilogue
 
 
+PINGPONG_MAX_N = 208  # quack's SM90 pingpong kernel at 128-row tiles holds at most 208 columns
+MAX_TILE_N = 256  # and its cooperative kernel 256 (at 16-column granularity)
+
+
 @dataclass(frozen=True)
 class TileConfig:
     """The knobs of quack's SM90 GEMM that decide epilogue-heavy speed.
@@ -88,7 +92,8 @@ def default_config(epi: Epilogue | None, operands: dict[str, Any], n: int | None
       partials' layout (one column per N tile) is part of the program's contract;
     - a head statistic needs whole heads per tile: 128 (QK-norm + RoPE at
       head_dim 64: 0.197 at 128x128 c2, spill-free; 0.191 at 128x192, which
-      spills);
+      spills); a head wider than a pingpong tile holds (:data:`PINGPONG_MAX_N`,
+      head_dim 256) runs cooperative;
     - everything else, row reductions included, runs best on quack's plain
       128x192 with a 2-CTA cluster (online LSE + target select 12.1 vs 16.1 at
       128x128; the RMSNorm dx epilogue 1.47 vs 2.06), even where the wider tile
@@ -126,7 +131,8 @@ def _rule_config(epi: Epilogue | None, operands: dict[str, Any], n: int | None, 
         return _fill_the_sms(m, n, sms, wide=_wide_plain(n))
     if epi.head_stats:
         hd = operands[next(iter(epi.head_stats))]
-        return TileConfig(tile_n=128 if 128 % hd == 0 else hd)
+        tile_n = 128 if 128 % hd == 0 else hd
+        return TileConfig(tile_n=tile_n, pingpong=tile_n <= PINGPONG_MAX_N)
     if epi.paired_operand:
         return PAIRED_TILE_CONFIG
     if any(r.partials for r in epi.reductions.values()):

@@ -10,6 +10,8 @@
 #                   the whole verifier on every shape set (the batch dir comes back; a
 #                   batch left unfinished under /tmp/coda-runs/SUITE is resumed)
 #   warm            cold and warm verification of the block experts (CODA_GPU_RESULTS)
+#   check           CHECK_TASKS="SUITE/NAME ..." experts verified side by side with
+#                   `coda-agent verify`, beside CHECK_PYTEST (a -k of the GPU tier)
 #   train           bench/train_step.py (the budget is the part's seconds less 20; TRAIN_ARGS)
 #   bench-SUITE     bench/run.py --suite SUITE (BENCH_TASKS / BENCH_SETS narrow it)
 #   fp8             bench/fp8.py;   fp8loss   bench/fp8_loss.py
@@ -55,6 +57,9 @@ for item in "$@"; do
             mkdir -p "$res/warm"
             CODA_GPU_RESULTS="$res/warm" part warm "$secs" python3 -m pytest -q -p no:cacheprovider -rfE \
                 tests/test_suite_gpu.py -k "${WARM_TASKS:-llama3/llama3_block or llama3/mlp_block}" ;;
+        check)
+            mkdir -p "$res/check"
+            part check "$secs" bash scripts/gpu-check.sh "$res/check" ;;
         train)
             part train "$secs" python3 bench/train_step.py --out "$res/train" --budget-s $((secs - 20)) ${TRAIN_ARGS:-} ;;
         bench-*)

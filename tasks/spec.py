@@ -88,8 +88,24 @@ def parse_expr(text: str | int | float) -> ast.expr:
 
 
 def expr_symbols(text: str | int | float) -> set[str]:
-    tree = parse_expr(text)
-    return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id not in _FUNCS}
+    return expr_symbols_of(parse_expr(text))
+
+
+def structural_symbols(text: str | int | float) -> set[str]:
+    """The symbols ``text`` multiplies by another symbol: in ``NQ*D`` or ``(NQ + 2*NKV)*D``
+    a head count and a head width, which together describe the layout of one tensor
+    dimension (``2*I`` scales a size by a constant and is not structural)."""
+    found: set[str] = set()
+    for node in ast.walk(parse_expr(text)):
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+            left, right = expr_symbols_of(node.left), expr_symbols_of(node.right)
+            if left and right:
+                found |= left | right
+    return found
+
+
+def expr_symbols_of(node: ast.AST) -> set[str]:
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and n.id not in _FUNCS}
 
 
 def eval_expr(text: str | int | float, env: dict[str, float]) -> Any:

@@ -209,6 +209,24 @@ def qkn(acc, rstd: HeadStat, gamma: RowVec):
             gemm(A, B[:, :96], P.qkn, gamma=gamma[:96], rstd=head_dim)
 
 
+def test_head_stats_tile_whole_heads_up_to_the_widest_tile(gen):
+    """Head widths a pingpong tile cannot hold run cooperative (Gemma's 256); wider ones are
+    refused by name rather than by quack's tile check."""
+    from coda_agent.primitives.tile_config import default_config
+
+    P = prog('''
+@epilogue(head_stats={"rstd": head_rstd(eps=1e-5)})
+def qkn(acc, rstd: HeadStat):
+    return {"D": acc * rstd}
+''')
+    assert default_config(P.qkn, {"rstd": 64}) == TileConfig(128, 128, 2, 1, True)
+    assert default_config(P.qkn, {"rstd": 192}) == TileConfig(128, 192, 2, 1, True)
+    assert default_config(P.qkn, {"rstd": 256}) == TileConfig(128, 256, 2, 1, False)
+    A, B, _ = operands_for(64, 384, 64, torch.bfloat16, gen)
+    with pytest.raises(CatalogueError, match=r"head_dim 384 is wider \(head statistics support head_dim up to 256"):
+        gemm(A, B, P.qkn, rstd=384)
+
+
 def test_head_stats_need_a_parameter():
     with pytest.raises(CatalogueError, match=r"needs a `name: HeadStat` parameter"):
         prog("@epilogue(head_stats={'r': head_rstd()})\ndef f(acc):\n    return {'D': acc}\n")

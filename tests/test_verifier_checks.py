@@ -65,6 +65,12 @@ def test_the_beyond_set_crosses_the_last_256_multiple(task, rms):
     assert binding == {"T": 1256, "H": 456, "I": 584}
     name, binding = beyond_set(task.spec)
     assert binding == {"M": 456, "N": 392, "K": 64}  # K stays: below 128 it is a head or tile size
+    # A head width keeps its value however large: ragged's D = 128 grown to 384 would be a
+    # head no model has and no tile holds whole.
+    heads = load_task(SUITE_DIR / "qk_norm_rope.yaml").spec
+    name, binding = beyond_set(heads)
+    assert heads.shapes["ragged"]["D"] == 128 and binding["D"] == 128
+    assert binding["T"] == heads.shapes["ragged"]["T"] + 256 and binding["H"] == heads.shapes["ragged"]["H"] + 256
 
 
 def test_the_sets_checked_on_a_cpu_and_on_a_gpu(rms):
@@ -163,20 +169,24 @@ def _both(ms):  # the same times in both regimes
 @pytest.mark.parametrize("times,status,words", [
     (_both({"program": 1.00, "gemm": 1.00, "compile": 1.30}), "passed", "1.00x the plain GEMMs"),
     (_both({"program": 1.40, "gemm": 1.00, "compile": 1.80}), "slow", "correct but slow (vs the plain GEMMs 1.40x"),
-    (_both({"program": 1.00, "gemm": 1.00, "compile": 1.01}), "slow", "vs torch.compile 1.01x < 1.05"),
+    (_both({"program": 1.04, "gemm": 1.00, "compile": 1.08}), "slow", "vs torch.compile 1.04x < 1.05"),
     (_both({"program": 0.50, "gemm": 1.00, "compile": 1.30}), "failed", "impossibly fast"),
-    # Back to back every contender runs 20% slower (the power cap): compared within each
-    # regime, the program is as fast as its GEMMs in both.
-    (timing.Times({"program": 1.00, "gemm": 1.00, "compile": 1.30}, {"program": 1.20, "gemm": 1.20, "compile": 1.56}),
-     "passed", "back to back 1.200 ms against 1.200 ms"),
+    # Back to back every contender runs 20% slower (the power cap), the program 8% more than
+    # its baselines: its events are believed, and per call it is as fast as its GEMMs.
+    (timing.Times({"program": 1.00, "gemm": 1.00, "compile": 1.30}, {"program": 1.30, "gemm": 1.20, "compile": 1.56}),
+     "passed", "1.00x the plain GEMMs"),
     # Work the events do not see (a side stream, a patched timer): per call it looks free,
-    # the judge's wall clock sees all of it, and the worse regime decides.
+    # the judge's wall clock sees all of it, and the back-to-back times decide.
     (timing.Times({"program": 1.00, "gemm": 1.00, "compile": 1.30}, {"program": 1.50, "gemm": 1.00, "compile": 1.30}),
-     "slow", "vs the plain GEMMs 1.50x"),
-    (timing.Times({"program": 0.40, "gemm": 1.00, "compile": 1.30}, {"program": 1.00, "gemm": 1.00, "compile": 1.30}),
+     "slow", "judged back to back: its events saw 33% less"),
+    (timing.Times({"program": 0.02, "gemm": 1.00, "compile": 1.30}, {"program": 3.00, "gemm": 1.00, "compile": 1.30}),
+     "slow", "vs the plain GEMMs 3.00x"),
+    (timing.Times({"program": 0.80, "gemm": 1.00, "compile": 1.30}, {"program": 0.80, "gemm": 1.00, "compile": 1.30}),
      "failed", "impossibly fast"),
-    (timing.Times({"program": 1.00, "gemm": 1.00, "compile": 1.30}, {"program": 1.00, "gemm": 1.00, "compile": 1.00}),
-     "slow", "vs torch.compile 1.00x < 1.05"),
+    # torch.compile already at its GEMMs: the task's 1.05 is past what any program can reach,
+    # and the verdict asks for the cap (less 2% of noise, and never below compile's speed).
+    (_both({"program": 0.99, "gemm": 1.00, "compile": 1.01}), "passed", "is past the cap"),
+    (_both({"program": 1.02, "gemm": 1.00, "compile": 1.01}), "slow", "vs torch.compile 0.99x < 1"),
 ])
 def test_speed_decides_between_accepted_slow_and_impossible(rms, times, status, words):
     res = timing._verdict(_Check(rms.spec), "llama3-8b", times, {}, _Case(), _Calls())

@@ -25,6 +25,10 @@ task names in ``cpu_shape_sets``), and one set beyond them
 (:func:`beyond_set`): the ragged set with every size of at least 128 grown by
 256, so that some dimension has columns past the last multiple of 256 and
 past the largest tile (a program wrong only there passed every named set).
+Sizes a shape multiplies by another symbol (the head width ``D`` of
+``NQ*D``) keep their value: they are the layout of a dimension, not its
+extent, and a head 384 wide is a model nobody trains (the head statistics
+need whole heads in one tile, which quack's tiles cap at 256 columns).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import math
 
 import torch
 
-from coda_agent.tasks.spec import FLOAT_DTYPES, TaskSpec, TensorSpec, eval_expr
+from coda_agent.tasks.spec import FLOAT_DTYPES, TaskSpec, TensorSpec, eval_expr, structural_symbols
 from coda_agent.verifier.wire import TORCH_DTYPES, nbytes
 
 EDGE_ROLES = ("activation", "residual", "saved", "grad")
@@ -196,9 +200,13 @@ def set_bytes(spec: TaskSpec, shape_set: str, itemsize: int | None = None) -> in
 
 
 def beyond_set(spec: TaskSpec) -> tuple[str, dict[str, int]]:
-    """The set past the named ones: the ragged set (else the CPU set) with each size >= 128 grown by 256."""
+    """The set past the named ones: the ragged set (else the CPU set) with each size >= 128
+    grown by 256, but the structural ones (module docstring)."""
     base = "ragged" if "ragged" in spec.shapes else spec.cpu_shape_set
-    binding = {k: v + BEYOND if v >= 128 else v for k, v in spec.shapes[base].items()}
+    exprs = [e for t in (*spec.inputs.values(), *spec.outputs.values()) for e in t.shape]
+    exprs += [e for g in spec.gemms for e in g]
+    kept = set().union(*(structural_symbols(e) for e in exprs))
+    binding = {k: v + BEYOND if v >= 128 and k not in kept else v for k, v in spec.shapes[base].items()}
     return f"{base}+{BEYOND}", binding
 
 

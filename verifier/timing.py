@@ -27,20 +27,20 @@ largest named shape set that fits the device:
    set; the runner keeps every result until then.
 5. **A fresh recomputation** after timing, on a new draw.
 
-Verdict: the two regimes are compared each with itself, never across: back
-to back, big GEMMs run at the power cap (the H200's SM clock drops 10-25%),
-while a rested per-call timing runs at a higher clock, so the larger of a
-contender's two times would compare one contender's throttled time with
-another's rested one.  The program's ratio to the plain GEMMs is the larger
-of its per-call ratio and its back-to-back ratio, its speed-up over
-torch.compile the smaller of the two; faster than the plain GEMMs by more
-than :data:`IMPOSSIBLE` in either regime is a rejection (a fused epilogue
-cannot beat its own GEMMs: some GEMM did not run, or the events did not see
-the whole call); otherwise the stage passes when the program meets
-``Target.vs_gemm`` and ``Target.vs_compile`` and is ``slow`` when it misses
-either (the outcome ``correct_slow``), with a performance report:
-per-catalogue-launch device time and configuration from one profiled call,
-and what is over budget.
+Verdict: each regime compares contenders only with each other, never across
+(back to back, big GEMMs run at the power cap, where the H200's SM clock
+drops 10-25%, and how far depends on each kernel's power draw).  The
+per-call times decide, unless the program's events cannot be trusted: when
+its back-to-back time exceeds its per-call time by more than every
+baseline's does, by :data:`HIDDEN_TOLERANCE`, some of its work escaped its
+events (a side stream, a patched timer, work deferred past the end event),
+and the back-to-back times decide instead, with a note saying so.  Faster
+than the plain GEMMs by more than :data:`IMPOSSIBLE` in either regime is a
+rejection (a fused epilogue cannot beat its own GEMMs: some GEMM did not
+run); otherwise the stage passes when the program meets ``Target.vs_gemm``
+and ``Target.vs_compile`` and is ``slow`` when it misses either (the outcome
+``correct_slow``), with a performance report: per-catalogue-launch device
+time and configuration from one profiled call, and what is over budget.
 
 What it does not guarantee: GPU work a runner leaves running after it answers
 (after escaping Python and skipping its own synchronisation) can overlap what
@@ -70,10 +70,18 @@ from coda_agent.verifier.wire import TORCH_DTYPES
 
 INPUT_SETS = 3
 CHECK_FRACTION = 0.25  # chance a per-call timing's results are compared
-BLOCK_ROUNDS, BLOCK_MS, BLOCK_CALLS = 5, 100.0, (3, 32)
-BLOCK_BYTES = 8 << 30  # results a block may keep alive in the runner
+BLOCK_ROUNDS, BLOCK_MS, BLOCK_CALLS = 5, 200.0, (4, 32)
+BLOCK_BYTES = 32 << 30  # results a block may keep alive in the runner (and at most a third of free memory)
 CHECKED_PER_BLOCK = 2
 IMPOSSIBLE = 0.9  # program / plain GEMMs below this: rejected
+# How much more the program's back-to-back time may exceed its per-call time than the
+# baselines' do before its events are not believed.  Honest experts on the H200 at LLaMA-3
+# 70B, blocks of 3-5 calls: 1.6-9.6% (bench/results/h200-2026-12-01-b, verify-llama3).
+HIDDEN_TOLERANCE = 0.12
+# The most a fused program can gain on torch.compile is compile's own distance from the
+# plain GEMMs; a target past it asks for the impossible, and the verdict asks for the cap
+# instead, less this much measurement noise (never less than compile's own speed).
+CAP_SLACK = 0.02
 SPIN_CAP_MS = 20.0
 PING_CAP_MS = 0.5  # what the judge grants as the channel's round trip, at most
 
@@ -273,51 +281,68 @@ def _block_calls(check: Check, slowest_ms: float) -> int:
     per_call = max(result_bytes(check.spec, _timing_set(check)), 1)
     lo, hi = BLOCK_CALLS
     n = math.ceil(BLOCK_MS / max(slowest_ms, 1e-3))
-    return max(lo, min(hi, n, BLOCK_BYTES // per_call))
+    room = min(BLOCK_BYTES, torch.cuda.mem_get_info()[0] // 3)
+    return max(lo, min(hi, n, room // per_call))
 
 
 def _verdict(check: Check, shape_set: str, times: Times, details: dict[str, Any], case: Case,
              calls: GpuCalls) -> StageResult:
     spec = check.spec
     per_call, back = times
-    t_prog, t_gemm = per_call["program"], per_call["gemm"]
+    excess = {n: back[n] / per_call[n] for n in per_call}
+    honest = max(v for n, v in excess.items() if n != "program")
+    trusted = excess["program"] <= honest * (1 + HIDDEN_TOLERANCE)
+    ms = per_call if trusted else back
+    t_prog, t_gemm = ms["program"], ms["gemm"]
     flops = spec.flops(shape_set)
     details["shape_set"] = shape_set
-    details["ms"] = {k: round(v, 4) for k, v in per_call.items()}
+    details["events_trusted"] = trusted
+    details["ms"] = {k: round(v, 4) for k, v in ms.items()}
     details["tflops"] = round(flops / (t_prog * 1e-3) / 1e12, 1)
     details["gbytes_per_s"] = round(set_bytes(spec, shape_set) / (t_prog * 1e-3) / 1e9, 1)
-    ratios = (t_prog / t_gemm, back["program"] / back["gemm"])
-    ratio = max(ratios)
+    ratio = t_prog / t_gemm
     details["vs_gemm"] = round(ratio, 3)
-    details["vs_gemm_by_regime"] = [round(r, 3) for r in ratios]
     details["target_vs_gemm"] = spec.target.vs_gemm
     details["target_vs_compile"] = spec.target.vs_compile
-    if "compile" in per_call:
-        speedups = (per_call["compile"] / t_prog, back["compile"] / back["program"])
-        details["compile_speedup"] = round(min(speedups), 3)
-        details["compile_speedup_by_regime"] = [round(r, 3) for r in speedups]
+    want = spec.target.vs_compile
+    if "compile" in ms:
+        details["compile_speedup"] = round(ms["compile"] / t_prog, 3)
+        cap = ms["compile"] / t_gemm
+        want = min(want, max(1.0, cap * (1 - CAP_SLACK)))
+        details["compile_cap"] = round(cap, 3)
+        details["target_vs_compile_applied"] = round(want, 3)
+    how = ("" if trusted else
+           f" (judged back to back: its events saw {100 * (1 - 1 / excess['program']):.0f}% less than the judge's "
+           f"clock, against at most {100 * max(0.0, 1 - 1 / honest):.0f}% for the baselines; work its events did "
+           "not cover)")
     summary = (f"{t_prog:.3f} ms on {shape_set} = {ratio:.2f}x the plain GEMMs ({t_gemm:.3f} ms; target <= "
-               f"{spec.target.vs_gemm})" + (f", torch.compile {per_call['compile']:.3f} ms, "
-                                             f"{details['compile_speedup']:.2f}x (target >= {spec.target.vs_compile})"
-                                             if "compile" in per_call else "")
-               + (f", eager {per_call['eager']:.3f} ms" if "eager" in per_call else "")
-               + f", {details['tflops']} TFLOP/s; back to back {back['program']:.3f} ms against "
-               f"{back['gemm']:.3f} ms of plain GEMMs" + (f" and {back['compile']:.3f} ms of torch.compile"
-                                                          if "compile" in back else ""))
-    if min(ratios) < IMPOSSIBLE:
+               f"{spec.target.vs_gemm})" + (f", torch.compile {ms['compile']:.3f} ms = "
+                                             f"{details['compile_speedup']:.2f}x (target >= {_target(spec, want)})"
+                                             if "compile" in ms else "")
+               + (f", eager {ms['eager']:.3f} ms" if "eager" in ms else "") + f", {details['tflops']} TFLOP/s"
+               + how)
+    fastest = min(ratio, back["program"] / back["gemm"])  # events that are not believed claim nothing
+    if fastest < IMPOSSIBLE:
         return StageResult(name="performance", status="failed", details=details,
                            message=f"impossibly fast: {summary}.  A fused epilogue runs its GEMMs and more, so "
-                                   f"it cannot be {1 / min(ratios):.2f}x faster than the plain GEMMs of the same "
+                                   f"it cannot be {1 / fastest:.2f}x faster than the plain GEMMs of the same "
                                    "shapes: some GEMM did not run, or the timing was not of the whole call")
     missed = [f"vs the plain GEMMs {ratio:.2f}x > {spec.target.vs_gemm}"] if ratio > spec.target.vs_gemm else []
-    if "compile" in per_call and details["compile_speedup"] < spec.target.vs_compile:
-        missed.append(f"vs torch.compile {details['compile_speedup']:.2f}x < {spec.target.vs_compile}")
+    if "compile" in ms and details["compile_speedup"] < want:
+        missed.append(f"vs torch.compile {details['compile_speedup']:.2f}x < {want:.3g}")
     details["target_met"] = not missed
     if not missed:
         return StageResult(name="performance", status="passed", details=details, message=summary)
     details["profile"] = _profile(check, calls, case, t_gemm)
     return StageResult(name="performance", status="slow", details=details,
                        message=f"correct but slow ({'; '.join(missed)}): {summary}")
+
+
+def _target(spec: Any, want: float) -> str:
+    if want >= spec.target.vs_compile:
+        return f"{spec.target.vs_compile}"
+    return (f"{want:.3g}: the task's {spec.target.vs_compile} is past the cap, torch.compile's own distance from "
+            f"the plain GEMMs")
 
 
 def _profile(check: Check, calls: GpuCalls, case: Case, t_gemm: float) -> dict[str, Any]:

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# gpu-session.sh's `check` part: OUT_DIR gets one report per expert of $CHECK_TASKS
+# ("SUITE/NAME ...", each through `coda-agent verify` on every shape set) and the log of
+# the GPU tests $CHECK_PYTEST selects (a pytest -k expression), all started at once: the
+# CPU stages run side by side and the judges' GPU lock orders the GPU stages
+# (verifier/gpu_lock.py), so what finishes within the part's limit comes back.
+set -u
+out=$1
+pids=()
+for t in ${CHECK_TASKS:-}; do
+    suite=${t%%/*} name=${t#*/}
+    python3 -m coda_agent.cli verify "tasks/$suite/$name.yaml" "tasks/$suite/experts/$name.py" --json \
+        --runs-dir "$out/runs" >"$out/${suite}-${name}.json" 2>"$out/${suite}-${name}.log" &
+    pids+=($!)
+done
+if [ -n "${CHECK_PYTEST:-}" ]; then
+    python3 -m pytest -q -p no:cacheprovider -rfE -m gpu -k "$CHECK_PYTEST" >"$out/pytest.log" 2>&1 &
+    pids+=($!)
+fi
+rc=0
+for p in "${pids[@]}"; do wait "$p" || rc=1; done
+exit $rc

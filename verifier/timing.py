@@ -42,7 +42,10 @@ and ``Target.vs_compile`` and is ``slow`` when it misses either (the outcome
 ``correct_slow``), with a performance report: per-catalogue-launch device
 time and configuration from one profiled call, and what is over budget.
 
-What it does not guarantee: GPU work a runner leaves running after it answers
+What it does not guarantee: work that escapes the program's events is caught
+only past :data:`HIDDEN_TOLERANCE` of its time (an honest program's power draw
+costs it up to about 11% back to back, and the two cannot be told apart).
+GPU work a runner leaves running after it answers
 (after escaping Python and skipping its own synchronisation) can overlap what
 the judge does next; it is caught only by the result checks racing it.  A
 single GPU context for judge and program would close this, which CUDA does
@@ -75,9 +78,12 @@ BLOCK_BYTES = 32 << 30  # results a block may keep alive in the runner (and at m
 CHECKED_PER_BLOCK = 2
 IMPOSSIBLE = 0.9  # program / plain GEMMs below this: rejected
 # How much more the program's back-to-back time may exceed its per-call time than the
-# baselines' do before its events are not believed.  Honest experts on the H200 at LLaMA-3
-# 70B, blocks of 3-5 calls: 1.6-9.6% (bench/results/h200-2026-12-01-b, verify-llama3).
-HIDDEN_TOLERANCE = 0.12
+# baselines' do before its events are not believed: what the program's own power draw
+# costs it back to back (the quack kernels draw more than cuBLAS and inductor's, and the
+# clock falls further), plus the runner's round trip.  Honest experts on the H200 at
+# LLaMA-3 70B: 1.6-11.3% (bench/results/h200-2026-12-01-b: swiglu_fwd 11.3%, blocks of
+# 7 calls).  So a program can hide at most this share of its time from the verdict.
+HIDDEN_TOLERANCE = 0.15
 # The most a fused program can gain on torch.compile is compile's own distance from the
 # plain GEMMs; a target past it asks for the impossible, and the verdict asks for the cap
 # instead, less this much measurement noise (never less than compile's own speed).

@@ -2,14 +2,17 @@
 
 The question a training team asks: does the step get shorter, and does it fit
 in memory?  Each contender trains the same transformers ``LlamaForCausalLM``
-(built from a config, no download; bf16; attention through SDPA, which runs
-flash attention for a causal batch without padding) on the same tokens:
+(built from a config, no download; bf16 master weights; attention through
+SDPA's flash kernel, see :func:`register_causal_sdpa`) on the same tokens:
 
 - ``eager``: plain PyTorch;  ``compile``: ``torch.compile(model)``;
 - ``liger``: Liger's kernels (``apply_liger_kernel_to_llama``: RoPE, RMSNorm,
   SwiGLU, fused linear cross-entropy), eager;  ``compile_liger``: the same, compiled;
 - ``coda``: ``coda_agent.apply_to_llama(model)``, compiled around the custom
-  ops;  ``coda_eager``: the same, not compiled.
+  ops;  ``coda_eager``: the same, not compiled;
+- ``coda_fp8``: ``apply_to_llama(model, fp8_mlp=True)`` (the MLP blocks' six
+  GEMMs in fp8), compiled;  ``compile_torchao_fp8``: torchao's float8 training
+  (rowwise scales, every linear but the LM head), compiled: the fp8 anchor.
 
 Configs: ``1b`` (LLaMA-3.2-1B widths: H 2048, I 8192, 32/8 heads of 64,
 V 128256, 4 layers) and ``8b`` (LLaMA-3-8B widths: H 4096, I 14336, 32/8 heads
@@ -67,13 +70,15 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "tiny": dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
                  head_dim=32, vocab_size=512, num_hidden_layers=2, batch=2, seq=32),
 }
-CONTENDERS = ("eager", "compile", "liger", "compile_liger", "coda", "coda_eager")
+CONTENDERS = ("eager", "compile", "liger", "compile_liger", "coda", "coda_eager", "coda_fp8", "compile_torchao_fp8")
+CUDA_ONLY = ("liger", "torchao")  # Liger's kernels are Triton, torchao's float8 GEMMs are _scaled_mm
 # What the default run measures first: the comparisons the question turns on, then the rest.
 # Priority: the rows the issue's target compares (CODA against the strongest compiled
 # baseline) first at both configs, then the other baselines, then the loss curve.
 PLAN = [("1b", "compile"), ("1b", "coda"), ("8b", "compile"), ("8b", "coda"), ("1b", "compile_liger"),
-        ("8b", "compile_liger"), ("1b", "eager"), ("8b", "eager"), ("curve", "curve"), ("1b", "liger"),
-        ("8b", "liger"), ("1b", "coda_eager"), ("8b", "coda_eager")]
+        ("8b", "compile_liger"), ("1b", "eager"), ("8b", "eager"), ("curve", "curve"),
+        ("8b", "compile_torchao_fp8"), ("8b", "coda_fp8"), ("1b", "compile_torchao_fp8"), ("1b", "coda_fp8"),
+        ("1b", "liger"), ("8b", "liger"), ("1b", "coda_eager"), ("8b", "coda_eager")]
 ATTENTION = ("flash", "fmha", "attention", "sdpa", "scaled_dot")
 GEMM = ("gemm", "matmul", "nvjet", "cutlass", "xmma", "wgmma", "cublas", "_mm_", "tem_fused_mm")
 
@@ -116,11 +121,16 @@ def prepare(model: Any, contender: str, device: str) -> Any:
 
         apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
                                     fused_linear_cross_entropy=True, model=model)
+    if contender == "compile_torchao_fp8":  # torchao's float8 training, rowwise scales, the LM head left bf16
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("rowwise"),
+                                   module_filter_fn=lambda module, fqn: fqn != "lm_head")
     if contender.startswith("coda"):
         import coda_agent
 
-        coda_agent.apply_to_llama(model)
-    if contender in ("compile", "compile_liger", "coda"):
+        coda_agent.apply_to_llama(model, fp8_mlp=contender == "coda_fp8")
+    if contender in ("compile", "compile_liger", "coda", "coda_fp8", "compile_torchao_fp8"):
         model = torch.compile(model, backend="inductor" if device == "cuda" else "aot_eager")
     return model
 
@@ -314,7 +324,7 @@ def drive(args: argparse.Namespace, device: str) -> int:
     configs = set(filter(None, args.configs.split(",")))
     plan = [(c, k) for c, k in PLAN if k in wanted and (c in configs or k == "curve")]
     if device != "cuda":
-        plan = [(c, k) for c, k in plan if "liger" not in k]  # Liger's kernels are Triton: CUDA only
+        plan = [(c, k) for c, k in plan if not any(lib in k for lib in CUDA_ONLY)]
     results: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "device": device, "budget_s": args.budget_s,
                                "steps": args.steps, "warmup": args.warmup, "rows": [], "skipped": []}
     if device == "cuda":

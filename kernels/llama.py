@@ -31,7 +31,12 @@ its epilogue, the out_proj_residual kernel):
 
 ``kernels={"mlp_block": "runs/...", ...}`` swaps the suite's expert program of
 ``out_proj_residual``, ``mlp_block`` or ``lm_head_xent`` for an accepted one (a
-run directory or a :class:`Kernel`).
+run directory or a :class:`Kernel`) of that task or of one with its contract:
+the same inputs, params, outputs and gradients.  ``fp8_mlp=True`` is such a
+swap: every MLP block runs the ``mlp_block_fp8`` expert (tasks/llama3_fp8: its
+six GEMMs in fp8 e4m3 with current row-wise scales, torchao's rowwise
+numerics; the master weights, activations and gradients stay bf16), the rest
+of the layer bf16.
 
 The re-layout happens once, here; the fused weights are new Parameters
 (``self_attn.qkv_proj.weight``, ``mlp.gate_up_proj.weight``), so build the
@@ -67,10 +72,13 @@ SWAPPABLE = ("out_proj_residual", "mlp_block", "lm_head_xent")
 STATIC_ROPE = ("default", "linear", "llama3")
 
 
+FP8_SUITE = SUITE_DIR.parent / "llama3_fp8"
+
+
 @lru_cache(maxsize=None)
-def suite_kernel(name: str) -> Kernel:
-    """The suite's expert program of a task, as a Kernel."""
-    task = load_task(SUITE_DIR / f"{name}.yaml")
+def suite_kernel(name: str, suite: Path = SUITE_DIR) -> Kernel:
+    """The expert program of a suite's task (LLaMA-3's by default), as a Kernel."""
+    task = load_task(suite / f"{name}.yaml")
     return Kernel.from_files(task.expert_path, task.path)
 
 
@@ -107,7 +115,7 @@ class FusedWeight(nn.Module):
 
 
 def apply_to_llama(model: LlamaForCausalLM | LlamaModel, *, rope: bool = True, rms_norm: bool = True,
-                   swiglu: bool = True, fused_linear_cross_entropy: bool = True,
+                   swiglu: bool = True, fused_linear_cross_entropy: bool = True, fp8_mlp: bool = False,
                    kernels: dict[str, Kernel | str | Path] | None = None) -> LlamaForCausalLM | LlamaModel:
     """Patch ``model`` in place (see the module docstring) and return it."""
     base = model.model if isinstance(model, LlamaForCausalLM) else model
@@ -119,11 +127,16 @@ def apply_to_llama(model: LlamaForCausalLM | LlamaModel, *, rope: bool = True, r
     if swiglu and not rms_norm:
         raise KernelError("swiglu=True runs the post-attention RMSNorm, the SwiGLU MLP and the residual add as "
                           "one kernel (mlp_block), so it needs rms_norm=True")
+    if fp8_mlp and not swiglu:
+        raise KernelError("fp8_mlp=True runs the MLP block (mlp_block_fp8), so it needs swiglu=True")
+    if fp8_mlp and "mlp_block" in (kernels or {}):
+        raise KernelError("fp8_mlp=True and kernels['mlp_block'] both choose the MLP block's kernel; give one")
     cfg = base.config
     _check_model(model, cfg, rope)
     for name in sorted(set(kernels or {}) - set(SWAPPABLE)):
         raise KernelError(f"kernels: {name!r} is not a task the drop-in runs; it takes {list(SWAPPABLE)}")
-    chosen = {name: _kernel(name, (kernels or {}).get(name)) for name in SWAPPABLE}
+    given = {**(kernels or {}), **({"mlp_block": suite_kernel("mlp_block_fp8", FP8_SUITE)} if fp8_mlp else {})}
+    chosen = {name: _kernel(name, given.get(name)) for name in SWAPPABLE}
     if rms_norm or rope or swiglu:
         plan = LayerPlan(rms_norm, rope, swiglu, chosen["out_proj_residual"], chosen["mlp_block"],
                          cfg.rms_norm_eps, cfg.num_attention_heads, cfg.num_key_value_heads, _head_dim(cfg))
@@ -134,17 +147,28 @@ def apply_to_llama(model: LlamaForCausalLM | LlamaModel, *, rope: bool = True, r
         model.coda_xent = chosen["lm_head_xent"]
         model.forward = PatchedForward(model, _causal_lm_forward)
     base.coda_flags = {"rope": rope, "rms_norm": rms_norm, "swiglu": swiglu,
-                       "fused_linear_cross_entropy": fused_linear_cross_entropy}
+                       "fused_linear_cross_entropy": fused_linear_cross_entropy, "fp8_mlp": fp8_mlp}
     return model
 
 
 def _kernel(name: str, given: Kernel | str | Path | None) -> Kernel:
+    """The kernel for the drop-in's slot ``name``: the suite's, or one of that task or its contract."""
     if given is None:
         return suite_kernel(name)
     kernel = given if isinstance(given, Kernel) else load_kernel(given)
-    if kernel.name != name:
-        raise KernelError(f"kernels[{name!r}] solves task {kernel.name!r}, not {name!r}")
+    if kernel.name != name and (differs := _contract_differs(kernel, suite_kernel(name))):
+        raise KernelError(f"kernels[{name!r}] solves task {kernel.name!r}, whose contract is not that of "
+                          f"{name!r}: {differs}")
     return kernel
+
+
+def _contract_differs(kernel: Kernel, slot: Kernel) -> str:
+    for what in ("inputs", "outputs", "gradients"):
+        if getattr(kernel, what) != getattr(slot, what):
+            return f"{what} {list(getattr(kernel, what))} against {list(getattr(slot, what))}"
+    if set(kernel.params) != set(slot.params):
+        return f"params {sorted(kernel.params)} against {sorted(slot.params)}"
+    return ""
 
 
 def _head_dim(cfg: Any) -> int:

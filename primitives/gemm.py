@@ -299,8 +299,8 @@ def _launch(epi: Epilogue | None, A: torch.Tensor, B: torch.Tensor, operands: di
         hd = operands[name]
         if hd > MAX_TILE_N:
             raise CatalogueError(f"gemm: head statistic {name!r} needs a whole head in one tile, and quack's "
-                                 f"SM90 tiles hold at most {MAX_TILE_N} columns: head_dim {hd} is wider (head statistics "
-                                 f"support head_dim up to {MAX_TILE_N})")
+                                 f"SM90 tiles hold at most {MAX_TILE_N} columns: head_dim {hd} is wider "
+                                 f"(head statistics support head_dim up to {MAX_TILE_N})")
         if cfg.tile_n % hd:
             raise CatalogueError(f"gemm: head statistic {name!r} needs whole heads in a tile: tile_n "
                                  f"{cfg.tile_n} is not a multiple of head_dim {hd}; use "

@@ -134,11 +134,33 @@ def test_state_dict_keeps_hf_keys_and_values():
     assert (a - b).abs().max() < 0.05 * b.abs().max()
 
 
+def test_fp8_mlp_trains_within_fp8_error(truth):
+    """The MLP blocks in fp8 (mlp_block_fp8): every tensor training sees stays within the
+    task's own fp8 error (3-9% relative, tasks/llama3_fp8/mlp_block_fp8.yaml) of the fp32
+    model; a block wired wrong misses by orders of magnitude."""
+    base, hi, _ = truth
+    model = coda_agent.apply_to_llama(copy.deepcopy(base).bfloat16(), fp8_mlp=True)
+    assert model.model.coda_flags["fp8_mlp"] and model.model.layers[0].coda_plan.mlp.name == "mlp_block_fp8"
+    with launch_ledger() as launched:
+        got = train_and_eval(model)
+    assert {"quantize_rows", "norm_swiglu", "dswiglu"} <= {launch.name for launch in launched}
+    for k in hi:
+        rel = ((got[k].float() - hi[k].float()).norm() / hi[k].float().norm()).item()
+        assert rel <= 0.12, (k, rel)
+    assert abs(got["loss"].item() - hi["loss"].item()) <= 0.01 * hi["loss"].item()
+    with pytest.raises(KernelError, match="fp8_mlp=True and kernels\\['mlp_block'\\] both choose"):
+        coda_agent.apply_to_llama(copy.deepcopy(base).bfloat16(), fp8_mlp=True,
+                                  kernels={"mlp_block": model.model.layers[0].coda_plan.mlp})
+    with pytest.raises(KernelError, match="needs swiglu=True"):
+        coda_agent.apply_to_llama(copy.deepcopy(base).bfloat16(), fp8_mlp=True, swiglu=False)
+
+
 def test_swapping_in_another_program_for_a_task():
     mine = Kernel.from_files(SUITE_DIR / "experts" / "mlp_block.py", SUITE_DIR / "mlp_block.yaml")
     model = coda_agent.apply_to_llama(tiny_llama().bfloat16(), kernels={"mlp_block": mine})
     assert model.model.layers[1].coda_plan.mlp is mine
-    with pytest.raises(KernelError, match="kernels\\['out_proj_residual'\\] solves task 'mlp_block'"):
+    with pytest.raises(KernelError, match="kernels\\['out_proj_residual'\\] solves task 'mlp_block', whose "
+                       "contract is not that of 'out_proj_residual': inputs"):
         coda_agent.apply_to_llama(tiny_llama().bfloat16(), kernels={"out_proj_residual": mine})
     with pytest.raises(KernelError, match="'rope_fwd' is not a task the drop-in runs"):
         coda_agent.apply_to_llama(tiny_llama().bfloat16(), kernels={"rope_fwd": mine})

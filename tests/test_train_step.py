@@ -20,12 +20,16 @@ import train_step  # noqa: E402
 
 def test_dry_run_writes_every_row_the_curve_and_its_plot(tmp_path):
     proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(tmp_path), "--configs", "1b",
-                           "--contenders", "coda,curve", "--steps", "1", "--warmup", "0", "--curve-steps", "4"],
+                           "--contenders", "coda,coda_fp8,compile_torchao_fp8,curve", "--steps", "1", "--warmup",
+                           "0", "--curve-steps", "4"],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads((tmp_path / "train_step.json").read_text())
-    (row,) = result["rows"]
-    assert row["config"] == "1b" and row["contender"] == "coda" and "error" not in row, row
+    # torchao's float8 GEMMs need CUDA: the dry run has the two CODA rows
+    assert [r["contender"] for r in result["rows"]] == ["coda", "coda_fp8"], result["rows"]
+    assert all("error" not in r for r in result["rows"]), result["rows"]
+    row = result["rows"][0]
+    assert row["config"] == "1b"
     assert row["ms"] > 0 and row["tokens_per_s"] > 0 and set(row["split_ms"]) >= {"gemm", "attention", "other"}
     assert row["cap_ms"] == pytest.approx(row["ms"] - row["split_ms"]["other"], abs=0.02)
     assert result["curve"] == "loss_curve.json" and (tmp_path / "loss_curve.png").stat().st_size > 1000

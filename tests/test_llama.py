@@ -134,6 +134,13 @@ def test_state_dict_keeps_hf_keys_and_values():
     assert (a - b).abs().max() < 0.05 * b.abs().max()
 
 
+def assert_within_fp8(got: dict, hi: dict) -> None:
+    for k in hi:
+        rel = ((got[k].float() - hi[k].float()).norm() / hi[k].float().norm()).item()
+        assert rel <= 0.12, (k, rel)
+    assert abs(got["loss"].item() - hi["loss"].item()) <= 0.01 * hi["loss"].item()
+
+
 def test_fp8_mlp_trains_within_fp8_error(truth):
     """The MLP blocks in fp8 (mlp_block_fp8): every tensor training sees stays within the
     task's own fp8 error (3-9% relative, tasks/llama3_fp8/mlp_block_fp8.yaml) of the fp32
@@ -144,10 +151,7 @@ def test_fp8_mlp_trains_within_fp8_error(truth):
     with launch_ledger() as launched:
         got = train_and_eval(model)
     assert {"quantize_rows", "norm_swiglu", "dswiglu"} <= {launch.name for launch in launched}
-    for k in hi:
-        rel = ((got[k].float() - hi[k].float()).norm() / hi[k].float().norm()).item()
-        assert rel <= 0.12, (k, rel)
-    assert abs(got["loss"].item() - hi["loss"].item()) <= 0.01 * hi["loss"].item()
+    assert_within_fp8(got, hi)
     with pytest.raises(KernelError, match="fp8_mlp=True and kernels\\['mlp_block'\\] both choose"):
         coda_agent.apply_to_llama(copy.deepcopy(base).bfloat16(), fp8_mlp=True,
                                   kernels={"mlp_block": model.model.layers[0].coda_plan.mlp})
@@ -185,15 +189,20 @@ def test_models_the_kernels_do_not_cover_get_a_clear_error():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Hopper)")
-def test_patched_model_trains_like_hf_on_gpu(monkeypatch):
-    """The cute lowering inside the model: quack's GEMMs with the suite's epilogues, SDPA flash."""
+@pytest.mark.parametrize("fp8_mlp", [False, True], ids=["bf16", "fp8_mlp"])
+def test_patched_model_trains_like_hf_on_gpu(monkeypatch, fp8_mlp):
+    """The cute lowering inside the model: quack's GEMMs with the suite's epilogues (fp8 ones
+    for the MLP blocks with ``fp8_mlp``), SDPA flash."""
     monkeypatch.setitem(globals(), "DEVICE", "cuda")
     base = tiny_llama()
     hi, lo = train_and_eval(copy.deepcopy(base).float()), train_and_eval(copy.deepcopy(base).bfloat16())
     # the backward on the calling thread: autograd's CUDA device threads do not see the ledger
     with launch_ledger() as launched, torch.autograd.set_multithreading_enabled(False):
-        got = train_and_eval(coda_agent.apply_to_llama(copy.deepcopy(base).bfloat16()))
-    assert_like_hf(got, hi, lo)
+        got = train_and_eval(coda_agent.apply_to_llama(copy.deepcopy(base).bfloat16(), fp8_mlp=fp8_mlp))
+    if fp8_mlp:
+        assert_within_fp8(got, hi)
+    else:
+        assert_like_hf(got, hi, lo)
     assert {"norm_rope", "rmsnorm_dx", "dswiglu", "logits_lse"} <= {launch.name for launch in launched}
 
 

@@ -4,13 +4,14 @@
 # the GPU tests $CHECK_PYTEST selects (a pytest -k expression), all started at once: the
 # CPU stages run side by side and the judges' GPU lock orders the GPU stages
 # (verifier/gpu_lock.py), so what finishes within the part's limit comes back.
+# CHECK_ARGS: more `coda-agent verify` flags (e.g. --sets, --stages).
 set -u
 out=$1
 pids=()
 for t in ${CHECK_TASKS:-}; do
     suite=${t%%/*} name=${t#*/}
     python3 -m coda_agent.cli verify "tasks/$suite/$name.yaml" "tasks/$suite/experts/$name.py" --json \
-        --runs-dir "$out/runs" >"$out/${suite}-${name}.json" 2>"$out/${suite}-${name}.log" &
+        --runs-dir "$out/runs" ${CHECK_ARGS:-} >"$out/${suite}-${name}.json" 2>"$out/${suite}-${name}.log" &
     pids+=($!)
 done
 if [ -n "${CHECK_PYTEST:-}" ]; then

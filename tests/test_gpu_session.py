@@ -1,0 +1,46 @@
+"""scripts/gpu-session.sh, the driver of a device call, run for real on the CPU: its parts
+run under their limits, and whatever happened comes back as one tarball."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _session(tmp_path: Path, parts: list[str], **env: str) -> tuple[subprocess.CompletedProcess, Path]:
+    out = tmp_path / "out"
+    out.mkdir()
+    run_env = {**os.environ, "OUT": str(out), "CODA_CACHE_DIR": str(tmp_path / "cache"), **env,
+               "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu-session.sh"), *parts], cwd=ROOT, env=run_env,
+                          capture_output=True, text=True, timeout=600)
+    with tarfile.open(out / "results.tgz") as tar:
+        tar.extractall(tmp_path / "back", filter="data")
+    return proc, tmp_path / "back" / "r"
+
+
+def test_check_part_verifies_experts_side_by_side_and_everything_comes_back(tmp_path):
+    proc, back = _session(tmp_path, ["nothing:5", "check:300"], CHECK_TASKS="llama3/swiglu_fwd llama3/no_such_task",
+                          CHECK_ARGS="--stages static,reference --sets small")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    parts = (back / "parts.txt").read_text()
+    assert "unknown part: nothing" in parts and "check rc=1" in parts  # one check failed, the part says so
+    report = json.loads((back / "check" / "llama3-swiglu_fwd.json").read_text())
+    assert report["task"] == "swiglu_fwd" and report["outcome"] == "cpu_passed", report["outcome"]
+    assert [s["name"] for s in report["stages"]][:2] == ["static", "reference"]
+    assert "no_such_task" in (back / "check" / "llama3-no_such_task.log").read_text()
+    assert (back / "machine.txt").exists()
+    assert not (tmp_path / "out" / "r").exists()  # only the tarball is left to come back
+
+
+def test_a_part_past_its_limit_is_stopped_and_the_next_one_runs(tmp_path):
+    proc, back = _session(tmp_path, ["check:2", "nothing:5"], CHECK_TASKS="llama3/swiglu_fwd")
+    assert proc.returncode == 0, proc.stderr
+    parts = (back / "parts.txt").read_text().splitlines()
+    assert parts[0].startswith("check rc=124") and parts[1] == "unknown part: nothing"

@@ -10,12 +10,10 @@ it on the H200.  The references' math: tests/test_gpt2_references.py."""
 from __future__ import annotations
 
 import pytest
-import torch
-from suite_checks import (check_spec, draw, kernel_report, load_expert, mutant_problems, problems,
-                          run_program, sass_problems, static_violations)
+from suite_checks import (EXPERT_COMPILES, check_spec, compile_stage, mutant_problems, problems, sass_problems,
+                          static_violations)
 from suite_checks import task as _task
 
-from coda_agent.primitives import compile_only
 from coda_agent.primitives.passes import ZERO_K
 from coda_agent.tasks import BENCH_SETS, SUITES, load_suite
 
@@ -117,15 +115,14 @@ KNOWN_SPILLS = {"dgelu_stats": 12}
 
 
 @pytest.mark.slow
+@EXPERT_COMPILES
 @pytest.mark.parametrize("name", TASKS)
 def test_expert_compiles_for_sm90a(name):
-    t = task(name)
-    inputs, grads = draw(t, "small", seed=5)
-    with compile_only() as kernels, torch.no_grad():
-        run_program(t, load_expert(t, tag=f"expert_{name}_compile"), inputs, grads)
+    res, kernels = compile_stage(task(name))
+    assert res.status == "passed", res.message
     passes = [k for k in kernels if k.shapes["K"] == ZERO_K]  # a pass's zero mainloop
     gemms = len(kernels) - len(passes)
     assert (gemms, len(passes)) == KERNELS[name], [(k.epilogue, k.shapes) for k in kernels]
     assert {k.epilogue for k in passes} <= PASSES
-    assert not sass_problems(name, [kernel_report(k) for k in kernels], KNOWN_SPILLS)
+    assert not sass_problems(name, res.details["kernels"], KNOWN_SPILLS)
 

@@ -15,7 +15,7 @@ import math
 
 import pytest
 import torch
-from suite_checks import (check_spec, compiled_by_the_verifier, draw, load_expert, mutant_problems, problems,
+from suite_checks import (EXPERT_COMPILES, check_spec, compiled, draw, load_expert, mutant_problems, problems,
                           run_program, sass_problems, static_violations)
 from suite_checks import task as _task
 
@@ -229,10 +229,11 @@ def test_rope_experts_with_llama3_frequencies(direction):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xdist_group(f"llama3/{n}")) for n in TASKS])
-def test_expert_compiles_for_sm90a(name, compile_judge):
+@EXPERT_COMPILES
+@pytest.mark.parametrize("name", TASKS)
+def test_expert_compiles_for_sm90a(name):
     """The verifier's compile stage: one sm_90a kernel with HGMMA per GEMM of the task, no spills."""
     task = _task(name)
-    kernels = compiled_by_the_verifier(compile_judge, task)
+    kernels = compiled(task)
     assert len(kernels) == len(task.spec.gemms), [k["epilogue"] for k in kernels]
     assert not sass_problems(name, kernels)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from suite_checks import (check_spec, compiled_by_the_verifier, draw, load_expert, mutant_problems, problems,
+from suite_checks import (EXPERT_COMPILES, check_spec, compiled, draw, load_expert, mutant_problems, problems,
                           run_program, sass_problems, static_violations)
 from suite_checks import task as _task
 
@@ -95,10 +95,11 @@ MEASURED_SPILLS = {("logits_lse", "128x192 c2x1 pingpong"): 26}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xdist_group(f"llama3/{n}")) for n in TASKS])
-def test_expert_compiles_for_sm90(name, compile_judge):
+@EXPERT_COMPILES
+@pytest.mark.parametrize("name", TASKS)
+def test_expert_compiles_for_sm90(name):
     """The verifier's compile stage: sm_90a with HGMMA, spills only where measured harmless."""
-    kernels = compiled_by_the_verifier(compile_judge, _task(name))
+    kernels = compiled(_task(name))
     assert kernels, f"{name}: no GEMM compiled"
     assert not sass_problems(name, kernels, MEASURED_SPILLS)
 

@@ -3,8 +3,8 @@
 Each expert passes the static stage, the reference stage (the reference
 lowering against the fp8 reference run and the exact math, CODA's rule with
 the task's tolerance, on every CPU shape set) and, slow, the compile stage for
-sm_90a with warpgroup MMAs (QGMMA) in the SASS.  A program that drops a scale
-fails.
+sm_90a with warpgroup MMAs (QGMMA) in the SASS (in this process, with the other
+suites' compiles: tests/suite_checks.py).  A program that drops a scale fails.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from suite_checks import EXPERT_COMPILES, compiled
 
 from coda_agent.tasks import load_task
 from coda_agent.tasks.llama3_fp8 import references
@@ -82,12 +83,10 @@ def test_llama3_block_fp8_epilogues_reduce_the_amax_of_what_they_store():
 
 
 @pytest.mark.slow
+@EXPERT_COMPILES
 @pytest.mark.parametrize("name", TASKS)
 def test_expert_compiles_for_sm90a_with_fp8_warpgroup_mmas(name):
-    with Verifier(stages=["static", "compile"], cache=False, compile_cache=False) as v:
-        res = _stage(v, name, "compile")
-    assert res.status == "passed", res.message
-    kernels = res.details["kernels"]
+    kernels = compiled(_task(name))
     assert kernels and all(k["sm90a"] and k["hgmma"] > 0 for k in kernels)
     # The out-proj/down epilogue of llama3_block_fp8 (fp8 store, amax, sum of squares,
     # a residual tile) spills a little at fast accumulation's pingpong tile (34 STL/LDL

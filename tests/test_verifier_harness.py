@@ -35,6 +35,13 @@ def session():
 
 
 @pytest.fixture(scope="module")
+def compiler():
+    """One judge for the compile stage alone, past the compile cache."""
+    with Verifier(stages=["compile"], cache=False, compile_cache=False) as v:
+        yield v
+
+
+@pytest.fixture(scope="module")
 def runtime():
     """One judge for programs that skip the static stage (as one that got past it would), started
     with secrets and markers in its environment that no runner may see."""
@@ -117,6 +124,33 @@ def test_the_runner_sees_a_clean_environment(task, runtime):
     assert not leaked and len(seen) < 30, seen
     cwd = message.split(" CWD ")[1].split(" HOME ")[0]
     assert "/coda-runners/run-" in cwd and message.split(" HOME ")[1].startswith(cwd)
+
+
+KERNEL_LIBRARIES = """
+import sys
+from coda_agent.primitives import Tile, epilogue, gemm
+
+
+@epilogue()
+def add_residual(acc, residual: Tile):
+    return {"D": acc + residual}
+
+
+def forward(x, w, r):
+    raise RuntimeError(f"LOADED {sorted(m for m in ('cutlass', 'quack') if m in sys.modules)}")
+
+
+def backward(saved, dy):
+    return {}
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU machine starts each runner afresh, without a zygote")
+def test_only_a_judge_that_compiles_loads_the_kernel_libraries(task, runtime, compiler):
+    """quack and CuTeDSL cost seconds of CPU in every zygote: a runner of the compile stage finds them
+    loaded, a runner of the CPU reference stage alone does not (nor did its zygote pay for them)."""
+    assert "LOADED []" in runtime.check(task, KERNEL_LIBRARIES).failed_stage.message
+    assert "LOADED ['cutlass', 'quack']" in compiler.check(task, KERNEL_LIBRARIES).failed_stage.message
 
 
 def test_a_load_bomb_fails_fast_under_its_own_limit(task, runtime):
@@ -325,9 +359,8 @@ def test_cli_verify_exit_codes(tmp_path, monkeypatch):
 # --------------------------------------------------------------------------- compile (sm_90a on the CPU)
 
 @pytest.mark.slow
-def test_expert_compiles_for_sm90a_in_the_runner(task):
-    report = Verifier(stages=["compile"], cache=False, compile_cache=False).check(task, EXPERT_PATH.read_text())
-    res = report.stage("compile")
+def test_expert_compiles_for_sm90a_in_the_runner(task, compiler):
+    res = compiler.check(task, EXPERT_PATH.read_text()).stage("compile")
     assert res.status == "passed", res.message + res.log
     assert len(res.details["kernels"]) == 3 and all(k["hgmma"] > 0 for k in res.details["kernels"])
     assert "slow_calls" not in res.details and all(k["calls"] == 0 for k in res.details["kernels"])
@@ -335,11 +368,11 @@ def test_expert_compiles_for_sm90a_in_the_runner(task):
 
 
 @pytest.mark.slow
-def test_compile_stage_names_slow_path_division(task):
+def test_compile_stage_names_slow_path_division(task, compiler):
     """`a / b` in an epilogue compiles (it is correct) but to an IEEE division with a
     slow-path CALL per element; the compile stage says so and names the fix."""
     source = EXPERT_PATH.read_text().replace("acc + residual", "acc + residual / (acc * acc + 1.0)")
-    res = Verifier(stages=["compile"], cache=False, compile_cache=False).check(task, source).stage("compile")
+    res = compiler.check(task, source).stage("compile")
     assert res.status == "passed", res.message + res.log
     assert res.details["slow_calls"]["add_residual"] > 0
     assert "slow-path CALLs in add_residual" in res.message and "reciprocal(b)" in res.message

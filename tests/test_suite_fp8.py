@@ -28,6 +28,10 @@ def _task(name: str):
     return load_task(SUITE / f"{name}.yaml")
 
 
+# The tests of the module's judge share an xdist worker, so it starts once.
+JUDGED = pytest.mark.xdist_group("fp8_judge")
+
+
 @pytest.fixture(scope="module")
 def judged():
     with Verifier(stages=["static", "reference"], cache=False, timeout_s=300) as v:
@@ -39,6 +43,7 @@ def _stage(verifier: Verifier, name: str, stage: str, source: str | None = None)
     return verifier.check(t, source or t.expert_path.read_text()).stage(stage)
 
 
+@JUDGED
 @pytest.mark.parametrize("name", TASKS)
 def test_expert_is_static_clean_and_matches_the_fp8_reference(name, judged):
     t = _task(name)
@@ -48,6 +53,7 @@ def test_expert_is_static_clean_and_matches_the_fp8_reference(name, judged):
     assert {"small", "ragged", "ragged+256"} <= set(res.details["shape_sets"])
 
 
+@JUDGED
 def test_a_program_that_drops_a_scale_is_rejected(judged):
     t = _task("swiglu_fwd_fp8")
     mutant = t.expert_path.read_text().replace("acc * x_scale * w_scale", "acc * x_scale")

@@ -155,6 +155,37 @@ def test_only_a_judge_that_compiles_loads_the_kernel_libraries(task, runtime, co
     assert "LOADED ['cutlass', 'quack']" in compiler.check(task, KERNEL_LIBRARIES).failed_stage.message
 
 
+FIRST_LAUNCH = """
+import sys
+from coda_agent.primitives import Tile, epilogue, gemm
+
+BEFORE = set(sys.modules)
+
+
+@epilogue()
+def add_residual(acc, residual: Tile):
+    return {"D": acc + residual}
+
+
+def forward(x, w, r):
+    gemm(x, w, add_residual, residual=r)
+    raise RuntimeError(f"IMPORTED {sorted(set(sys.modules) - BEFORE)}")
+
+
+def backward(saved, dy):
+    return {}
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU machine starts each runner afresh, without a zygote")
+def test_a_runner_finds_what_its_first_launch_imports_loaded(task, runtime):
+    """The zygote loads what a catalogue launch imports on first use (torch._dynamo, sympy: some 900
+    modules, a second of CPU), so no runner pays for it again."""
+    message = runtime.check(task, FIRST_LAUNCH).failed_stage.message
+    imported = message.split("IMPORTED ")[1].split("]")[0]
+    assert imported.count("'") < 2 * 20, imported
+
+
 def test_a_load_bomb_fails_fast_under_its_own_limit(task, runtime):
     source = (CORPUS / "load" / "huge_power.py").read_text()
     t0 = time.perf_counter()

@@ -180,6 +180,7 @@ def main(control_fd: int, compiles: bool) -> int:
     ctypes.CDLL(None).prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
     ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # with its judge (one thread)
     import torch
+    import torch._dynamo  # noqa: F401 - the first call of a custom op (every catalogue launch) imports it
 
     # The imports every runner would otherwise repeat: the catalogue, and what its cute lowering
     # imports on first use (the compile stage's runner uses it at once).

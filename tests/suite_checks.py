@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 from types import ModuleType
 
-import pytest
 import torch
 
 from coda_agent.kernels import contract
@@ -133,13 +132,6 @@ def mutant_problems(t, old: str, new: str, shape_set: str, seed: int) -> list[st
     src = t.expert_path.read_text()
     assert old in src, old
     return problems(t, shape_set, seed, source=src.replace(old, new))
-
-
-# The tests that compile experts for sm_90a run on one xdist worker, in one process: quack
-# keeps every kernel it compiled (keyed on the epilogue's fingerprint, dtypes, layouts and tile
-# config), so a kernel that several experts share (every backward's plain GEMMs, a LayerNorm
-# pass, a whole sub-block inside a block task) is compiled once for the whole suite.
-EXPERT_COMPILES = pytest.mark.xdist_group("expert-compiles")
 
 
 def compile_stage(t) -> tuple[StageResult, list[CompiledKernel]]:

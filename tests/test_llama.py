@@ -26,8 +26,6 @@ from coda_agent.kernels import Kernel, KernelError  # noqa: E402
 from coda_agent.primitives import launch_ledger  # noqa: E402
 from coda_agent.tasks import SUITE_DIR  # noqa: E402
 
-# One xdist worker runs the module: the module's truth (three training runs) is computed once.
-pytestmark = pytest.mark.xdist_group("llama")
 CONFIG = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
               vocab_size=512, num_hidden_layers=2, max_position_embeddings=256, rms_norm_eps=1e-5,
               rope_theta=10000.0, attn_implementation="sdpa")

@@ -20,9 +20,6 @@ from coda_agent.verifier import cache as verdict_cache
 from coda_agent.verifier import compile_cache, stages
 from coda_agent.verifier.report import StageResult
 
-# One worker runs the module: its fixture compiles the expert (twice, with a fresh cache).
-pytestmark = pytest.mark.xdist_group("verifier_compile_cache")
-
 
 @pytest.fixture(scope="module")
 def task():

@@ -28,8 +28,6 @@ from coda_agent.verifier.static import check_source
 CASES = corpus()
 FAMILIES = {"interpreter", "files", "patching", "env", "state", "shapes", "extreme", "dtype", "mutation",
             "aliasing", "bias", "ragged", "load", "timing", "streams", "memory", "speed"}
-# One xdist worker runs the module: one judge for every runtime case.
-pytestmark = pytest.mark.xdist_group("verifier_corpus")
 RUNTIME = [c for c in CASES if c.stage != "static" and c.needs == "cpu" and c.family != "hang"]
 
 

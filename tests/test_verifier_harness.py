@@ -19,8 +19,6 @@ from coda_agent.verifier.feedback import render_feedback
 from coda_agent.verifier.report import Report, StageResult
 
 CPU_STAGES = ["static", "reference"]
-# One xdist worker runs the module, so each of its judges (the fixtures below) starts once.
-pytestmark = pytest.mark.xdist_group("verifier_harness")
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,6 @@ import pytest
 from coda_agent.tasks import SUITES, load_suite
 from coda_agent.verifier import Verifier
 
-# One xdist worker runs the module: one judge for every expert.
-pytestmark = pytest.mark.xdist_group("verifier_suite")
 SUITE = {f"{suite}/{t.name}": t for suite, folder in SUITES.items() for t in load_suite(folder)}
 
 

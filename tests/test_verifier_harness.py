@@ -29,14 +29,15 @@ def task():
 @pytest.fixture(scope="module")
 def session():
     """One judge for the tests of whole checks (the GPU stages skip without CUDA)."""
-    with Verifier(stages=[s for s in harness.STAGES if s != "compile"], cache=False, timeout_s=8,
+    with Verifier(stages=[s for s in harness.STAGES if s != "compile"], cache=False, timeout_s=4,
                   load_timeout_s=3) as v:
         yield v
 
 
 @pytest.fixture(scope="module")
 def compiler():
-    """One judge for the compile stage alone, past the compile cache."""
+    """One judge for the compile stage alone, past the compile cache (the expert's own compile in
+    a runner is tested in test_verifier_compile_cache.py, whose first verification is one)."""
     with Verifier(stages=["compile"], cache=False, compile_cache=False) as v:
         yield v
 
@@ -68,10 +69,10 @@ def test_hang_is_a_timeout_and_the_judge_carries_on(task, session):
     source = (CORPUS / "hang" / "infinite_loop.py").read_text()
     t0 = time.perf_counter()
     report = session.check(task, source)
-    assert time.perf_counter() - t0 < 8 + 30
+    assert time.perf_counter() - t0 < 4 + 30
     bad = report.failed_stage
     assert report.outcome == "rejected" and bad.name == "reference" and bad.status == "failed"
-    assert "timed out after 8 s" in bad.message
+    assert "timed out after 4 s" in bad.message
     assert session.check(task, EXPERT_PATH.read_text()).outcome == "cpu_passed"
 
 
@@ -388,15 +389,6 @@ def test_cli_verify_exit_codes(tmp_path, monkeypatch):
 
 
 # --------------------------------------------------------------------------- compile (sm_90a on the CPU)
-
-@pytest.mark.slow
-def test_expert_compiles_for_sm90a_in_the_runner(task, compiler):
-    res = compiler.check(task, EXPERT_PATH.read_text()).stage("compile")
-    assert res.status == "passed", res.message + res.log
-    assert len(res.details["kernels"]) == 3 and all(k["hgmma"] > 0 for k in res.details["kernels"])
-    assert "slow_calls" not in res.details and all(k["calls"] == 0 for k in res.details["kernels"])
-    assert "sass_unavailable" not in res.details
-
 
 @pytest.mark.slow
 def test_compile_stage_names_slow_path_division(task, compiler):

@@ -49,7 +49,7 @@ class Launch:
     config: str = ""  # the tile configuration a gemm ran with (reports show it)
 
 
-@dataclass
+@dataclass(frozen=True)
 class SassReport:
     sm90a: bool
     hgmma: int  # warpgroup MMA instructions: HGMMA (16-bit operands) and QGMMA (fp8)

@@ -5,10 +5,17 @@ usage and its instructions; :func:`inspect_cubin` condenses them into a
 :class:`~.lowering.SassReport`: sm_90a or not, the warpgroup MMAs (HGMMA, QGMMA for fp8) the
 mainloop must keep, register spills, and the ``CALL``s of slow-path
 subroutines (IEEE division) that a fast epilogue does without.
+
+A report is kept per cubin digest for the life of the process: quack hands
+back the kernel it compiled before for a repeated compile key (the plain
+GEMMs of every backward, an epilogue two programs share), and reading a
+kernel's SASS again (two ``cuobjdump`` runs, about half a second) would tell
+the same thing.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import subprocess
@@ -37,11 +44,22 @@ def _cuobjdump() -> str | None:
 _SASS_OP = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", re.M)
 
 
+_reports: dict[str, SassReport] = {}  # cubin digest -> its report (a few hundred bytes each)
+
+
 def inspect_cubin(cubin: bytes) -> SassReport | None:
     """Registers, spills and warpgroup-MMA count of a cubin (None without cuobjdump)."""
     tool = _cuobjdump()
     if tool is None:
         return None
+    digest = hashlib.sha256(cubin).hexdigest()
+    report = _reports.get(digest)
+    if report is None:
+        report = _reports[digest] = _read(cubin, tool)
+    return report
+
+
+def _read(cubin: bytes, tool: str) -> SassReport:
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as fh:
         fh.write(cubin)
         path = fh.name

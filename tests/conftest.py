@@ -41,16 +41,6 @@ def _private_caches(root, compiles, mp: pytest.MonkeyPatch):
     return root / "coda"
 
 
-@pytest.fixture(scope="session")
-def compile_judge(private_caches_for_the_session):
-    """The verifier's compile stage alone, one judge for the session, through the session's
-    compile cache (the suite tests' sm_90a compiles, reused by the solve CLI tests)."""
-    from coda_agent.verifier import Verifier
-
-    with Verifier(stages=["compile"], cache=False, timeout_s=600) as v:
-        yield v
-
-
 # --------------------------------------------------------------------------- agent
 
 

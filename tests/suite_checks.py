@@ -1,13 +1,14 @@
 """What the suite tests (test_suite_a.py, test_suite_b.py for LLaMA-3,
-test_gpt2_suite.py) share: load a task and its expert program, run a program by
-the verifier's contract, and judge it with the verifier's own inputs, references
-and tolerance check.
+test_gpt2_suite.py, test_suite_fp8.py) share: load a task and its expert program,
+run a program by the verifier's contract, and judge it with the verifier's own
+inputs, references and tolerance check, and its compile stage's SASS gate.
 
 Nothing here re-implements the verifier: inputs come from
 ``coda_agent.verifier.inputs`` (make_inputs / make_grads, the same seeding the
 verifier uses), the references from its ``run_reference`` (fp64-upcast inputs for
 ref_hi, the inputs' own dtype for ref_lo) and the verdict from its ``compare``
-with the task's tolerance (CODA's rule plus the relative-norm check).
+with the task's tolerance (CODA's rule plus the relative-norm check), the compile
+verdict from its ``compile_result``.
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ from types import ModuleType
 import torch
 
 from coda_agent.kernels import contract
-from coda_agent.primitives import load_program, lowering
+from coda_agent.primitives import CompiledKernel, compile_only, load_program, lowering
 from coda_agent.primitives.lowering import padded_lanes
 from coda_agent.tasks import SUITES, load_task
 from coda_agent.verifier.compare import compare
 from coda_agent.verifier.inputs import make_grads, make_inputs, run_reference
-from coda_agent.verifier.report import Mismatch
+from coda_agent.verifier.report import Mismatch, StageResult
+from coda_agent.verifier.stages import compile_result
 
 
 def task(name: str, suite: str = "llama3"):
@@ -131,17 +133,27 @@ def mutant_problems(t, old: str, new: str, shape_set: str, seed: int) -> list[st
     assert old in src, old
     return problems(t, shape_set, seed, source=src.replace(old, new))
 
-def compiled_by_the_verifier(verifier, t) -> list[dict]:
-    """The verifier's compile stage on the task's expert program (through the session's compile
-    cache, so the solve CLI tests reuse it): one report per kernel, its SASS counts included."""
-    res = verifier.check(t, t.expert_path.read_text()).stage("compile")
-    assert res is not None and res.status == "passed", f"{t.name}: {res and res.message}"
+
+def compile_stage(t) -> tuple[StageResult, list[CompiledKernel]]:
+    """The verifier's compile stage on the task's expert, in this process: every GEMM and pass of
+    its forward and backward compiled for sm_90a at the task's ``cpu_shape_set`` (as the
+    verifier's runner compiles them, under the compile lowering, where kernels depend on shapes
+    and dtypes only), and the stage's verdict (``compile_result``: its SASS gate) over the kernels'
+    reports in the runner's form.  Returns the result and the compiled kernels."""
+    shape_set = t.spec.cpu_shape_set
+    inputs, grads = draw(t, shape_set, seed=5)
+    with compile_only() as kernels, torch.no_grad():
+        run_program(t, load_expert(t, tag=f"expert_{t.name}_compile"), inputs, grads)
+    reports = [{"epilogue": k.epilogue, "config": k.config, "seconds": k.seconds, "log": k.log,
+                "sass": None if k.sass is None else vars(k.sass)} for k in kernels]
+    return compile_result(reports, shape_set), kernels
+
+
+def compiled(t) -> list[dict]:
+    """The per-kernel reports of a passed :func:`compile_stage` (its SASS counts included)."""
+    res, _ = compile_stage(t)
+    assert res.status == "passed", f"{t.name}: {res.message}"
     return res.details["kernels"]
-
-
-def kernel_report(k) -> dict:
-    """A compiled kernel (primitives.compile_only) in the compile stage's report form."""
-    return {"epilogue": k.epilogue, "config": k.config, **(vars(k.sass) if k.sass is not None else {"sass": None})}
 
 
 def sass_problems(name: str, kernels: list[dict], allowed_spills: dict | None = None) -> list[str]:

@@ -25,8 +25,8 @@ from typer.testing import CliRunner
 from coda_agent.cli import app
 from coda_agent.eval.batch import sha256_file
 
-# One xdist worker runs the module: one local Ray cluster at a time on the machine.
-pytestmark = [pytest.mark.usefixtures("agent_env"), pytest.mark.xdist_group("ray")]
+# One xdist worker runs the module (scripts/test.sh: --dist loadfile): one local Ray cluster at a time.
+pytestmark = pytest.mark.usefixtures("agent_env")
 TESTS = Path(__file__).parent
 SUITE = TESTS.parent / "tasks/llama3"
 REFERENCE = ["--author", "expert", "--verifier", "eval_fixtures:reference_verifier"]

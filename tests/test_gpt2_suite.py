@@ -1,22 +1,17 @@
 """The GPT-2 suite (tasks/gpt2/): every spec loads, every expert program passes
 the verifier's static stage, matches its task reference on the CPU shape sets
 (forward, and backward against autograd through the reference) by the
-verifier's own inputs, references and compare (tests/suite_checks.py), fails
-for a one-token bug, and (slow) compiles for sm_90a with HGMMA and no
-slow-path CALLs, one kernel per GEMM and pass it counts; the verifier's own
-CPU stages accept every expert; and (GPU tier) every verifier stage accepts
-it on the H200.  The references' math: tests/test_gpt2_references.py."""
+verifier's own inputs, references and compare (tests/suite_checks.py), and fails
+for a one-token bug; its sm_90a compile is in tests/test_expert_compiles.py, the
+verifier's own CPU stages in tests/test_verifier_suite.py, and (GPU tier) every
+verifier stage accepts it on the H200.  The references' math: tests/test_gpt2_references.py."""
 
 from __future__ import annotations
 
 import pytest
-import torch
-from suite_checks import (check_spec, draw, kernel_report, load_expert, mutant_problems, problems,
-                          run_program, sass_problems, static_violations)
+from suite_checks import check_spec, mutant_problems, problems, static_violations
 from suite_checks import task as _task
 
-from coda_agent.primitives import compile_only
-from coda_agent.primitives.passes import ZERO_K
 from coda_agent.tasks import BENCH_SETS, SUITES, load_suite
 
 SUITE = "gpt2"
@@ -100,32 +95,3 @@ def test_lm_head_chunk_loop_matches_reference():
     assert re.search(r"^LOGITS_BYTES = ", src, re.M), "the expert's chunk budget moved; update this test"
     src = re.sub(r"^LOGITS_BYTES = .*$", "LOGITS_BYTES = 1  # one 128-row M tile per chunk", src, flags=re.M)
     assert not problems(t, "ragged", seed=11, source=src)
-
-
-# GEMMs and passes per expert, counted at the CPU shape set: every GEMM of the
-# task's speed of light, plus each pass without a GEMM (row statistics, weight
-# folds, normalized tensors, tile passes), and nothing else.
-KERNELS = {
-    "out_proj_residual": (3, 1), "gelu_fwd": (1, 0), "gelu_bwd": (1, 0), "linear_gelu": (3, 1),
-    "ln_qkv": (3, 3), "residual_layernorm": (2, 1), "layernorm_bwd": (2, 0), "lm_head_xent": (3, 3),
-    "mlp_block": (6, 2), "gpt2_block": (12, 4),
-}
-PASSES = {"row_moments", "layernorm_fold", "normalize", "bias_grad", "dgelu", "ln_grad_stats", "ln_backward"}
-# At the CPU shapes' 128x128 tile: dGELU with three reductions keeps 6 values in local
-# memory (6 STL + 6 LDL of ~6700 instructions); the H200 run measures what it costs.
-KNOWN_SPILLS = {"dgelu_stats": 12}
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", TASKS)
-def test_expert_compiles_for_sm90a(name):
-    t = task(name)
-    inputs, grads = draw(t, "small", seed=5)
-    with compile_only() as kernels, torch.no_grad():
-        run_program(t, load_expert(t, tag=f"expert_{name}_compile"), inputs, grads)
-    passes = [k for k in kernels if k.shapes["K"] == ZERO_K]  # a pass's zero mainloop
-    gemms = len(kernels) - len(passes)
-    assert (gemms, len(passes)) == KERNELS[name], [(k.epilogue, k.shapes) for k in kernels]
-    assert {k.epilogue for k in passes} <= PASSES
-    assert not sass_problems(name, [kernel_report(k) for k in kernels], KNOWN_SPILLS)
-

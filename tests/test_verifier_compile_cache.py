@@ -1,9 +1,10 @@
 """The compile-stage cache (coda_agent.verifier.compile_cache): a second verification
 of the same program reuses the passed compile; anything else recompiles.
 
-One real end-to-end pair (compile, then hit) through a judge and its runner; the miss
-cases run the stage with the runner's compile stubbed out, so the file costs one
-sm_90a compile of the tiny task's three GEMMs.
+One real end-to-end pair (compile, then hit) through a judge and its runner, the first
+of which is also the test of the compile stage in a runner (sm_90a with HGMMA, SASS
+read, no slow-path CALL); the miss cases run the stage with the runner's compile
+stubbed out, so the file costs one sm_90a compile of the tiny task's three GEMMs.
 """
 
 from __future__ import annotations
@@ -19,9 +20,6 @@ from coda_agent.verifier import Verifier
 from coda_agent.verifier import cache as verdict_cache
 from coda_agent.verifier import compile_cache, stages
 from coda_agent.verifier.report import StageResult
-
-# One worker runs the module: its fixture compiles the expert (twice, with a fresh cache).
-pytestmark = pytest.mark.xdist_group("verifier_compile_cache")
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +67,15 @@ def compiles(monkeypatch):
 
     monkeypatch.setattr(stages, "_compile", fake)
     return calls
+
+
+@pytest.mark.slow
+def test_the_first_verification_compiles_for_sm90a_in_the_runner(twice):
+    res = twice[1].stage("compile")
+    assert res.status == "passed", res.message + res.log
+    assert len(res.details["kernels"]) == 3 and all(k["hgmma"] > 0 for k in res.details["kernels"])
+    assert "slow_calls" not in res.details and all(k["calls"] == 0 for k in res.details["kernels"])
+    assert "sass_unavailable" not in res.details
 
 
 @pytest.mark.slow

@@ -45,7 +45,7 @@ def _task(case):
 @pytest.fixture(scope="module")
 def judged():
     """One verifier session (a judge and its zygote) for every runtime case: the reference stage."""
-    with Verifier(stages=["reference"], cache=False, timeout_s=60, load_timeout_s=5) as v:
+    with Verifier(stages=["reference"], cache=False, timeout_s=60, load_timeout_s=3) as v:
         yield v
 
 

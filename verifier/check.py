@@ -118,9 +118,10 @@ class Check:
 
 
 class Judge:
-    def __init__(self, emit: Callable[[dict[str, Any]], None], zygote: Zygote | None):
+    def __init__(self, emit: Callable[[dict[str, Any]], None], zygote: Zygote | None, compiles: bool):
         self.emit = emit
         self._zygote = zygote
+        self.compiles = compiles  # checks may run the compile stage: a zygote loads its libraries
         self.broken = False  # a CUDA error poisoned this process: finish the check, then exit
         # by cuda: a GPU runner's mode is lowered where CUDA fails behind the walls (sandbox.py)
         self.sandbox_mode = {False: sandbox.mode(), True: sandbox.mode()}
@@ -141,7 +142,7 @@ class Judge:
         if torch.cuda.is_available():
             return None
         if self._zygote is None:
-            self._zygote = Zygote()
+            self._zygote = Zygote(self.compiles)
         return self._zygote
 
     def close(self) -> None:

@@ -58,9 +58,10 @@ _PR_SET_DUMPABLE = 4
 
 
 class _Judge:
-    """The judge process and its event stream; ``device``: its ``CUDA_VISIBLE_DEVICES`` (None: the caller's)."""
+    """The judge process and its event stream; ``device``: its ``CUDA_VISIBLE_DEVICES`` (None: the caller's);
+    ``compiles``: its checks may run the compile stage (:mod:`.judge`'s ``--compiles``)."""
 
-    def __init__(self, device: str | None) -> None:
+    def __init__(self, device: str | None, compiles: bool) -> None:
         self.log = tempfile.TemporaryFile(prefix="coda-judge-")
         r, w = os.pipe()
         env = {k: v for k, v in os.environ.items() if not any(s in k.upper() for s in _SECRET_WORDS)}
@@ -68,9 +69,9 @@ class _Judge:
             env["CUDA_VISIBLE_DEVICES"] = device
         # The judge imports what the harness can (a task's reference may live in tests/).
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", JUDGE, str(w)], stdin=subprocess.PIPE, stdout=self.log, stderr=subprocess.STDOUT,
-            pass_fds=[w], env=env, start_new_session=True, text=True)
+        argv = [sys.executable, "-m", JUDGE, str(w), *(["--compiles"] if compiles else [])]
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=self.log, stderr=subprocess.STDOUT,
+                                     pass_fds=[w], env=env, start_new_session=True, text=True)
         os.close(w)
         self.events = r
         self.pending = b""
@@ -240,7 +241,7 @@ class Verifier:
                 if not judge.alive() or any(judge.references.get(f, d) != d for f, d in refs.items()):
                     judge.kill()
                     judge = None
-        judge = judge or _Judge(self.device)
+        judge = judge or _Judge(self.device, "compile" in self.stages)
         judge.references.update(refs)
         return judge
 

@@ -1,6 +1,6 @@
 """The judge: the trusted process that decides every stage after the static one.
 
-``python -m coda_agent.verifier.judge FD`` reads check requests from the
+``python -m coda_agent.verifier.judge FD [--compiles]`` reads check requests from the
 harness (:mod:`.harness`), one JSON line each on stdin, and writes a JSON line
 per event on file descriptor FD: ``{"check": n, "start": stage}``, ``{"check": n,
 "waiting": stage}`` / ``{"check": n, "waited": seconds}`` around a wait for
@@ -35,7 +35,9 @@ def _machine_has_gpu() -> bool:
     return bool(os.environ.get("CUDA_VISIBLE_DEVICES", "x")) and os.path.exists("/dev/nvidia0")
 
 
-def main(events_fd: int) -> int:
+def main(events_fd: int, compiles: bool) -> int:
+    """``compiles``: the checks may run the compile stage, so the runner zygote loads the compile
+    lowering's libraries once (:mod:`.zygote`)."""
     from coda_agent.verifier import sandbox
 
     ctypes.CDLL(None).prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
@@ -44,7 +46,7 @@ def main(events_fd: int) -> int:
     if not _machine_has_gpu():  # its imports overlap the judge's own
         from coda_agent.verifier.zygote import Zygote
 
-        zygote = Zygote()
+        zygote = Zygote(compiles)
         zygote.start()
     import torch
 
@@ -57,7 +59,7 @@ def main(events_fd: int) -> int:
         events.write(json.dumps(obj) + "\n")
         events.flush()
 
-    judge = Judge(emit, zygote)
+    judge = Judge(emit, zygote, compiles)
     try:
         for line in sys.stdin:
             req = json.loads(line)
@@ -70,7 +72,7 @@ def main(events_fd: int) -> int:
 
 
 if __name__ == "__main__":
-    code = main(int(sys.argv[1]))
+    code = main(int(sys.argv[1]), "--compiles" in sys.argv[2:])
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # everything is written; an interpreter holding torch and CUDA takes seconds to tear down

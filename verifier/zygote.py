@@ -10,6 +10,11 @@ the driver cannot fork a working child, and the zygote never initialises it
 (it refuses to serve if anything did).  On a GPU machine the judge starts each
 runner as a fresh process instead.
 
+quack and CuTeDSL (about 5 s of CPU, twice torch's import) are loaded only
+for a judge whose checks may compile (``compiles``: its Verifier runs the
+compile stage): without CUDA no other stage uses them, and a judge of the
+static and reference stages alone (a test session starts many) does without.
+
 Protocol on the control socket (a Unix socket pair, the judge holding the
 other end): length-prefixed JSON.  ``{"op": "fork", "plan": ..., "env": ...}``
 comes with two file descriptors (the runner's channel and its log pipe) and is
@@ -120,9 +125,10 @@ class Zygote:
     """The judge's handle on its zygote process (this module's :func:`main`).  :meth:`start`
     launches it without waiting, so its imports overlap the judge's; the first fork waits."""
 
-    def __init__(self) -> None:
+    def __init__(self, compiles: bool) -> None:
         from coda_agent.verifier import sandbox
 
+        self.compiles = compiles
         self.cwd = tempfile.mkdtemp(prefix="zygote-", dir=sandbox.runners_root())
         # The runners' own environment: libraries read some of it at import, here.
         self.env = sandbox.runner_env(sandbox.Plan(namespaces=False, scratch=self.cwd), sandbox.RUNNER_ENV)
@@ -134,8 +140,9 @@ class Zygote:
         if self.proc is not None and self.proc.poll() is None:
             return
         mine, theirs = socket.socketpair()
-        self.proc = subprocess.Popen([sys.executable, "-m", "coda_agent.verifier.zygote", str(theirs.fileno())],
-                                     pass_fds=[theirs.fileno()], env=self.env, cwd=self.cwd,
+        argv = [sys.executable, "-m", "coda_agent.verifier.zygote", str(theirs.fileno()),
+                *(["--compiles"] if self.compiles else [])]
+        self.proc = subprocess.Popen(argv, pass_fds=[theirs.fileno()], env=self.env, cwd=self.cwd,
                                      stdin=subprocess.DEVNULL)
         theirs.close()
         self.sock, self.ready = mine, False
@@ -169,17 +176,19 @@ class Zygote:
         shutil.rmtree(self.cwd, ignore_errors=True)
 
 
-def main(control_fd: int) -> int:
+def main(control_fd: int, compiles: bool) -> int:
     ctypes.CDLL(None).prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
     ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # with its judge (one thread)
     import torch
+    import torch._dynamo  # noqa: F401 - the first call of a custom op (every catalogue launch) imports it
 
     # The imports every runner would otherwise repeat: the catalogue, and what its cute lowering
     # imports on first use (the compile stage's runner uses it at once).
-    import cutlass.cute  # noqa: F401
-    import quack.epilogue.frontend  # noqa: F401
-    import quack.gemm_runtime.host  # noqa: F401
-    import quack.gemm_sm90  # noqa: F401
+    if compiles:
+        import cutlass.cute  # noqa: F401
+        import quack.epilogue.frontend  # noqa: F401
+        import quack.gemm_runtime.host  # noqa: F401
+        import quack.gemm_sm90  # noqa: F401
 
     import coda_agent.primitives  # noqa: F401
     from coda_agent.verifier import program, runner  # noqa: F401
@@ -202,7 +211,7 @@ def main(control_fd: int) -> int:
 
 
 if __name__ == "__main__":
-    code = main(int(sys.argv[1]))
+    code = main(int(sys.argv[1]), "--compiles" in sys.argv[2:])
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # nothing is buffered; tearing down the catalogue's imports takes seconds

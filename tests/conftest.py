@@ -4,6 +4,37 @@ from __future__ import annotations
 
 import pytest
 
+# --------------------------------------------------------------------------- xdist workers
+
+# scripts/test.sh hands each xdist worker whole modules (--dist loadfile); the modules of a group
+# here go to one worker together, for what their tests share in one process.
+SHARED_WORKER = {
+    # The sm_90a compiles: quack keeps every kernel it compiled (a catalogue pass the experts also
+    # launch compiles once), and quack and CuTeDSL load in one worker only.
+    "sm_90a compiles": ("test_expert_compiles.py", "test_primitives.py", "test_passes.py", "test_fp8.py",
+                        "test_primitives_scope.py"),
+    # The judge of compile_judge below (with quack and CuTeDSL in its zygote).
+    "compile judge": ("test_verifier_harness.py", "test_verifier_corpus.py"),
+}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile`` with each SHARED_WORKER group one unit of work."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    group_of = {f"tests/{module}": group for group, modules in SHARED_WORKER.items() for module in modules}
+
+    class SharedWorkerScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = super()._split_scope(nodeid)
+            return group_of.get(module, module)
+
+    return SharedWorkerScheduling(config, log)
+
+
 # --------------------------------------------------------------------------- every test
 
 
@@ -39,6 +70,19 @@ def _private_caches(root, compiles, mp: pytest.MonkeyPatch):
     mp.setenv("CODA_CACHE_DIR", str(root / "coda"))
     mp.setenv("XDG_CACHE_HOME", str(root / "xdg"))
     return root / "coda"
+
+
+# --------------------------------------------------------------------------- verifier
+
+
+@pytest.fixture(scope="session")
+def compile_judge(private_caches_for_the_session):
+    """One judge for the verifier's compile stage alone, past the compile cache (its users share a
+    worker: SHARED_WORKER)."""
+    from coda_agent.verifier import Verifier
+
+    with Verifier(stages=["compile"], cache=False, compile_cache=False) as v:
+        yield v
 
 
 # --------------------------------------------------------------------------- agent

@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 
 from coda_agent.primitives import TileConfig
 
@@ -69,13 +70,19 @@ def test_dry_run_of_the_gpt2_suite(tmp_path):
         assert r["fused"]["median_ms"] > 0 and r["fused_over_gemm"] > 0
 
 
-def test_bench_refuses_an_unknown_suite_and_task(tmp_path):
-    run = [sys.executable, str(ROOT / "bench" / "run.py"), "--dry-run", "--out", str(tmp_path)]
-    proc = subprocess.run([*run, "--suite", str(tmp_path)], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "is not a packaged suite, so name its shape sets" in proc.stderr
-    proc = subprocess.run([*run, "--suite", "gpt2", "--tasks", "swiglu_fwd"], capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 2 and "['swiglu_fwd'] are not in suite gpt2" in proc.stderr
+def test_bench_refuses_an_unknown_suite_and_task(tmp_path, monkeypatch, capsys):
+    """The command line is checked before any work: bench/run.py's main, in this process (the dry
+    runs above start it as a script)."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    monkeypatch.setattr(sys, "path", sys.path[:])  # main puts bench/ on the path itself
+    import run
+
+    for args, error in ((["--suite", str(tmp_path)], "is not a packaged suite, so name its shape sets"),
+                        (["--suite", "gpt2", "--tasks", "swiglu_fwd"], "['swiglu_fwd'] are not in suite gpt2")):
+        monkeypatch.setattr(sys, "argv", ["run.py", "--dry-run", "--out", str(tmp_path), *args])
+        with pytest.raises(SystemExit) as exit_:
+            run.main()
+        assert exit_.value.code == 2 and error in capsys.readouterr().err
 
 
 def test_passes_bench_dry_run_writes_every_case(tmp_path):

@@ -7,7 +7,8 @@ found a way past the AST rules would: it shows the runtime defences hold on
 their own.  The static cases run in-process (the stage is an AST check); every
 other CPU case goes through one real judge and its sandboxed runners for the
 whole module (``with Verifier() as v``), so the corpus costs one judge and one
-zygote start.  Compile cases are marked slow, GPU cases gpu.
+zygote start.  Compile cases (marked slow) go through the session's compile judge,
+which the harness tests share (tests/conftest.py); GPU cases are marked gpu.
 """
 
 from __future__ import annotations
@@ -90,8 +91,8 @@ def test_the_expert_passes_the_same_judge(judged):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", [c for c in CASES if c.needs == "compile"], ids=_id)
-def test_compile_rejects(case):
-    report = Verifier(stages=["compile"], cache=False, compile_cache=False).check(_task(case), case.source)
+def test_compile_rejects(case, compile_judge):
+    report = compile_judge.check(_task(case), case.source)
     bad = report.failed_stage
     assert bad is not None and bad.name == "compile" and case.expect in bad.message, bad
 

@@ -35,14 +35,6 @@ def session():
 
 
 @pytest.fixture(scope="module")
-def compiler():
-    """One judge for the compile stage alone, past the compile cache (the expert's own compile in
-    a runner is tested in test_verifier_compile_cache.py, whose first verification is one)."""
-    with Verifier(stages=["compile"], cache=False, compile_cache=False) as v:
-        yield v
-
-
-@pytest.fixture(scope="module")
 def runtime():
     """One judge for programs that skip the static stage (as one that got past it would), started
     with secrets and markers in its environment that no runner may see."""
@@ -147,11 +139,11 @@ def backward(saved, dy):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU machine starts each runner afresh, without a zygote")
-def test_only_a_judge_that_compiles_loads_the_kernel_libraries(task, runtime, compiler):
+def test_only_a_judge_that_compiles_loads_the_kernel_libraries(task, runtime, compile_judge):
     """quack and CuTeDSL cost seconds of CPU in every zygote: a runner of the compile stage finds them
     loaded, a runner of the CPU reference stage alone does not (nor did its zygote pay for them)."""
     assert "LOADED []" in runtime.check(task, KERNEL_LIBRARIES).failed_stage.message
-    assert "LOADED ['cutlass', 'quack']" in compiler.check(task, KERNEL_LIBRARIES).failed_stage.message
+    assert "LOADED ['cutlass', 'quack']" in compile_judge.check(task, KERNEL_LIBRARIES).failed_stage.message
 
 
 FIRST_LAUNCH = """
@@ -391,11 +383,11 @@ def test_cli_verify_exit_codes(tmp_path, monkeypatch):
 # --------------------------------------------------------------------------- compile (sm_90a on the CPU)
 
 @pytest.mark.slow
-def test_compile_stage_names_slow_path_division(task, compiler):
+def test_compile_stage_names_slow_path_division(task, compile_judge):
     """`a / b` in an epilogue compiles (it is correct) but to an IEEE division with a
     slow-path CALL per element; the compile stage says so and names the fix."""
     source = EXPERT_PATH.read_text().replace("acc + residual", "acc + residual / (acc * acc + 1.0)")
-    res = compiler.check(task, source).stage("compile")
+    res = compile_judge.check(task, source).stage("compile")
     assert res.status == "passed", res.message + res.log
     assert res.details["slow_calls"]["add_residual"] > 0
     assert "slow-path CALLs in add_residual" in res.message and "reciprocal(b)" in res.message

@@ -9,10 +9,6 @@ import pytest
 # scripts/test.sh hands each xdist worker whole modules (--dist loadfile); the modules of a group
 # here go to one worker together, for what their tests share in one process.
 SHARED_WORKER = {
-    # The sm_90a compiles: quack keeps every kernel it compiled (a catalogue pass the experts also
-    # launch compiles once), and quack and CuTeDSL load in one worker only.
-    "sm_90a compiles": ("test_expert_compiles.py", "test_primitives.py", "test_passes.py", "test_fp8.py",
-                        "test_primitives_scope.py"),
     # The judge of compile_judge below (with quack and CuTeDSL in its zygote).
     "compile judge": ("test_verifier_harness.py", "test_verifier_corpus.py"),
 }

@@ -422,3 +422,29 @@ def test_a_config_left_one_pipeline_stage_is_refused_while_compiling(gen):
         with pytest.raises(CatalogueError, match=r"128x256 leaves 0 A/B pipeline stages"):
             gemm(A, B, with_tile, config=TileConfig(128, 256, 1, 1, False), r=rand(1000, 1264, dtype=torch.bfloat16))
     assert len(kernels) == 1 and kernels[0].sass.hgmma > 0
+
+
+FAKE_CUOBJDUMP = """#!/bin/sh
+echo "$1" >> {log}
+case "$1" in
+  -res-usage) echo " Function k:"; echo "  REG:40 STACK:0 SHARED:0 LOCAL:0" ;;
+  -sass) printf '\\tcode for sm_90a\\n        /*0000*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], RZ ;\\n' ;;
+esac
+"""
+
+
+def test_the_sass_of_a_cubin_is_read_once(tmp_path, monkeypatch):
+    """quack hands back the kernel it compiled before for a repeated compile key (every backward's
+    plain GEMMs): the SASS report is kept per cubin digest, so cuobjdump reads a cubin once."""
+    from coda_agent.primitives import sass
+
+    log, tool = tmp_path / "calls", tmp_path / "cuobjdump"
+    tool.write_text(FAKE_CUOBJDUMP.format(log=log))
+    tool.chmod(0o755)
+    monkeypatch.setattr(sass, "_cuobjdump", lambda: str(tool))
+    first = sass.inspect_cubin(b"a cubin")
+    assert (first.sm90a, first.hgmma, first.registers, first.spill_stores) == (True, 1, 40, 0)
+    assert sass.inspect_cubin(b"a cubin") == first
+    assert log.read_text().split() == ["-res-usage", "-sass"]
+    assert sass.inspect_cubin(b"another cubin") == first  # the same counts, read again
+    assert log.read_text().split() == ["-res-usage", "-sass"] * 2

@@ -12,21 +12,35 @@ SHARED_WORKER = {
     # The judge of compile_judge below (with quack and CuTeDSL in its zygote).
     "compile judge": ("test_verifier_harness.py", "test_verifier_corpus.py"),
 }
+# Modules that run for tens of seconds (sm_90a compiles, judges, interpreters started for dry runs),
+# longest first: they are handed out before the rest, so that each worker ends on short modules and
+# neither waits long for the other.  xdist's own order (most tests first) would leave some of them
+# for the end.
+LONG_FIRST = ("test_expert_compiles.py", "test_verifier_suite.py", "test_verifier_harness.py",
+              "test_primitives.py", "test_train_step.py", "test_eval_ray.py", "test_bench.py", "test_agent_cli.py",
+              "test_passes.py", "test_bench_fp8.py", "test_own_task.py", "test_verifier_compile_cache.py")
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_xdist_make_scheduler(config, log):
-    """``--dist loadfile`` with each SHARED_WORKER group one unit of work."""
+    """``--dist loadfile`` with each SHARED_WORKER group one unit of work, the LONG_FIRST units first."""
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
 
     group_of = {f"tests/{module}": group for group, modules in SHARED_WORKER.items() for module in modules}
+    first = [group_of.get(f"tests/{module}", f"tests/{module}") for module in LONG_FIRST]
 
     class SharedWorkerScheduling(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
             module = super()._split_scope(nodeid)
             return group_of.get(module, module)
+
+        def _assign_work_unit(self, node) -> None:
+            for unit in reversed(first):
+                if unit in self.workqueue:
+                    self.workqueue.move_to_end(unit, last=False)
+            super()._assign_work_unit(node)
 
     return SharedWorkerScheduling(config, log)
 

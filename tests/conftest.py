@@ -17,8 +17,9 @@ SHARED_WORKER = {
 # neither waits long for the other.  xdist's own order (most tests first) would leave some of them
 # for the end.
 LONG_FIRST = ("test_expert_compiles.py", "test_verifier_suite.py", "test_verifier_harness.py",
-              "test_primitives.py", "test_train_step.py", "test_eval_ray.py", "test_bench.py", "test_agent_cli.py",
-              "test_passes.py", "test_bench_fp8.py", "test_own_task.py", "test_verifier_compile_cache.py")
+              "test_primitives.py", "test_train_step.py", "test_eval_ray.py", "test_agent_cli.py", "test_bench.py",
+              "test_passes.py", "test_gpu_session.py", "test_bench_fp8.py", "test_own_task.py",
+              "test_verifier_compile_cache.py", "test_fp8.py")
 
 
 @pytest.hookimpl(tryfirst=True)

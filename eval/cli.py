@@ -30,6 +30,8 @@ from coda_agent.verifier.cli import EXIT_CODES
 
 def eval_batch(
     tasks: Optional[Path] = typer.Argument(None, help="A folder of task YAMLs (e.g. tasks/llama3) or one YAML."),
+    only: Optional[str] = typer.Option(None, "--only", help="Names of the folder's tasks to run, comma-separated "
+                                                            "[all of them]."),
     model: Optional[str] = MODEL,
     samples: Optional[int] = typer.Option(None, "--samples", "-k", help="Trajectories per task [1]."),
     workers: Optional[int] = typer.Option(None, help="CPU verification threads (default 1-2; plus one "
@@ -62,7 +64,7 @@ def eval_batch(
              "llm": {"base_url": base_url, "api_key": api_key, "model": model, "temperature": temperature},
              "budget": {"max_turns": max_turns, "max_tokens": max_tokens, "max_cost": max_cost,
                         "max_wall_s": max_wall}}
-    batch, summary = _eval(tasks, resume, samples, workers, ray, concurrency, runs_dir, config, sets, flags)
+    batch, summary = _eval(tasks, only, resume, samples, workers, ray, concurrency, runs_dir, config, sets, flags)
     from .summary import markdown
 
     typer.echo(markdown(summary))
@@ -73,23 +75,32 @@ def eval_batch(
     raise typer.Exit(EXIT_CODES["cpu_passed"] if s["cpu_passed_trajectories"] else 1)
 
 
-def _load(tasks_path: Path) -> list:
-    """The tasks of a folder (each bad file reported and skipped) or of one YAML."""
+def _load(tasks_path: Path, only: str | None = None) -> list:
+    """The tasks of a folder (each bad file reported and skipped) or of one YAML; with ``only``,
+    those of the names it lists (each must be one of the folder's tasks)."""
     from coda_agent.tasks import load_task
     from coda_agent.tasks.spec import scan_suite
 
     if not tasks_path.is_dir():
-        return [load_task(tasks_path)]
-    tasks, errors = scan_suite(tasks_path)
-    for e in errors:
-        typer.echo(f"skipped: {e}", err=True)
-    if not tasks:
-        raise CodaError(f"{tasks_path}: none of its task files can be used (each error is above)")
-    return tasks
+        tasks = [load_task(tasks_path)]
+    else:
+        tasks, errors = scan_suite(tasks_path)
+        for e in errors:
+            typer.echo(f"skipped: {e}", err=True)
+        if not tasks:
+            raise CodaError(f"{tasks_path}: none of its task files can be used (each error is above)")
+    if only is None:
+        return tasks
+    names = [n.strip() for n in only.split(",") if n.strip()]
+    known = {t.name for t in tasks}
+    if not names or (unknown := [n for n in names if n not in known]):
+        raise CodaError(f"--only: {', '.join(unknown) if names else 'no names given'}: "
+                        f"not a task of {tasks_path}; its tasks are {', '.join(sorted(known))}")
+    return [t for t in tasks if t.name in names]
 
 
-def _eval(tasks_path: Path | None, resume: Path | None, samples: int | None, workers: int | None,
-          ray: str | None, concurrency: int, runs_dir: Path, config: Path | None, sets: str | None,
+def _eval(tasks_path: Path | None, only: str | None, resume: Path | None, samples: int | None,
+          workers: int | None, ray: str | None, concurrency: int, runs_dir: Path, config: Path | None, sets: str | None,
           flags: dict[str, Any]):
     from coda_agent.agent.config import load_config
     from coda_agent.agent.prompt import load_catalogue
@@ -100,8 +111,8 @@ def _eval(tasks_path: Path | None, resume: Path | None, samples: int | None, wor
     from .runner import run_batch
 
     if resume is not None:
-        if tasks_path is not None:
-            raise CodaError("give either TASKS or --resume BATCH: a resumed batch keeps its tasks")
+        if tasks_path is not None or only is not None:
+            raise CodaError("give either TASKS (and --only) or --resume BATCH: a resumed batch keeps its tasks")
         batch = BatchDir.open(resume)
         if samples not in (None, batch.samples):
             raise CodaError(f"--samples: this batch has {batch.samples} samples; it cannot change on resume")
@@ -113,7 +124,7 @@ def _eval(tasks_path: Path | None, resume: Path | None, samples: int | None, wor
     else:
         if tasks_path is None:
             raise CodaError("give a folder of task YAMLs (e.g. tasks/llama3) or --resume BATCH")
-        tasks = _load(tasks_path)
+        tasks = _load(tasks_path, only)
         flags["shape_sets"] = shape_set_names(sets, tasks)
         cfg = load_config(flags, config).check()
         turns_given = flags["budget"]["max_turns"] is not None

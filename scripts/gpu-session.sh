@@ -6,9 +6,10 @@
 # $OUT/results.tgz (one file back, whatever happened), ready to unpack into
 # bench/results/h200-<date>-<name>/.  Parts:
 #   tier            the GPU test tier (pytest -m gpu) but the suite-wide verification
-#   verify-SUITE    `coda-agent eval tasks/SUITE --author expert`: every expert through
-#                   the whole verifier on every shape set (the batch dir comes back; a
-#                   batch left unfinished under /tmp/coda-runs/SUITE is resumed)
+#   verify-SUITE    `coda-agent eval tasks/SUITE --author expert`: every expert (or those
+#                   VERIFY_ONLY names, comma-separated) through the whole verifier on every
+#                   shape set (the batch dir comes back; a batch left unfinished under
+#                   /tmp/coda-runs/SUITE is resumed)
 #   warm            cold and warm verification of the block experts (CODA_GPU_RESULTS)
 #   check           CHECK_TASKS="SUITE/NAME ..." experts verified side by side with
 #                   `coda-agent verify`, beside CHECK_PYTEST (a -k of the GPU tier)
@@ -50,7 +51,7 @@ for item in "$@"; do
                 part "$name" "$secs" python3 -m coda_agent.cli eval --resume "$batch" --workers 8
             else
                 part "$name" "$secs" python3 -m coda_agent.cli eval "tasks/$suite" --author expert --workers 8 \
-                    --runs-dir "$runs"
+                    --runs-dir "$runs" ${VERIFY_ONLY:+--only "$VERIFY_ONLY"}
             fi
             cp -r "$runs" "$res/runs-$suite" ;;
         warm)

@@ -272,6 +272,20 @@ def test_sets_reach_every_verifier_and_must_exist(tmp_path):
     assert r.exit_code == 2 and "--sets: task alpha has no shape set 'llama3-8b'" in r.output, r.output
 
 
+def test_only_runs_the_named_tasks_of_a_folder(tmp_path):
+    tasks = three_tasks(tmp_path / "tasks")
+    r = cli("eval", tasks, "--only", "gamma, alpha", "--author", "expert", "--runs-dir", tmp_path / "runs", *SIM)
+    assert r.exit_code == 3, r.output
+    assert [t["task"] for t in check_summary_against_runs(only_batch(tmp_path / "runs"))["tasks"]] == \
+           ["alpha", "gamma"]
+    r = cli("eval", tasks, "--only", "alpha,delta", "--author", "expert", "--runs-dir", tmp_path / "runs2", *SIM)
+    assert r.exit_code == 2 and "--only: delta: not a task of" in r.output and "alpha, beta, gamma" in r.output, \
+        r.output
+    assert not (tmp_path / "runs2").exists()
+    r = cli("eval", "--resume", only_batch(tmp_path / "runs"), "--only", "alpha", *SIM)
+    assert r.exit_code == 2 and "a resumed batch keeps its tasks" in r.output, r.output
+
+
 def test_author_expert_names_the_tasks_without_one(tmp_path):
     tasks = three_tasks(tmp_path / "tasks")
     beta = tasks / "beta.yaml"

@@ -17,7 +17,8 @@ why): the op's body is the launch (ledger entry and profiler range, read when
 it runs); its fake is the same PyTorch code on fake tensors (shapes only; the
 in-place ``xent_grad_`` has none to compute), and the differentiable ones
 register their derivative, so a program's aux calls trace under torch.compile
-and a model may train through them directly.
+and a model may train through them directly.  In eager mode a call runs the
+op's body directly where nothing could tell the difference (:mod:`.dispatch`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any, Callable
 
 import torch
 
+from .dispatch import direct, mutated
 from .errors import CatalogueError
 from .lowering import launching
 
@@ -35,7 +37,8 @@ from .lowering import launching
 def aux_kernel(name: str, *, mutates: tuple[str, ...] = (), fake: Callable | None = None,
          backward: Callable | None = None) -> Callable[[Callable], Callable]:
     """Make ``fn`` the custom op ``coda::<name without trailing _>`` and return its public
-    form: ``fn``'s signature and doc, tensor arguments checked before the op is called."""
+    form: ``fn``'s signature and doc, arguments checked against their annotations before the op
+    is called."""
 
     def wrap(fn: Callable) -> Callable:
         def launch(*args: Any, **kwargs: Any) -> Any:
@@ -47,17 +50,37 @@ def aux_kernel(name: str, *, mutates: tuple[str, ...] = (), fake: Callable | Non
         op.register_fake(fake or fn)
         if backward is not None:
             op.register_autograd(backward, setup_context=_keep_inputs)
-        tensor_args = [p for p in inspect.signature(fn).parameters.values() if p.annotation == "torch.Tensor"]
+        params = list(inspect.signature(fn).parameters.values())
+        written = [i for i, p in enumerate(params) if p.name in mutates]
 
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
-            for p, v in zip(tensor_args, args):
-                need(p.name, v)
-            return op(*args, **kwargs)
+            for p, v in zip(params, args):
+                _check_argument(name, p, v)
+            if kwargs or not direct(args, differentiable=backward is not None):
+                return op(*args, **kwargs)
+            out = launch(*args)
+            mutated(args[i] for i in written if i < len(args))
+            return out
 
         return call
 
     return wrap
+
+
+# What the op's schema admits for a parameter annotated so (the op path raises on anything else;
+# the direct path checks the same here, so a program that runs eagerly also traces).
+_ADMITS: dict[str, tuple[type, ...]] = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,),
+                                        "torch.device": (torch.device, str)}
+
+
+def _check_argument(kernel: str, p: inspect.Parameter, v: object) -> None:
+    if p.annotation == "torch.Tensor":
+        need(p.name, v)
+        return
+    admits = _ADMITS.get(p.annotation)
+    if admits is not None and (not isinstance(v, admits) or (bool not in admits and isinstance(v, bool))):
+        raise CatalogueError(f"{kernel.rstrip('_')}: {p.name} must be {p.annotation}; got {type(v).__name__}")
 
 
 def _keep_inputs(ctx: Any, inputs: tuple, output: Any) -> None:

@@ -4,7 +4,8 @@ The mainloop is quack's SM90 warp-specialized TMA + WGMMA GEMM; this module
 validates the call (operands against the epilogue's declarations, shapes,
 dtypes), allocates what it returns, and launches through a ``torch.library``
 custom op, which picks the tile configuration and hands off to the active
-lowering.  Everything it returns is a fresh tensor except ``accumulate_into``
+lowering (in eager mode the op's body is called directly where nothing could
+tell the difference: :mod:`.dispatch`).  Everything it returns is a fresh tensor except ``accumulate_into``
 (the TMA reduce-add store: ``D += result``) and ``out`` (D written over it).
 
 Why custom ops: ``torch.compile`` traces a model that calls ``gemm`` (the
@@ -32,7 +33,6 @@ it runs.  Two ops:
 
 from __future__ import annotations
 
-import contextlib
 import difflib
 from functools import lru_cache
 from typing import Any
@@ -40,9 +40,10 @@ from typing import Any
 import torch
 
 from . import cute, fp8, reference
+from .dispatch import direct, mutated
 from .epilogue import Epilogue, registered
 from .errors import CatalogueError
-from .lowering import current_lowering, launching
+from .lowering import current_lowering, launching, profiler_range
 from .operands import INPUT_DTYPES, OUTPUT_DTYPES, row_bytes
 from .tile_config import H100_SMS, MAX_TILE_N, TileConfig, default_config, tunable
 from .tuning import autotuning, lookup, tune
@@ -207,7 +208,8 @@ def launch(epilogue: Epilogue | None, A: torch.Tensor, B: torch.Tensor, operands
     cfg = [] if config is None else [config.tile_m, config.tile_n, config.cluster_m, config.cluster_n,
                                      int(config.pingpong)]
     if epilogue is None and dest is None and not on_fp8 and kind == "gemm":  # fp8 scales need an epilogue
-        return {"D": torch.ops.coda.mm(A, B, dtype, cfg)}
+        mm = _mm_body if direct((A, B), differentiable=True) else torch.ops.coda.mm
+        return {"D": mm(A, B, dtype, cfg)}
     tensors, scalars, ints = _pack(epilogue, operands)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (A, B, *tensors)):
         raise CatalogueError(f"{what}: a GEMM with an epilogue (or into a given tensor) has no derivative of its "
@@ -217,14 +219,18 @@ def launch(epilogue: Epilogue | None, A: torch.Tensor, B: torch.Tensor, operands
         tiles = -(-n // (config or default_config(epilogue, operands, n, m)).tile_n)  # the partials' layout
         # The buffers' pre-fills (a select's zeros) are device work of this call: a profiler range
         # of its own lets the verifier's launch audit attribute them (none while compiling).
-        scope = (contextlib.nullcontext() if torch.compiler.is_compiling()
-                 else torch.profiler.record_function(f"coda::buffers::{name}"))
-        with scope:
+        with profiler_range(f"coda::buffers::{name}"):
             results = epilogue.result_buffers(m, n, operands, dtype, tiles, A.device, dest)
     else:
         results = {"D": dest if dest is not None else torch.empty(m, n, dtype=dtype, device=A.device)}
-    torch.ops.coda.gemm(epilogue.key if epilogue is not None else PLAIN, A, B, tensors, scalars, ints,
-                        list(results.values()), accumulate_into is not None, cfg, fast_accum, kind)
+    buffers = list(results.values())
+    args = (epilogue.key if epilogue is not None else PLAIN, A, B, tensors, scalars, ints, buffers,
+            accumulate_into is not None, cfg, fast_accum, kind)
+    if direct((A, B, *tensors, *buffers)):
+        _gemm_body(*args)
+        mutated(buffers)
+    else:
+        torch.ops.coda.gemm(*args)
     return results
 
 
@@ -329,14 +335,16 @@ def _config(ints: list[int]) -> TileConfig | None:
     return TileConfig(*ints[:4], pingpong=bool(ints[4])) if ints else None
 
 
-@torch.library.custom_op("coda::gemm", mutates_args=("results",))
-def _gemm_op(epilogue: str, A: torch.Tensor, B: torch.Tensor, tensors: list[torch.Tensor], scalars: list[float],
-             ints: list[int], results: list[torch.Tensor], accumulate: bool, config: list[int],
-             fast_accum: bool, kind: str) -> None:
+def _gemm_body(epilogue: str, A: torch.Tensor, B: torch.Tensor, tensors: list[torch.Tensor], scalars: list[float],
+               ints: list[int], results: list[torch.Tensor], accumulate: bool, config: list[int],
+               fast_accum: bool, kind: str) -> None:
     epi = None if epilogue == PLAIN else registered(epilogue)
     operands = _unpack(epi, tensors, scalars, ints) if epi is not None else {}
     _launch(epi, A, B, operands, dict(zip(_result_names(epi, len(results)), results)), accumulate,
             _config(config), fast_accum, kind)
+
+
+_gemm_op = torch.library.custom_op("coda::gemm", _gemm_body, mutates_args=("results",))
 
 
 @_gemm_op.register_fake
@@ -346,11 +354,13 @@ def _gemm_fake(epilogue: str, A: torch.Tensor, B: torch.Tensor, tensors: list[to
     return None  # the results are the caller's buffers: nothing to allocate
 
 
-@torch.library.custom_op("coda::mm", mutates_args=())
-def _mm_op(A: torch.Tensor, B: torch.Tensor, out_dtype: torch.dtype, config: list[int]) -> torch.Tensor:
+def _mm_body(A: torch.Tensor, B: torch.Tensor, out_dtype: torch.dtype, config: list[int]) -> torch.Tensor:
     D = torch.empty(A.shape[0], B.shape[1], dtype=out_dtype, device=A.device)
     _launch(None, A, B, {}, {"D": D}, False, _config(config))
     return D
+
+
+_mm_op = torch.library.custom_op("coda::mm", _mm_body, mutates_args=())
 
 
 @_mm_op.register_fake

@@ -254,3 +254,54 @@ def test_a_call_s_buffer_prefills_lie_inside_a_catalogue_range():
     assert fills, "the select's buffer is pre-filled"
     outside = [e.name for e in fills if not any(r.start <= e.time_range.start <= r.end for r in ranges)]
     assert not outside, outside
+
+
+class SeenOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """The ops that reach the dispatcher."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_eager_launches_skip_the_dispatcher_and_still_bump_versions():
+    """In eager mode a launch runs its op's body directly (primitives/dispatch.py): the same
+    results, the written tensors' version counters bumped as the op's would be, and the op
+    itself wherever something watches the dispatcher or needs autograd."""
+    epi, operands = CALLS["paired tile"]
+    pre = operands["pre"].clone()
+    want = gemm(A, B, epi, pre=pre)
+    version = pre._version
+    got = gemm(A, B, epi, pre=pre, out=pre)
+    assert pre._version > version and torch.equal(got["D"], want["D"])
+    logits = bf(M, N)
+    version = logits._version
+    aux.xent_grad_(logits, torch.randn(M).abs() + 3, torch.randint(0, N, (M,)), torch.rand(M), -100)
+    assert logits._version > version
+
+    with SeenOps() as seen:
+        again = gemm(A, B, epi, pre=operands["pre"].clone())
+        aux.rms_rstd(torch.rand(M) + 1, 16, 1e-5)
+        gemm(A, B)
+    assert {"coda.gemm.default", "coda.rms_rstd.default", "coda.mm.default"} <= set(seen.names), seen.names
+    assert torch.equal(again["D"], want["D"])
+
+    sq = (torch.rand(M) + 1).requires_grad_(True)  # autograd still records the differentiable ops
+    aux.rms_rstd(sq, 16, 1e-5).sum().backward()
+    a = A.clone().requires_grad_(True)
+    gemm(a, B)["D"].float().sum().backward()
+    assert sq.grad is not None and a.grad is not None
+
+
+def test_aux_arguments_are_checked_as_the_op_schema_would():
+    with pytest.raises(CatalogueError, match="rms_rstd: dim must be int; got float"):
+        aux.rms_rstd(torch.rand(M) + 1, 16.0, 1e-5)
+    with pytest.raises(CatalogueError, match="rms_rstd: dim must be int; got Tensor"):
+        aux.rms_rstd(torch.rand(M) + 1, torch.tensor(16), 1e-5)
+    with pytest.raises(CatalogueError, match="eps must be float; got bool"):
+        aux.rms_rstd(torch.rand(M) + 1, 16, True)
+    assert aux.rms_rstd(torch.rand(M) + 1, 16, 1).shape == (M,)  # an int where a float goes, as the op admits

@@ -64,3 +64,42 @@ def test_expert_is_correct_on_the_gpu(name):
                   shape_sets=["small", "ragged", "llama3-8b"]) as v:
         res = v.check(t, t.expert_path.read_text()).stage("correctness")
     assert res.status == "passed", res.message
+
+
+def _on_grid(rows: int, k: int, dtype: torch.dtype, device: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    q, scale = references.quantize_rows(torch.randn(rows, k, generator=g) * 3, dtype)
+    return q.to(device), scale.to(device)
+
+
+def test_the_fp8_gemm_of_the_recipe_sums_in_fp32_off_the_gpu():
+    """On the CPU (and for shapes the fp8 GEMM does not take) the recipe's GEMM is the fp32
+    sum of the fp8 operands with both scales applied after it."""
+    for k in (64, 72):  # 72: K not a multiple of 16
+        qa, sa = _on_grid(48, k, torch.float8_e4m3fn, "cpu", 1)
+        qb, sb = _on_grid(32, k, torch.float8_e5m2, "cpu", 2)
+        got = references.fp8_product(qa, sa, qb, sb, torch.float8_e4m3fn, torch.float8_e5m2)
+        want = (qa.double() @ qb.double().t()) * sa.double()[:, None] * sb.double()[None, :]
+        torch.testing.assert_close(got.double(), want, rtol=2e-5, atol=1e-5)  # fp32 rounding
+    fp8_x = qa.to(torch.float8_e4m3fn)  # the single-GEMM tasks' low run: inputs already fp8
+    assert torch.equal(references._scaled_gemm(fp8_x, sa, qb.to(torch.float8_e5m2), sb),
+                       references.fp8_product(qa, sa, qb, sb, torch.float8_e4m3fn, torch.float8_e5m2))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_the_gpu_the_fp8_tensor_cores_take_the_recipe_s_gemm():
+    """The fp8 reference on a GPU carries the tensor cores' accumulation, as the program's
+    kernel does: it is torch._scaled_mm's sum, off the exact one by more than fp32 rounding at
+    K = 4096 and by far less than the bf16 rounding of an output."""
+    qa, sa = _on_grid(1024, 4096, torch.float8_e4m3fn, "cuda", 1)
+    qb, sb = _on_grid(512, 4096, torch.float8_e4m3fn, "cuda", 2)
+    got = references.fp8_product(qa, sa, qb, sb)
+    assert not references._NO_FP8_GEMM, references._NO_FP8_GEMM
+    one = torch.ones((), device="cuda")
+    hw = torch._scaled_mm(qa.to(torch.float8_e4m3fn), qb.to(torch.float8_e4m3fn).t(), scale_a=one, scale_b=one,
+                          out_dtype=torch.float32)
+    assert torch.equal(got, hw * sa[:, None] * sb[None, :])
+    exact = (qa.double() @ qb.double().t()) * sa.double()[:, None] * sb.double()[None, :]
+    rel = ((got.double() - exact).abs().max() / exact.abs().max()).item()
+    assert 1e-7 < rel < 2 ** -9, rel

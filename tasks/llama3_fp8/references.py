@@ -3,7 +3,8 @@
 The recipe these references define (the catalogue's ``primitives/fp8.py``
 computes the same numbers):
 
-- **GEMM operands in fp8, fp32 accumulate, scales in the epilogue.**  A GEMM
+- **GEMM operands in fp8, fp32 accumulate (the fp8 tensor cores' on a GPU:
+  :func:`fp8_product`), scales in the epilogue.**  A GEMM
   ``C = A @ B`` reads A (M, K) and B (K, N) as fp8 with a dequantization scale
   per row of A (``sa``, (M,)) and per column of B (``sb``, (N,)):
   ``C = (A_fp8 @ B_fp8) * sa[:, None] * sb[None, :]``.  Both scales are
@@ -86,29 +87,73 @@ def dequantized_rows(x: torch.Tensor, dtype: torch.dtype = E4M3) -> torch.Tensor
     return q * scale[:, None]
 
 
+def fp8_product(qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor, sb: torch.Tensor,
+                a_dtype: torch.dtype = E4M3, b_dtype: torch.dtype = E4M3) -> torch.Tensor:
+    """``(qa @ qb^T) * sa[:, None] * sb[None, :]`` in fp32: the recipe's GEMM, for qa (M, K)
+    and qb (N, K) holding values of the fp8 grids of ``a_dtype`` and ``b_dtype`` and sa, sb
+    their dequantization scales per row.
+
+    On a GPU the fp8 tensor cores multiply and accumulate (``torch._scaled_mm`` at unit
+    scales, no fast accumulation), as the program's kernel does: Hopper's fp8 MMA adds with
+    fewer bits than fp32 between promotions, so at K in the thousands an exact fp32 sum sets a
+    bar that the hardware's own rounding crosses at scattered elements (seen on the H200 at
+    LLaMA-3 8B widths, BENCHMARKS.md run 9).  The fp8 reference then carries the hardware's
+    accumulation error as the bf16 references carry cuBLAS's.  Elsewhere, and for shapes the
+    fp8 GEMM does not take (K or N not a multiple of 16), the sum is fp32."""
+    acc = None
+    if qa.is_cuda and qa.shape[1] % 16 == 0 and qb.shape[0] % 16 == 0 and not _NO_FP8_GEMM:
+        one = torch.ones((), device=qa.device)
+        try:
+            acc = torch._scaled_mm(qa.to(a_dtype).contiguous(), qb.to(b_dtype).contiguous().t(), scale_a=one,
+                                   scale_b=one, out_dtype=torch.float32, use_fast_accum=False)
+        except RuntimeError as e:  # a GPU or build without this fp8 GEMM: fp32, as on the CPU
+            _NO_FP8_GEMM.append(f"{type(e).__name__}: {e}")
+    if acc is None:
+        acc = qa.float() @ qb.float().t()
+    return acc * sa.float()[:, None] * sb.float()[None, :]
+
+
+_NO_FP8_GEMM: list[str] = []  # why torch._scaled_mm refused, once: the references then sum in fp32
+
+
+def _rowwise_product(a: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:
+    """``a @ b_t^T`` with both operands quantized per row along the GEMM's K (e4m3)."""
+    qa, sa = quantize_rows(a)
+    qb, sb = quantize_rows(b_t)
+    return fp8_product(qa, sa, qb, sb)
+
+
 class _Fp8Linear(torch.autograd.Function):
     """y = x @ w^T with every GEMM of forward and backward on row-wise fp8
     operands (quantized along that GEMM's K), fp32 accumulate; y in fp32.
-    ``x_on_grid``: x is already fp8 (an epilogue stored it), read as it is."""
+    ``x_on_grid``: x is already fp8 (an epilogue stored it), read as it is;
+    ``x_scale``, where known, is its per-row dequantization scale (the
+    forward GEMM then runs on the fp8 tensor cores of a GPU: :func:`fp8_product`)."""
 
     @staticmethod
-    def forward(ctx, x, w, x_on_grid):  # noqa: ANN001, ANN205
+    def forward(ctx, x, w, x_on_grid, x_scale):  # noqa: ANN001, ANN205
         ctx.save_for_backward(x, w)
-        return (x if x_on_grid else dequantized_rows(x)) @ dequantized_rows(w).t()
+        if not x_on_grid:
+            return _rowwise_product(x, w)
+        qw, sw = quantize_rows(w)
+        if x_scale is None:
+            return x @ (qw * sw[:, None]).t()
+        return fp8_product(x / x_scale[:, None], x_scale, qw, sw)
 
     @staticmethod
     def backward(ctx, dy):  # noqa: ANN001, ANN205
         x, w = ctx.saved_tensors
-        dx = dequantized_rows(dy) @ dequantized_rows(w.t()).t()
-        dw = dequantized_rows(dy.t()) @ dequantized_rows(x.t()).t()
-        return dx.to(x.dtype), dw.to(w.dtype), None
+        dx = _rowwise_product(dy, w.t())
+        dw = _rowwise_product(dy.t(), x.t())
+        return dx.to(x.dtype), dw.to(w.dtype), None, None
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, lowp: bool, x_on_grid: bool = False) -> torch.Tensor:
+def linear(x: torch.Tensor, w: torch.Tensor, lowp: bool, x_on_grid: bool = False,
+           x_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ w^T``: exact in the upcast run, the fp8 recipe (fp32 result) in the low run."""
     if not lowp:
         return x @ w.t()
-    return _Fp8Linear.apply(x.float(), w.float(), x_on_grid)
+    return _Fp8Linear.apply(x.float(), w.float(), x_on_grid, None if x_scale is None else x_scale.float())
 
 
 class _DelayedQuant(torch.autograd.Function):
@@ -143,7 +188,10 @@ def _out(x: torch.Tensor, lowp: bool) -> torch.Tensor:
 
 
 def _scaled_gemm(a: torch.Tensor, sa: torch.Tensor, b_t: torch.Tensor, sb: torch.Tensor) -> torch.Tensor:
-    """(a @ b_t^T) * sa[:, None] * sb[None, :], in fp32 (fp64 in the upcast run)."""
+    """(a @ b_t^T) * sa[:, None] * sb[None, :], in fp32 (fp64 in the upcast run; the low run,
+    on fp8 a and b_t, is :func:`fp8_product`)."""
+    if a.dtype in FP8 and b_t.dtype in FP8:
+        return fp8_product(a, sa, b_t, sb, a.dtype, b_t.dtype)
     work = torch.promote_types(_hi(a).dtype, _hi(sa).dtype)
     acc = a.to(work) @ b_t.to(work).t()
     return acc * sa.to(work)[:, None] * sb.to(work)[None, :]
@@ -208,13 +256,13 @@ def llama3_block_fp8(attn, h, w_o, gamma_mlp, w_gu, w_down, gamma_attn, w_qkv, h
     hg1 = _hi(h1) * gamma_mlp
     r1 = torch.rsqrt(_hi(h1).pow(2).sum(-1, keepdim=True) / dim + eps)
     hg1_q = _DelayedQuant.apply(hg1, hg1_scale.float()) if lowp else hg1
-    pre = linear(hg1_q, w_gu, lowp, x_on_grid=True) * r1
+    pre = linear(hg1_q, w_gu, lowp, x_on_grid=True, x_scale=hg1_scale) * r1
     act = _out(F.silu(pre[:, 0::2]) * pre[:, 1::2], lowp)
     h2 = _out(_hi(h1) + linear(act, w_down, lowp), lowp)
     hg2 = _hi(h2) * gamma_attn
     r2 = torch.rsqrt(_hi(h2).pow(2).sum(-1, keepdim=True) / dim + eps)
     hg2_q = _DelayedQuant.apply(hg2, hg2_scale.float()) if lowp else hg2
-    qkv = _out(linear(hg2_q, w_qkv, lowp, x_on_grid=True) * r2, lowp)
+    qkv = _out(linear(hg2_q, w_qkv, lowp, x_on_grid=True, x_scale=hg2_scale) * r2, lowp)
     return {"h_out": h2, "qkv": qkv}
 
 

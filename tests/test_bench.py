@@ -242,3 +242,17 @@ def test_clock_summary_over_several_windows_keeps_only_their_samples():
     got = sampler.summary_over([(0.5, 1.5), (2.5, 3.5)])
     assert got["samples"] == 2 and got["sm_mhz_median"] == 1405 and got["reasons"] == ["power cap"]
     assert sampler.summary(1.5, 4.5)["samples"] == 3
+
+
+def test_host_path_measures_each_expert_call_without_a_gpu(tmp_path):
+    """bench/host_path.py: the catalogue's host cost of an expert call (quack's launch stubbed
+    out), one row per task with the launches the call made."""
+    host_path = _bench_module("host_path")
+    out = tmp_path / "host.json"
+    assert host_path.main(["--tasks", "rope_bwd,mlp_block", "--rounds", "2", "--calls", "3", "--out", str(out)]) == 0
+    rows = {r["task"]: r for r in json.loads(out.read_text())["rows"]}
+    assert sorted(rows) == ["mlp_block", "rope_bwd"]
+    assert rows["rope_bwd"]["launches"] == 3 and rows["mlp_block"]["launches"] > 3
+    assert all(0 < r["host_ms_min_max"][0] <= r["host_ms"] <= r["host_ms_min_max"][1] for r in rows.values())
+    with pytest.raises(SystemExit):
+        host_path.main(["--tasks", "no_such_task"])

@@ -9,9 +9,9 @@ pays it on every step, and a program over small shapes (GPT-2 small, a RoPE
 backward of two thin GEMMs) is host-bound on it.
 
 So a launch calls its op's body directly when nothing could tell the
-difference: outside torch.compile, with no TorchDispatchMode active (fake
-tensors, FLOP counters, functionalisation see every op), no functorch
-transform, plain tensors only (no subclass), and, for an op with a derivative,
+difference: outside torch.compile and torch.jit.trace, with no
+TorchDispatchMode active (fake tensors, FLOP counters, functionalisation see
+every op), no functorch transform, plain tensors only (no subclass), and, for an op with a derivative,
 nothing that needs one.  The op would bump the version counter of every tensor
 it mutates (autograd's check that a saved tensor was not overwritten);
 :func:`mutated` does that on the direct path.  TorchFunctionModes see the
@@ -34,7 +34,7 @@ def direct(tensors: Iterable[object], *, differentiable: bool = False) -> bool:
     (see the module doc).
     ``differentiable``: the op has a registered derivative, so a tensor that requires grad
     under grad mode sends the call through autograd."""
-    if torch.compiler.is_compiling() or is_in_torch_dispatch_mode() \
+    if torch.compiler.is_compiling() or is_in_torch_dispatch_mode() or torch._C._get_tracing_state() is not None \
             or torch._C._functorch.maybe_current_level() is not None:
         return False
     grad = differentiable and torch.is_grad_enabled()

@@ -289,6 +289,9 @@ def test_eager_launches_skip_the_dispatcher_and_still_bump_versions():
         gemm(A, B)
     assert {"coda.gemm.default", "coda.rms_rstd.default", "coda.mm.default"} <= set(seen.names), seen.names
     assert torch.equal(again["D"], want["D"])
+    with pytest.warns(torch.jit.TracerWarning):  # the shape checks read sizes as Python values
+        traced = torch.jit.trace(lambda a, b: gemm(a, b)["D"], (A, B))
+    assert "coda::mm" in str(traced.graph)  # torch.jit.trace records the op, not its body
 
     sq = (torch.rand(M) + 1).requires_grad_(True)  # autograd still records the differentiable ops
     aux.rms_rstd(sq, 16, 1e-5).sum().backward()

@@ -6,10 +6,10 @@
 # $OUT/results.tgz (one file back, whatever happened), ready to unpack into
 # bench/results/h200-<date>-<name>/.  Parts:
 #   tier            the GPU test tier (pytest -m gpu) but the suite-wide verification
-#   verify-SUITE    `coda-agent eval tasks/SUITE --author expert`: every expert (or those
-#                   VERIFY_ONLY names, comma-separated) through the whole verifier on every
-#                   shape set (the batch dir comes back; a batch left unfinished under
-#                   /tmp/coda-runs/SUITE is resumed)
+#   verify-SUITE    `coda-agent eval tasks/SUITE --author expert`: every expert (verify-SUITE=A,B:
+#                   those of tasks A and B) through the whole verifier on every shape set
+#                   (the batch dir comes back; a batch left unfinished under
+#                   /tmp/coda-runs/SUITE is resumed, whatever it was started with)
 #   warm            cold and warm verification of the block experts (CODA_GPU_RESULTS)
 #   check           CHECK_TASKS="SUITE/NAME ..." experts verified side by side with
 #                   `coda-agent verify`, beside CHECK_PYTEST (a -k of the GPU tier)
@@ -45,15 +45,18 @@ for item in "$@"; do
             part tier "$secs" python3 -m pytest -m gpu -q -p no:cacheprovider -rfE --durations=25 \
                 --ignore=tests/test_suite_gpu.py -k "not every_config and not test_expert_on_gpu" ;;
         verify-*)  # the batch lives outside $OUT, so the next call on a warm machine resumes it
-            suite=${name#verify-} runs=/tmp/coda-runs/${name#verify-}
+            spec=${name#verify-} suite=${name#verify-} only=
+            suite=${suite%%=*}
+            [ "$spec" != "$suite" ] && only=${spec#*=}
+            runs=/tmp/coda-runs/$suite
             batch=$(ls -d "$runs"/batch-* 2>/dev/null | tail -n 1)
             if [ -n "$batch" ]; then
-                part "$name" "$secs" python3 -m coda_agent.cli eval --resume "$batch" --workers 8
+                part "verify-$suite" "$secs" python3 -m coda_agent.cli eval --resume "$batch" --workers 8
             else
-                part "$name" "$secs" python3 -m coda_agent.cli eval "tasks/$suite" --author expert --workers 8 \
-                    --runs-dir "$runs" ${VERIFY_ONLY:+--only "$VERIFY_ONLY"}
+                part "verify-$suite" "$secs" python3 -m coda_agent.cli eval "tasks/$suite" --author expert \
+                    --workers 8 --runs-dir "$runs" ${only:+--only "$only"}
             fi
-            cp -r "$runs" "$res/runs-$suite" ;;
+            [ -d "$runs" ] && cp -r "$runs" "$res/runs-$suite" ;;
         warm)
             mkdir -p "$res/warm"
             CODA_GPU_RESULTS="$res/warm" part warm "$secs" python3 -m pytest -q -p no:cacheprovider -rfE \

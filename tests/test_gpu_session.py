@@ -44,3 +44,14 @@ def test_a_part_past_its_limit_is_stopped_and_the_next_one_runs(tmp_path):
     assert proc.returncode == 0, proc.stderr
     parts = (back / "parts.txt").read_text().splitlines()
     assert parts[0].startswith("check rc=124") and parts[1] == "unknown part: nothing"
+
+
+def test_verify_part_takes_the_tasks_it_names(tmp_path):
+    """verify-SUITE=A,B hands the names to `eval --only`: a name the suite lacks fails the part
+    at once, naming the suite's tasks, and the next part still runs."""
+    proc, back = _session(tmp_path, ["verify-llama3=no_such_task:120", "nothing:5"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    parts = (back / "parts.txt").read_text()
+    assert "verify-llama3 rc=2" in parts and "unknown part: nothing" in parts, parts
+    log = (back / "verify-llama3.log").read_text()
+    assert "--only: no_such_task: not a task of tasks/llama3" in log and "swiglu_fwd" in log, log

@@ -7,10 +7,10 @@ host's part of a launch is the catalogue's (checks, buffers, the tile config,
 the dispatch to a lowering) and quack's (its plan cache and the launch).  This
 measures the catalogue's part without a GPU: each expert's call, forward and
 backward, runs through the cute lowering with quack's launch (and the Triton
-launch of the cross-entropy gradient) replaced by a no-op and the tensors on the CPU presented as CUDA tensors to the checks that
-ask.  The aux kernels compute for real on the CPU at the task's ``small``
-shapes (a few microseconds each).  Medians of ``--rounds`` rounds of
-``--calls`` calls, after a warm-up.
+launch of the cross-entropy gradient) replaced by a no-op and the tensors on
+the CPU presented as CUDA tensors to the checks that ask. The aux kernels
+compute for real on the CPU at the task's ``small`` shapes (a few microseconds
+each). Medians of ``--rounds`` rounds of ``--calls`` calls, after a warm-up.
 
 Usage: ``python3 bench/host_path.py [--suite llama3] [--tasks a,b] [--out OUT.json]``.
 On the H200 the whole host time of a call is what ``enqueue_ms`` reports in

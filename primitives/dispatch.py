@@ -3,19 +3,19 @@
 Every launch is a ``torch.library`` custom op (see gemm.py), so torch.compile
 keeps it as one node and autograd sees the differentiable ones.  In eager mode
 the op's Python machinery (schema defaults, the ADInplaceOrView and autograd
-wrappers, Dynamo's disable guard) costs about 60 us per call on a 2-core CPU
-host, several times what a warm quack launch needs; a block of a dozen launches
-pays it on every step, and a program over small shapes (GPT-2 small, a RoPE
-backward of two thin GEMMs) is host-bound on it.
+wrappers, Dynamo's disable guard) costs tens of microseconds per call
+(bench/host_path.py measures the catalogue's host time per program call); a
+block of a dozen launches pays it on every step, and a program over small
+shapes (GPT-2 small, a RoPE backward of two thin GEMMs) is host-bound on it.
 
 So a launch calls its op's body directly when nothing could tell the
 difference: outside torch.compile and torch.jit.trace, with no
 TorchDispatchMode active (fake tensors, FLOP counters, functionalisation see
-every op), no functorch transform, plain tensors only (no subclass), and, for an op with a derivative,
-nothing that needs one.  The op would bump the version counter of every tensor
-it mutates (autograd's check that a saved tensor was not overwritten);
-:func:`mutated` does that on the direct path.  TorchFunctionModes see the
-catalogue function itself, not its op, either way.
+every op), no functorch transform, plain tensors only (no subclass), and, for
+an op with a derivative, nothing that needs one. The op would bump the version
+counter of every tensor it mutates (autograd's check that a saved tensor was
+not overwritten); :func:`mutated` does that on the direct path.
+TorchFunctionModes see the catalogue function itself, not its op, either way.
 """
 
 from __future__ import annotations

@@ -5,8 +5,9 @@ validates the call (operands against the epilogue's declarations, shapes,
 dtypes), allocates what it returns, and launches through a ``torch.library``
 custom op, which picks the tile configuration and hands off to the active
 lowering (in eager mode the op's body is called directly where nothing could
-tell the difference: :mod:`.dispatch`).  Everything it returns is a fresh tensor except ``accumulate_into``
-(the TMA reduce-add store: ``D += result``) and ``out`` (D written over it).
+tell the difference: :mod:`.dispatch`). Everything it returns is a fresh
+tensor except ``accumulate_into`` (the TMA reduce-add store: ``D += result``)
+and ``out`` (D written over it).
 
 Why custom ops: ``torch.compile`` traces a model that calls ``gemm`` (the
 program's Python, the checks, the allocation) and keeps each launch as one

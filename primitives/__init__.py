@@ -40,7 +40,7 @@ without a GPU, the cubin for the SASS gate, the pipeline-depth guard) are
 entered around each compile and launch and undone after it (:mod:`.dsl_scope`).
 
 The modules, each built only on those before it (tests/test_primitives_scope.py
-holds them to it): ``errors``, ``version``, ``fp8`` -> ``pair`` -> ``reductions`` ->
+holds them to it): ``errors``, ``version``, ``fp8``, ``dispatch`` -> ``pair`` -> ``reductions`` ->
 ``operands`` -> ``epilogue`` -> ``tile_config``, ``lowering``, ``math``,
 ``program``, ``timing`` -> ``reference``, ``dsl_scope``, ``sass`` -> ``cute`` -> ``tuning``
 -> ``gemm`` -> ``passes`` -> ``aux`` (with its Triton kernel, ``xent_triton``), ``quantize``

@@ -20,7 +20,7 @@ from coda_agent.primitives import TileConfig, compile_only, gemm
 PRIMITIVES = Path(__file__).resolve().parent.parent / "primitives"
 # Each module may import only from those on an earlier line (or its own line).
 LAYERS = [
-    {"errors", "version", "fp8"},
+    {"errors", "version", "fp8", "dispatch"},
     {"pair"},
     {"reductions"},
     {"operands"},

@@ -22,7 +22,13 @@ thread that calls quack while a catalogue call is inside one sees them too.
     device's compute capability, and memoised per device: it is set for the
     call and the memo is cleared on entry and exit;
   * the one driver query on the compile path, ``get_max_active_clusters``,
-    is answered with Hopper's 132 SMs.
+    is answered with Hopper's 132 SMs;
+  * ``cute.compile`` builds no JIT engine (``no_jit_engine``): the engine
+    is the host launcher, an x86 object compiled and linked per kernel
+    (about a tenth of a compile), and without a GPU nothing launches; the
+    cubin comes from the dump all the same.  With a GPU the engine is
+    built: quack's in-memory cache hands the kernel compiled here to a
+    later launch in the same process.
 
 quack and cutlass are imported inside these functions: importing the
 catalogue must not load them (seconds of start-up, on every CLI command).
@@ -34,6 +40,7 @@ import contextlib
 import os
 import tempfile
 import threading
+from functools import lru_cache
 from typing import Any, Iterator
 
 import torch
@@ -127,6 +134,7 @@ _compile_lock = threading.Lock()  # the settings below are process-wide: one com
 @contextlib.contextmanager
 def compile_settings() -> Iterator[None]:
     """Compile in-process with the cubin kept, for :func:`compile_target` (see the module doc)."""
+    import cutlass.cute as cute
     import quack.cache
     import quack.cute_dsl_utils
     import quack.gemm_runtime.host as host
@@ -150,7 +158,23 @@ def compile_settings() -> Iterator[None]:
             clusters = host.get_max_active_clusters
             host.get_max_active_clusters = lambda cluster_size, *a, **k: H100_SMS // cluster_size
             undo.callback(setattr, host, "get_max_active_clusters", clusters)
+            undo.callback(setattr, cute, "compile", cute.compile)
+            cute.compile = _engineless(type(cute.compile))()
         yield
+
+
+@lru_cache(maxsize=1)
+def _engineless(compile_callable: type) -> type:
+    """The DSL's ``cute.compile`` class, compiling without a JIT engine (see the module doc)."""
+
+    class EnginelessCompile(compile_callable):
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            return super().__call__(*args, no_jit_engine=True, **kwargs)
+
+        def __getitem__(self, options: Any) -> Any:
+            return EnginelessCompile(options)
+
+    return EnginelessCompile
 
 
 def _restore(envar: Any, cache: Any, saved: tuple) -> None:

@@ -424,27 +424,41 @@ def test_a_config_left_one_pipeline_stage_is_refused_while_compiling(gen):
     assert len(kernels) == 1 and kernels[0].sass.hgmma > 0
 
 
-FAKE_CUOBJDUMP = """#!/bin/sh
-echo "$1" >> {log}
+HGMMA_LINE = "        /*0000*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], RZ ;"
+FAKE_TOOLS = {
+    "cuobjdump": """#!/bin/sh
+echo "cuobjdump $1" >> {log}
 case "$1" in
-  -res-usage) echo " Function k:"; echo "  REG:40 STACK:0 SHARED:0 LOCAL:0" ;;
-  -sass) printf '\\tcode for sm_90a\\n        /*0000*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], RZ ;\\n' ;;
+  -elf) echo "64bit elf: type=2, abi=7, sm=90a, toolkit=129"; echo " Function k:"; echo "  REG:40 STACK:0 LOCAL:0" ;;
+  -sass) echo "{line}" ;;
 esac
-"""
+""",
+    "nvdisasm": """#!/bin/sh
+echo "nvdisasm $1" >> {log}
+echo "{line}"
+""",
+}
 
 
-def test_the_sass_of_a_cubin_is_read_once(tmp_path, monkeypatch):
+@pytest.mark.parametrize("tools", [("cuobjdump", "nvdisasm"), ("cuobjdump",)], ids=["nvdisasm", "cuobjdump-sass"])
+def test_the_sass_of_a_cubin_is_read_once(tools, tmp_path, monkeypatch):
     """quack hands back the kernel it compiled before for a repeated compile key (every backward's
-    plain GEMMs): the SASS report is kept per cubin digest, so cuobjdump reads a cubin once."""
+    plain GEMMs): the SASS report is kept per cubin digest, so a cubin is read once.  Its
+    instructions come from nvdisasm beside cuobjdump, else from ``cuobjdump -sass``."""
     from coda_agent.primitives import sass
 
-    log, tool = tmp_path / "calls", tmp_path / "cuobjdump"
-    tool.write_text(FAKE_CUOBJDUMP.format(log=log))
-    tool.chmod(0o755)
-    monkeypatch.setattr(sass, "_cuobjdump", lambda: str(tool))
+    log, bin_dir = tmp_path / "calls", tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in tools:
+        (bin_dir / name).write_text(FAKE_TOOLS[name].format(log=log, line=HGMMA_LINE))
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setattr(sass, "_cuobjdump", lambda: str(bin_dir / "cuobjdump"))
+    monkeypatch.setattr(sass, "_reports", {})
+    monkeypatch.setenv("PATH", str(tmp_path))  # no nvdisasm but the one beside cuobjdump
+    read = ["cuobjdump -elf", "nvdisasm -ndf" if "nvdisasm" in tools else "cuobjdump -sass"]
     first = sass.inspect_cubin(b"a cubin")
     assert (first.sm90a, first.hgmma, first.registers, first.spill_stores) == (True, 1, 40, 0)
     assert sass.inspect_cubin(b"a cubin") == first
-    assert log.read_text().split() == ["-res-usage", "-sass"]
+    assert log.read_text().splitlines() == read
     assert sass.inspect_cubin(b"another cubin") == first  # the same counts, read again
-    assert log.read_text().split() == ["-res-usage", "-sass"] * 2
+    assert log.read_text().splitlines() == read * 2

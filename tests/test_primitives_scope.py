@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from coda_agent.primitives import TileConfig, compile_only, gemm
+from coda_agent.primitives import TileConfig, compile_only, epilogue, gemm
 
 PRIMITIVES = Path(__file__).resolve().parent.parent / "primitives"
 # Each module may import only from those on an earlier line (or its own line).
@@ -78,10 +78,16 @@ def test_primitives_modules_import_one_way_at_the_top():
             assert layer_of[imported] <= layer_of[name], f"{where}, a layer above it"
 
 
+@epilogue()
+def tripled(acc):  # an epilogue of this test's own: quack compiles it afresh, whatever ran before
+    return {"D": acc * 3.0}
+
+
 @pytest.mark.slow
-def test_a_compile_leaves_quack_the_dsl_and_the_environment_as_it_found_them():
-    """The compile target, the kept cubin, quack's disk cache, the driver query
-    and the pipeline guard are in force during a compile and undone after it."""
+def test_a_compile_leaves_quack_the_dsl_and_the_environment_as_it_found_them(monkeypatch):
+    """The compile target, the kept cubin, quack's disk cache, the driver query, the engineless
+    ``cute.compile`` and the pipeline guard are in force during a compile and undone after it."""
+    import cutlass.cute as cute
     import quack.cache
     import quack.cute_dsl_utils
     import quack.gemm_runtime.host as host
@@ -93,12 +99,20 @@ def test_a_compile_leaves_quack_the_dsl_and_the_environment_as_it_found_them():
     def state() -> dict:
         return {"environ": dict(os.environ), "compute_stages": GemmSm90.__dict__["_compute_stages"],
                 "clusters": host.get_max_active_clusters, "cache": quack.cache.CACHE_ENABLED,
-                "arch": vars(envar).get("_arch"), "keep_cubin": envar.keep_cubin, "dump_dir": envar.dump_dir,
+                "compile": cute.compile, "arch": vars(envar).get("_arch"), "keep_cubin": envar.keep_cubin,
+                "dump_dir": envar.dump_dir,
                 "capabilities": quack.cute_dsl_utils._get_device_capacity_cached.cache_info().currsize}
 
+    compiled = []  # what the DSL's compile handed back
+    dsl_compile = type(cute.compile)._compile
+    monkeypatch.setattr(type(cute.compile), "_compile",
+                        lambda self, *a, **k: compiled.append(dsl_compile(self, *a, **k)) or compiled[-1])
     before = state()
     A, B = torch.randn(256, 128).bfloat16(), torch.randn(128, 256).bfloat16()
     with compile_only() as kernels:
-        gemm(A, B, config=TileConfig(tile_n=128, cluster_m=1))
+        gemm(A, B, tripled, config=TileConfig(tile_n=128, cluster_m=1))
     assert kernels[0].sass is not None and kernels[0].sass.sm90a and kernels[0].sass.hgmma > 0
     assert state() == before
+    # Without a GPU nothing launches: the kernel has its cubin and no JIT engine (dsl_scope.py).
+    assert len(compiled) == 1 and compiled[0].__cubin__
+    assert (compiled[0].engine is None) == (not torch.cuda.is_available())

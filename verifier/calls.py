@@ -44,7 +44,8 @@ class Runner(Protocol):
 
 
 DRAWS = {"seed": "fresh inputs", "edge": "edge rows (norms of 2^-12 and 2^5, gradients along the output)",
-         "padded": "fresh inputs, each epilogue over whole tiles with padded lanes as the kernel leaves them"}
+         "padded": "the first fresh inputs, which passed, now with each epilogue over whole tiles and padded "
+                   "lanes as the kernel leaves them"}
 
 
 @dataclass

@@ -8,6 +8,7 @@ the package docstring (``coda_agent.verifier``).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, Callable
 
@@ -46,11 +47,12 @@ def _check_sets(check: Check, sets: list[str], device: str, call: Callable[[Case
                 determinism: bool, poisoned: bool, padded: bool = False,
                 seconds: dict[str, float] | None = None) -> StageResult | None:
     """Every set: two fresh draws and one of edge rows (no result may come out identical for
-    two different draws); with ``padded``, one more draw with the epilogues run over whole
-    tiles (:func:`~coda_agent.primitives.lowering.padded_lanes`), where a reduction that folds
-    padded lanes shows what the kernel would compute (on a set whose sizes every tile divides
-    it is the plain draw again, which costs little and needs no rule for which sets are ragged
-    under which of the program's tile configurations).
+    two different draws); with ``padded``, the first draw's case again with the epilogues run
+    over whole tiles (:func:`~coda_agent.primitives.lowering.padded_lanes`), where a reduction
+    that folds padded lanes shows what the kernel would compute: the same inputs and references,
+    so only the padded lanes differ from a call that passed (on a set whose sizes every tile
+    divides it is that call again, which costs little and needs no rule for which sets are
+    ragged under which of the program's tile configurations).
     None when everything matched, else the failed StageResult's fields; ``seconds`` gets
     each finished set's time (judge and runner together)."""
     spec = check.spec
@@ -59,7 +61,8 @@ def _check_sets(check: Check, sets: list[str], device: str, call: Callable[[Case
         seen: list[tuple[Case, dict[str, torch.Tensor]]] = []
         draws = ["seed"] * SEEDS_PER_SET + ["edge"] + (["padded"] if padded else [])
         for draw in draws:
-            case = draw_case(check.task, spec, shape_set, check.seed(), device, draw)
+            case = (dataclasses.replace(seen[0][0], draw=draw) if draw == "padded"
+                    else draw_case(check.task, spec, shape_set, check.seed(), device, draw))
             got = call(case)
             if seen and (same := _identical(seen[-1][1], got, seen[-1][0], case)):
                 return StageResult(name="reference", status="failed",

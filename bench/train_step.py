@@ -32,12 +32,15 @@ matplotlib is there, else from the JSON afterwards).
 
 Every measurement runs in its own process (Liger patches transformers' module
 globals, compile caches and peak memory must not leak between contenders, and
-a crash or an out-of-memory is one failed row).  The driver runs them in
-priority order within ``--budget-s`` (default 360 s, compile warm-ups
-included), skips what no longer fits (recorded as skipped), and rewrites
-``OUT/train_step.json`` after each.  ``--dry-run`` runs the plumbing on CPU at
-a tiny config (reference lowering; "compiled" contenders through AOTAutograd
-without code generation; Liger skipped), which CI tests.
+a crash or an out-of-memory is one failed row), forked from a server that
+imported torch, transformers and the catalogue once and did nothing else
+(multiprocessing's ``forkserver``: no CUDA context, patch or compile is
+inherited; the imports are some seconds of every measurement otherwise).  The
+driver runs them in priority order within ``--budget-s`` (default 360 s,
+compile warm-ups included), skips what no longer fits (recorded as skipped),
+and rewrites ``OUT/train_step.json`` after each.  ``--dry-run`` runs the
+plumbing on CPU at a tiny config (reference lowering; "compiled" contenders
+through AOTAutograd without code generation; Liger skipped), which CI tests.
 
     source scripts/gpu-env.sh && python3 bench/train_step.py --out bench/results/h200-<date>-train
 """
@@ -47,9 +50,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import multiprocessing
+import os
 import statistics
-import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -300,21 +305,46 @@ def plot(out: Path) -> Path:
     return out / "loss_curve.png"
 
 
-def child(args: argparse.Namespace, device: str) -> int:
+def child(args: argparse.Namespace, device: str, name: str) -> None:
+    """The measurement ``name`` (CONFIG:CONTENDER, or curve), its result written under ``args.out``."""
     out = Path(args.out)
-    if args.one == "curve":
+    if name == "curve":
         result = loss_curve(args.curve_steps, device, "tiny" if args.dry_run else "curve")
         write_atomic(out / "loss_curve.json", json.dumps(result, indent=1))
         try:
             plot(out)
         except ImportError:
             print("matplotlib is not installed: draw the PNG later with --plot", out)
-        return 0
-    config, contender = args.one.split(":")
+        return
+    config, contender = name.split(":")
     row = measure("tiny" if args.dry_run else config, contender, args.steps, args.warmup, device)
     row["config"] = config
     write_atomic(out / f"step-{config}-{contender}.json", json.dumps(row, indent=1))
-    return 0
+
+
+def _forked(args: argparse.Namespace, device: str, name: str, log: str) -> None:
+    """:func:`child` in a process of the fork server, its output to ``log`` (in the checkout, as a
+    script's would be)."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.chdir(ROOT)
+    child(args, device, name)
+
+
+def run_child(ctx: Any, args: argparse.Namespace, device: str, name: str, timeout: float) -> tuple[bool, str]:
+    """(whether measurement ``name`` finished, the tail of its output), killed at ``timeout``."""
+    t0 = time.time()
+    with tempfile.NamedTemporaryFile(suffix=".log") as log:
+        proc = ctx.Process(target=_forked, args=(args, device, name, log.name))
+        proc.start()
+        proc.join(timeout)
+        if proc.exitcode is None:
+            proc.kill()
+            proc.join()
+            return False, f"killed at the budget's end after {time.time() - t0:.0f} s"
+        return proc.exitcode == 0, Path(log.name).read_text(errors="replace")[-6000:]
 
 
 def drive(args: argparse.Namespace, device: str) -> int:
@@ -330,6 +360,8 @@ def drive(args: argparse.Namespace, device: str) -> int:
     if device == "cuda":
         results["gpu"] = torch.cuda.get_device_name(0)
     deadline = time.time() + args.budget_s
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "transformers", "coda_agent.kernels.llama"])
     sys.path.insert(0, str(Path(__file__).parent))
     from clocks import ClockSampler
 
@@ -340,15 +372,8 @@ def drive(args: argparse.Namespace, device: str) -> int:
             if left < 20:
                 results["skipped"].append({"run": name, "why": f"budget of {args.budget_s} s spent"})
                 continue
-            cmd = [sys.executable, __file__, "--one", name, "--out", str(out), "--steps", str(args.steps),
-                   "--warmup", str(args.warmup), "--curve-steps", str(args.curve_steps)]
-            cmd += ["--dry-run"] if args.dry_run else []
             t0 = time.time()
-            try:
-                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=left, cwd=ROOT)
-                ok, log = proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-            except subprocess.TimeoutExpired:
-                ok, log = False, f"killed at the budget's end after {time.time() - t0:.0f} s"
+            ok, log = run_child(ctx, args, device, name, left)
             write_atomic(out / f"{name.replace(':', '-')}.log", log)
             if contender == "curve":
                 results["curve"] = "loss_curve.json" if ok else {"error": log[-600:]}
@@ -387,7 +412,6 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=3, help="steps after the first (compile) step, untimed")
     ap.add_argument("--curve-steps", type=int, default=200)
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny config, reference lowering: the plumbing")
-    ap.add_argument("--one", help=argparse.SUPPRESS)  # the child process: CONFIG:CONTENDER or curve
     ap.add_argument("--plot", metavar="DIR", help="draw DIR/loss_curve.json to DIR/loss_curve.png and exit")
     args = ap.parse_args()
     if args.plot:
@@ -395,8 +419,7 @@ def main() -> int:
         return 0
     if not args.dry_run and not torch.cuda.is_available():
         ap.error("no CUDA device: this benchmark runs on the H200 (use --dry-run to check the plumbing)")
-    device = "cuda" if not args.dry_run else "cpu"
-    return child(args, device) if args.one else drive(args, device)
+    return drive(args, "cuda" if not args.dry_run else "cpu")
 
 
 if __name__ == "__main__":

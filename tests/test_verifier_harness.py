@@ -170,8 +170,9 @@ def backward(saved, dy):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU machine starts each runner afresh, without a zygote")
 def test_a_runner_finds_what_its_first_launch_imports_loaded(task, runtime):
-    """The zygote loads what a catalogue launch imports on first use (torch._dynamo, sympy: some 900
-    modules, a second of CPU), so no runner pays for it again."""
+    """A runner's first launch imports next to nothing: the zygote loaded the catalogue, and an
+    eager launch skips torch's dispatcher, whose first custom-op call would import torch._dynamo
+    (some 900 modules, most of two seconds of CPU) in every runner."""
     message = runtime.check(task, FIRST_LAUNCH).failed_stage.message
     imported = message.split("IMPORTED ")[1].split("]")[0]
     assert imported.count("'") < 2 * 20, imported

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
+import sys
+from pathlib import Path
+
 import pytest
 
 # --------------------------------------------------------------------------- xdist workers
@@ -112,6 +116,24 @@ def runtime_judge(private_caches_for_the_session):
             mp.setenv("CODA_MODEL", "marker")
             v.check(load_task(TASK_PATH), EXPERT_PATH.read_text())  # starts the judge, with them
         yield v
+
+
+# --------------------------------------------------------------------------- bench
+
+
+@pytest.fixture
+def bench_main(monkeypatch):
+    """``bench_main(SCRIPT, *ARGS)``: ``bench/SCRIPT.py ARGS`` through its ``main()`` in this
+    process, returning what main returns.  A script's start is seconds of imports this process
+    has paid for already; each script's own test starts it as a script, as the H200 run does."""
+    bench = Path(__file__).resolve().parent.parent / "bench"
+
+    def run(script: str, *args: object) -> int:
+        monkeypatch.setattr(sys, "path", [str(bench), *sys.path])  # main may put bench/ on it itself
+        monkeypatch.setattr(sys, "argv", [str(bench / f"{script}.py"), *map(str, args)])
+        return importlib.import_module(script).main()
+
+    return run
 
 
 # --------------------------------------------------------------------------- agent

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
+import sys
+from pathlib import Path
+
 import pytest
 
 # --------------------------------------------------------------------------- xdist workers
@@ -9,8 +13,8 @@ import pytest
 # scripts/test.sh hands each xdist worker whole modules (--dist loadfile); the modules of a group
 # here go to one worker together, for what their tests share in one process.
 SHARED_WORKER = {
-    # The judge of compile_judge below (with quack and CuTeDSL in its zygote).
-    "compile judge": ("test_verifier_harness.py", "test_verifier_corpus.py"),
+    # The judges of compile_judge and runtime_judge below (quack and CuTeDSL in the first one's zygote).
+    "verifier judges": ("test_verifier_harness.py", "test_verifier_corpus.py"),
 }
 # Modules that run for tens of seconds (sm_90a compiles, judges, interpreters started for dry runs),
 # longest first: they are handed out before the rest, so that each worker ends on short modules and
@@ -94,6 +98,42 @@ def compile_judge(private_caches_for_the_session):
 
     with Verifier(stages=["compile"], cache=False, compile_cache=False) as v:
         yield v
+
+
+@pytest.fixture(scope="session")
+def runtime_judge(private_caches_for_the_session):
+    """One judge of the reference stage for programs that got past the static stage (the harness
+    tests and the corpus: SHARED_WORKER), started with a secret and a marker in its environment
+    that no runner may see."""
+    from verifier_helpers import EXPERT_PATH, TASK_PATH
+
+    from coda_agent.tasks.spec import load_task
+    from coda_agent.verifier import Verifier
+
+    with Verifier(stages=["reference"], cache=False, timeout_s=60, load_timeout_s=3) as v:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("OPENAI_API_KEY", "sk-secret")
+            mp.setenv("CODA_MODEL", "marker")
+            v.check(load_task(TASK_PATH), EXPERT_PATH.read_text())  # starts the judge, with them
+        yield v
+
+
+# --------------------------------------------------------------------------- bench
+
+
+@pytest.fixture
+def bench_main(monkeypatch):
+    """``bench_main(SCRIPT, *ARGS)``: ``bench/SCRIPT.py ARGS`` through its ``main()`` in this
+    process, returning what main returns.  A script's start is seconds of imports this process
+    has paid for already; each script's own test starts it as a script, as the H200 run does."""
+    bench = Path(__file__).resolve().parent.parent / "bench"
+
+    def run(script: str, *args: object) -> int:
+        monkeypatch.setattr(sys, "path", [str(bench), *sys.path])  # main may put bench/ on it itself
+        monkeypatch.setattr(sys, "argv", [str(bench / f"{script}.py"), *map(str, args)])
+        return importlib.import_module(script).main()
+
+    return run
 
 
 # --------------------------------------------------------------------------- agent

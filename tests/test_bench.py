@@ -20,10 +20,16 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def dry_run(out: Path, *args: str) -> tuple[Path, dict]:
-    """``bench/run.py --dry-run ARGS --out OUT``: the one results file it wrote, and its content."""
+    """``bench/run.py --dry-run ARGS --out OUT`` as a script: the one results file it wrote, and
+    its content."""
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "run.py"), "--dry-run", *args, "--out", str(out)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    return written(out)
+
+
+def written(out: Path) -> tuple[Path, dict]:
+    """The one results file a dry run wrote in ``out``, and its content."""
     (path,) = out.glob("dryrun-*.json")
     return path, json.loads(path.read_text())
 
@@ -57,9 +63,10 @@ def test_dry_run_covers_the_suite_and_renders_a_table(tmp_path):
     assert lm["fused_output_gib"] is None or lm["fused_output_gib"] >= 0
 
 
-def test_dry_run_of_the_gpt2_suite(tmp_path):
+def test_dry_run_of_the_gpt2_suite(tmp_path, bench_main):
     """--suite picks the packaged GPT-2 suite; its file is named after the suite."""
-    path, results = dry_run(tmp_path, "--suite", "gpt2", "--sets", "small", "--reps", "1")
+    assert bench_main("run", "--dry-run", "--suite", "gpt2", "--sets", "small", "--reps", "1", "--out", tmp_path) == 0
+    path, results = written(tmp_path)
     assert path.name.endswith("-gpt2.json")
     assert results["suite"] == "gpt2"
     rows = {r["task"]: r for r in results["rows"]}
@@ -70,18 +77,12 @@ def test_dry_run_of_the_gpt2_suite(tmp_path):
         assert r["fused"]["median_ms"] > 0 and r["fused_over_gemm"] > 0
 
 
-def test_bench_refuses_an_unknown_suite_and_task(tmp_path, monkeypatch, capsys):
-    """The command line is checked before any work: bench/run.py's main, in this process (the dry
-    runs above start it as a script)."""
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))
-    monkeypatch.setattr(sys, "path", sys.path[:])  # main puts bench/ on the path itself
-    import run
-
+def test_bench_refuses_an_unknown_suite_and_task(tmp_path, bench_main, capsys):
+    """The command line is checked before any work."""
     for args, error in ((["--suite", str(tmp_path)], "is not a packaged suite, so name its shape sets"),
                         (["--suite", "gpt2", "--tasks", "swiglu_fwd"], "['swiglu_fwd'] are not in suite gpt2")):
-        monkeypatch.setattr(sys, "argv", ["run.py", "--dry-run", "--out", str(tmp_path), *args])
         with pytest.raises(SystemExit) as exit_:
-            run.main()
+            bench_main("run", "--dry-run", "--out", tmp_path, *args)
         assert exit_.value.code == 2 and error in capsys.readouterr().err
 
 
@@ -211,12 +212,14 @@ def test_table_shows_the_clock_each_row_ran_at():
             "held it down: power cap in 1 of 2 rows") in text
 
 
-def test_steady_regime_times_each_contender_back_to_back_in_two_passes(tmp_path):
+def test_steady_regime_times_each_contender_back_to_back_in_two_passes(tmp_path, bench_main):
     """``--steady SECONDS``: the training-step regime.  The dry run takes the
     same path on wall-clock time: two passes per contender, their range kept,
     its own file, and a table that says how it was timed and which contenders
     the host (not the GPU) set the pace of."""
-    path, results = dry_run(tmp_path, "--sets", "small", "--tasks", "swiglu_fwd", "--steady", "0.05")
+    assert bench_main("run", "--dry-run", "--sets", "small", "--tasks", "swiglu_fwd", "--steady", "0.05",
+                      "--out", tmp_path) == 0
+    path, results = written(tmp_path)
     assert path.name.endswith("-steady.json")
     assert results["regime"] == "steady" and results["steady_s"] == 0.05
     (row,) = results["rows"]

@@ -32,7 +32,7 @@ def test_anchor_table_runs_every_contender(tmp_path):
         assert set(r["targets_met"]) == {"vs_torchao_rowwise >= 1.2", "vs_fp8_gemms <= 1.05"}
 
 
-def test_loss_curves_train_every_recipe_and_plot(tmp_path):
+def test_loss_curves_train_every_recipe_and_plot(tmp_path, bench_main):
     _run(str(ROOT / "bench" / "fp8_loss.py"), str(tmp_path), "--dry-run", "--steps", "2", "--band-seeds", "2")
     lines = [json.loads(x) for x in (tmp_path / "loss.jsonl").read_text().splitlines()]
     assert not [x for x in lines if "error" in x], lines
@@ -46,5 +46,5 @@ def test_loss_curves_train_every_recipe_and_plot(tmp_path):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     # --plot alone re-renders from the recorded lines
     (tmp_path / "loss.png").unlink()
-    _run(str(ROOT / "bench" / "fp8_loss.py"), str(tmp_path), "--plot")
+    assert bench_main("fp8_loss", tmp_path, "--plot") == 0
     assert (tmp_path / "loss.png").is_file()

@@ -40,11 +40,9 @@ def test_dry_run_writes_every_row_the_curve_and_its_plot(tmp_path):
     assert curve["mean_abs_gap_to_fp32"]["coda_bf16"] <= 3 * curve["mean_abs_gap_to_fp32"]["eager_bf16"] + 0.02
 
 
-def test_a_spent_budget_skips_and_says_so(tmp_path, monkeypatch):
+def test_a_spent_budget_skips_and_says_so(tmp_path, bench_main):
     """The driver itself, in this process (it starts no measurement: the budget is spent)."""
-    monkeypatch.setattr(sys, "argv", [str(SCRIPT), "--dry-run", "--out", str(tmp_path), "--budget-s", "5"])
-    monkeypatch.setattr(sys, "path", sys.path[:])  # the driver puts bench/ on the path itself
-    assert train_step.main() == 0
+    assert bench_main("train_step", "--dry-run", "--out", tmp_path, "--budget-s", "5") == 0
     result = json.loads((tmp_path / "train_step.json").read_text())
     assert result["rows"] == [] and {s["run"] for s in result["skipped"]} >= {"1b:eager", "8b:coda", "curve"}
     assert all("budget of 5.0 s spent" in s["why"] for s in result["skipped"])

@@ -5,10 +5,11 @@ with a message holding its ``# expect:`` text.
 A program with ``# static: off`` skips the static stage, as a program that
 found a way past the AST rules would: it shows the runtime defences hold on
 their own.  The static cases run in-process (the stage is an AST check); every
-other CPU case goes through one real judge and its sandboxed runners for the
-whole module (``with Verifier() as v``), so the corpus costs one judge and one
-zygote start.  Compile cases (marked slow) go through the session's compile judge,
-which the harness tests share (tests/conftest.py); GPU cases are marked gpu.
+other CPU case goes through one real judge and its sandboxed runners, the
+session's runtime judge (with a secret and a marker in its environment), and
+compile cases (marked slow) through the session's compile judge; the harness
+tests share both (tests/conftest.py), so the corpus starts no judge of its own.
+GPU cases are marked gpu.
 """
 
 from __future__ import annotations
@@ -43,13 +44,6 @@ def _task(case):
     return load_task((SUITES[suite] if suite else SUITE_DIR) / f"{name}.yaml")
 
 
-@pytest.fixture(scope="module")
-def judged():
-    """One verifier session (a judge and its zygote) for every runtime case: the reference stage."""
-    with Verifier(stages=["reference"], cache=False, timeout_s=60, load_timeout_s=3) as v:
-        yield v
-
-
 def test_every_trick_class_is_a_family_of_several():
     families = {}
     for c in CASES:
@@ -68,12 +62,12 @@ def test_static_rejects(case):
 
 
 @pytest.mark.parametrize("case", RUNTIME, ids=_id)
-def test_runtime_rejects(case, judged, private_caches):
+def test_runtime_rejects(case, runtime_judge, private_caches):
     task = _task(case)
     source = case.source.replace("{CACHE_DIR}", str(private_caches))  # the worst case: it knows the path
     if case.static:
         assert check_source(source, task.spec) == [], f"{case.id} must pass the static stage to reach it"
-    report = judged.check(task, source)
+    report = runtime_judge.check(task, source)
     bad = report.failed_stage
     assert report.outcome == "rejected" and bad is not None and bad.name == case.stage, \
         report.model_dump_json(indent=1)[:3000]
@@ -83,8 +77,8 @@ def test_runtime_rejects(case, judged, private_caches):
     assert not list(private_caches.rglob("forged*")) and not Path("/tmp/coda-forged.txt").exists()
 
 
-def test_the_expert_passes_the_same_judge(judged):
-    report = judged.check(load_task(TASK_PATH), EXPERT_PATH.read_text())
+def test_the_expert_passes_the_same_judge(runtime_judge):
+    report = runtime_judge.check(load_task(TASK_PATH), EXPERT_PATH.read_text())
     assert report.outcome == "cpu_passed", report.model_dump_json(indent=1)
     assert "no network" in report.versions["sandbox"] and "read-only fs" in report.versions["sandbox"]
 

@@ -14,6 +14,9 @@ quack and CuTeDSL (about 5 s of CPU, twice torch's import) are loaded only
 for a judge whose checks may compile (``compiles``: its Verifier runs the
 compile stage): without CUDA no other stage uses them, and a judge of the
 static and reference stages alone (a test session starts many) does without.
+Nor does it load torch._dynamo (some 900 modules, nearly as long as torch):
+an eager catalogue launch skips torch's dispatcher (``primitives/dispatch.py``),
+whose first custom-op call is what imports it; quack's modules bring it along.
 
 Protocol on the control socket (a Unix socket pair, the judge holding the
 other end): length-prefixed JSON.  ``{"op": "fork", "plan": ..., "env": ...}``
@@ -180,7 +183,6 @@ def main(control_fd: int, compiles: bool) -> int:
     ctypes.CDLL(None).prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
     ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # with its judge (one thread)
     import torch
-    import torch._dynamo  # noqa: F401 - the first call of a custom op (every catalogue launch) imports it
 
     # The imports every runner would otherwise repeat: the catalogue, and what its cute lowering
     # imports on first use (the compile stage's runner uses it at once).

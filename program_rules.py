@@ -132,12 +132,14 @@ RAGGED_LANES: tuple[RaggedLanes, ...] = (
 @dataclass(frozen=True)
 class ConfigCase:
     """A ``gemm`` call whose ``config=None`` tile the catalogue text states: ``epilogue`` is one of
-    ``primitives/catalogue.py``'s sample epilogues (None: a plain GEMM)."""
+    ``primitives/catalogue.py``'s sample epilogues (None: a plain GEMM); ``tile_pass``: the
+    epilogue runs as a ``tile_pass`` (no GEMM)."""
 
     what: str
     epilogue: str | None
     m: int
     n: int
+    tile_pass: bool = False
 
 
 CONFIG_CASES: tuple[ConfigCase, ...] = (
@@ -151,6 +153,8 @@ CONFIG_CASES: tuple[ConfigCase, ...] = (
     ConfigCase("a PairedTile epilogue, 16384 x 14336", "paired", 16384, 14336),
     ConfigCase("exposed partials, col_sum(partials=True), 16384 x 4096", "partials", 16384, 4096),
     ConfigCase("a head statistic of 128-wide heads, 16384 x 4096", "head", 16384, 4096),
+    ConfigCase("reductions in both directions (a row_sum and a col_sum), 16384 x 16384", "both", 16384, 16384),
+    ConfigCase("a tile_pass, 16384 x 16384", "pass", 16384, 16384, tile_pass=True),
 )
 
 

@@ -32,10 +32,12 @@ matplotlib is there, else from the JSON afterwards).
 
 Every measurement runs in its own process (Liger patches transformers' module
 globals, compile caches and peak memory must not leak between contenders, and
-a crash or an out-of-memory is one failed row), forked from a server that
-imported torch, transformers and the catalogue once and did nothing else
-(multiprocessing's ``forkserver``: no CUDA context, patch or compile is
-inherited; the imports are some seconds of every measurement otherwise).  The
+a crash or an out-of-memory is one failed row): on CUDA a fresh interpreter
+(multiprocessing's ``spawn``: the H200 refused to initialise CUDA in a child
+forked from a server whose imports had touched it), on the CPU a fork of a
+server that imported torch, transformers and the catalogue once and did
+nothing else (``forkserver``: the imports are some seconds of every
+measurement otherwise).  The
 driver runs them in priority order within ``--budget-s`` (default 360 s,
 compile warm-ups included), skips what no longer fits (recorded as skipped),
 and rewrites ``OUT/train_step.json`` after each.  ``--dry-run`` runs the
@@ -360,8 +362,12 @@ def drive(args: argparse.Namespace, device: str) -> int:
     if device == "cuda":
         results["gpu"] = torch.cuda.get_device_name(0)
     deadline = time.time() + args.budget_s
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "transformers", "coda_agent.kernels.llama"])
+    # On the CPU (the dry run CI does) each measurement forks from a server that imported torch,
+    # transformers and the catalogue once.  On CUDA each one is a fresh interpreter: a fork of a
+    # process whose imports touched CUDA cannot initialise CUDA again.
+    ctx = multiprocessing.get_context("spawn" if device == "cuda" else "forkserver")
+    if device != "cuda":
+        ctx.set_forkserver_preload(["torch", "transformers", "coda_agent.kernels.llama"])
     sys.path.insert(0, str(Path(__file__).parent))
     from clocks import ClockSampler
 

@@ -21,10 +21,10 @@ from . import aux, fp8, norm, operands, quantize, reductions
 from .epilogue import epilogue as _epilogue
 from .gemm import gemm
 from .math import VOCABULARY
-from .operands import HeadStat, PairedTile, Scalar
+from .operands import HeadStat, PairedTile, Scalar, Tile
 from .pair import pack, unpack
 from .passes import tile_pass, vector_pass
-from .reductions import col_sum, head_rstd
+from .reductions import col_sum, head_rstd, row_sum
 from .tile_config import TileConfig, default_config
 from .version import CATALOGUE_VERSION
 
@@ -155,8 +155,16 @@ def sample_epilogues() -> dict[str, tuple[object, dict]]:
     def head(acc, rstd: HeadStat):
         return {"D": acc * rstd}
 
+    @_epilogue(reductions={"db": row_sum(), "s": col_sum()})
+    def both(acc, pre: Tile):
+        return {"D": acc * pre, "db": acc, "s": acc * pre}
+
+    @_epilogue()
+    def scaled_pass(x: Tile, scale: Scalar):
+        return {"D": x * scale}
+
     return {"elementwise": (elementwise, {}), "paired": (paired, {}), "partials": (partials, {}),
-            "head": (head, {"rstd": 128})}
+            "head": (head, {"rstd": 128}), "both": (both, {}), "pass": (scaled_pass, {})}
 
 
 def config_lines() -> list[str]:
@@ -165,7 +173,7 @@ def config_lines() -> list[str]:
     out = []
     for case in rules.CONFIG_CASES:
         epi, operands = samples[case.epilogue] if case.epilogue else (None, {})
-        out.append(f"- {case.what}: `{default_config(epi, operands, case.n, case.m)}`")
+        out.append(f"- {case.what}: `{default_config(epi, operands, case.n, case.m, tile_pass=case.tile_pass)}`")
     return out
 
 

@@ -216,8 +216,8 @@ def launch(epilogue: Epilogue | None, A: torch.Tensor, B: torch.Tensor, operands
         raise CatalogueError(f"{what}: a GEMM with an epilogue (or into a given tensor) has no derivative of its "
                              "own; run the program's forward and backward through coda_agent.kernels.Kernel, "
                              "or call it under torch.no_grad()")
-    if epilogue is not None:
-        tiles = -(-n // (config or default_config(epilogue, operands, n, m)).tile_n)  # the partials' layout
+    if epilogue is not None:  # the partials' layout: N tiles of the config the launch will pick
+        tiles = -(-n // (config or default_config(epilogue, operands, n, m, tile_pass=kind == "pass")).tile_n)
         # The buffers' pre-fills (a select's zeros) are device work of this call: a profiler range
         # of its own lets the verifier's launch audit attribute them (none while compiling).
         with profiler_range(f"coda::buffers::{name}"):
@@ -301,7 +301,8 @@ def _launch(epi: Epilogue | None, A: torch.Tensor, B: torch.Tensor, operands: di
             cfg, _ = tune(epi, A, B, operands, out_dtype=results["D"].dtype if "D" in results else A.dtype,
                           fast_accum=fast_accum)
     on_fp8 = fp8.is_fp8(A.dtype)
-    cfg = cfg or default_config(epi, operands, n, m, _sm_count(A), fp8_promote=on_fp8 and not fast_accum)
+    cfg = cfg or default_config(epi, operands, n, m, _sm_count(A), fp8_promote=on_fp8 and not fast_accum,
+                                tile_pass=kind == "pass")
     for name in epi.head_stats if epi is not None else ():
         hd = operands[name]
         if hd > MAX_TILE_N:

@@ -59,6 +59,9 @@ class Reduction:
     # quack writes the result into the buffer the catalogue passes it, instead of
     # returning a tensor of its own (which the cute lowering copies into the buffer)
     caller_owned = False
+    # The fold's direction: one value per output row (col_sum, col_max, the LSE, a select) or,
+    # for row_sum, one per output column.
+    per_column = False
 
     @property
     def pairable(self) -> bool:
@@ -158,6 +161,7 @@ class ColMax(Reduction):
 @dataclass(frozen=True)
 class RowSum(Reduction):
     folds_padded_lanes = True
+    per_column = True
 
     def describe(self) -> str:
         return "row_sum()"

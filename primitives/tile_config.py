@@ -60,6 +60,7 @@ NARROW_CONFIG = TileConfig(tile_n=128, cluster_m=1)
 NARROWEST_CONFIG = TileConfig(tile_n=64, cluster_m=1)
 PARTIALS_CONFIG = NARROW_CONFIG
 WIDE_COOPERATIVE_CONFIG = TileConfig(tile_n=256, cluster_m=1, pingpong=False)
+PASS_CONFIG = TileConfig(tile_m=256, tile_n=128, cluster_m=2, pingpong=False)
 
 
 WIDE_TILE_GAIN = 1.08  # 128x192 over 128x128 throughput at equal wave count (H200 sweep)
@@ -75,7 +76,8 @@ def _wave_cost(m: int, n: int, tile_m: int, tile_n: int, sms: int) -> int:
 
 
 def default_config(epi: Epilogue | None, operands: dict[str, Any], n: int | None = None,
-                   m: int | None = None, sms: int = H100_SMS, fp8_promote: bool = False) -> TileConfig:
+                   m: int | None = None, sms: int = H100_SMS, fp8_promote: bool = False,
+                   tile_pass: bool = False) -> TileConfig:
     """The tile configuration when nothing is tuned: rules read off the H200
     tuning sweeps of the suite (bench/results/h200-2026-11-29-b, LLaMA-3 1B,
     times in ms for the best rule config vs the runner-up rule):
@@ -94,6 +96,17 @@ def default_config(epi: Epilogue | None, operands: dict[str, Any], n: int | None
       head_dim 64: 0.197 at 128x128 c2, spill-free; 0.191 at 128x192, which
       spills); a head wider than a pingpong tile holds (:data:`PINGPONG_MAX_N`,
       head_dim 256) runs cooperative;
+    - a tile pass (``tile_pass``: the zero mainloop, one k-step) is bound by its epilogue's
+      loads and stores alone, and both warpgroups of a cooperative kernel run that epilogue:
+      256x128 c2x1 cooperative (bench/results/h200-2026-12-01-d, tuned at T = 16384: dGELU of
+      an incoming (16384, 16384) gradient with its bias gradient 0.762 ms against 1.421 at
+      128x192 c2x1 pingpong and 0.837 at 128x256 cooperative; the row moments of a
+      (16384, 4096) activation 0.086 vs 0.097; the LayerNorm weight fold 0.135 vs 0.159);
+    - an epilogue that folds reductions in both directions (a ``row_sum`` down the columns
+      and a ``col_sum`` along the rows: dGELU with its bias gradient and LayerNorm-backward
+      statistics) runs 128x128 c2x1: at (16384, 16384, 4096) 3.09 ms against 6.27 at
+      128x192 c2x1 (-d, tuned), where the single-direction LayerNorm backward (three
+      ``row_sum``) keeps 128x192 (3.15 vs 3.20);
     - everything else, row reductions included, runs best on quack's plain
       128x192 with a 2-CTA cluster (online LSE + target select 12.1 vs 16.1 at
       128x128; the RMSNorm dx epilogue 1.47 vs 2.06), even where the wider tile
@@ -119,14 +132,14 @@ def default_config(epi: Epilogue | None, operands: dict[str, Any], n: int | None
       128x192 holds 384 accumulator registers per thread and spilled 313/409
       STL/LDL in the sm_90a compile; cooperative compiled spill-free.
     """
-    cfg = _rule_config(epi, operands, n, m, sms)
+    cfg = _rule_config(epi, operands, n, m, sms, tile_pass)
     if fp8_promote and cfg.pingpong:
         return TileConfig(cfg.tile_m, cfg.tile_n, cfg.cluster_m, cfg.cluster_n, pingpong=False)
     return cfg
 
 
 def _rule_config(epi: Epilogue | None, operands: dict[str, Any], n: int | None, m: int | None,
-                 sms: int) -> TileConfig:
+                 sms: int, tile_pass: bool) -> TileConfig:
     if epi is None:
         return _fill_the_sms(m, n, sms, wide=_wide_plain(n))
     if epi.head_stats:
@@ -137,11 +150,20 @@ def _rule_config(epi: Epilogue | None, operands: dict[str, Any], n: int | None, 
         return PAIRED_TILE_CONFIG
     if any(r.partials for r in epi.reductions.values()):
         return PARTIALS_CONFIG
+    if tile_pass:
+        return PASS_CONFIG
+    if _both_directions(epi):
+        return SQUARE_CONFIG
     if n is not None and n <= 64:
         return NARROWEST_CONFIG
     if n is not None and n <= 128:
         return NARROW_CONFIG
     return _fill_the_sms(m, n, sms)
+
+
+def _both_directions(epi: Epilogue) -> bool:
+    """Whether the epilogue folds a total per output column and another per output row."""
+    return len({r.per_column for r in epi.reductions.values()}) > 1
 
 
 def _wide_plain(n: int | None) -> TileConfig:

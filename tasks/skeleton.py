@@ -2,8 +2,9 @@
 
 Given the reference (``ref.py:fn``), its tensor inputs with symbolic shapes
 (``x=T,H``) and shape sets binding the symbols (``small=T:256,H:128``), the
-reference is called on the CPU once per shape set, and what it returns fills
-in the outputs: names, dtypes, and symbolic shapes (each dimension is matched
+reference is called once per shape set (on the CPU; a set whose inputs pass
+:data:`META_SET_BYTES`, one sized for the GPU, on meta tensors, which give
+shapes and dtypes at no cost), and what it returns fills in the outputs: names, dtypes, and symbolic shapes (each dimension is matched
 against expressions of the symbols, ``T``, ``4*H``, ``T*H``, ``H//2``..., that
 fit *every* shape set, so two sets that differ tell ``T`` from ``2*H``).
 Params are the reference's keyword defaults, or ``--param name=value``.
@@ -158,10 +159,23 @@ class _MatmulRecorder(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _draw(dims: list[str], dtype: str, binding: dict[str, int], gen: torch.Generator) -> torch.Tensor:
+# A set whose inputs pass this many bytes (a GPU-sized set: the one performance is measured on)
+# is called on meta tensors, shapes and dtypes only, and on the CPU only if the reference
+# cannot run on meta tensors (a data-dependent op, .item()).
+META_SET_BYTES = 64 << 20
+
+
+def _shape(dims: list[str], binding: dict[str, int]) -> tuple[int, ...]:
     from .spec import eval_expr
 
-    shape = tuple(int(eval_expr(d, binding)) for d in dims)
+    return tuple(int(eval_expr(d, binding)) for d in dims)
+
+
+def _draw(dims: list[str], dtype: str, binding: dict[str, int], gen: torch.Generator | None) -> torch.Tensor:
+    """A CPU tensor of random values, or with ``gen`` None an empty meta tensor."""
+    shape = _shape(dims, binding)
+    if gen is None:
+        return torch.empty(shape, dtype=TORCH_DTYPES[dtype], device="meta")
     if dtype.startswith("int"):  # a valid index into the smallest dimension of the set
         return torch.randint(0, min(binding.values()), shape, generator=gen).to(TORCH_DTYPES[dtype])
     return torch.randn(shape, generator=gen).to(TORCH_DTYPES[dtype])
@@ -169,15 +183,28 @@ def _draw(dims: list[str], dtype: str, binding: dict[str, int], gen: torch.Gener
 
 def _call(fn: Callable, inputs: dict[str, tuple[list[str], str]], params: dict[str, Scalar],
           binding: dict[str, int], set_name: str) -> tuple[dict[str, torch.Tensor], list[tuple[int, int, int]]]:
-    gen = torch.Generator().manual_seed(0)
-    args = {k: _draw(dims, dtype, binding, gen) for k, (dims, dtype) in inputs.items()}
-    recorder = _MatmulRecorder()
+    size = sum(math.prod(_shape(dims, binding)) * TORCH_DTYPES[dtype].itemsize for dims, dtype in inputs.values())
+    if size > META_SET_BYTES:
+        try:
+            return _run(fn, inputs, params, binding, None)
+        except Exception:  # noqa: BLE001 - not every reference runs on meta tensors: call it for real
+            pass
     try:
-        with torch.no_grad(), recorder:
-            outs = fn(**args, **params)
+        return _run(fn, inputs, params, binding, torch.Generator().manual_seed(0))
+    except CodaError:
+        raise
     except Exception as e:  # noqa: BLE001 - the user's reference failing is theirs to see
         raise CodaError(f"calling the reference on shape set {set_name} {binding} failed: {type(e).__name__}: "
                         f"{e}; check the --input shapes and --param values") from None
+
+
+def _run(fn: Callable, inputs: dict[str, tuple[list[str], str]], params: dict[str, Scalar],
+         binding: dict[str, int], gen: torch.Generator | None) -> tuple[dict[str, torch.Tensor],
+                                                                        list[tuple[int, int, int]]]:
+    args = {k: _draw(dims, dtype, binding, gen) for k, (dims, dtype) in inputs.items()}
+    recorder = _MatmulRecorder()
+    with torch.no_grad(), recorder:
+        outs = fn(**args, **params)
     if not isinstance(outs, dict) or not all(isinstance(v, torch.Tensor) for v in outs.values()) or not outs:
         raise CodaError(f"the reference returned {type(outs).__name__}; a task reference returns a dict of "
                         "its outputs, {'name': tensor, ...}")

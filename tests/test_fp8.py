@@ -194,7 +194,9 @@ def test_cute_fp8_gemm_matches_the_reference_lowering(fast_accum):
     # every few K blocks): at K=4096 the H200 gives 2.2e-3, about twice the promoted error
     rel = (got["D"].float() - want["D"].float()).norm() / want["D"].float().norm()
     assert float(rel) < (4e-3 if fast_accum else 1e-3), float(rel)
-    torch.testing.assert_close(got["amax"], want["amax"], rtol=2e-3, atol=1e-2)
+    # each row's amax is one element of D, so it carries an element's error, not the norm's: the
+    # H200 gave 4.3e-3 at one row of 1000 with fast accumulation (bench/results/h200-2026-12-01-d)
+    torch.testing.assert_close(got["amax"], want["amax"], rtol=8e-3 if fast_accum else 2e-3, atol=1e-2)
     q_err = (got["q"].float() - want["q"].float()).abs() / want["q"].float().abs().clamp_min(1)
     assert float(q_err.max()) <= 2 ** -3  # one fp8 step where the fp32 sums round differently
 

@@ -75,6 +75,12 @@ def steps(text: str) -> list[tuple[str, str]]:
     return out
 
 
+def _verdicts() -> str:
+    """The best attempt's report of every run so far (what a failed step's message carries: the why
+    of a verdict)."""
+    return "\n".join(p.read_text()[:4000] for p in sorted(Path.cwd().glob("runs/*/best/report.md")))
+
+
 def walk(tmp_path, monkeypatch, server, expected_exits: list[int]) -> list[str]:
     """Run the section's steps in ``tmp_path``; returns the output of each command, in order."""
     server.reply(fenced(TORCH_PROGRAM), prompt_tokens=1000, completion_tokens=200)
@@ -111,7 +117,7 @@ def walk(tmp_path, monkeypatch, server, expected_exits: list[int]) -> list[str]:
             r = runner.invoke(app, args, catch_exceptions=False)
             exits.append(r.exit_code)
             outputs.append(r.output)
-            assert r.exit_code == expected_exits[len(exits) - 1], (text, r.output)
+            assert r.exit_code == expected_exits[len(exits) - 1], (text, r.output, _verdicts())
             if args[:2] == ["tasks", "new"]:
                 task_file = Path(f"{args[2]}.yaml")
         else:

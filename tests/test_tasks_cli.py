@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -64,6 +65,40 @@ def test_new_says_when_one_shape_set_cannot_tell_two_symbols_apart(tmp_path, mon
     line = next(line for line in Path("double.yaml").read_text().splitlines() if line.startswith("  y:"))
     assert line.startswith("  y: {shape: [T, T], dtype: bf16}  # T could also be 2*H")
     assert "a further shape set tells them apart" in line
+
+
+def test_new_calls_a_gpu_sized_set_on_meta_tensors(tmp_path, monkeypatch):
+    """A set sized for the GPU (here 2 x 16384 x 16384 bf16 inputs, and a 16384^3 GEMM the CPU would
+    take minutes over) costs shapes only; a reference that needs values (.item()) is still called on
+    the CPU there, at a set small enough to afford it."""
+    monkeypatch.chdir(tmp_path)
+    calls = tmp_path / "calls.txt"
+    Path("ref.py").write_text(f"""import torch
+
+def gated(x, w):
+    open({str(calls)!r}, "a").write(x.device.type + "\\n")
+    h = x @ w
+    return {{"y": (torch.sigmoid(h[:, 0::2]) * h[:, 1::2]).to(x.dtype), "norm": h.float().norm(dim=1)}}
+
+
+def counted(x):
+    return {{"y": x[: int(x.abs().sum().item() > -1) * x.shape[0]] * 2}}
+""")
+    big = "--shapes", "wide=T:16384,H:16384,I:8192"
+    t0 = time.perf_counter()
+    r = cli("tasks", "new", "gated", "--reference", "ref.py:gated", "--input", "x=T,H", "--input", "w=H,2*I",
+            "--shapes", "small=T:64,H:32,I:48", "--shapes", "ragged=T:50,H:40,I:72", *big)
+    assert r.exit_code == 0, r.output
+    assert time.perf_counter() - t0 < 20
+    assert calls.read_text().split() == ["cpu", "cpu", "meta"]
+    raw = yaml.safe_load(Path("gated.yaml").read_text())
+    assert raw["outputs"] == {"y": {"shape": ["T", "I"], "dtype": "bf16"}, "norm": {"shape": ["T"], "dtype": "fp32"}}
+    assert raw["shapes"]["wide"] == {"T": 16384, "H": 16384, "I": 8192}
+    assert "the reference's forward runs [[T, 2*I, H]]" in raw["gemms"]
+    r = cli("tasks", "new", "counted", "--reference", "ref.py:counted", "--input", "x=T,H",
+            "--shapes", "small=T:64,H:32", "--shapes", "wide=T:8192,H:4160")  # 68 MB: past the meta bound
+    assert r.exit_code == 0, r.output
+    assert yaml.safe_load(Path("counted.yaml").read_text())["outputs"]["y"]["shape"] == ["T", "H"]
 
 
 @pytest.mark.parametrize("args,match", [

@@ -120,6 +120,39 @@ def rot(acc, cs: Tile):
     assert default_config(prog.rot, {}, n=128).tile_n == 128
     assert default_config(prog.rot, {}, n=64).tile_n == 64
     assert default_config(prog.rot, {}, n=4096).tile_n == 192
+    # reductions in both directions (a column total and a row total in one epilogue) run 128x128
+    assert default_config(samples["both"][0], {}, n=16384, m=16384) == TileConfig(128, 128, 2, 1, True)
+    # a tile pass (no mainloop) runs its epilogue on both warpgroups of a cooperative tile, whatever
+    # it folds; exposed partials keep their 128-wide contract there too
+    pass_cfg = TileConfig(256, 128, 2, 1, False)
+    for epi in (samples["pass"][0], samples["both"][0], prog.residual_rms):
+        assert default_config(epi, {}, n=16384, m=16384, tile_pass=True) == pass_cfg
+    assert default_config(samples["partials"][0], {}, n=4096, tile_pass=True) == TileConfig(128, 128, 1, 1, True)
+
+
+def test_a_tile_pass_launches_with_the_pass_tile():
+    """What tile_pass records in the launch ledger is the pass rule's tile, and a GEMM with the
+    same epilogue kinds keeps its own."""
+    from coda_agent.primitives import Tile, epilogue, gemm, launch_ledger, lowering, row_sum, tile_pass
+
+    @epilogue(reductions={"db": row_sum()})
+    def dbias(dy: Tile):
+        return {"D": dy, "db": dy}
+
+    @epilogue(reductions={"db": row_sum()})
+    def dbias_gemm(acc, dy: Tile):
+        return {"D": acc + dy, "db": acc}
+
+    dy = torch.randn(300, 200).bfloat16()
+    with lowering("reference"), launch_ledger() as ledger:
+        out = tile_pass(dbias, dy=dy)
+        gemm(torch.randn(300, 64).bfloat16(), torch.randn(64, 200).bfloat16(), dbias_gemm, dy=dy)
+    torch.testing.assert_close(out["db"], dy.float().sum(0), rtol=1e-5, atol=1e-4)
+    from coda_agent.primitives.tile_config import default_config
+
+    gemm_tile = str(default_config(dbias_gemm, {}, n=200, m=300))
+    assert gemm_tile != "256x128 c2x1 cooperative"
+    assert [(e.kind, e.config) for e in ledger] == [("pass", "256x128 c2x1 cooperative"), ("gemm", gemm_tile)]
 
 
 def test_default_config_fills_the_sms_when_output_tiles_are_few():

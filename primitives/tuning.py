@@ -12,7 +12,9 @@ plain GEMM), but quack's full autotune takes 74 s for one shape.  So:
 3. :func:`tune` times a *pruned* candidate list (:data:`CANDIDATES`, six configs
    that won somewhere on Hopper) with device events on the real shapes and
    stores the winner; the benchmark does this once per (program, shape) and the
-   verifier's performance stage then reads the cache instead of searching.
+   verifier's performance stage then reads the cache instead of searching (each
+   GPU runner gets a copy of it in its scratch folder, and its digest is part
+   of the verdict's key: ``verifier/remote.py``, ``verifier/cache.py``).
 
 Keys are fail-closed, like verdict keys: the epilogue's quack semantic digest
 (fn source and everything it references), the catalogue version, the library

@@ -197,8 +197,15 @@ def test_cute_fp8_gemm_matches_the_reference_lowering(fast_accum):
     # each row's amax is one element of D, so it carries an element's error, not the norm's: the
     # H200 gave 4.3e-3 at one row of 1000 with fast accumulation (bench/results/h200-2026-12-01-d)
     torch.testing.assert_close(got["amax"], want["amax"], rtol=8e-3 if fast_accum else 2e-3, atol=1e-2)
-    q_err = (got["q"].float() - want["q"].float()).abs() / want["q"].float().abs().clamp_min(1)
-    assert float(q_err.max()) <= 2 ** -3  # one fp8 step where the fp32 sums round differently
+    # q is the kernel's own fp32 value quantized: within one e4m3 step (2^-3) of its D (stored in
+    # bf16, whose rounding can move an fp8 rounding by a step) and, where the accumulation is the
+    # reference's (promoted), of the reference's q too.  With fast accumulation an element of D
+    # near zero can move by several of q's steps (the H200: 0.31 of |q| at |q| ~ 1, run 10).
+    own = (got["D"].float() * ops["qs"][:, None]).to(torch.float8_e4m3fn).float()
+    assert float(((got["q"].float() - own).abs() / own.abs().clamp_min(1)).max()) <= 2 ** -3
+    if not fast_accum:
+        q_err = (got["q"].float() - want["q"].float()).abs() / want["q"].float().abs().clamp_min(1)
+        assert float(q_err.max()) <= 2 ** -3  # one fp8 step where the fp32 sums round differently
 
 
 @pytest.mark.gpu

@@ -184,3 +184,36 @@ def test_a_runner_dies_with_the_process_that_started_it(tmp_path):
             "Z" not in open(f"/proc/{runner}/stat").read().split()[2]:
         time.sleep(0.1)
     assert not os.path.exists(f"/proc/{runner}") or "Z" in open(f"/proc/{runner}/stat").read().split()[2]
+
+
+def test_a_gpu_runner_reads_its_own_copy_of_the_tuned_configs(places, monkeypatch, tmp_path):
+    """The tile winners bench/run.py stored reach a runner (whose HOME and cache folders are its
+    scratch) as a copy it can read as its own uid: its gemm() lookups find them, and what it writes
+    there stays in its scratch.  Their digest is part of a GPU verdict's key."""
+    import subprocess
+    import sys
+
+    from coda_agent.primitives.tile_config import TileConfig
+    from coda_agent.primitives.tuning import TuningCache
+    from coda_agent.verifier import cache as verdict_cache
+    from coda_agent.verifier.remote import seed_tuned_configs
+
+    monkeypatch.setenv("CODA_CACHE_DIR", str(tmp_path / "judge-cache"))
+    before = verdict_cache.tuned_digest(verdict_cache.tuned_configs())
+    key = "a" * 32
+    TuningCache().put(key, TileConfig(128, 128, 2, 1, True), {"128x128 c2x1 pingpong": 1.0})
+    assert verdict_cache.tuned_digest(verdict_cache.tuned_configs()) != before
+    plan = places[0]
+    folder = seed_tuned_configs(plan)
+    assert folder.is_relative_to(plan.scratch)
+    child = f"""
+from coda_agent import storage
+from coda_agent.primitives.tuning import TuningCache
+print(storage.cache_dir("tuning"), TuningCache().get({key!r}))
+(storage.cache_dir("tuning") / "{key}.json").write_text("forged")
+"""
+    r = subprocess.run([sys.executable, "-c", child], env=sandbox.runner_env(plan, sandbox.RUNNER_ENV),
+                       cwd=plan.scratch, capture_output=True, text=True, user=plan.uid, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [str(folder), "128x128", "c2x1", "pingpong"]
+    assert TuningCache().get(key) == TileConfig(128, 128, 2, 1, True)  # the judge's own entry is untouched

@@ -8,8 +8,9 @@ every ``.py`` file in its module's folder (a superset of what it imports from
 there, and so of every file of its dependency closure,
 ``Task.reference_files``: an edited helper misses the cache too); a digest of the verifier's own
 code and of the catalogue and task code it runs (:func:`code_digest`); the
-catalogue and library versions; the GPU (or "cpu"); and the verifier's
-configuration.  If any part cannot be computed, :func:`cache_key` raises and
+catalogue and library versions; the GPU (or "cpu") and, on a GPU, the tuned
+tile configurations its runners are given (:func:`tuned_configs`); and the
+verifier's configuration.  If any part cannot be computed, :func:`cache_key` raises and
 the caller runs uncached.  Harness errors are never cached.  Whether there is
 a GPU is decided outside the key (:func:`cuda_available`): a failing version
 lookup loses the cache, never the GPU.
@@ -67,6 +68,26 @@ def device_name(gpu: bool, index: int = 0) -> str:
 
     p = torch.cuda.get_device_properties(index)
     return f"{p.name} sm_{p.major}{p.minor}"
+
+
+def tuned_configs() -> dict[str, bytes]:
+    """The tuning cache's entries, ``{file name: contents}`` (``storage.cache_dir("tuning")``:
+    the tile winners ``bench/run.py`` or ``autotune()`` stored).  A GPU runner gets its own copy
+    (:func:`coda_agent.verifier.remote.seed_tuned_configs`), so its ``gemm(config=None)`` calls
+    run at the tuned tiles, and their digest is part of a GPU verdict's key: tuning again is a
+    new verdict, never a stale one."""
+    folder = storage.cache_dir("tuning")
+    try:
+        return {p.name: p.read_bytes() for p in sorted(folder.glob("*.json"))}
+    except OSError:
+        return {}
+
+
+def tuned_digest(entries: dict[str, bytes]) -> str:
+    h = hashlib.sha256()
+    for name, data in sorted(entries.items()):
+        h.update(name.encode() + b"\0" + hashlib.sha256(data).digest())
+    return h.hexdigest()[:16]
 
 
 def catalogue_version() -> str:

@@ -201,6 +201,8 @@ class Verifier:
         try:
             versions = {**verdict_cache.library_versions(),
                         "device": verdict_cache.device_name(gpu, _torch_index(self.device))}
+            if gpu:
+                versions["tuning"] = verdict_cache.tuned_digest(verdict_cache.tuned_configs())
             key = verdict_cache.cache_key(program_source, task, self.config(), versions)
         except Exception:  # noqa: BLE001 - fail closed: no key, no cache
             key = None

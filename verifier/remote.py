@@ -26,6 +26,7 @@ import threading
 from pathlib import Path
 from typing import Any, Sequence
 
+from coda_agent.verifier import cache as verdict_cache
 from coda_agent.verifier import sandbox
 from coda_agent.verifier.program import CandidateError
 from coda_agent.verifier.wire import Channel, PeerGone, Timeout, WireError
@@ -68,6 +69,20 @@ class _LogTail:
             return b"".join(self.buf).decode(errors="replace")[-LOG_TAIL:]
 
 
+def seed_tuned_configs(plan: sandbox.Plan) -> Path:
+    """Copy the judge's tuning cache into the runner's own cache folder (where
+    ``storage.cache_dir`` points inside it: ``$XDG_CACHE_HOME/coda-agent`` under its scratch
+    directory), readable by the runner's uid.  A copy, so a program can change nothing but the
+    tiles of its own run, which any program may pin anyway."""
+    env = sandbox.runner_env(plan, {})
+    folder = Path(env["XDG_CACHE_HOME"]) / "coda-agent" / "tuning"
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, data in verdict_cache.tuned_configs().items():
+        (folder / name).write_bytes(data)
+    sandbox.give(plan, Path(plan.scratch) / ".cache")
+    return folder
+
+
 class Remote:
     """One runner process for one program (module docstring)."""
 
@@ -77,6 +92,8 @@ class Remote:
         self.plan = sandbox.plan_for(source, scratch, cuda, cpu_seconds, mode)
         os.symlink(self.plan.writable[0], os.path.join(self.plan.scratch, "kernels"))
         env = sandbox.runner_env(self.plan, sandbox.RUNNER_ENV)
+        if cuda:
+            seed_tuned_configs(self.plan)
         if not cuda:  # a CPU runner on a GPU machine sees no GPU (and keeps its address-space limit)
             env["CUDA_VISIBLE_DEVICES"] = ""
         mine, theirs = socket.socketpair()

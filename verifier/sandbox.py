@@ -7,7 +7,8 @@ each applied where the machine allows it and reported back
 
 1. **Always** (any machine, any user): a clean environment built from an
    allow-list (no API keys, no ``CODA_*`` markers, no inherited secrets); a
-   fresh empty working directory that is also ``HOME`` and ``TMPDIR``; no file
+   fresh working directory that is also ``HOME`` and ``TMPDIR`` (empty, but
+   for a GPU runner's copy of the tuned tile configurations); no file
    descriptor but its channel to the judge and its log pipe; a session of its
    own (the judge kills the whole group); resource limits: no core files,
    caps on file size, open files and CPU seconds (a backstop behind the
@@ -207,6 +208,12 @@ def _strangers_can_run(cuda: bool) -> bool:
             if not d.stat().st_mode & stat.S_IXOTH:
                 return False
     return True
+
+
+def give(plan: Plan, top: Path) -> None:
+    """Make ``top`` (a tree the judge wrote inside the runner's scratch) the runner's own."""
+    if os.geteuid() == 0:
+        _chown_tree(top, plan.uid if plan.uid is not None else 0)
 
 
 def _chown_tree(top: Path, uid: int) -> None:

@@ -5,7 +5,8 @@
 # stopped and the next one starts), and everything they write lands in
 # $OUT/results.tgz (one file back, whatever happened), ready to unpack into
 # bench/results/h200-<date>-<name>/.  Parts:
-#   tier            the GPU test tier (pytest -m gpu) but the suite-wide verification
+#   tier            the GPU test tier (pytest -m gpu) but the suite-wide verification; tier=I/N:
+#                   the I-th of N shares of its test files (the whole tier outgrew one call)
 #   verify-SUITE    `coda-agent eval tasks/SUITE --author expert`: every expert (verify-SUITE=A,B:
 #                   those of tasks A and B) through the whole verifier on every shape set
 #                   (the batch dir comes back; a batch left unfinished under
@@ -41,9 +42,15 @@ part() {  # NAME SECONDS COMMAND...: run COMMAND under the limit, log to $res/NA
 for item in "$@"; do
     name=${item%%:*} secs=${item##*:}
     case $name in
-        tier)
-            part tier "$secs" python3 -m pytest -m gpu -q -p no:cacheprovider -rfE --durations=25 \
-                --ignore=tests/test_suite_gpu.py -k "not every_config and not test_expert_on_gpu" ;;
+        tier|tier=*)
+            shard=${name#tier} shard=${shard#=}
+            files=$(grep -l "pytest.mark.gpu" tests/test_*.py | grep -v "tests/test_suite_gpu.py" | sort)
+            if [ -n "$shard" ]; then
+                files=$(echo "$files" | awk -v i="${shard%/*}" -v n="${shard#*/}" '(NR - 1) % n == i - 1')
+            fi
+            echo "tier${shard:+ $shard}: $(echo $files)" >>"$res/parts.txt"
+            part "tier${shard:+-${shard%/*}of${shard#*/}}" "$secs" python3 -m pytest -m gpu -q -p no:cacheprovider \
+                -rfE --durations=25 -k "not every_config and not test_expert_on_gpu" $files ;;
         verify-*)  # the batch lives outside $OUT, so the next call on a warm machine resumes it
             spec=${name#verify-} suite=${name#verify-} only=
             suite=${suite%%=*}

@@ -55,3 +55,19 @@ def test_verify_part_takes_the_tasks_it_names(tmp_path):
     assert "verify-llama3 rc=2" in parts and "unknown part: nothing" in parts, parts
     log = (back / "verify-llama3.log").read_text()
     assert "--only: no_such_task: not a task of tasks/llama3" in log and "swiglu_fwd" in log, log
+
+
+def test_tier_shares_split_the_gpu_test_files_between_calls(tmp_path):
+    """tier=1/2 and tier=2/2 run disjoint halves of the GPU-marked test files, which together are
+    the whole tier (on the CPU every GPU test is skipped, so the parts end at once)."""
+    proc, back = _session(tmp_path, ["tier=1/2:120", "tier=2/2:120"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    parts = (back / "parts.txt").read_text().splitlines()
+    shares = [set(line.split(": ", 1)[1].split()) for line in parts if line.startswith("tier ")]
+    assert len(shares) == 2 and shares[0] and shares[1] and not shares[0] & shares[1]
+    gpu_files = {f"tests/{p.name}" for p in (ROOT / "tests").glob("test_*.py")
+                 if "pytest.mark." + "gpu" in p.read_text() and p.name != "test_suite_gpu.py"}
+    assert shares[0] | shares[1] == gpu_files
+    assert any(line.startswith("tier-1of2 rc=") for line in parts) and any(line.startswith("tier-2of2 rc=") for line in parts)
+    log = (back / "tier-2of2.log").read_text()
+    assert "skipped" in log or "deselected" in log, log[-2000:]

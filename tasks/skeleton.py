@@ -4,9 +4,10 @@ Given the reference (``ref.py:fn``), its tensor inputs with symbolic shapes
 (``x=T,H``) and shape sets binding the symbols (``small=T:256,H:128``), the
 reference is called once per shape set (on the CPU; a set whose inputs pass
 :data:`META_SET_BYTES`, one sized for the GPU, on meta tensors, which give
-shapes and dtypes at no cost), and what it returns fills in the outputs: names, dtypes, and symbolic shapes (each dimension is matched
-against expressions of the symbols, ``T``, ``4*H``, ``T*H``, ``H//2``..., that
-fit *every* shape set, so two sets that differ tell ``T`` from ``2*H``).
+shapes and dtypes at no cost), and what it returns fills in the outputs:
+names, dtypes, and symbolic shapes (each dimension is matched against
+expressions of the symbols, ``T``, ``4*H``, ``T*H``, ``H//2``..., that fit
+*every* shape set, so two sets that differ tell ``T`` from ``2*H``).
 Params are the reference's keyword defaults, or ``--param name=value``.
 
 What a call cannot tell is left as a ``TODO ...`` value for a person:

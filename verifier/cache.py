@@ -10,8 +10,8 @@ there, and so of every file of its dependency closure,
 code and of the catalogue and task code it runs (:func:`code_digest`); the
 catalogue and library versions; the GPU (or "cpu") and, on a GPU, the tuned
 tile configurations its runners are given (:func:`tuned_configs`); and the
-verifier's configuration.  If any part cannot be computed, :func:`cache_key` raises and
-the caller runs uncached.  Harness errors are never cached.  Whether there is
+verifier's configuration.  If any part cannot be computed, :func:`cache_key`
+raises and the caller runs uncached.  Harness errors are never cached.  Whether there is
 a GPU is decided outside the key (:func:`cuda_available`): a failing version
 lookup loses the cache, never the GPU.
 

@@ -94,7 +94,7 @@ class Remote:
         env = sandbox.runner_env(self.plan, sandbox.RUNNER_ENV)
         if cuda:
             seed_tuned_configs(self.plan)
-        if not cuda:  # a CPU runner on a GPU machine sees no GPU (and keeps its address-space limit)
+        else:  # a CPU runner on a GPU machine sees no GPU (and keeps its address-space limit)
             env["CUDA_VISIBLE_DEVICES"] = ""
         mine, theirs = socket.socketpair()
         log_r, log_w = os.pipe()

@@ -81,13 +81,17 @@ def _require_pass(epi: Any, call: str) -> Epilogue:
 
 
 def tile_pass(epilogue: Epilogue, *, out_dtype: str | None = None, config: TileConfig | None = None,
-              accumulate_into: torch.Tensor | None = None, **operands: Any) -> dict[str, torch.Tensor]:
+              accumulate_into: torch.Tensor | None = None, out: torch.Tensor | None = None,
+              **operands: Any) -> dict[str, torch.Tensor]:
     """Run an epilogue fn without ``acc`` over tiles, with no GEMM: its Tile
     (and PairedTile) operands set the (M, N) it covers; every operand kind,
-    output, reduction and ``accumulate_into`` work as in ``gemm``.  D's dtype
-    is ``out_dtype``, by default the first Tile operand's.  The cost is the
-    epilogue's own loads and stores (e.g. dGELU of an incoming gradient:
-    ``tile_pass(dgelu, dy=dy, pre=pre)``, no GEMM to recompute)."""
+    output, reduction, ``accumulate_into`` and ``out`` work as in ``gemm``
+    (``out`` may be a Tile the fn reads and nothing reads later: each element
+    is read before it is written).  D's dtype is ``out_dtype``, by default the
+    first Tile operand's.  The cost is the epilogue's own loads and stores
+    (e.g. dGELU of an incoming gradient over the saved pre-activation:
+    ``tile_pass(dgelu, dy=dy, pre=pre, out=pre)``, no GEMM to recompute, no
+    new (M, N) buffer)."""
     epi = _require_pass(epilogue, "tile_pass")
     grid = [(name, g) for name, kind in epi.operands.items()
             if (g := kind.output_grid(operands.get(name))) is not None]
@@ -100,7 +104,7 @@ def tile_pass(epilogue: Epilogue, *, out_dtype: str | None = None, config: TileC
     if out_dtype is None and epi.stores_d and not epi.paired_operand:
         out_dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(operands[first].dtype, "fp32")
     return launch(epi, zero_rows(m, device), zero_rows(n, device).t(), operands, out_dtype=out_dtype,
-                  config=config, accumulate_into=accumulate_into, kind="pass")
+                  config=config, accumulate_into=accumulate_into, out=out, kind="pass")
 
 
 def vector_pass(epilogue: Epilogue, **operands: Any) -> dict[str, torch.Tensor]:

@@ -112,6 +112,23 @@ def test_tile_pass_out_dtype_and_accumulate_into(gen):
     torch.testing.assert_close(buf.float(), (1 + fp32.bfloat16().float()).bfloat16().float())
 
 
+def test_tile_pass_writes_d_over_a_tile_it_reads(gen):
+    """out= takes the tensor D is written into, which may be the Tile the fn reads (each element is
+    read before it is written): the result is the same as into a new buffer, in that storage, and
+    its version moves as an in-place op's would (a saved tensor reused so is caught by autograd)."""
+    dy, pre = _rand(M, N, gen=gen), _rand(M, N, gen=gen, scale=2.0)
+    ops = dict(dy=dy, scale=torch.rand(M, generator=gen) + 0.5, shift=_rand(N, gen=gen), alpha=0.5)
+    with lowering("reference"):
+        fresh = tile_pass(PROGRAM.dgelu, pre=pre, **ops)
+        buf, version = pre.clone(), pre.clone()._version
+        over = tile_pass(PROGRAM.dgelu, pre=buf, out=buf, **ops)
+    assert over["D"] is buf and buf._version > version
+    torch.testing.assert_close(over["D"], fresh["D"], rtol=0, atol=0)
+    torch.testing.assert_close(over["db"], fresh["db"], rtol=0, atol=0)
+    with lowering("reference"), pytest.raises(CatalogueError, match=r"out is torch.float32; D is torch.bfloat16"):
+        tile_pass(PROGRAM.dgelu, pre=pre, out=torch.zeros(M, N), **ops)
+
+
 BAD_PASSES = [
     (lambda: tile_pass(PROGRAM.with_acc, x=torch.zeros(8, 8, dtype=torch.bfloat16)),
      r"reads `acc`, but a pass runs no GEMM.*drop the `acc` parameter"),

@@ -126,7 +126,9 @@ def backward(saved, dh_out, dqkv):
     dh2 = d2["D"]
     dw_qkv = gemm(dqkv.t(), d2["ln"])["D"]
     # MLP + its LayerNorm (+ the residual gradient dh2).
-    da = gemm(dh2, saved["w_proj"], dgelu_stats, pre=saved["pre"], gw=saved["gw_fc"], shift=saved["shift_fc"])
+    # dpre goes over the saved pre it is computed from (read before written, not read again).
+    da = gemm(dh2, saved["w_proj"], dgelu_stats, pre=saved["pre"], out=saved["pre"], gw=saved["gw_fc"],
+              shift=saved["shift_fc"])
     k1 = vector_pass(ln_grad_coeffs, mean=saved["mean1"], rstd=saved["rstd1"], s1=da["s1"], s2=da["s2"],
                      inv_dim=inv_dim)
     d1 = gemm(da["D"], saved["w_fc"], ln_backward_bias, h=h, dy=dh2, rstd=saved["rstd1"], r0=k1["r0"], p=k1["p"],

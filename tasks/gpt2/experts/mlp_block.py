@@ -21,7 +21,8 @@ on tensors the forward and backward already wrote.
 Floor: 6 GEMMs; beyond their operands, the statistics' read of h, the pre
 store, the residual read, the read of pre in the dGELU epilogue, the reads of
 h and dy and the LN(h) store in the LayerNorm-backward epilogue, and two passes
-over w_fc."""
+over w_fc.  dpre is written over the saved pre (``out=``), so the backward
+holds one (T, 4H) tensor fewer."""
 
 from coda_agent.primitives import (ColVec, RowVec, Scalar, Tile, col_sum, epilogue, erf, exp, gelu, gemm,
                                    layernorm_fold, row_stats, row_sum, vector_pass)
@@ -74,7 +75,9 @@ def forward(h, gamma, beta, w_fc, b_fc, w_proj, b_proj, eps):
 
 def backward(saved, dy):
     h, rstd = saved["h"], saved["rstd"]
-    da = gemm(dy, saved["w_proj"], dgelu_stats, pre=saved["pre"], gw=saved["gw"], shift=saved["shift"])
+    # dpre goes over the saved pre it is computed from (read before written, not read again).
+    da = gemm(dy, saved["w_proj"], dgelu_stats, pre=saved["pre"], out=saved["pre"], gw=saved["gw"],
+              shift=saved["shift"])
     k = vector_pass(ln_grad_coeffs, mean=saved["mean"], rstd=rstd, s1=da["s1"], s2=da["s2"],
                     inv_dim=1.0 / h.shape[1])
     d = gemm(da["D"], saved["w_fc"], ln_backward, h=h, dy=dy, rstd=rstd, r0=k["r0"], p=k["p"], q=k["q"],

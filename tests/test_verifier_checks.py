@@ -204,3 +204,17 @@ def test_correct_slow_is_its_own_outcome():
     assert Report.outcome_of(passed + [StageResult(name="performance", status="slow")]) == "correct_slow"
     assert Report.outcome_of(passed + [StageResult(name="performance", status="passed")]) == "accepted"
     assert Report.outcome_of(passed[:3]) == "cpu_passed"
+
+
+def test_a_ranges_device_time_is_its_kernels_not_its_span():
+    """A range of three small launches with the host's gaps between them spans 300 us on the device
+    timeline but keeps the GPU busy for 30; a GEMM's range is its kernel.  Kernels outside a range
+    (or partly outside: a span is clipped) do not count toward it, and a name seen twice adds up."""
+    from coda_agent.verifier.program import busy_ms
+
+    spans = [("coda::aux::coeffs", 1000.0, 1300.0), ("coda::gemm::plain", 1300.0, 3300.0),
+             ("coda::aux::coeffs", 4000.0, 4010.0)]
+    kernels = [(1000.0, 1010.0), (1150.0, 1160.0), (1290.0, 1300.0), (1300.0, 3300.0), (3500.0, 3600.0),
+               (3995.0, 4005.0)]
+    got = busy_ms(spans, kernels)
+    assert got == pytest.approx({"coda::aux::coeffs": 0.035, "coda::gemm::plain": 2.0})

@@ -215,6 +215,19 @@ def poison_allocator() -> None:
 _LAUNCH_API = ("LaunchKernel", "cuLaunch", "cudaLaunch", "Memcpy", "Memset", "memcpy", "memset")
 
 
+def busy_ms(spans: list[tuple[str, float, float]], kernels: list[tuple[float, float]]) -> dict[str, float]:
+    """Device time per catalogue range, in ms: a record_function range also appears on the device
+    timeline, from its first kernel's start to its last one's end, and what counts is the kernels'
+    time inside that span, not the span (a range of a few small launches spans the host's gaps
+    between them).  Times in microseconds, as the profiler gives them."""
+    out: dict[str, float] = {}
+    for name, start, end in spans:
+        inside = sum(min(end, k_end) - max(start, k_start) for k_start, k_end in kernels
+                     if k_start < end and k_end > start)
+        out[name] = out.get(name, 0.0) + inside / 1e3
+    return out
+
+
 def profile(contract: Contract, mod: ModuleType, inputs: dict[str, torch.Tensor],
             grads: dict[str, torch.Tensor] | None, epilogue_names: set[str]) -> dict[str, Any]:
     """One call under torch.profiler and the launch ledger: what ran, where, and for how long."""
@@ -242,11 +255,9 @@ def profile(contract: Contract, mod: ModuleType, inputs: dict[str, torch.Tensor]
             while parent is not None and parent.cpu_parent is not None and not parent.name.startswith("aten::"):
                 parent = parent.cpu_parent
             outside.append(parent.name if parent is not None else e.name)
-    # A record_function range also appears on the device timeline, spanning its kernels.
-    per_range: dict[str, float] = {}
-    for e in events:
-        if e.device_type == cuda and e.name.startswith("coda::"):
-            per_range[e.name] = per_range.get(e.name, 0.0) + (e.time_range.end - e.time_range.start) / 1e3
+    spans = [(e.name, e.time_range.start, e.time_range.end) for e in events
+             if e.device_type == cuda and e.name.startswith("coda::")]
+    per_range = busy_ms(spans, [(k.time_range.start, k.time_range.end) for k in kernels])
     err = audit.verdict()
     return {"ledger": [f"{entry.kind}:{entry.name}" for entry in ledger],
             "configs": [f"{entry.name}: {entry.config}" for entry in ledger if entry.kind == "gemm"],

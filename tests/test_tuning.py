@@ -134,6 +134,7 @@ def test_a_tile_pass_launches_with_the_pass_tile():
     """What tile_pass records in the launch ledger is the pass rule's tile, and a GEMM with the
     same epilogue kinds keeps its own."""
     from coda_agent.primitives import Tile, epilogue, gemm, launch_ledger, lowering, row_sum, tile_pass
+    from coda_agent.primitives.tile_config import default_config
 
     @epilogue(reductions={"db": row_sum()})
     def dbias(dy: Tile):
@@ -148,8 +149,6 @@ def test_a_tile_pass_launches_with_the_pass_tile():
         out = tile_pass(dbias, dy=dy)
         gemm(torch.randn(300, 64).bfloat16(), torch.randn(64, 200).bfloat16(), dbias_gemm, dy=dy)
     torch.testing.assert_close(out["db"], dy.float().sum(0), rtol=1e-5, atol=1e-4)
-    from coda_agent.primitives.tile_config import default_config
-
     gemm_tile = str(default_config(dbias_gemm, {}, n=200, m=300))
     assert gemm_tile != "256x128 c2x1 cooperative"
     assert [(e.kind, e.config) for e in ledger] == [("pass", "256x128 c2x1 cooperative"), ("gemm", gemm_tile)]

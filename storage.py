@@ -16,7 +16,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -39,8 +39,11 @@ def write_json(path: Path, data: Any) -> None:
     write_atomic(path, json.dumps(data, indent=2, default=str) + "\n")
 
 
-def cache_dir(kind: str) -> Path:
-    """The folder of one kind of cache (see the module doc); not created here."""
-    root = os.environ.get("CODA_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "coda-agent")
+def cache_dir(kind: str, environ: Mapping[str, str] | None = None) -> Path:
+    """The folder of one kind of cache (see the module doc) for the process whose environment is
+    ``environ`` (default: this one's); not created here."""
+    env = os.environ if environ is None else environ
+    home = env.get("HOME") or os.path.expanduser("~")
+    root = env.get("CODA_CACHE_DIR") or os.path.join(env.get("XDG_CACHE_HOME") or os.path.join(home, ".cache"),
+                                                     "coda-agent")
     return Path(root) / kind

@@ -37,12 +37,12 @@ a crash or an out-of-memory is one failed row): on CUDA a fresh interpreter
 forked from a server whose imports had touched it), on the CPU a fork of a
 server that imported torch, transformers and the catalogue once and did
 nothing else (``forkserver``: the imports are some seconds of every
-measurement otherwise).  The
-driver runs them in priority order within ``--budget-s`` (default 360 s,
-compile warm-ups included), skips what no longer fits (recorded as skipped),
-and rewrites ``OUT/train_step.json`` after each.  ``--dry-run`` runs the
-plumbing on CPU at a tiny config (reference lowering; "compiled" contenders
-through AOTAutograd without code generation; Liger skipped), which CI tests.
+measurement otherwise).  The driver runs them in priority order within
+``--budget-s`` (default 360 s, compile warm-ups included), skips what no longer
+fits (recorded as skipped), and rewrites ``OUT/train_step.json`` after each.
+``--dry-run`` runs the plumbing on CPU at a tiny config (reference lowering;
+"compiled" contenders through AOTAutograd without code generation; Liger
+skipped), which CI tests.
 
     source scripts/gpu-env.sh && python3 bench/train_step.py --out bench/results/h200-<date>-train
 """
@@ -325,7 +325,7 @@ def child(args: argparse.Namespace, device: str, name: str) -> None:
 
 
 def _forked(args: argparse.Namespace, device: str, name: str, log: str) -> None:
-    """:func:`child` in a process of the fork server, its output to ``log`` (in the checkout, as a
+    """:func:`child` in a measurement's own process, its output to ``log`` (in the checkout, as a
     script's would be)."""
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)

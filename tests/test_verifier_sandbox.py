@@ -204,7 +204,8 @@ def test_a_gpu_runner_reads_its_own_copy_of_the_tuned_configs(places, monkeypatc
     TuningCache().put(key, TileConfig(128, 128, 2, 1, True), {"128x128 c2x1 pingpong": 1.0})
     assert verdict_cache.tuned_digest(verdict_cache.tuned_configs()) != before
     plan = places[0]
-    folder = seed_tuned_configs(plan)
+    env = sandbox.runner_env(plan, sandbox.RUNNER_ENV)
+    folder = seed_tuned_configs(plan, env)
     assert folder.is_relative_to(plan.scratch)
     child = f"""
 from coda_agent import storage
@@ -212,7 +213,7 @@ from coda_agent.primitives.tuning import TuningCache
 print(storage.cache_dir("tuning"), TuningCache().get({key!r}))
 (storage.cache_dir("tuning") / "{key}.json").write_text("forged")
 """
-    r = subprocess.run([sys.executable, "-c", child], env=sandbox.runner_env(plan, sandbox.RUNNER_ENV),
+    r = subprocess.run([sys.executable, "-c", child], env=env,
                        cwd=plan.scratch, capture_output=True, text=True, user=plan.uid, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == [str(folder), "128x128", "c2x1", "pingpong"]

@@ -26,6 +26,7 @@ import threading
 from pathlib import Path
 from typing import Any, Sequence
 
+from coda_agent import storage
 from coda_agent.verifier import cache as verdict_cache
 from coda_agent.verifier import sandbox
 from coda_agent.verifier.program import CandidateError
@@ -69,17 +70,17 @@ class _LogTail:
             return b"".join(self.buf).decode(errors="replace")[-LOG_TAIL:]
 
 
-def seed_tuned_configs(plan: sandbox.Plan) -> Path:
-    """Copy the judge's tuning cache into the runner's own cache folder (where
-    ``storage.cache_dir`` points inside it: ``$XDG_CACHE_HOME/coda-agent`` under its scratch
-    directory), readable by the runner's uid.  A copy, so a program can change nothing but the
-    tiles of its own run, which any program may pin anyway."""
-    env = sandbox.runner_env(plan, {})
-    folder = Path(env["XDG_CACHE_HOME"]) / "coda-agent" / "tuning"
+def seed_tuned_configs(plan: sandbox.Plan, env: dict[str, str]) -> Path:
+    """Copy the judge's tuning cache to where ``storage.cache_dir`` points in the runner's
+    environment ``env`` (under its scratch directory), readable by the runner's uid.  A copy, so a
+    program can change nothing but the tiles of its own run, which any program may pin anyway."""
+    folder = storage.cache_dir("tuning", env)
     folder.mkdir(parents=True, exist_ok=True)
     for name, data in verdict_cache.tuned_configs().items():
         (folder / name).write_bytes(data)
-    sandbox.give(plan, Path(plan.scratch) / ".cache")
+    # From the first folder made under the scratch directory (.cache, where the runner's other
+    # caches go too): the runner's own, not the judge's.
+    sandbox.give(plan, Path(plan.scratch) / folder.relative_to(plan.scratch).parts[0])
     return folder
 
 
@@ -93,7 +94,7 @@ class Remote:
         os.symlink(self.plan.writable[0], os.path.join(self.plan.scratch, "kernels"))
         env = sandbox.runner_env(self.plan, sandbox.RUNNER_ENV)
         if cuda:
-            seed_tuned_configs(self.plan)
+            seed_tuned_configs(self.plan, env)
         else:  # a CPU runner on a GPU machine sees no GPU (and keeps its address-space limit)
             env["CUDA_VISIBLE_DEVICES"] = ""
         mine, theirs = socket.socketpair()

@@ -62,6 +62,12 @@ def compile_target() -> str:
 
 # --------------------------------------------------------------------------- pipeline depth
 
+
+class StageShortage(CatalogueError):
+    """A tile config whose epilogue staging leaves the mainloop too few A/B stages.
+    An untuned call that meets it runs again on :func:`.tile_config.lean_staging`."""
+
+
 _guard_lock = threading.Lock()
 _guard_depth = 0
 _unguarded: Any = None  # quack's own _compute_stages while the guard is installed
@@ -87,11 +93,11 @@ def _stage_checked(stages_of: Any) -> classmethod:
         stages = result[0] if isinstance(result, tuple) and result else None
         if isinstance(stages, int) and stages < MIN_AB_STAGES:
             tile = "x".join(str(d) for d in tuple(cta_tile_shape_mnk)[:2])
-            raise CatalogueError(
+            raise StageShortage(
                 f"tile config {tile} leaves {stages} A/B pipeline stage{'s' if stages != 1 else ''} once "
                 f"this epilogue's staging buffers take their shared memory; the SM90 mainloop needs at "
-                f"least {MIN_AB_STAGES} (with one it deadlocks on the H200). Use a 128-wide pingpong "
-                "config (the default), or stage less: fewer or narrower extra outputs (bf16 instead of "
+                f"least {MIN_AB_STAGES} (with one it deadlocks on the H200). Use a 128x128 pingpong "
+                "config, or stage less: fewer or narrower extra outputs (bf16 instead of "
                 "fp32), fewer Tile operands.")
         return result
 

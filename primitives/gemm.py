@@ -46,7 +46,8 @@ from .epilogue import Epilogue, registered
 from .errors import CatalogueError
 from .lowering import current_lowering, launching, profiler_range
 from .operands import INPUT_DTYPES, OUTPUT_DTYPES, row_bytes
-from .tile_config import H100_SMS, MAX_TILE_N, TileConfig, default_config, tunable
+from .dsl_scope import StageShortage
+from .tile_config import H100_SMS, MAX_TILE_N, TileConfig, default_config, lean_staging, tunable
 from .tuning import autotuning, lookup, tune
 
 PLAIN = "plain"  # the op's name for "no epilogue"
@@ -301,8 +302,11 @@ def _launch(epi: Epilogue | None, A: torch.Tensor, B: torch.Tensor, operands: di
             cfg, _ = tune(epi, A, B, operands, out_dtype=results["D"].dtype if "D" in results else A.dtype,
                           fast_accum=fast_accum)
     on_fp8 = fp8.is_fp8(A.dtype)
-    cfg = cfg or default_config(epi, operands, n, m, _sm_count(A), fp8_promote=on_fp8 and not fast_accum,
-                                tile_pass=kind == "pass")
+    defaulted = cfg is None
+    if defaulted:
+        cfg = default_config(epi, operands, n, m, _sm_count(A), fp8_promote=on_fp8 and not fast_accum,
+                             tile_pass=kind == "pass")
+        cfg = _leaner(epi, A, B, operands, results).get(cfg, cfg)
     for name in epi.head_stats if epi is not None else ():
         hd = operands[name]
         if hd > MAX_TILE_N:
@@ -313,13 +317,39 @@ def _launch(epi: Epilogue | None, A: torch.Tensor, B: torch.Tensor, operands: di
             raise CatalogueError(f"gemm: head statistic {name!r} needs whole heads in a tile: tile_n "
                                  f"{cfg.tile_n} is not a multiple of head_dim {hd}; use "
                                  f"TileConfig(tile_n={hd}) or a multiple of it")
+    if lowering == "cute" and not A.is_cuda:
+        raise CatalogueError("gemm: the cute lowering runs on CUDA tensors; move the inputs to the "
+                             "GPU or use lowering('reference')")
+    try:
+        _run(epi, A, B, operands, results, accumulate, cfg, fast_accum, kind, lowering)
+    except StageShortage:
+        lean = lean_staging(cfg, epi) if defaulted else None
+        if lean is None:
+            raise
+        # The shortage is found while compiling, before anything launches; remembered per
+        # epilogue and dtypes so that later calls compile the lean config straight away.
+        _leaner(epi, A, B, operands, results)[cfg] = lean
+        _run(epi, A, B, operands, results, accumulate, lean, fast_accum, kind, lowering)
+
+
+def _leaner(epi: Epilogue | None, A: torch.Tensor, B: torch.Tensor, operands: dict[str, Any],
+            results: dict[str, torch.Tensor]) -> dict[TileConfig, TileConfig]:
+    """Default config -> the leaner one that replaced it, for calls with these dtypes
+    (the staging that decides the stage count depends on the tile and the dtypes only)."""
+    if epi is None:
+        return {}
+    dtypes = (A.dtype, B.dtype, *(t.dtype for t in (*operands.values(), *results.values())
+                                  if isinstance(t, torch.Tensor)))
+    return epi._lowered.setdefault(("lean_staging", dtypes), {})
+
+
+def _run(epi: Epilogue | None, A: torch.Tensor, B: torch.Tensor, operands: dict[str, Any],
+         results: dict[str, torch.Tensor], accumulate: bool, cfg: TileConfig, fast_accum: bool, kind: str,
+         lowering: str) -> None:
     if lowering == "compile":
         cute.compile_call(epi, A, B, operands, buffers=results, config=cfg, accumulate=accumulate,
                           fast_accum=fast_accum)
         return
-    if lowering == "cute" and not A.is_cuda:
-        raise CatalogueError("gemm: the cute lowering runs on CUDA tensors; move the inputs to the "
-                             "GPU or use lowering('reference')")
     with launching(kind, epi.name if epi is not None else PLAIN, str(cfg)):
         if lowering == "cute":
             cute.run(epi, A, B, operands, buffers=results, config=cfg, accumulate=accumulate,

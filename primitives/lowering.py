@@ -152,11 +152,13 @@ def launching(kind: str, name: str, config: str = "") -> Iterator[None]:
     if _launching.get() or _lowering.get() == "compile":
         yield
         return
+    with set_within(_launching, True), profiler_range(f"coda::{kind}::{name}"):
+        yield
+    # Recorded once the launch is made: one that raised (a config refused while compiling,
+    # then run again on another) launched nothing.
     sink = _ledger.get()
     if sink is not None:
         sink.append(Launch(kind, name, config))
-    with set_within(_launching, True), profiler_range(f"coda::{kind}::{name}"):
-        yield
 
 
 def profiler_range(name: str) -> contextlib.AbstractContextManager:

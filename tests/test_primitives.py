@@ -412,7 +412,7 @@ def test_a_config_left_one_pipeline_stage_is_refused_while_compiling(gen):
     epi = load_program(WIDE_OUTPUTS, "wide").wide
     A, B = rand(1000, 200, dtype=torch.bfloat16), rand(200, 1264, dtype=torch.bfloat16)
     with compile_only() as kernels:
-        with pytest.raises(CatalogueError, match=r"256x128 leaves 1 A/B pipeline stage.*128-wide pingpong"):
+        with pytest.raises(CatalogueError, match=r"256x128 leaves 1 A/B pipeline stage.*128x128 pingpong"):
             gemm(A, B, epi, config=TileConfig(256, 128, 2, 1, False))
         gemm(A, B, epi, config=TileConfig(128, 128, 2, 1, True))
         # With a Tile operand staged too there is room for no stage at all; quack alone
@@ -422,6 +422,34 @@ def test_a_config_left_one_pipeline_stage_is_refused_while_compiling(gen):
         with pytest.raises(CatalogueError, match=r"128x256 leaves 0 A/B pipeline stages"):
             gemm(A, B, with_tile, config=TileConfig(128, 256, 1, 1, False), r=rand(1000, 1264, dtype=torch.bfloat16))
     assert len(kernels) == 1 and kernels[0].sass.hgmma > 0
+
+
+@pytest.mark.slow
+def test_an_untuned_call_short_of_stages_runs_on_the_lean_tile(gen, monkeypatch):
+    """The tile-pass rule's 256x128 cooperative tile stages two 128-row halves, so an
+    fp32 Tile plus four fp32 results leaves no mainloop stage there (the H200's GPU
+    tier, run 11: the erf/GELU pass).  Left to the rules, the call compiles on
+    128x128 c1x1 pingpong instead, and later calls with the same dtypes go straight
+    there; the same config pinned is still refused."""
+    from coda_agent.primitives import cute
+
+    epi = load_program(HEADER + '''
+@epilogue(outputs={"a": "fp32", "b": "fp32", "c2": "fp32"})
+def heavy(x: Tile):
+    return {"D": x, "a": x * 2.0, "b": x * 3.0, "c2": x * 4.0}
+''', "heavy").heavy
+    x = rand(1000, 512, dtype=torch.float32)
+    tried = []
+    real = cute.compile_call
+    monkeypatch.setattr(cute, "compile_call", lambda *a, **kw: (tried.append(str(kw["config"])), real(*a, **kw))[1])
+    with compile_only() as kernels:
+        tile_pass(epi, x=x)
+        tile_pass(epi, x=rand(2000, 512, dtype=torch.float32))
+        with pytest.raises(CatalogueError, match=r"256x128 leaves 0 A/B pipeline stages"):
+            tile_pass(epi, x=x, config=TileConfig(256, 128, 2, 1, False))
+    lean = "128x128 c1x1 pingpong"
+    assert tried == ["256x128 c2x1 cooperative", lean, lean, "256x128 c2x1 cooperative"], tried
+    assert [k.config for k in kernels] == [lean, lean]
 
 
 HGMMA_LINE = "        /*0000*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], RZ ;"

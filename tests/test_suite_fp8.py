@@ -82,24 +82,27 @@ def test_the_fp8_gemm_of_the_recipe_sums_in_fp32_off_the_gpu():
         want = (qa.double() @ qb.double().t()) * sa.double()[:, None] * sb.double()[None, :]
         torch.testing.assert_close(got.double(), want, rtol=2e-5, atol=1e-5)  # fp32 rounding
     fp8_x = qa.to(torch.float8_e4m3fn)  # the single-GEMM tasks' low run: inputs already fp8
-    assert torch.equal(references._scaled_gemm(fp8_x, sa, qb.to(torch.float8_e5m2), sb),
-                       references.fp8_product(qa, sa, qb, sb, torch.float8_e4m3fn, torch.float8_e5m2))
+    for fast in (False, True):  # off the GPU, fast accumulation changes nothing: the sum is fp32
+        assert torch.equal(references._scaled_gemm(fp8_x, sa, qb.to(torch.float8_e5m2), sb, fast_accum=fast),
+                           references.fp8_product(qa, sa, qb, sb, torch.float8_e4m3fn, torch.float8_e5m2))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_the_gpu_the_fp8_tensor_cores_take_the_recipe_s_gemm():
     """The fp8 reference on a GPU carries the tensor cores' accumulation, as the program's
-    kernel does: it is torch._scaled_mm's sum, off the exact one by more than fp32 rounding at
-    K = 4096 and by far less than the bf16 rounding of an output."""
+    kernel does: it is torch._scaled_mm's sum, promoted or fast as the recipe's GEMM asks, off
+    the exact one by more than fp32 rounding at K = 4096 and by far less than the bf16
+    rounding of an output."""
     qa, sa = _on_grid(1024, 4096, torch.float8_e4m3fn, "cuda", 1)
     qb, sb = _on_grid(512, 4096, torch.float8_e4m3fn, "cuda", 2)
-    got = references.fp8_product(qa, sa, qb, sb)
-    assert not references._NO_FP8_GEMM, references._NO_FP8_GEMM
     one = torch.ones((), device="cuda")
-    hw = torch._scaled_mm(qa.to(torch.float8_e4m3fn), qb.to(torch.float8_e4m3fn).t(), scale_a=one, scale_b=one,
-                          out_dtype=torch.float32)
-    assert torch.equal(got, hw * sa[:, None] * sb[None, :])
     exact = (qa.double() @ qb.double().t()) * sa.double()[:, None] * sb.double()[None, :]
-    rel = ((got.double() - exact).abs().max() / exact.abs().max()).item()
-    assert 1e-7 < rel < 2 ** -9, rel
+    for fast in (False, True):
+        got = references.fp8_product(qa, sa, qb, sb, fast_accum=fast)
+        assert not references._NO_FP8_GEMM, references._NO_FP8_GEMM
+        hw = torch._scaled_mm(qa.to(torch.float8_e4m3fn), qb.to(torch.float8_e4m3fn).t(), scale_a=one,
+                              scale_b=one, out_dtype=torch.float32, use_fast_accum=fast)
+        assert torch.equal(got, hw * sa[:, None] * sb[None, :]), fast
+        rel = ((got.double() - exact).abs().max() / exact.abs().max()).item()
+        assert 1e-7 < rel < 2 ** -9, (fast, rel)

@@ -9,7 +9,8 @@ computes the same numbers):
   per row of A (``sa``, (M,)) and per column of B (``sb``, (N,)):
   ``C = (A_fp8 @ B_fp8) * sa[:, None] * sb[None, :]``.  Both scales are
   constant along K, so they commute with the sum and are applied to the fp32
-  accumulator.
+  accumulator.  The forward GEMMs accumulate fast (no promotion of the tensor
+  core's partial sums), the gradients' GEMMs promoted: torchao's choice.
 - **Current row-wise scaling** (torchao's "rowwise" recipe, e4m3 everywhere):
   a tensor quantized for a GEMM gets one scale per row along the GEMM's K:
   ``scale = 2 ** -floor(log2(448 / amax_row))`` (a power of two, so dequantizing
@@ -88,13 +89,15 @@ def dequantized_rows(x: torch.Tensor, dtype: torch.dtype = E4M3) -> torch.Tensor
 
 
 def fp8_product(qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor, sb: torch.Tensor,
-                a_dtype: torch.dtype = E4M3, b_dtype: torch.dtype = E4M3) -> torch.Tensor:
+                a_dtype: torch.dtype = E4M3, b_dtype: torch.dtype = E4M3, fast_accum: bool = False) -> torch.Tensor:
     """``(qa @ qb^T) * sa[:, None] * sb[None, :]`` in fp32: the recipe's GEMM, for qa (M, K)
     and qb (N, K) holding values of the fp8 grids of ``a_dtype`` and ``b_dtype`` and sa, sb
     their dequantization scales per row.
 
     On a GPU the fp8 tensor cores multiply and accumulate (``torch._scaled_mm`` at unit
-    scales, no fast accumulation), as the program's kernel does: Hopper's fp8 MMA adds with
+    scales; ``fast_accum`` for the forward GEMMs, which the recipe runs with fast
+    accumulation as torchao's does, and promoted partial sums for the gradients' GEMMs), as
+    the program's kernel does: Hopper's fp8 MMA adds with
     fewer bits than fp32 between promotions, so at K in the thousands an exact fp32 sum sets a
     bar that the hardware's own rounding crosses at scattered elements (seen on the H200 at
     LLaMA-3 8B widths, BENCHMARKS.md run 9).  The fp8 reference then carries the hardware's
@@ -105,7 +108,7 @@ def fp8_product(qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor, sb: torch.
         one = torch.ones((), device=qa.device)
         try:
             acc = torch._scaled_mm(qa.to(a_dtype).contiguous(), qb.to(b_dtype).contiguous().t(), scale_a=one,
-                                   scale_b=one, out_dtype=torch.float32, use_fast_accum=False)
+                                   scale_b=one, out_dtype=torch.float32, use_fast_accum=fast_accum)
         except RuntimeError as e:  # a GPU or build without this fp8 GEMM: fp32, as on the CPU
             _NO_FP8_GEMM.append(f"{type(e).__name__}: {e}")
     if acc is None:
@@ -116,11 +119,11 @@ def fp8_product(qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor, sb: torch.
 _NO_FP8_GEMM: list[str] = []  # why torch._scaled_mm refused, once: the references then sum in fp32
 
 
-def _rowwise_product(a: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:
+def _rowwise_product(a: torch.Tensor, b_t: torch.Tensor, fast_accum: bool = False) -> torch.Tensor:
     """``a @ b_t^T`` with both operands quantized per row along the GEMM's K (e4m3)."""
     qa, sa = quantize_rows(a)
     qb, sb = quantize_rows(b_t)
-    return fp8_product(qa, sa, qb, sb)
+    return fp8_product(qa, sa, qb, sb, fast_accum=fast_accum)
 
 
 class _Fp8Linear(torch.autograd.Function):
@@ -134,11 +137,11 @@ class _Fp8Linear(torch.autograd.Function):
     def forward(ctx, x, w, x_on_grid, x_scale):  # noqa: ANN001, ANN205
         ctx.save_for_backward(x, w)
         if not x_on_grid:
-            return _rowwise_product(x, w)
+            return _rowwise_product(x, w, fast_accum=True)
         qw, sw = quantize_rows(w)
         if x_scale is None:
             return x @ (qw * sw[:, None]).t()
-        return fp8_product(x / x_scale[:, None], x_scale, qw, sw)
+        return fp8_product(x / x_scale[:, None], x_scale, qw, sw, fast_accum=True)
 
     @staticmethod
     def backward(ctx, dy):  # noqa: ANN001, ANN205
@@ -187,11 +190,12 @@ def _out(x: torch.Tensor, lowp: bool) -> torch.Tensor:
 # --------------------------------------------------------------------------- single GEMMs
 
 
-def _scaled_gemm(a: torch.Tensor, sa: torch.Tensor, b_t: torch.Tensor, sb: torch.Tensor) -> torch.Tensor:
+def _scaled_gemm(a: torch.Tensor, sa: torch.Tensor, b_t: torch.Tensor, sb: torch.Tensor,
+                 fast_accum: bool) -> torch.Tensor:
     """(a @ b_t^T) * sa[:, None] * sb[None, :], in fp32 (fp64 in the upcast run; the low run,
     on fp8 a and b_t, is :func:`fp8_product`)."""
     if a.dtype in FP8 and b_t.dtype in FP8:
-        return fp8_product(a, sa, b_t, sb, a.dtype, b_t.dtype)
+        return fp8_product(a, sa, b_t, sb, a.dtype, b_t.dtype, fast_accum=fast_accum)
     work = torch.promote_types(_hi(a).dtype, _hi(sa).dtype)
     acc = a.to(work) @ b_t.to(work).t()
     return acc * sa.to(work)[:, None] * sb.to(work)[None, :]
@@ -202,7 +206,7 @@ def swiglu_fwd_fp8(x, x_scale, w_gu, w_scale):
     w_gu (2I, H) in fp8 e4m3 (w_gu's rows interleaved [g0, u0, g1, u1, ...]);
     y = silu(g) * u with g = pre[:, 0::2], u = pre[:, 1::2]."""
     lowp = low_precision_run(x)
-    pre = _out(_scaled_gemm(x, x_scale, w_gu, w_scale), lowp)
+    pre = _out(_scaled_gemm(x, x_scale, w_gu, w_scale, fast_accum=True), lowp)
     g, u = pre[:, 0::2], pre[:, 1::2]
     return {"y": _out(F.silu(g) * u, lowp), "pre": pre}
 
@@ -214,7 +218,7 @@ def swiglu_bwd_fp8(dout, dout_scale, w_down, w_scale, pre):
     then the SwiGLU backward of tasks/llama3 swiglu_bwd: dpre interleaves
     dg = dact * u * silu'(g) and du = dact * silu(g); postact = silu(g) * u;
     s = sum over columns of dpre * pre per row."""
-    return dswiglu(_scaled_gemm(dout, dout_scale, w_down, w_scale), pre)
+    return dswiglu(_scaled_gemm(dout, dout_scale, w_down, w_scale, fast_accum=False), pre)
 
 
 # --------------------------------------------------------------------------- blocks

@@ -92,8 +92,9 @@ def test_the_fp8_gemm_of_the_recipe_sums_in_fp32_off_the_gpu():
 def test_on_the_gpu_the_fp8_tensor_cores_take_the_recipe_s_gemm():
     """The fp8 reference on a GPU carries the tensor cores' accumulation, as the program's
     kernel does: it is torch._scaled_mm's sum, promoted or fast as the recipe's GEMM asks, off
-    the exact one by more than fp32 rounding at K = 4096 and by far less than the bf16
-    rounding of an output."""
+    the exact one by more than fp32 rounding at K = 4096. Promoted, it stays far under the bf16
+    rounding of an output (2^-9); fast, the tensor cores' narrower accumulator drifts to about
+    2^-8 of the largest output at this K (the H200 measured 3.97e-3), so its bound is 2^-6."""
     qa, sa = _on_grid(1024, 4096, torch.float8_e4m3fn, "cuda", 1)
     qb, sb = _on_grid(512, 4096, torch.float8_e4m3fn, "cuda", 2)
     one = torch.ones((), device="cuda")
@@ -105,4 +106,4 @@ def test_on_the_gpu_the_fp8_tensor_cores_take_the_recipe_s_gemm():
                               scale_b=one, out_dtype=torch.float32, use_fast_accum=fast)
         assert torch.equal(got, hw * sa[:, None] * sb[None, :]), fast
         rel = ((got.double() - exact).abs().max() / exact.abs().max()).item()
-        assert 1e-7 < rel < 2 ** -9, (fast, rel)
+        assert 1e-7 < rel < (2 ** -6 if fast else 2 ** -9), (fast, rel)

@@ -4,5 +4,8 @@
 _root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 mkdir -p /tmp/coda-pkg && ln -sfn "$_root" /tmp/coda-pkg/coda_agent
 source /tmp/coda-gpu/env.sh
-export PYTHONPATH="/tmp/coda-pkg:$_root${PYTHONPATH:+:$PYTHONPATH}"
+# Only the package's parent goes on the path, not the checkout: the checkout's own folders
+# (kernels/, tasks/) would shadow a user's packages of those names (the README's exported
+# kernels/coda_geglu.py: a regular package later on the path beats a namespace folder in cwd).
+export PYTHONPATH="/tmp/coda-pkg${PYTHONPATH:+:$PYTHONPATH}"
 coda-agent() { python3 -m coda_agent.cli "$@"; }

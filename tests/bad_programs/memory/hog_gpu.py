@@ -1,9 +1,11 @@
-# stage: correctness
+# stage: performance
 # expect: memory
 # needs: gpu
 # static: off
 """Takes most of the GPU's free memory on its first GPU call and holds it, so that large checks
-cannot fit."""
+cannot fit.  The judge sizes its checks to the device's whole memory, so the first one that
+needs room (at the latest the performance stage's largest set) runs out of it, and the verdict
+names memory."""
 import torch
 
 from coda_agent.primitives import Tile, epilogue, gemm

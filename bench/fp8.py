@@ -180,7 +180,9 @@ def bench_block(name: str, shape_set: str, reps: int, device: str) -> dict:
         except Exception as e:  # noqa: BLE001
             contenders.pop(key)
             row[f"{key}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-    row.update(stats(contenders, reps, device))
+    # The loop above ran every contender once; on the CPU (a dry run) that is warm-up enough, and
+    # each further call of torchao's modules costs seconds there (torch._scaled_mm on the CPU).
+    row.update(stats(contenders, reps, device, warmup=3 if device == "cuda" else 0))
     ms = {k: row[k]["median_ms"] for k in contenders}
     if "coda_fp8" in ms:
         floor = min(ms.get("gemm_fp8_fast", float("inf")), ms.get("gemm_scaled_mm", float("inf")))

@@ -52,13 +52,13 @@ from coda_agent.versions import ENVIRONMENT, environment
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def stats(fns: dict[str, Callable[[], Any]], reps: int, device: str = "cuda") -> dict[str, dict]:
+def stats(fns: dict[str, Callable[[], Any]], reps: int, device: str = "cuda", warmup: int = 3) -> dict[str, dict]:
     """Median/p10/p90 ms of each contender and the host ms to enqueue one call,
     from ``measure_each`` (flushed, interleaved: clock drift lands on all
     alike).  On CPU (``--dry-run``) the times are the host's: they check that
     the benchmark runs, not how fast anything is."""
     out = {}
-    for name, (times, host) in measure_each(fns, reps, device=device).items():
+    for name, (times, host) in measure_each(fns, reps, warmup=warmup, device=device).items():
         q = lambda p: times[min(len(times) - 1, int(p * len(times)))]  # noqa: E731
         out[name] = {"median_ms": q(0.5), "p10_ms": q(0.1), "p90_ms": q(0.9), "host_ms": host, "reps": reps}
     return out

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,6 +55,27 @@ def test_kernel_classes():
     assert train_step.classify("kernel_cutlass_kernel_quackgemm_sm90GemmSm90_object_at__tensor") == "gemm"
     assert train_step.classify("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0") == "other"
     assert train_step.classify("void at::native::(anonymous namespace)::multi_tensor_apply_kernel") == "other"
+
+
+def test_the_step_split_counts_each_kernel_once_and_no_range():
+    """A catalogue range on the device timeline (a user annotation) and a kernel the profiler
+    reports twice count nothing extra: what remains is each kernel once."""
+    from torch.autograd.profiler_util import FunctionEvent
+
+    cuda = torch.autograd.DeviceType.CUDA
+
+    def event(i, name, start, end, device=cuda, annotation=False):
+        return FunctionEvent(i, name, 0, start, end, device_type=device, is_user_annotation=annotation)
+
+    events = [event(0, "coda::gemm:swiglu", 0, 100, torch.autograd.DeviceType.CPU),
+              event(1, "coda::gemm:swiglu", 10, 90, annotation=True),
+              event(2, "kernel_cutlass_kernel_quackgemm_sm90", 10, 50),
+              event(3, "kernel_cutlass_kernel_quackgemm_sm90", 10, 50),
+              event(4, "triton_poi_fused_add_0", 60, 70),
+              event(5, "coda::aux:quantize_rows", 70, 90)]
+    kept = train_step.device_kernels(events)
+    assert [(e.name, e.time_range.elapsed_us()) for e in kept] == [
+        ("kernel_cutlass_kernel_quackgemm_sm90", 40), ("triton_poi_fused_add_0", 10)]
 
 
 def test_bigram_corpus_is_fixed_and_learnable():

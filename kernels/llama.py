@@ -1,4 +1,11 @@
-"""``apply_to_llama``: the suite's kernels inside a transformers ``LlamaForCausalLM``.
+"""``apply_to_llama``: the suite's kernels inside a transformers ``LlamaForCausalLM``, or a
+model of a family built from LLaMA's modules (Mistral: the same decoder layer, RMSNorm and MLP,
+an attention that adds a sliding window, which the patched layer passes on).  Which models
+qualify is read from their code, not their class names: every module whose forward the patch
+replaces (the decoder layer, both RMSNorms, the MLP, the causal LM's loss path) must run LLaMA's
+instructions, the layer and attention must hold LLaMA's submodules and no biases, so a model
+with q/k norms (Qwen3), a (1 + w) RMSNorm (Gemma), extra norms (Gemma-2, OLMo-2) or multipliers
+(Granite) is refused by what differs instead of training silently wrong.
 
 Like Liger's ``apply_liger_kernel_to_llama``, with one flag per op, but it
 patches a model *instance* (the weight re-layout needs the weights)::
@@ -48,6 +55,8 @@ The kernels are verified for bf16: the model must be bf16.
 
 from __future__ import annotations
 
+import dis
+import inspect
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -58,8 +67,10 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.models.llama.modeling_llama import (LlamaForCausalLM, LlamaModel, apply_rotary_pos_emb,
+from transformers.models.llama.modeling_llama import (LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP,
+                                                      LlamaModel, LlamaRMSNorm, apply_rotary_pos_emb,
                                                       eager_attention_forward)
+from transformers.models.mistral.modeling_mistral import MistralAttention
 from transformers.utils import can_return_tuple
 
 from coda_agent.tasks import SUITE_DIR, load_task
@@ -93,6 +104,7 @@ class LayerPlan:
     heads: int
     kv_heads: int
     head_dim: int
+    sliding_window: int | None = None  # Mistral's attention: each query sees this many keys at most
 
 
 class PatchedForward:
@@ -118,12 +130,10 @@ def apply_to_llama(model: LlamaForCausalLM | LlamaModel, *, rope: bool = True, r
                    swiglu: bool = True, fused_linear_cross_entropy: bool = True, fp8_mlp: bool = False,
                    kernels: dict[str, Kernel | str | Path] | None = None) -> LlamaForCausalLM | LlamaModel:
     """Patch ``model`` in place (see the module docstring) and return it."""
-    base = model.model if isinstance(model, LlamaForCausalLM) else model
-    if not isinstance(base, LlamaModel):
-        raise KernelError(f"apply_to_llama patches a transformers LlamaForCausalLM or LlamaModel; got "
-                          f"{type(model).__name__}")
-    if getattr(base, "coda_flags", None) is not None:
-        raise KernelError(f"this model is already patched ({base.coda_flags}); patch a fresh one")
+    flags = getattr(getattr(model, "model", model), "coda_flags", None)
+    if flags is not None:
+        raise KernelError(f"this model is already patched ({flags}); patch a fresh one")
+    base, causal_lm = _llama_architecture(model)
     if swiglu and not rms_norm:
         raise KernelError("swiglu=True runs the post-attention RMSNorm, the SwiGLU MLP and the residual add as "
                           "one kernel (mlp_block), so it needs rms_norm=True")
@@ -132,18 +142,20 @@ def apply_to_llama(model: LlamaForCausalLM | LlamaModel, *, rope: bool = True, r
     if fp8_mlp and "mlp_block" in (kernels or {}):
         raise KernelError("fp8_mlp=True and kernels['mlp_block'] both choose the MLP block's kernel; give one")
     cfg = base.config
-    _check_model(model, cfg, rope)
+    _check_model(model, base, cfg, rope)
     for name in sorted(set(kernels or {}) - set(SWAPPABLE)):
         raise KernelError(f"kernels: {name!r} is not a task the drop-in runs; it takes {list(SWAPPABLE)}")
     given = {**(kernels or {}), **({"mlp_block": suite_kernel("mlp_block_fp8", FP8_SUITE)} if fp8_mlp else {})}
     chosen = {name: _kernel(name, given.get(name)) for name in SWAPPABLE}
     if rms_norm or rope or swiglu:
+        window = getattr(cfg, "sliding_window", None) if _same_code(type(base.layers[0].self_attn).forward,
+                                                                     MistralAttention.forward) else None
         plan = LayerPlan(rms_norm, rope, swiglu, chosen["out_proj_residual"], chosen["mlp_block"],
-                         cfg.rms_norm_eps, cfg.num_attention_heads, cfg.num_key_value_heads, _head_dim(cfg))
+                         cfg.rms_norm_eps, cfg.num_attention_heads, cfg.num_key_value_heads, _head_dim(cfg), window)
         freq = _rope_lanes(base, plan) if rope else None
         for layer in base.layers:
             _patch_layer(layer, plan, freq)
-    if fused_linear_cross_entropy and isinstance(model, LlamaForCausalLM):
+    if fused_linear_cross_entropy and causal_lm:
         model.coda_xent = chosen["lm_head_xent"]
         model.forward = PatchedForward(model, _causal_lm_forward)
     base.coda_flags = {"rope": rope, "rms_norm": rms_norm, "swiglu": swiglu,
@@ -175,13 +187,81 @@ def _head_dim(cfg: Any) -> int:
     return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
 
-def _check_model(model: nn.Module, cfg: Any, rope: bool) -> None:
+# --------------------------------------------------------------------------- the architecture
+
+# The LLaMA modules whose computation the patched forwards replace (the decoder stack's own
+# forward stays the model's: embeddings, masks, the final norm), and the attentions the patched
+# layer can stand in for (Mistral's adds a sliding window, which it passes on).
+_REPLACED = {"decoder layer": LlamaDecoderLayer.forward, "RMSNorm": LlamaRMSNorm.forward, "MLP": LlamaMLP.forward,
+             "causal LM": LlamaForCausalLM.forward}
+_ATTENTIONS = (LlamaAttention.forward, MistralAttention.forward)
+_CHILDREN = {"layer": {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"},
+             "self_attn": {"q_proj", "k_proj", "v_proj", "o_proj"}, "mlp": {"gate_proj", "up_proj", "down_proj",
+                                                                            "act_fn"}}
+
+
+def _same_code(fn: Any, want: Any) -> bool:
+    """Whether two functions run the same instructions on the same names and constants, their
+    docstrings aside (transformers' model families copy LLaMA's modules: Mistral's decoder layer,
+    RMSNorm and MLP are LLaMA's code under another class name); nested code objects alike."""
+    def consts(c: Any) -> tuple:
+        # A docstring is the first constant, which no instruction loads.
+        used = {i.arg for i in dis.get_instructions(c) if i.opname in ("LOAD_CONST", "RETURN_CONST")}
+        return c.co_consts[1:] if c.co_consts[:1] and isinstance(c.co_consts[0], str) and 0 not in used \
+            else c.co_consts
+
+    def same(a: Any, b: Any) -> bool:
+        ca, cb = consts(a), consts(b)
+        return (a.co_code == b.co_code and a.co_names == b.co_names and len(ca) == len(cb)
+                and all(same(x, y) if hasattr(x, "co_code") and hasattr(y, "co_code")
+                        else type(x) is type(y) and x == y for x, y in zip(ca, cb)))
+
+    a, b = (getattr(inspect.unwrap(f), "__code__", None) for f in (fn, want))
+    return a is not None and b is not None and same(a, b)
+
+
+def _llama_architecture(model: nn.Module) -> tuple[nn.Module, bool]:
+    """(the decoder stack, whether ``model`` is its causal LM) for a model whose every module
+    the patch replaces computes what LLaMA's does: a transformers LlamaForCausalLM or
+    LlamaModel, or a family that copies them (Mistral).  Anything else (extra norms, q/k norms,
+    logit caps, multipliers, fused projections) is refused by name, since the patched forwards
+    would silently drop it."""
+    causal_lm = hasattr(model, "lm_head") and isinstance(getattr(model, "model", None), nn.Module)
+    base = model.model if causal_lm else model
+    if not all(isinstance(getattr(base, a, None), nn.Module) for a in ("embed_tokens", "layers", "norm",
+                                                                              "rotary_emb")):
+        raise KernelError(f"apply_to_llama patches a transformers LlamaForCausalLM or LlamaModel (or a model "
+                          f"family built from LLaMA's modules, such as Mistral); got {type(model).__name__}")
+    checks = [("causal LM", model)] if causal_lm else []
+    for layer in base.layers:
+        for part, children in _CHILDREN.items():
+            module = layer if part == "layer" else getattr(layer, part)
+            if set(dict(module.named_children())) != children:
+                extra = sorted(set(dict(module.named_children())) ^ children)
+                raise KernelError(f"{type(module).__name__} differs from LLaMA's {part} in {extra}: the patched "
+                                  "layer computes LLaMA's, so this model would lose that part")
+        checks += [("decoder layer", layer), ("RMSNorm", layer.input_layernorm),
+                   ("RMSNorm", layer.post_attention_layernorm), ("MLP", layer.mlp)]
+        if not any(_same_code(type(layer.self_attn).forward, f) for f in _ATTENTIONS):
+            raise KernelError(f"{type(layer.self_attn).__name__}.forward is not LLaMA's or Mistral's attention; "
+                              "the patched layer would drop what it adds")
+    for what, module in checks:
+        if not _same_code(type(module).forward, _REPLACED[what]):
+            raise KernelError(f"{type(module).__name__}.forward computes something other than LLaMA's {what} "
+                              f"({type(model).__name__} is not a LLaMA-architecture model); apply_to_llama "
+                              "would replace it with LLaMA's")
+    return base, causal_lm
+
+
+def _check_model(model: nn.Module, base: nn.Module, cfg: Any, rope: bool) -> None:
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
     if dtypes != {torch.bfloat16}:
         raise KernelError(f"the model's parameters are {sorted(map(str, dtypes))}; the suite's kernels are "
                           "verified for bf16: call model.to(torch.bfloat16) before apply_to_llama")
-    if getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False):
-        raise KernelError("projection biases (attention_bias / mlp_bias) are not in the suite's kernels")
+    biased = [name for name, m in base.layers.named_modules() if isinstance(m, nn.Linear) and m.bias is not None]
+    if biased:
+        raise KernelError(f"projection biases ({biased[0]}.bias; attention_bias / mlp_bias) are not in the "
+                          "suite's kernels")
     if cfg.hidden_act not in ("silu", "swish"):
         raise KernelError(f"hidden_act {cfg.hidden_act!r}: the MLP kernel is SwiGLU (silu)")
     if cfg.num_attention_heads * _head_dim(cfg) != cfg.hidden_size:
@@ -189,7 +269,7 @@ def _check_model(model: nn.Module, cfg: Any, rope: bool) -> None:
                           f"(heads * head_dim = {cfg.num_attention_heads * _head_dim(cfg)}, hidden_size = "
                           f"{cfg.hidden_size})")
     if rope:
-        rotary = model.model.rotary_emb if isinstance(model, LlamaForCausalLM) else model.rotary_emb
+        rotary = base.rotary_emb
         if rotary.rope_type not in STATIC_ROPE or rotary.attention_scaling != 1.0:
             raise KernelError(f"rope_type {rotary.rope_type!r} (attention scaling {rotary.attention_scaling}) "
                               f"changes RoPE beyond a static frequency table ({', '.join(STATIC_ROPE)}); pass "
@@ -295,6 +375,8 @@ def _layer_forward(self: nn.Module, hidden_states: torch.Tensor, attention_mask:
     if past_key_values is not None:
         k, v = past_key_values.update(k, v, attn.layer_idx)
     interface = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, eager_attention_forward)
+    if plan.sliding_window is not None:
+        kwargs["sliding_window"] = plan.sliding_window
     out, _ = interface(attn, q, k, v, attention_mask, dropout=attn.attention_dropout if attn.training else 0.0,
                        scaling=attn.scaling, **kwargs)
     h1 = plan.out_proj(out.reshape(b * t, nq * d), attn.o_proj.weight.t(), h)["y"]

@@ -183,18 +183,69 @@ def test_models_the_kernels_do_not_cover_get_a_clear_error():
     model = coda_agent.apply_to_llama(tiny_llama().bfloat16())
     with pytest.raises(KernelError, match="already patched"):
         coda_agent.apply_to_llama(model)
-    with pytest.raises(KernelError, match="LlamaForCausalLM or LlamaModel; got Linear"):
+    with pytest.raises(KernelError, match=r"LlamaForCausalLM or LlamaModel \(or a model family built from "
+                       r"LLaMA's modules, such as Mistral\); got Linear"):
         coda_agent.apply_to_llama(torch.nn.Linear(2, 2))
+
+
+def tiny(family: str, seed: int = 0, **overrides) -> torch.nn.Module:
+    """A config-built transformers causal LM of ``family`` at the tiny LLaMA config's widths."""
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = getattr(transformers, f"{family}Config")(**{**CONFIG, "pad_token_id": None, "bos_token_id": None,
+                                                       "eos_token_id": None, **overrides})
+    model = getattr(transformers, f"{family}ForCausalLM")(cfg).to(DEVICE)
+    with torch.no_grad():  # norm weights away from 1, so a dropped gamma shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+@pytest.mark.parametrize("window", [None, 8], ids=["full", "sliding_window=8"])
+def test_a_mistral_model_trains_like_hf(window):
+    """Mistral is LLaMA's modules under other names plus a sliding window (24 tokens here, so a
+    window of 8 changes the attention): patched, it trains like the unpatched model."""
+    base = tiny("Mistral", sliding_window=window)
+    hi, lo = train_and_eval(copy.deepcopy(base).float()), train_and_eval(copy.deepcopy(base).bfloat16())
+    model = coda_agent.apply_to_llama(copy.deepcopy(base).bfloat16())
+    assert model.model.layers[0].coda_plan.sliding_window == window
+    with launch_ledger() as launched:
+        got = train_and_eval(model)
+    assert {"norm_rope", "add_residual", "norm_swiglu", "logits_lse"} <= {launch.name for launch in launched}
+    assert_like_hf(got, hi, lo)
+    if window is not None:  # the window matters: the full-attention model's loss is another
+        assert abs(train_and_eval(tiny("Mistral").bfloat16())["loss"] - hi["loss"]) > 1e-3
+
+
+@pytest.mark.parametrize(("family", "overrides", "refusal"), [
+    ("Qwen3", {}, r"Qwen3Attention differs from LLaMA's self_attn in \['k_norm', 'q_norm'\]"),
+    ("Gemma", {"hidden_act": "silu"}, r"GemmaRMSNorm.forward computes something other than LLaMA's RMSNorm"),
+    ("Qwen2", {}, r"Qwen2Attention.forward is not LLaMA's or Mistral's attention"),
+    ("Granite", {}, r"GraniteForCausalLM.forward computes something other than LLaMA's causal LM"),
+    ("Olmo2", {}, r"Olmo2DecoderLayer differs from LLaMA's layer in \['input_layernorm', "
+                  r"'post_feedforward_layernorm'\]"),
+], ids=lambda v: v if isinstance(v, str) and v[0].isupper() else "")
+def test_a_model_that_is_not_llama_s_modules_is_refused_by_what_differs(family, overrides, refusal):
+    """Every module the patch replaces must compute what LLaMA's does, read from its code: a model
+    with q/k norms, a (1 + w) RMSNorm, biases, logit scaling or another layer order would
+    otherwise train silently wrong."""
+    model = tiny(family, **overrides).bfloat16()
+    with pytest.raises(KernelError, match=refusal):
+        coda_agent.apply_to_llama(model)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Hopper)")
-@pytest.mark.parametrize("fp8_mlp", [False, True], ids=["bf16", "fp8_mlp"])
-def test_patched_model_trains_like_hf_on_gpu(monkeypatch, fp8_mlp):
+@pytest.mark.parametrize(("family", "fp8_mlp"), [("Llama", False), ("Llama", True), ("Mistral", False)],
+                         ids=["bf16", "fp8_mlp", "mistral"])
+def test_patched_model_trains_like_hf_on_gpu(monkeypatch, family, fp8_mlp):
     """The cute lowering inside the model: quack's GEMMs with the suite's epilogues (fp8 ones
-    for the MLP blocks with ``fp8_mlp``), SDPA flash."""
+    for the MLP blocks with ``fp8_mlp``), SDPA flash; Mistral with a window shorter than the
+    sequence."""
     monkeypatch.setitem(globals(), "DEVICE", "cuda")
-    base = tiny_llama()
+    base = tiny_llama() if family == "Llama" else tiny(family, sliding_window=8)
     hi, lo = train_and_eval(copy.deepcopy(base).float()), train_and_eval(copy.deepcopy(base).bfloat16())
     # the backward on the calling thread: autograd's CUDA device threads do not see the ledger
     with launch_ledger() as launched, torch.autograd.set_multithreading_enabled(False):

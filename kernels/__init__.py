@@ -11,7 +11,7 @@
     mlp.function.apply(h, gamma, w_gu, w_down, 1e-6)   # the autograd.Function itself
 
     import coda_agent
-    coda_agent.apply_to_llama(model)   # a transformers LlamaForCausalLM (or Mistral), patched in place
+    coda_agent.apply_to_llama(model)   # a transformers LlamaForCausalLM (or Mistral, Qwen3), patched in place
 
 Layer map:
 

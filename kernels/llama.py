@@ -1,11 +1,13 @@
 """``apply_to_llama``: the suite's kernels inside a transformers ``LlamaForCausalLM``, or a
-model of a family built from LLaMA's modules (Mistral: the same decoder layer, RMSNorm and MLP,
-an attention that adds a sliding window, which the patched layer passes on).  Which models
-qualify is read from their code, not their class names: every module whose forward the patch
-replaces (the decoder layer, both RMSNorms, the MLP, the causal LM's loss path) must run LLaMA's
-instructions, the layer and attention must hold LLaMA's submodules and no biases, so a model
-with q/k norms (Qwen3), a (1 + w) RMSNorm (Gemma), extra norms (Gemma-2, OLMo-2) or multipliers
-(Granite) is refused by what differs instead of training silently wrong.
+model of a family built from LLaMA's modules: Mistral (the same decoder layer, RMSNorm and MLP;
+an attention that adds a sliding window, which the patched layer passes on) and Qwen3 (its
+attention adds per-head RMSNorms of q and k before RoPE, which stay HF's, and so does RoPE).
+Which models qualify is read from their code, not their class names: every module whose forward
+the patch replaces (the decoder layer, the RMSNorms, the MLP, the causal LM's loss path) must
+run LLaMA's instructions, the attention one of the known three, the layer and attention must
+hold those submodules and no biases, so a model with a (1 + w) RMSNorm (Gemma), extra norms
+(Gemma-2, OLMo-2), biases (Qwen2) or multipliers (Granite) is refused by what differs instead of
+training silently wrong.
 
 Like Liger's ``apply_liger_kernel_to_llama``, with one flag per op, but it
 patches a model *instance* (the weight re-layout needs the weights)::
@@ -28,7 +30,9 @@ its epilogue, the out_proj_residual kernel):
   (``rotate_half``), the catalogue adjacent pairs, so the q/k rows of the fused
   weight are permuted per head into pairs: q.k per head is unchanged, so
   attention is too.  Only RoPE with a static frequency table and no scaling of
-  cos/sin (rope_type default, linear, llama3).
+  cos/sin (rope_type default, linear, llama3), and only where nothing sits
+  between the projection and RoPE (with Qwen3's q/k norms RoPE stays HF's, and
+  ``coda_flags["rope"]`` says False).
 - ``swiglu``: post-attention RMSNorm + SwiGLU MLP + residual as the mlp_block
   kernel, with gate/up fused into one weight whose rows interleave
   ``[g0, u0, g1, u1, ...]`` (adjacent GEMM columns are one pair).  It owns that
@@ -71,6 +75,7 @@ from transformers.models.llama.modeling_llama import (LlamaAttention, LlamaDecod
                                                       LlamaModel, LlamaRMSNorm, apply_rotary_pos_emb,
                                                       eager_attention_forward)
 from transformers.models.mistral.modeling_mistral import MistralAttention
+from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 from transformers.utils import can_return_tuple
 
 from coda_agent.tasks import SUITE_DIR, load_task
@@ -104,7 +109,15 @@ class LayerPlan:
     heads: int
     kv_heads: int
     head_dim: int
-    sliding_window: int | None = None  # Mistral's attention: each query sees this many keys at most
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """What a layer's attention adds to LLaMA's: per-head RMSNorms of q and k before RoPE
+    (Qwen3's q_norm, k_norm), and a sliding window (Mistral's, Qwen3's sliding layers)."""
+
+    qk_norm: bool = False
+    window: int | None = None
 
 
 class PatchedForward:
@@ -133,7 +146,10 @@ def apply_to_llama(model: LlamaForCausalLM | LlamaModel, *, rope: bool = True, r
     flags = getattr(getattr(model, "model", model), "coda_flags", None)
     if flags is not None:
         raise KernelError(f"this model is already patched ({flags}); patch a fresh one")
-    base, causal_lm = _llama_architecture(model)
+    base, causal_lm, attentions = _llama_architecture(model)
+    # RoPE rides in the QKV GEMM's epilogue only where nothing sits between the projection and
+    # the rotation: after Qwen3's q/k norms it stays HF's.
+    rope = rope and not any(a.qk_norm for a in attentions)
     if swiglu and not rms_norm:
         raise KernelError("swiglu=True runs the post-attention RMSNorm, the SwiGLU MLP and the residual add as "
                           "one kernel (mlp_block), so it needs rms_norm=True")
@@ -148,13 +164,11 @@ def apply_to_llama(model: LlamaForCausalLM | LlamaModel, *, rope: bool = True, r
     given = {**(kernels or {}), **({"mlp_block": suite_kernel("mlp_block_fp8", FP8_SUITE)} if fp8_mlp else {})}
     chosen = {name: _kernel(name, given.get(name)) for name in SWAPPABLE}
     if rms_norm or rope or swiglu:
-        window = getattr(cfg, "sliding_window", None) if _same_code(type(base.layers[0].self_attn).forward,
-                                                                     MistralAttention.forward) else None
         plan = LayerPlan(rms_norm, rope, swiglu, chosen["out_proj_residual"], chosen["mlp_block"],
-                         cfg.rms_norm_eps, cfg.num_attention_heads, cfg.num_key_value_heads, _head_dim(cfg), window)
+                         cfg.rms_norm_eps, cfg.num_attention_heads, cfg.num_key_value_heads, _head_dim(cfg))
         freq = _rope_lanes(base, plan) if rope else None
-        for layer in base.layers:
-            _patch_layer(layer, plan, freq)
+        for layer, attention in zip(base.layers, attentions):
+            _patch_layer(layer, plan, attention, freq)
     if fused_linear_cross_entropy and causal_lm:
         model.coda_xent = chosen["lm_head_xent"]
         model.forward = PatchedForward(model, _causal_lm_forward)
@@ -194,7 +208,13 @@ def _head_dim(cfg: Any) -> int:
 # layer can stand in for (Mistral's adds a sliding window, which it passes on).
 _REPLACED = {"decoder layer": LlamaDecoderLayer.forward, "RMSNorm": LlamaRMSNorm.forward, "MLP": LlamaMLP.forward,
              "causal LM": LlamaForCausalLM.forward}
-_ATTENTIONS = (LlamaAttention.forward, MistralAttention.forward)
+_ATTENTIONS = {  # forward -> (its extra submodules, its plan)
+    "LLaMA's": (LlamaAttention.forward, set(), lambda attn: AttentionPlan()),
+    "Mistral's": (MistralAttention.forward, set(),
+                  lambda attn: AttentionPlan(window=getattr(attn.config, "sliding_window", None))),
+    "Qwen3's": (Qwen3Attention.forward, {"q_norm", "k_norm"},
+                lambda attn: AttentionPlan(qk_norm=True, window=attn.sliding_window)),
+}
 _CHILDREN = {"layer": {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"},
              "self_attn": {"q_proj", "k_proj", "v_proj", "o_proj"}, "mlp": {"gate_proj", "up_proj", "down_proj",
                                                                             "act_fn"}}
@@ -220,37 +240,45 @@ def _same_code(fn: Any, want: Any) -> bool:
     return a is not None and b is not None and same(a, b)
 
 
-def _llama_architecture(model: nn.Module) -> tuple[nn.Module, bool]:
-    """(the decoder stack, whether ``model`` is its causal LM) for a model whose every module
-    the patch replaces computes what LLaMA's does: a transformers LlamaForCausalLM or
-    LlamaModel, or a family that copies them (Mistral).  Anything else (extra norms, q/k norms,
-    logit caps, multipliers, fused projections) is refused by name, since the patched forwards
-    would silently drop it."""
+def _llama_architecture(model: nn.Module) -> tuple[nn.Module, bool, list[AttentionPlan]]:
+    """(the decoder stack, whether ``model`` is its causal LM, each layer's attention plan) for
+    a model whose every module the patch replaces computes what LLaMA's does: a transformers
+    LlamaForCausalLM or LlamaModel, or a family that copies them (Mistral, Qwen3).  Anything
+    else (extra norms, logit caps, multipliers, fused projections) is refused by name, since the
+    patched forwards would silently drop it."""
     causal_lm = hasattr(model, "lm_head") and isinstance(getattr(model, "model", None), nn.Module)
     base = model.model if causal_lm else model
     if not all(isinstance(getattr(base, a, None), nn.Module) for a in ("embed_tokens", "layers", "norm",
                                                                               "rotary_emb")):
         raise KernelError(f"apply_to_llama patches a transformers LlamaForCausalLM or LlamaModel (or a model "
-                          f"family built from LLaMA's modules, such as Mistral); got {type(model).__name__}")
-    checks = [("causal LM", model)] if causal_lm else []
+                          f"family built from LLaMA's modules, such as Mistral or Qwen3); got "
+                          f"{type(model).__name__}")
+    checks, attentions = [("causal LM", model)] if causal_lm else [], []
     for layer in base.layers:
+        attn = getattr(layer, "self_attn", None)
+        kind = next((k for k, (fn, _, _) in _ATTENTIONS.items() if _same_code(type(attn).forward, fn)), None)
+        if attn is not None and kind is None:
+            known = list(_ATTENTIONS)
+            raise KernelError(f"{type(attn).__name__}.forward is not {', '.join(known[:-1])} or {known[-1]} "
+                              "attention; the patched layer would drop what it adds")
+        extras = _ATTENTIONS[kind][1] if kind else set()
         for part, children in _CHILDREN.items():
             module = layer if part == "layer" else getattr(layer, part)
-            if set(dict(module.named_children())) != children:
-                extra = sorted(set(dict(module.named_children())) ^ children)
-                raise KernelError(f"{type(module).__name__} differs from LLaMA's {part} in {extra}: the patched "
-                                  "layer computes LLaMA's, so this model would lose that part")
+            want = children | extras if part == "self_attn" else children
+            if set(dict(module.named_children())) != want:
+                extra = sorted(set(dict(module.named_children())) ^ want)
+                raise KernelError(f"{type(module).__name__} differs from {kind or 'LLaMA'}'s {part} in {extra}: "
+                                  "the patched layer computes that one's, so this model would lose that part")
         checks += [("decoder layer", layer), ("RMSNorm", layer.input_layernorm),
-                   ("RMSNorm", layer.post_attention_layernorm), ("MLP", layer.mlp)]
-        if not any(_same_code(type(layer.self_attn).forward, f) for f in _ATTENTIONS):
-            raise KernelError(f"{type(layer.self_attn).__name__}.forward is not LLaMA's or Mistral's attention; "
-                              "the patched layer would drop what it adds")
+                   ("RMSNorm", layer.post_attention_layernorm), ("MLP", layer.mlp),
+                   *(("RMSNorm", getattr(attn, name)) for name in sorted(extras))]
+        attentions.append(_ATTENTIONS[kind][2](attn))
     for what, module in checks:
         if not _same_code(type(module).forward, _REPLACED[what]):
             raise KernelError(f"{type(module).__name__}.forward computes something other than LLaMA's {what} "
                               f"({type(model).__name__} is not a LLaMA-architecture model); apply_to_llama "
                               "would replace it with LLaMA's")
-    return base, causal_lm
+    return base, causal_lm, attentions
 
 
 def _check_model(model: nn.Module, base: nn.Module, cfg: Any, rope: bool) -> None:
@@ -336,7 +364,7 @@ def _rope_lanes(base: LlamaModel, plan: LayerPlan) -> torch.Tensor:
     return torch.cat((lanes.repeat(plan.heads), lanes.repeat(plan.kv_heads), v))
 
 
-def _patch_layer(layer: nn.Module, plan: LayerPlan, freq: torch.Tensor | None) -> None:
+def _patch_layer(layer: nn.Module, plan: LayerPlan, attention: AttentionPlan, freq: torch.Tensor | None) -> None:
     attn = layer.self_attn
     _relayout(attn, "qkv_proj", ("q_proj", "k_proj", "v_proj"), lambda q, k, v: _fuse_qkv(q, k, v, plan),
               lambda w: _split_qkv(w, plan))
@@ -345,7 +373,7 @@ def _patch_layer(layer: nn.Module, plan: LayerPlan, freq: torch.Tensor | None) -
     if plan.swiglu:
         _relayout(layer.mlp, "gate_up_proj", ("gate_proj", "up_proj"), _interleave_rows,
                   lambda w: (w[0::2], w[1::2]))
-    layer.coda_plan = plan
+    layer.coda_plan, layer.coda_attention = plan, attention
     layer.forward = PatchedForward(layer, _layer_forward)
 
 
@@ -370,13 +398,16 @@ def _layer_forward(self: nn.Module, hidden_states: torch.Tensor, attention_mask:
     qkv = attention_input(x, self.input_layernorm.weight if plan.rms_norm else None, attn.qkv_proj.weight, pos,
                           attn.coda_rope_freq if plan.rope else None, plan.eps, (nq + nkv) * d)
     q, k, v = (part.view(b, t, -1, d).transpose(1, 2) for part in qkv.split([nq * d, nkv * d, nkv * d], dim=1))
+    extra: AttentionPlan = self.coda_attention
+    if extra.qk_norm:  # over each head's D columns, the last dimension either way
+        q, k = attn.q_norm(q), attn.k_norm(k)
     if not plan.rope:
         q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
     if past_key_values is not None:
         k, v = past_key_values.update(k, v, attn.layer_idx)
     interface = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, eager_attention_forward)
-    if plan.sliding_window is not None:
-        kwargs["sliding_window"] = plan.sliding_window
+    if extra.window is not None:
+        kwargs["sliding_window"] = extra.window
     out, _ = interface(attn, q, k, v, attention_mask, dropout=attn.attention_dropout if attn.training else 0.0,
                        scaling=attn.scaling, **kwargs)
     h1 = plan.out_proj(out.reshape(b * t, nq * d), attn.o_proj.weight.t(), h)["y"]

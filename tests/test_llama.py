@@ -23,6 +23,7 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import coda_agent  # noqa: E402
 from coda_agent.kernels import Kernel, KernelError  # noqa: E402
+from coda_agent.kernels.llama import AttentionPlan  # noqa: E402
 from coda_agent.primitives import launch_ledger  # noqa: E402
 from coda_agent.tasks import SUITE_DIR  # noqa: E402
 
@@ -184,7 +185,7 @@ def test_models_the_kernels_do_not_cover_get_a_clear_error():
     with pytest.raises(KernelError, match="already patched"):
         coda_agent.apply_to_llama(model)
     with pytest.raises(KernelError, match=r"LlamaForCausalLM or LlamaModel \(or a model family built from "
-                       r"LLaMA's modules, such as Mistral\); got Linear"):
+                       r"LLaMA's modules, such as Mistral or Qwen3\); got Linear"):
         coda_agent.apply_to_llama(torch.nn.Linear(2, 2))
 
 
@@ -210,7 +211,7 @@ def test_a_mistral_model_trains_like_hf(window):
     base = tiny("Mistral", sliding_window=window)
     hi, lo = train_and_eval(copy.deepcopy(base).float()), train_and_eval(copy.deepcopy(base).bfloat16())
     model = coda_agent.apply_to_llama(copy.deepcopy(base).bfloat16())
-    assert model.model.layers[0].coda_plan.sliding_window == window
+    assert model.model.layers[0].coda_attention.window == window
     with launch_ledger() as launched:
         got = train_and_eval(model)
     assert {"norm_rope", "add_residual", "norm_swiglu", "logits_lse"} <= {launch.name for launch in launched}
@@ -219,17 +220,33 @@ def test_a_mistral_model_trains_like_hf(window):
         assert abs(train_and_eval(tiny("Mistral").bfloat16())["loss"] - hi["loss"]) > 1e-3
 
 
+def test_a_qwen3_model_trains_like_hf():
+    """Qwen3 adds per-head RMSNorms of q and k before RoPE, and here a sliding window on its
+    second layer: the norms and RoPE stay HF's (RoPE cannot ride in the GEMM past the norms),
+    the rest is the suite's kernels, and it trains like the unpatched model."""
+    base = tiny("Qwen3", use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    assert [layer.self_attn.sliding_window for layer in base.model.layers] == [None, 8]
+    hi, lo = train_and_eval(copy.deepcopy(base).float()), train_and_eval(copy.deepcopy(base).bfloat16())
+    model = coda_agent.apply_to_llama(copy.deepcopy(base).bfloat16())
+    assert [layer.coda_attention for layer in model.model.layers] == [
+        AttentionPlan(qk_norm=True), AttentionPlan(qk_norm=True, window=8)]
+    assert model.model.coda_flags["rope"] is False  # HF's, after the norms
+    with launch_ledger() as launched:
+        got = train_and_eval(model)
+    assert {"scale_rows", "add_residual", "norm_swiglu", "logits_lse"} <= {launch.name for launch in launched}
+    assert_like_hf(got, hi, lo)
+
+
 @pytest.mark.parametrize(("family", "overrides", "refusal"), [
-    ("Qwen3", {}, r"Qwen3Attention differs from LLaMA's self_attn in \['k_norm', 'q_norm'\]"),
     ("Gemma", {"hidden_act": "silu"}, r"GemmaRMSNorm.forward computes something other than LLaMA's RMSNorm"),
-    ("Qwen2", {}, r"Qwen2Attention.forward is not LLaMA's or Mistral's attention"),
+    ("Qwen2", {}, r"Qwen2Attention.forward is not LLaMA's, Mistral's or Qwen3's attention"),
     ("Granite", {}, r"GraniteForCausalLM.forward computes something other than LLaMA's causal LM"),
-    ("Olmo2", {}, r"Olmo2DecoderLayer differs from LLaMA's layer in \['input_layernorm', "
-                  r"'post_feedforward_layernorm'\]"),
-], ids=lambda v: v if isinstance(v, str) and v[0].isupper() else "")
+    ("Olmo2", {}, r"Olmo2Attention.forward is not LLaMA's, Mistral's or Qwen3's attention"),
+    ("Gemma2", {"hidden_act": "silu"}, r"Gemma2Attention.forward is not"),
+], ids=["Gemma", "Qwen2", "Granite", "Olmo2", "Gemma2"])
 def test_a_model_that_is_not_llama_s_modules_is_refused_by_what_differs(family, overrides, refusal):
     """Every module the patch replaces must compute what LLaMA's does, read from its code: a model
-    with q/k norms, a (1 + w) RMSNorm, biases, logit scaling or another layer order would
+    with a (1 + w) RMSNorm, biases, logit scaling, softcapped or post-normed attention would
     otherwise train silently wrong."""
     model = tiny(family, **overrides).bfloat16()
     with pytest.raises(KernelError, match=refusal):

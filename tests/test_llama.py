@@ -255,14 +255,15 @@ def test_a_model_that_is_not_llama_s_modules_is_refused_by_what_differs(family, 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Hopper)")
-@pytest.mark.parametrize(("family", "fp8_mlp"), [("Llama", False), ("Llama", True), ("Mistral", False)],
-                         ids=["bf16", "fp8_mlp", "mistral"])
+@pytest.mark.parametrize(("family", "fp8_mlp"), [("Llama", False), ("Llama", True), ("Mistral", False),
+                                                  ("Qwen3", False)], ids=["bf16", "fp8_mlp", "mistral", "qwen3"])
 def test_patched_model_trains_like_hf_on_gpu(monkeypatch, family, fp8_mlp):
     """The cute lowering inside the model: quack's GEMMs with the suite's epilogues (fp8 ones
     for the MLP blocks with ``fp8_mlp``), SDPA flash; Mistral with a window shorter than the
-    sequence."""
+    sequence, Qwen3 with its q/k norms."""
     monkeypatch.setitem(globals(), "DEVICE", "cuda")
-    base = tiny_llama() if family == "Llama" else tiny(family, sliding_window=8)
+    window = {"sliding_window": 8} if family == "Mistral" else {}
+    base = tiny_llama() if family == "Llama" else tiny(family, **window)
     hi, lo = train_and_eval(copy.deepcopy(base).float()), train_and_eval(copy.deepcopy(base).bfloat16())
     # the backward on the calling thread: autograd's CUDA device threads do not see the ledger
     with launch_ledger() as launched, torch.autograd.set_multithreading_enabled(False):
@@ -271,7 +272,8 @@ def test_patched_model_trains_like_hf_on_gpu(monkeypatch, family, fp8_mlp):
         assert_within_fp8(got, hi)
     else:
         assert_like_hf(got, hi, lo)
-    assert {"norm_rope", "rmsnorm_dx", "dswiglu", "logits_lse"} <= {launch.name for launch in launched}
+    qkv = "scale_rows" if family == "Qwen3" else "norm_rope"  # Qwen3's RoPE stays HF's, after its q/k norms
+    assert {qkv, "rmsnorm_dx", "dswiglu", "logits_lse"} <= {launch.name for launch in launched}
 
 
 def test_kv_cache_decoding_copies_and_checkpointing():

@@ -219,12 +219,16 @@ def test_a_kernel_trains_through_torch_compile():
         assert torch.equal(eager, compiled)
 
 
-def test_a_patched_transformers_model_compiles_whole():
+@pytest.mark.parametrize("family", ["Llama", "Qwen3"])
+def test_a_patched_transformers_model_compiles_whole(family):
+    """No graph break in a patched model, Qwen3's q/k norms and sliding layer included."""
     pytest.importorskip("transformers")
     import coda_agent
-    from test_llama import batch, hf_layout, tiny_llama
+    from test_llama import batch, hf_layout, tiny, tiny_llama
 
-    model = coda_agent.apply_to_llama(tiny_llama().bfloat16())
+    base = tiny_llama() if family == "Llama" else tiny(family, use_sliding_window=True, sliding_window=8,
+                                                         max_window_layers=1)
+    model = coda_agent.apply_to_llama(base.bfloat16())
     ids, labels = batch()
     model.train()
     eager = model(ids, labels=labels).loss

@@ -124,6 +124,27 @@ def test_rounding_alone_passes_and_a_bias_under_the_max_rule_does_not():
     assert compare("y", "s", offset, hi, lo, Tolerance(bias=1.0)) is None  # a task may allow more
 
 
+def test_rounding_a_row_shares_passes_and_an_offset_of_its_size_does_not():
+    """A weight gradient dW = dY^T X rounds each row of dY once, and every element of that row of
+    dW carries the rounding: the mean of such errors averages over the rows, not the elements.
+    A program whose rows round another way passes (counted per element, its mean would stand 3
+    standard errors out); an offset every element shares, of one row's typical shift, does not."""
+    g = torch.Generator().manual_seed(2)
+    hi = torch.randn(128, 512, generator=g, dtype=torch.float64)
+    step = 2e-3
+
+    def rows_rounded():
+        shift = step * torch.randn(128, 1, generator=g, dtype=torch.float64)
+        return (hi + shift - shift.mean()).to(torch.float32)  # the reference's own rows cancel out
+
+    lo, other = rows_rounded(), (hi + step * torch.randn(128, 1, generator=g, dtype=torch.float64)).float()
+    tol = Tolerance(bias=0.0)  # the noise alone decides
+    assert compare("dw", "s", other, hi, lo, tol) is None
+    offset = (hi + step).to(torch.float32)
+    m = compare("dw", "s", offset, hi, lo, tol)
+    assert m is not None and m.pattern.startswith("systematic bias"), m
+
+
 def test_poisoned_nan_is_called_unwritten():
     hi = torch.randn(64, 96, dtype=torch.float64)
     out = hi.to(torch.bfloat16)

@@ -208,7 +208,7 @@ def _head_dim(cfg: Any) -> int:
 # layer can stand in for (Mistral's adds a sliding window, which it passes on).
 _REPLACED = {"decoder layer": LlamaDecoderLayer.forward, "RMSNorm": LlamaRMSNorm.forward, "MLP": LlamaMLP.forward,
              "causal LM": LlamaForCausalLM.forward}
-_ATTENTIONS = {  # forward -> (its extra submodules, its plan)
+_ATTENTIONS = {  # whose -> (its forward, the submodules it adds to LLaMA's, the plan of one)
     "LLaMA's": (LlamaAttention.forward, set(), lambda attn: AttentionPlan()),
     "Mistral's": (MistralAttention.forward, set(),
                   lambda attn: AttentionPlan(window=getattr(attn.config, "sliding_window", None))),

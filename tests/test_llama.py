@@ -220,6 +220,15 @@ def test_a_mistral_model_trains_like_hf(window):
         assert abs(train_and_eval(tiny("Mistral").bfloat16())["loss"] - hi["loss"]) > 1e-3
 
 
+def test_tied_embeddings_train_like_hf():
+    """LLaMA-3.2-1B (and small Qwen3s) tie the LM head to the embedding: the fused loss's dW and
+    the embedding's gradient land on one parameter, as in the unpatched model."""
+    base = tiny_llama(tie_word_embeddings=True)
+    assert base.lm_head.weight is base.model.embed_tokens.weight
+    hi, lo = train_and_eval(copy.deepcopy(base).float()), train_and_eval(copy.deepcopy(base).bfloat16())
+    assert_like_hf(train_and_eval(coda_agent.apply_to_llama(copy.deepcopy(base).bfloat16())), hi, lo)
+
+
 def test_a_qwen3_model_trains_like_hf():
     """Qwen3 adds per-head RMSNorms of q and k before RoPE, and here a sliding window on its
     second layer: the norms and RoPE stay HF's (RoPE cannot ride in the GEMM past the norms),

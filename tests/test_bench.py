@@ -259,3 +259,26 @@ def test_host_path_measures_each_expert_call_without_a_gpu(tmp_path):
     assert all(0 < r["host_ms_min_max"][0] <= r["host_ms"] <= r["host_ms_min_max"][1] for r in rows.values())
     with pytest.raises(SystemExit):
         host_path.main(["--tasks", "no_such_task"])
+
+
+def test_margins_measure_each_output_with_the_judges_own_comparison(tmp_path, monkeypatch):
+    """bench/margins.py: every output of an expert gets a margin over 1 (the expert passes) and
+    the rule its grown error breaks; an error that already fails has margin 0."""
+    import torch
+
+    from coda_agent.tasks.spec import Tolerance
+
+    out = tmp_path / "m.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "margins.py"), str(out), "--suites", "llama3",
+                           "--tasks", "swiglu_fwd", "--draws", "1", "--seed", "0"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["output"] for r in rows} == {"y", "pre"}
+    assert all(1.0 < r["min_margin"] <= r["median_margin"] and r["samples"] == 4 for r in rows), rows
+    assert all(r["rule"] for r in rows if r["min_margin"] < 8.0), rows
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import margins
+
+    hi = torch.randn(64, 64, dtype=torch.float64)
+    lo = hi.to(torch.bfloat16)
+    assert margins.margin("y", "s", (hi + 1.0).float(), hi, lo, Tolerance(), 8.0)[0] == 0.0

@@ -1,0 +1,114 @@
+"""How far each expert stands from the verifier's accuracy bars, over many fresh draws.
+
+The judge draws fresh inputs for every verification, so an expert that passes
+its bars by a thin margin on most draws fails on a rare one: an honest program
+rejected, a red CI.  This measures the margin with the judge's own comparison
+(:func:`coda_agent.verifier.compare.compare`), not a copy of its rules: for each
+output of each draw, the largest factor by which the program's error
+``out - ref_hi`` could grow and still pass (bisected between 1 and ``--cap``),
+and the rule the grown error breaks first.  A margin under 1.5 is worth a look:
+the tolerance's noise model or the expert's rounding.
+
+Runs on the CPU with the reference lowering, on the shape sets the reference
+stage checks (``small`` and ``ragged``, fresh draws and edge rows)::
+
+    python3 bench/margins.py OUT.json [--suites llama3,gpt2,llama3_fp8] [--tasks A,B] [--draws 20]
+
+OUT.json gets one row per (task, output): the smallest margin seen, its shape
+set and draw, the rule at that margin, and the median margin.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+SETS = ("small", "ragged")
+DRAWS = ("seed", "edge")
+
+
+def margin(name: str, shape_set: str, out: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor, tol,
+           cap: float, steps: int = 12) -> tuple[float, str]:
+    """(the largest growth of ``out``'s error that still passes, the rule that growth breaks);
+    (0, rule) when ``out`` fails as it is, (cap, "") when even ``cap`` times passes."""
+    from coda_agent.verifier.compare import compare
+
+    err = out.double() - hi.double()
+
+    def fails(a: float):
+        return compare(name, shape_set, (hi.double() + a * err).to(out.dtype), hi, lo, tol)
+
+    if (m := fails(1.0)) is not None:
+        return 0.0, m.pattern
+    if fails(cap) is None:
+        return cap, ""
+    good, bad = 1.0, cap
+    for _ in range(steps):
+        mid = (good * bad) ** 0.5
+        good, bad = (mid, bad) if fails(mid) is None else (good, mid)
+    return good, fails(bad).pattern.split(":")[0]
+
+
+def task_margins(task, draws: int, cap: float, rng: random.Random) -> list[dict]:
+    from coda_agent.kernels.contract import run
+    from coda_agent.primitives import load_program, lowering
+    from coda_agent.verifier.calls import draw_case
+
+    prog = load_program(task.expert_path.read_text(), task.name)
+    seen: dict[str, list[tuple[float, str, str, str]]] = {}
+    for shape_set in SETS:
+        for _ in range(draws):
+            for draw in DRAWS:
+                case = draw_case(task, task.spec, shape_set, rng.randrange(1 << 31), "cpu", draw)
+                with lowering("reference"):
+                    got = run(prog, case.inputs, dict(task.spec.params), case.grads, task.spec.outputs,
+                              task.spec.gradients)
+                for name, hi in case.hi.items():
+                    if hi.is_floating_point():
+                        a, rule = margin(name, shape_set, got[name], hi, case.lo[name],
+                                         task.spec.tolerance_for(name), cap)
+                        seen.setdefault(name, []).append((a, rule, shape_set, draw))
+    rows = []
+    for name, ms in seen.items():
+        worst = min(ms)
+        rows.append({"task": task.name, "output": name, "min_margin": round(worst[0], 3), "rule": worst[1],
+                     "shape_set": worst[2], "draw": worst[3],
+                     "median_margin": round(statistics.median(a for a, *_ in ms), 3), "samples": len(ms)})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--suites", default="llama3,gpt2,llama3_fp8")
+    ap.add_argument("--tasks", default="", help="only these task names, comma-separated")
+    ap.add_argument("--draws", type=int, default=20, help="fresh draws per shape set (each with edge rows too)")
+    ap.add_argument("--cap", type=float, default=8.0, help="the largest growth tried")
+    ap.add_argument("--seed", type=int, default=None, help="for a repeatable run (the judge's draws are not)")
+    args = ap.parse_args(argv)
+    from coda_agent.tasks import load_suite
+
+    rng = random.Random(args.seed)
+    only = {t for t in args.tasks.split(",") if t}
+    rows = []
+    for suite in args.suites.split(","):
+        for task in load_suite(ROOT / "tasks" / suite):
+            if not only or task.name in only:
+                rows += task_margins(task, args.draws, args.cap, rng)
+                print(json.dumps(min((r for r in rows if r["task"] == task.name), key=lambda r: r["min_margin"])),
+                      flush=True)
+    rows.sort(key=lambda r: r["min_margin"])
+    args.out.write_text(json.dumps({"draws": args.draws, "cap": args.cap, "rows": rows}, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

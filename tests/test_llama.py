@@ -220,6 +220,15 @@ def test_a_mistral_model_trains_like_hf(window):
         assert abs(train_and_eval(tiny("Mistral").bfloat16())["loss"] - hi["loss"]) > 1e-3
 
 
+@pytest.mark.parametrize("family", ["Mistral", "Qwen3"])
+def test_other_families_keep_their_hf_state_dict(family):
+    """Qwen3's q/k norm weights and every fused projection come back under HF's keys and values."""
+    hf = tiny(family).bfloat16()
+    want, got = hf.state_dict(), coda_agent.apply_to_llama(copy.deepcopy(hf)).state_dict()
+    assert set(got) == set(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
 def test_tied_embeddings_train_like_hf():
     """LLaMA-3.2-1B (and small Qwen3s) tie the LM head to the embedding: the fused loss's dW and
     the embedding's gradient land on one parameter, as in the unpatched model."""

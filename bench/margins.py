@@ -47,13 +47,16 @@ def margin(name: str, shape_set: str, out: torch.Tensor, hi: torch.Tensor, lo: t
 
     if (m := fails(1.0)) is not None:
         return 0.0, m.pattern
-    if fails(cap) is None:
+    if (broken := fails(cap)) is None:
         return cap, ""
     good, bad = 1.0, cap
     for _ in range(steps):
         mid = (good * bad) ** 0.5
-        good, bad = (mid, bad) if fails(mid) is None else (good, mid)
-    return good, fails(bad).pattern.split(":")[0]
+        if (m := fails(mid)) is None:
+            good = mid
+        else:
+            bad, broken = mid, m
+    return good, broken.pattern.split(":")[0]
 
 
 def task_margins(task, draws: int, cap: float, rng: random.Random) -> list[dict]:

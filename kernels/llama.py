@@ -220,6 +220,7 @@ _CHILDREN = {"layer": {"self_attn", "mlp", "input_layernorm", "post_attention_la
                                                                             "act_fn"}}
 
 
+@lru_cache(maxsize=None)  # every layer of a model asks the same few questions of the same classes
 def _same_code(fn: Any, want: Any) -> bool:
     """Whether two functions run the same instructions on the same names and constants, their
     docstrings aside (transformers' model families copy LLaMA's modules: Mistral's decoder layer,

@@ -37,8 +37,12 @@ DEVICE = "cpu"
 
 def tiny_llama(seed: int = 0, **overrides) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**{**CONFIG, **overrides})).to(DEVICE)
-    with torch.no_grad():  # norm weights away from 1, so a dropped gamma shows
+    return with_norms_off_one(LlamaForCausalLM(LlamaConfig(**{**CONFIG, **overrides})).to(DEVICE))
+
+
+def with_norms_off_one(model: torch.nn.Module) -> torch.nn.Module:
+    """The model with its norm weights moved away from 1, so a dropped gamma shows."""
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
@@ -196,12 +200,7 @@ def tiny(family: str, seed: int = 0, **overrides) -> torch.nn.Module:
     torch.manual_seed(seed)
     cfg = getattr(transformers, f"{family}Config")(**{**CONFIG, "pad_token_id": None, "bos_token_id": None,
                                                        "eos_token_id": None, **overrides})
-    model = getattr(transformers, f"{family}ForCausalLM")(cfg).to(DEVICE)
-    with torch.no_grad():  # norm weights away from 1, so a dropped gamma shows
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-    return model
+    return with_norms_off_one(getattr(transformers, f"{family}ForCausalLM")(cfg).to(DEVICE))
 
 
 @pytest.mark.parametrize("window", [None, 8], ids=["full", "sliding_window=8"])

@@ -1,18 +1,20 @@
 """What a pass without a GEMM costs on the H200, and what the alternative would.
 
-The catalogue runs ``tile_pass`` as quack's SM90 kernel over a zero mainloop
-(primitives/passes.py).  These experiments ask whether that is a bandwidth-
-bound pass, and record the numbers behind choosing it over an A-operand
-prologue:
+The catalogue runs an untuned ``tile_pass`` on its own streaming kernel
+(primitives/pass_kernel.py) and a pass given a tile config on quack's SM90
+kernel over a zero mainloop (primitives/passes.py).  These experiments ask
+how close each comes to the memory's bandwidth, and record the numbers behind
+choosing them over an A-operand prologue:
 
 - ``bandwidth``: at T = 16384 and N = 768 / 3072 / 16384 (GPT-2 small's
   hidden and MLP widths, a 7B-class MLP), each pass the GPT-2 experts run
   against the same math under ``torch.compile`` and a plain copy (the
   bandwidth reference): dGELU of an incoming gradient with its bias gradient
-  (read 2 tiles, write 1), ``row_stats`` (read 1), ``normalize_rows`` (read 1,
-  write 1); the pass at the heuristic's config and at every tuning candidate.
-  Rows carry ms (median, p10-p90, interleaved) and GB/s of the bytes the math
-  must move.
+  (read 2 tiles, write 1), the row moments behind ``row_stats`` (read 1),
+  ``normalize_rows`` (read 1, write 1); each on the pass kernel at every
+  geometry of :data:`GEOMETRIES` (``pass`` is the default one) and on the
+  zero mainloop at the pass rule's tile.  Rows carry ms (median, p10-p90,
+  interleaved) and GB/s of the bytes the math must move.
 - ``prologue``: the cheapest A-operand transform quack offers (``x * 0.5``, a
   value transform on the register-sourced mainloop) against the same GEMM
   without it, at the GPT-2 small QKV and fc shapes: the floor of what a
@@ -65,10 +67,17 @@ def _stats_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return mean, torch.rsqrt(var + 1e-5)
 
 
+def _geometries() -> tuple:
+    from coda_agent.primitives.pass_kernel import Geometry
+
+    return (Geometry(2, 4), Geometry(8, 1), Geometry(4, 4), Geometry(8, 2), Geometry(2, 2))
+
+
 def bandwidth(device: str = "cuda", shapes: tuple = ((16384, 768), (16384, 3072), (16384, 16384)),
               reps: int = 20) -> dict:
-    from coda_agent.primitives import load_program, lowering, normalize_rows, row_stats, tile_pass
-    from coda_agent.primitives.tuning import CANDIDATES
+    from coda_agent.primitives import load_program, lowering, pass_kernel, tile_pass
+    from coda_agent.primitives.norm import normalize, row_moments
+    from coda_agent.primitives.tile_config import PASS_CONFIG
 
     dgelu = load_program(DGELU, "bench_dgelu").dgelu
     low = "cute" if device == "cuda" else "reference"
@@ -87,14 +96,23 @@ def bandwidth(device: str = "cuda", shapes: tuple = ((16384, 768), (16384, 3072)
                     return fn()
             return run
 
+        def contenders(epi: Any, **operands: Any) -> dict[str, Callable[[], Any]]:
+            """The pass on the pass kernel (default geometry, then the sweep) and on the zero mainloop."""
+            def on(g: Any) -> Callable[[], Any]:
+                def run() -> Any:
+                    with pass_kernel.geometry(g):
+                        return tile_pass(epi, **operands)
+                return within(run)
+            return {"pass": within(lambda: tile_pass(epi, **operands)),
+                    **({f"pass {g}": on(g) for g in _geometries()} if compiled else {}),
+                    f"zero mainloop {PASS_CONFIG}": within(lambda: tile_pass(epi, config=PASS_CONFIG, **operands))}
+
         cases: dict[str, tuple[int, dict[str, Callable[[], Any]]]] = {
-            "dgelu": (3 * tile, {"pass": within(lambda: tile_pass(dgelu, dy=dy, pre=pre)),
-                                 **({f"pass {cfg}": within(lambda cfg=cfg: tile_pass(dgelu, dy=dy, pre=pre, config=cfg))
-                                     for cfg in CANDIDATES} if compiled else {}),
+            "dgelu": (3 * tile, {**contenders(dgelu, dy=dy, pre=pre),
                                  **({"compile": lambda: _compiled(_dgelu_torch)(dy, pre)} if compiled else {})}),
-            "row_stats": (tile, {"pass": within(lambda: row_stats(x, 1e-5)),
+            "row_stats": (tile, {**contenders(row_moments, x=x),
                                  **({"compile": lambda: _compiled(_stats_torch)(x)} if compiled else {})}),
-            "normalize_rows": (2 * tile, {"pass": within(lambda: normalize_rows(x, rstd, gamma, mean=mean, beta=beta)),
+            "normalize_rows": (2 * tile, {**contenders(normalize, x=x, mean=mean, rstd=rstd, gamma=gamma, beta=beta),
                                           **({"compile": lambda: _compiled(_normalize_torch)(x, mean, rstd, gamma, beta)}
                                              if compiled else {})}),
         }

@@ -42,7 +42,8 @@ entered around each compile and launch and undone after it (:mod:`.dsl_scope`).
 The modules, each built only on those before it (tests/test_primitives_scope.py
 holds them to it): ``errors``, ``version``, ``fp8``, ``dispatch`` -> ``pair`` -> ``reductions`` ->
 ``operands`` -> ``epilogue`` -> ``tile_config``, ``lowering``, ``math``,
-``program``, ``timing`` -> ``reference``, ``dsl_scope``, ``sass`` -> ``cute`` -> ``tuning``
+``program``, ``timing`` -> ``reference``, ``dsl_scope``, ``sass`` -> ``cute``, ``pass_kernel`` (with its
+CuTeDSL side, ``pass_kernel_dsl``) -> ``tuning``
 -> ``gemm`` -> ``passes`` -> ``aux`` (with its Triton kernel, ``xent_triton``), ``quantize``
 (with ``quantize_triton``) -> ``norm`` -> ``catalogue``.
 """

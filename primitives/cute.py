@@ -187,7 +187,7 @@ def _plain() -> Epilogue:
 
 def compile_call(epi: Epilogue | None, A: torch.Tensor, B: torch.Tensor, operands: dict[str, Any], *,
                  buffers: dict[str, torch.Tensor], config: TileConfig, accumulate: bool,
-                 fast_accum: bool = False) -> None:
+                 fast_accum: bool = False, kind: str = "gemm") -> None:
     """Compile for sm_90a (no launch); ``buffers`` only carry shapes and stay uninitialised."""
     epi = epi or _plain()
     if torch.cuda.is_available() and not A.is_cuda:
@@ -214,7 +214,7 @@ def compile_call(epi: Epilogue | None, A: torch.Tensor, B: torch.Tensor, operand
     sass = inspect_cubin(cubin) if cubin else None
     record_compiled(CompiledKernel(epilogue=epi.name, config=str(config), seconds=seconds,
                                    log=log.getvalue(), sass=sass,
-                                   shapes={"M": m, "N": n, "K": A.shape[1]}))
+                                   shapes={"M": m, "N": n, "K": A.shape[1]}, kind=kind))
 
 
 def _on_cuda(t: Any) -> Any:

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from . import cute, fp8, reference
+from . import cute, fp8, pass_kernel, reference
 from .dispatch import direct, mutated
 from .epilogue import Epilogue, registered
 from .errors import CatalogueError
@@ -295,6 +295,9 @@ def _launch(epi: Epilogue | None, A: torch.Tensor, B: torch.Tensor, operands: di
     m, k = A.shape
     n = B.shape[1]
     lowering = current_lowering(A, B)
+    if kind == "pass" and config is None and lowering in ("cute", "compile") and _pass_kernel(
+            epi, operands, results, accumulate, lowering, {"M": m, "N": n}):
+        return
     cfg = config
     if cfg is None and lowering == "cute":
         cfg = lookup(epi, m, n, k, fp8.mainloop_key(A, B, fast_accum), A.device, operands)
@@ -332,6 +335,25 @@ def _launch(epi: Epilogue | None, A: torch.Tensor, B: torch.Tensor, operands: di
         _run(epi, A, B, operands, results, accumulate, lean, fast_accum, kind, lowering)
 
 
+def _pass_kernel(epi: Epilogue, operands: dict[str, Any], results: dict[str, torch.Tensor], accumulate: bool,
+                 lowering: str, shapes: dict[str, int]) -> bool:
+    """Run (or, compiling, compile) an untuned tile pass on its own streaming kernel
+    (:mod:`.pass_kernel`); False where that kernel does not take it and quack's zero
+    mainloop runs it instead."""
+    plan, _ = pass_kernel.plan_for(epi, operands, results, accumulate)
+    if plan is None:
+        return False
+    if lowering == "compile":
+        pass_kernel.compile_call(epi, plan, shapes)
+        return True
+    if not all(t.is_cuda for t in (*results.values(), *(v for v in operands.values() if isinstance(v, torch.Tensor)))):
+        raise CatalogueError("tile_pass: the cute lowering runs on CUDA tensors; move the operands to the GPU "
+                             "or use lowering('reference')")
+    with launching("pass", epi.name, str(plan.geometry)):
+        pass_kernel.run(epi, plan, operands, results)
+    return True
+
+
 def _leaner(epi: Epilogue | None, A: torch.Tensor, B: torch.Tensor, operands: dict[str, Any],
             results: dict[str, torch.Tensor]) -> dict[TileConfig, TileConfig]:
     """Default config -> the leaner one that replaced it, for calls with these dtypes
@@ -348,7 +370,7 @@ def _run(epi: Epilogue | None, A: torch.Tensor, B: torch.Tensor, operands: dict[
          lowering: str) -> None:
     if lowering == "compile":
         cute.compile_call(epi, A, B, operands, buffers=results, config=cfg, accumulate=accumulate,
-                          fast_accum=fast_accum)
+                          fast_accum=fast_accum, kind=kind)
         return
     with launching(kind, epi.name if epi is not None else PLAIN, str(cfg)):
         if lowering == "cute":

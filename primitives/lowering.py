@@ -72,6 +72,13 @@ class CompiledKernel:
     log: str
     sass: SassReport | None
     shapes: dict = field(default_factory=dict)
+    kind: str = "gemm"  # the launch's kind: "pass" for a tile pass (its own kernel has no MMA by design)
+
+    def report(self, log: str | None = None) -> dict:
+        """The kernel as the verifier's compile stage reads it (``log``: the log to report, trimmed)."""
+        return {"epilogue": self.epilogue, "config": self.config, "seconds": round(self.seconds, 2),
+                "log": self.log if log is None else log, "sass": None if self.sass is None else vars(self.sass),
+                "kind": self.kind}
 
 
 @contextlib.contextmanager

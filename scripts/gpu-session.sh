@@ -14,6 +14,8 @@
 #   warm            cold and warm verification of the block experts (CODA_GPU_RESULTS)
 #   check           CHECK_TASKS="SUITE/NAME ..." experts verified side by side with
 #                   `coda-agent verify`, beside CHECK_PYTEST (a -k of the GPU tier)
+#   tests           the GPU tests GPU_TESTS names (pytest arguments: files, node ids, -k), alone
+#   passes          bench/passes.py (PASSES_ARGS: its experiments, by default bandwidth)
 #   train           bench/train_step.py (the budget is the part's seconds less 20; TRAIN_ARGS)
 #   bench-SUITE     bench/run.py --suite SUITE (BENCH_TASKS / BENCH_SETS narrow it)
 #   fp8             bench/fp8.py;   fp8loss   bench/fp8_loss.py
@@ -71,6 +73,11 @@ for item in "$@"; do
         check)
             mkdir -p "$res/check"
             part check "$secs" bash scripts/gpu-check.sh "$res/check" ;;
+        tests)
+            part tests "$secs" python3 -m pytest -m gpu -q -p no:cacheprovider -rfE --durations=15 \
+                ${GPU_TESTS:?set GPU_TESTS to the tests to run} ;;
+        passes)
+            part passes "$secs" python3 bench/passes.py "$res/passes.json" ${PASSES_ARGS:-bandwidth} ;;
         train)
             part train "$secs" python3 bench/train_step.py --out "$res/train" --budget-s $((secs - 20)) ${TRAIN_ARGS:-} ;;
         bench-*)

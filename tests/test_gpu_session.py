@@ -57,10 +57,8 @@ def test_verify_part_takes_the_tasks_it_names(tmp_path):
     assert "--only: no_such_task: not a task of tasks/llama3" in log and "swiglu_fwd" in log, log
 
 
-def test_tier_shares_split_the_gpu_test_files_between_calls(tmp_path):
-    """tier=1/2 and tier=2/2 hand disjoint halves of the GPU-marked test files to pytest, which
-    together are the whole tier.  The python3 the driver finds first records a pytest call's
-    arguments (collecting the GPU files twice costs 20 s of CI) and runs anything else."""
+def _pytest_recorder(tmp_path: Path) -> tuple[str, Path]:
+    """A PATH whose python3 records a pytest call's arguments and runs anything else."""
     bin_dir, calls = tmp_path / "bin", tmp_path / "pytest-calls.txt"
     bin_dir.mkdir()
     stub = bin_dir / "python3"
@@ -69,7 +67,29 @@ if [ "$1 $2" = "-m pytest" ]; then shift 2; echo "$@" >> {calls}; exit 0; fi
 exec {sys.executable} "$@"
 """)
     stub.chmod(0o755)
-    path = os.pathsep.join([str(bin_dir), str(Path(sys.executable).parent), os.environ["PATH"]])
+    return os.pathsep.join([str(bin_dir), str(Path(sys.executable).parent), os.environ["PATH"]]), calls
+
+
+def test_tests_and_passes_parts_run_what_they_are_given(tmp_path):
+    """``tests`` hands GPU_TESTS to pytest's GPU tier; ``passes`` runs bench/passes.py with
+    PASSES_ARGS, and its results file comes back."""
+    path, calls = _pytest_recorder(tmp_path)
+    proc, back = _session(tmp_path, ["tests:60", "passes:300"], PATH=path,
+                          GPU_TESTS="tests/test_passes_gpu.py -k pass_kernel", PASSES_ARGS="--dry-run")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    args = calls.read_text().split()
+    assert args[:2] == ["-m", "gpu"] and args[-3:] == ["tests/test_passes_gpu.py", "-k", "pass_kernel"], args
+    parts = (back / "parts.txt").read_text()
+    assert "tests rc=0" in parts and "passes rc=0" in parts, parts
+    rows = json.loads((back / "passes.json").read_text())["bandwidth"]
+    assert {"pass", "copy"} <= set(rows["dgelu T=256 N=128"]), rows
+
+
+def test_tier_shares_split_the_gpu_test_files_between_calls(tmp_path):
+    """tier=1/2 and tier=2/2 hand disjoint halves of the GPU-marked test files to pytest, which
+    together are the whole tier.  The python3 the driver finds first records a pytest call's
+    arguments (collecting the GPU files twice costs 20 s of CI) and runs anything else."""
+    path, calls = _pytest_recorder(tmp_path)
     proc, back = _session(tmp_path, ["tier=1/2:60", "tier=2/2:60"], PATH=path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     runs = [line.split() for line in calls.read_text().splitlines()]

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from coda_agent.primitives import (CatalogueError, TileConfig, compile_only, erf, gelu, gemm, launch_ledger,
                                    layernorm_fold, layernorm_stats, load_program, lowering, normalize_rows,
-                                   round_bf16, round_fp16, row_stats, tile_pass, vector_pass)
+                                   pass_kernel, round_bf16, round_fp16, row_stats, tile_pass, vector_pass)
 
 PROGRAM = load_program('''
 from coda_agent.primitives import *
@@ -270,8 +270,9 @@ def test_normalize_rows_materializes_layernorm_and_rmsnorm(gen):
 @pytest.mark.slow
 def test_passes_and_layernorm_kernels_compile_for_sm90a(gen):
     """Every pass kind (Tile, PairedTile, reductions and partials) and the
-    LayerNorm kernels (both fold layouts) compile with HGMMA in the SASS (the
-    zero mainloop's), no slow-path CALL (erf included) and no spills at 128x128."""
+    LayerNorm kernels (both fold layouts) compile for sm_90a with no slow-path
+    CALL (erf included) and no spills: untuned on the pass kernel (no MMA), with
+    a tile config on quack's zero mainloop (its HGMMA in the SASS)."""
     dy, pre = _rand(M, N, gen=gen), _rand(M, N, gen=gen)
     narrow = TileConfig(tile_n=128, cluster_m=1)
     w = _rand(N, 72, gen=gen)
@@ -282,13 +283,78 @@ def test_passes_and_layernorm_kernels_compile_for_sm90a(gen):
         normalize_rows(dy, st["rstd"], torch.ones(N), mean=st["mean"], beta=torch.zeros(N))
         layernorm_fold(w.t(), torch.ones(72), torch.zeros(72))
         layernorm_fold(w, torch.ones(N), torch.zeros(N))
-    names = [k.epilogue for k in kernels]
-    assert names == ["dgelu", "dswiglu", "row_moments", "normalize", "layernorm_fold", "layernorm_fold"], names
+    names = [(k.epilogue, k.config) for k in kernels]
+    own = pass_kernel.CONFIG
+    assert names == [("dgelu", str(narrow)), ("dswiglu", str(narrow)), ("row_moments", own), ("normalize", own),
+                     ("layernorm_fold", own), ("layernorm_fold", own)], names
     for k in kernels:
         s = k.sass
-        assert s is not None and s.sm90a and s.hgmma > 0, (k.epilogue, s)
-        assert s.calls == 0, (k.epilogue, k.config, s)
-        assert s.spill_stores == 0 and s.spill_loads == 0 or k.config != str(narrow), (k.epilogue, k.config, s)
+        assert k.kind == "pass" and s is not None and s.sm90a, (k.epilogue, s)
+        assert s.hgmma == 0 if k.config == own else s.hgmma > 0, (k.epilogue, k.config, s)
+        assert s.calls == 0 and s.spill_stores == 0 and s.spill_loads == 0, (k.epilogue, k.config, s)
+
+
+PASS_KERNEL = load_program('''
+from coda_agent.primitives import *
+
+@epilogue(outputs={"e": "fp32", "h": "bf16"}, reductions={"mx": col_max(), "s": col_sum(), "cs": row_sum()})
+def everything(x: Tile, y: Tile, cv: ColVec, r: RowVec, k: Scalar):
+    v = x * k + y * cv + r
+    return {"D": v, "e": exp(v * 0.1), "h": v * v, "mx": v, "s": v * x, "cs": v}
+
+@epilogue(outputs={"q": "fp8_e4m3"})
+def to_fp8(x: Tile):
+    return {"D": x, "q": x}
+
+@epilogue(reductions={"lse": online_lse()})
+def lse(x: Tile):
+    return {"lse": x}
+''', "pass_kernel_test")
+
+
+def _plan(epi, **operands):
+    m, n = next(v.shape for v in operands.values() if isinstance(v, torch.Tensor) and v.dim() == 2)
+    bufs = epi.result_buffers(m, n, operands, torch.bfloat16, 1, torch.device("cpu"))
+    return pass_kernel.plan_for(epi, operands, bufs, accumulate=False)
+
+
+def test_the_pass_kernel_takes_the_streaming_passes_and_names_what_it_leaves_to_quack(gen):
+    """Tiles, vectors, scalars, any mix of 16-bit and fp32, extra outputs and the three
+    plain folds run on the pass kernel; what it cannot stream (pairs, fp8 stores, the
+    partials whose layout is a GEMM tile's, LSE, a transposed or misaligned Tile) says why."""
+    x, y = _rand(M, N, gen=gen), _rand(M, N, gen=gen, dtype=torch.float32)
+    vecs = {"cv": torch.ones(M, dtype=torch.bfloat16), "r": torch.ones(N), "k": 0.5}
+    plan, why = _plan(PASS_KERNEL.everything, x=x, y=y, **vecs)
+    assert why == "" and plan is not None
+    assert [n for n, _ in plan.tiles] == ["x", "y"] and plan.scalars == (("k", 0.5),)
+    assert [n for n, _ in plan.stores] == ["D", "e", "h"]
+    assert plan.per_row == (("mx", "max"), ("s", "add")) and plan.per_col == ("cs",)
+    refused = {
+        "pairs": _plan(PROGRAM.dswiglu, dy=_rand(M, 72, gen=gen), pre=_rand(M, 144, gen=gen)),
+        "partials": _plan(PROGRAM.dgelu, dy=x, pre=x, scale=torch.ones(M), shift=torch.ones(N), alpha=1.0),
+        "fp8": _plan(PASS_KERNEL.to_fp8, x=x),
+        "lse": _plan(PASS_KERNEL.lse, x=x),
+        "transposed": _plan(PASS_KERNEL.everything, x=_rand(N, M, gen=gen).t(), y=y, **vecs),
+        "misaligned": _plan(PASS_KERNEL.everything, x=_rand(M, N + 8, gen=gen)[:, 4:N + 4], y=y, **vecs),
+    }
+    whys = {case: why for case, (plan, why) in refused.items()}
+    assert all(plan is None for plan, _ in refused.values()), whys
+    assert "paired" in whys["pairs"] and "partials" in whys["partials"] and "'q'" in whys["fp8"], whys
+    assert "online_lse" in whys["lse"] and "'x'" in whys["transposed"] and "'x'" in whys["misaligned"], whys
+
+
+def test_an_untuned_pass_runs_on_the_pass_kernel_and_a_tuned_one_on_quack(gen):
+    """The launch ledger says which kernel ran; a pass given a tile config (the tuner's
+    candidates, a program's choice) keeps quack's zero mainloop, where a TileConfig means
+    something, and both compile for sm_90a."""
+    x = _rand(M, N, gen=gen)
+    with compile_only() as kernels:
+        tile_pass(PASS_KERNEL.everything, x=x, y=x, cv=torch.ones(M), r=torch.ones(N), k=2.0)
+        tile_pass(PASS_KERNEL.everything, x=x, y=x, cv=torch.ones(M), r=torch.ones(N), k=2.0,
+                  config=TileConfig(tile_n=128, cluster_m=1))
+    assert [(k.kind, k.config, k.sass.hgmma > 0) for k in kernels] == [
+        ("pass", pass_kernel.CONFIG, False), ("pass", "128x128 c1x1 pingpong", True)]
+    assert kernels[0].sass.spill_stores == 0 and kernels[0].sass.calls == 0
 
 
 # --------------------------------------------------------------------------- padded lanes

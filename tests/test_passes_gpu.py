@@ -1,6 +1,6 @@
 """GPU tier of the GPT-2 suite's catalogue additions (H200; skipped without
-CUDA): tile passes through quack's kernel on its zero mainloop against the
-reference lowering, erf / gelu / 16-bit rounding against PyTorch in fp64 and
+CUDA): tile passes through the pass kernel and through quack's kernel on its
+zero mainloop against the reference lowering, erf / gelu / 16-bit rounding against PyTorch in fp64 and
 bit for bit, vector passes on the device, and LayerNorm's statistics, fold and
 row-scale.  With CODA_GPU_RESULTS set, each case appends its errors to
 ``$CODA_GPU_RESULTS/primitives.jsonl``."""
@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from test_passes import PROGRAM as PASSES  # the CPU tier's passes: dgelu (reductions, partials), dswiglu
 from test_primitives_gpu import _record  # to $CODA_GPU_RESULTS/primitives.jsonl with the other catalogue cases
 
-from coda_agent.primitives import (TileConfig, layernorm_fold, load_program, lowering, normalize_rows, row_stats,
-                                   tile_pass, tuning, vector_pass)
+from coda_agent.primitives import (TileConfig, launch_ledger, layernorm_fold, load_program, lowering, normalize_rows,
+                                   pass_kernel, row_stats, tile_pass, tuning, vector_pass)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -147,3 +147,60 @@ def test_layernorm_kernels_on_the_gpu(layout):
     assert torch.equal(got["B"].cpu(), results["reference"]["B"])  # one rounding of the same fp32 product
     torch.testing.assert_close(got["gw"].cpu().double(), got["B"].cpu().double().sum(0), atol=1e-4, rtol=1e-5)
     _compare(f"layernorm/{layout}", got, results["reference"])
+
+
+# --------------------------------------------------------------------------- the pass kernel
+
+KERNEL_SHAPES = {"one row": (1, 8), "ragged": (1000, 1264), "tall": (4099, 776), "even": (2048, 3072)}
+
+
+@pytest.mark.parametrize("shape", list(KERNEL_SHAPES))
+def test_the_pass_kernel_matches_the_reference_and_repeats_itself_bit_for_bit(shape):
+    """Every operand kind in 16-bit and fp32, three stores, the three folds (a max, a sum
+    per row, a sum per column) over ragged edges and one-block extents, twice."""
+    from test_passes import PASS_KERNEL
+
+    m, n = KERNEL_SHAPES[shape]
+    gen = torch.Generator().manual_seed(m + n)
+    ops = {"x": torch.randn(m, n, generator=gen).bfloat16(), "y": torch.randn(m, n, generator=gen),
+           "cv": torch.randn(m, generator=gen).bfloat16(), "r": torch.randn(n, generator=gen), "k": 0.75}
+    with lowering("reference"):
+        want = tile_pass(PASS_KERNEL.everything, **ops)
+    with lowering("cute"), launch_ledger() as ledger:
+        got = tile_pass(PASS_KERNEL.everything, **_cuda(ops))
+        again = tile_pass(PASS_KERNEL.everything, **_cuda(ops))
+    torch.cuda.synchronize()
+    assert [launch.config for launch in ledger] == [pass_kernel.CONFIG] * 2
+    _compare(f"pass kernel/{shape}", got, want)
+    assert all(torch.equal(got[k], again[k]) for k in got), [k for k in got if not torch.equal(got[k], again[k])]
+
+
+def test_the_pass_kernel_writes_over_what_it_reads_and_accumulates():
+    """dGELU written over the saved pre-activation (``out=``), and ``accumulate_into``
+    adding the result rounded to D's dtype, as quack's reduce-add store does."""
+    m, n = 3000, 1032
+    ops = _tiles(m, n, 5)
+    dgelu = load_program(DGELU_ONLY, "pass_kernel_gpu").dgelu
+    with lowering("reference"):
+        want = tile_pass(dgelu, dy=ops["dy"], pre=ops["pre"].clone())
+        base = torch.randn(m, n, generator=torch.Generator().manual_seed(6)).bfloat16()
+        summed = base.clone()
+        tile_pass(dgelu, dy=ops["dy"], pre=ops["pre"], accumulate_into=summed)
+    dy, pre, acc = ops["dy"].cuda(), ops["pre"].cuda(), base.cuda()
+    with lowering("cute"):
+        tile_pass(dgelu, dy=dy, pre=pre, accumulate_into=acc)
+        got = tile_pass(dgelu, dy=dy, pre=pre, out=pre)
+    torch.cuda.synchronize()
+    assert got["D"].data_ptr() == pre.data_ptr()
+    _compare("pass kernel/out=", got, want)
+    _compare("pass kernel/accumulate_into", {"D": acc}, {"D": summed})
+
+
+DGELU_ONLY = '''
+from coda_agent.primitives import *
+
+@epilogue(reductions={"db": row_sum()})
+def dgelu(dy: Tile, pre: Tile):
+    dpre = dy * (0.5 * (1.0 + erf(pre * 0.7071067811865476)) + pre * exp(-0.5 * pre * pre) * 0.3989422804014327)
+    return {"D": dpre, "db": dpre}
+'''

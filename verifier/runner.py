@@ -140,10 +140,7 @@ def _compile(st: State, req: dict, blobs: list[bytes]) -> tuple[dict, list]:
         except CandidateError as e:
             e.log = prog.trim("\n".join(k.log for k in kernels if k.log) + "\n" + e.log)
             raise
-        for k in kernels:
-            sass = vars(k.sass) if k.sass is not None else None
-            kernels_json.append({"epilogue": k.epilogue, "config": k.config, "seconds": round(k.seconds, 2),
-                                 "log": prog.trim(k.log), "sass": sass})
+        kernels_json.extend(k.report(prog.trim(k.log)) for k in kernels)
     return {"kernels": kernels_json}, []
 
 

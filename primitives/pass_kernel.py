@@ -10,9 +10,10 @@ reduction kernels reach 3-4 (BENCHMARKS.md, runs 10 and 12).
 
 This kernel is the plain streaming shape instead: 256 threads per CTA, a CTA
 per 128 x 128 block of the output, each thread owning 8 adjacent columns
-(one 16-byte load of a 16-bit tile) of 8 rows, its loads for 4 rows issued
-before any of their math, and several CTAs per SM (no shared memory but a
-small buffer per ``row_sum``), so the loads of many rows are in flight.
+(one 16-byte load of a 16-bit tile) of 8 rows, its loads for 2 rows issued
+before any of their math, and several CTAs per SM (few registers, no shared
+memory but a small buffer per ``row_sum``), so the loads of many rows are in
+flight.
 Values reach the fn exactly as in the GEMM epilogue: ``cutlass.Float32``
 scalars, one element at a time, so the same catalogue math and the same fn
 run in both kernels.
@@ -81,8 +82,8 @@ class Geometry:
     """How many rows a thread covers: ``rows_in_flight`` loaded before their math,
     ``chunks`` times over."""
 
-    rows_in_flight: int = 4
-    chunks: int = 2
+    rows_in_flight: int = 2
+    chunks: int = 4
 
     @property
     def tile_m(self) -> int:
@@ -92,7 +93,11 @@ class Geometry:
         return f"pass kernel {self.tile_m}x{TILE_N} r{self.rows_in_flight}"
 
 
-GEOMETRY = Geometry()  # bench/passes.py's sweep on the H200 chose it (BENCHMARKS.md)
+# bench/passes.py's sweep on the H200 (bench/results/h200-2026-12-02-b): two rows in flight
+# (about 60 registers, so four CTAs an SM) beat four (97 registers, two CTAs) and eight, and
+# a 128-row block ties a 64-row one: dGELU with its bias gradient at (16384, 16384) 0.490 ms
+# against 0.673 at four rows, 0.770 on quack's zero mainloop and 0.630 under torch.compile.
+GEOMETRY = Geometry()
 CONFIG = str(GEOMETRY)  # what the launch ledger records
 
 _geometry: contextvars.ContextVar[Geometry] = contextvars.ContextVar("coda_pass_geometry", default=GEOMETRY)

@@ -189,7 +189,7 @@ def launch(epilogue: Epilogue | None, A: torch.Tensor, B: torch.Tensor, operands
            out_dtype: str | None, config: TileConfig | None, accumulate_into: torch.Tensor | None,
            kind: str, out: torch.Tensor | None = None, fast_accum: bool = False) -> dict[str, torch.Tensor]:
     """One mainloop + epilogue, recorded in the launch ledger as ``kind`` ("gemm",
-    or "pass" for a tile pass's zero mainloop): validation, the output dtype and
+    or "pass" for a tile pass): validation, the output dtype and
     buffers, and the custom op, which :func:`gemm` and
     :func:`coda_agent.primitives.passes.tile_pass` share."""
     name = epilogue.name if epilogue is not None else PLAIN

@@ -45,7 +45,7 @@ _padded: contextvars.ContextVar[bool] = contextvars.ContextVar("coda_padded_lane
 
 @dataclass(frozen=True)
 class Launch:
-    kind: str  # "gemm" | "pass" (a tile pass: an epilogue over a zero mainloop) | "aux"
+    kind: str  # "gemm" | "pass" (a tile pass: the pass kernel, or an epilogue over a zero mainloop) | "aux"
     name: str
     config: str = ""  # the tile configuration a gemm ran with (reports show it)
 

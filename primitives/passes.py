@@ -12,11 +12,15 @@ recomputed a forward GEMM to host it.
 the (M, N) tiles of its ``Tile``/``PairedTile`` operands, with everything a
 GEMM epilogue has: the operand kinds, extra outputs, reductions with their
 ragged-edge masking, both lowerings and the compile stage's SASS gate.  In the
-cute lowering it *is* quack's SM90 kernel, with a mainloop over zeros: A is
-(M, 16) and B (16, N) of bf16 zeros (one k-block; TMA fills the rest of it
-with zeros), views of one buffer per device that the catalogue keeps, so each
-tile costs one small TMA load and one WGMMA before its epilogue, and the fn
-never sees the accumulator.  The pass is recorded as ``pass`` in the launch
+cute lowering an untuned pass of Tiles, vectors and Scalars with 16-bit or
+fp32 outputs and plain folds runs on its own streaming kernel
+(:mod:`.pass_kernel`: 3.3 TB/s on the H200 for the wide dGELU pass, where the
+GEMM's epilogue moved 2.1); anything else, and a pass given a ``config``, runs
+on quack's SM90 kernel with a mainloop over zeros: A is (M, 16) and B (16, N)
+of bf16 zeros (one k-block; TMA fills the rest of it with zeros), views of one
+buffer per device that the catalogue keeps, so each tile costs one small TMA
+load and one WGMMA before its epilogue, and the fn never sees the
+accumulator.  Either way the pass is recorded as ``pass`` in the launch
 ledger, and the task's FLOP count does not include it.
 
 Why not a prologue on A (quack's ``operand_transform``: ``@a_transform``,
@@ -91,7 +95,11 @@ def tile_pass(epilogue: Epilogue, *, out_dtype: str | None = None, config: TileC
     first Tile operand's.  The cost is the epilogue's own loads and stores
     (e.g. dGELU of an incoming gradient over the saved pre-activation:
     ``tile_pass(dgelu, dy=dy, pre=pre, out=pre)``, no GEMM to recompute, no
-    new (M, N) buffer)."""
+    new (M, N) buffer).  With ``config=None`` a pass of Tile, RowVec, ColVec
+    and Scalar operands, 16-bit or fp32 outputs and col_sum, col_max or
+    row_sum folds streams on the catalogue's own pass kernel, near copy
+    bandwidth; a PairedTile, fp8 outputs, partials, an LSE or select, or a
+    ``config`` run it as the epilogue of quack's GEMM over a zero mainloop."""
     epi = _require_pass(epilogue, "tile_pass")
     grid = [(name, g) for name, kind in epi.operands.items()
             if (g := kind.output_grid(operands.get(name))) is not None]

@@ -96,7 +96,8 @@ def default_config(epi: Epilogue | None, operands: dict[str, Any], n: int | None
       head_dim 64: 0.197 at 128x128 c2, spill-free; 0.191 at 128x192, which
       spills); a head wider than a pingpong tile holds (:data:`PINGPONG_MAX_N`,
       head_dim 256) runs cooperative;
-    - a tile pass (``tile_pass``: the zero mainloop, one k-step) is bound by its epilogue's
+    - a tile pass on quack's zero mainloop (one k-step: a pass the pass kernel does not
+      stream, see primitives/pass_kernel.py) is bound by its epilogue's
       loads and stores alone, and both warpgroups of a cooperative kernel run that epilogue:
       256x128 c2x1 cooperative (bench/results/h200-2026-12-01-d, tuned at T = 16384: dGELU of
       an incoming (16384, 16384) gradient with its bias gradient 0.762 ms against 1.421 at

@@ -239,3 +239,30 @@ def test_a_ranges_device_time_is_its_kernels_not_its_span():
                (3995.0, 4005.0)]
     got = busy_ms(spans, kernels)
     assert got == pytest.approx({"coda::aux::coeffs": 0.035, "coda::gemm::plain": 2.0})
+
+
+# --------------------------------------------------------------------------- the SASS gate
+
+
+def _kernel(epilogue: str, kind: str, hgmma: int, sm90a: bool = True) -> dict:
+    sass = {"sm90a": sm90a, "hgmma": hgmma, "spill_stores": 0, "spill_loads": 0, "registers": 64,
+            "local_bytes": 0, "instructions": 900, "calls": 0}
+    return {"epilogue": epilogue, "config": "128x128", "seconds": 0.1, "log": "", "sass": sass, "kind": kind}
+
+
+def test_the_sass_gate_wants_an_mma_in_every_gemm_and_none_in_a_streaming_pass():
+    """A GEMM kernel without warpgroup MMAs lost its mainloop and fails the compile stage; a
+    tile pass on its own streaming kernel has none by design and passes; any kernel not built
+    for sm_90a fails."""
+    from coda_agent.verifier.stages import compile_result
+
+    ok = compile_result([_kernel("bias_gelu", "gemm", 16), _kernel("dgelu", "pass", 0)], "small")
+    assert ok.status == "passed", ok.message
+    assert [k["kind"] for k in ok.details["kernels"]] == ["gemm", "pass"]
+    lost = compile_result([_kernel("bias_gelu", "gemm", 0), _kernel("dgelu", "pass", 0)], "small")
+    assert lost.status == "failed" and lost.message == "bias_gelu: no HGMMA instructions (the mainloop lost its "\
+        "warpgroup MMA)", lost.message
+    unmarked = compile_result([{k: v for k, v in _kernel("plain", "gemm", 0).items() if k != "kind"}], "small")
+    assert unmarked.status == "failed" and "plain: no HGMMA" in unmarked.message  # no kind: a GEMM
+    wrong_arch = compile_result([_kernel("dgelu", "pass", 0, sm90a=False)], "small")
+    assert wrong_arch.status == "failed" and "not compiled for sm_90a" in wrong_arch.message

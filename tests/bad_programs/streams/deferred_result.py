@@ -3,7 +3,9 @@
 # needs: gpu
 # static: off
 """Returns an output buffer at once and fills it on a side stream later, with the runner's
-device synchronisation patched out: a result the judge may read before it is written."""
+device synchronisation patched out: a result the judge may read before it is written.  It
+cheats on CUDA only: a CPU stage's runner on a GPU host cannot reach the device (the H200,
+run 13: a stream made there failed the reference stage), and the trick is for the GPU's."""
 import torch
 
 from coda_agent.primitives import Tile, epilogue, gemm
@@ -20,7 +22,7 @@ torch.cuda.synchronize = lambda device=None: None
 
 
 def forward(x, w, r):
-    _CALLS[0] += 1
+    _CALLS[0] += x.is_cuda
     if _CALLS[0] <= 8:
         return {"y": gemm(x, w, add_residual, residual=r)["D"]}
     if not _SIDE:

@@ -1,9 +1,9 @@
-# stage: performance
-# expect: returned wrong results
-# needs: gpu
+# stage: reference
+# expect: is identical for two different inputs
 # static: off
 """Reads the clock: a call that comes within 5 ms of the previous one is part of a timing loop,
-and gets the previous result."""
+and gets the previous result.  The reference stage calls it twice with different inputs in
+quick succession and sees the same result (the H200, run 13, and the CPU alike)."""
 import time
 
 from coda_agent.primitives import Tile, epilogue, gemm

@@ -58,6 +58,7 @@ from typing import Any, Iterator
 
 import torch
 
+from .cute import CompileError
 from .dsl_scope import compile_settings
 from .epilogue import Epilogue
 from .errors import CatalogueError
@@ -186,8 +187,7 @@ def _aligned(t: torch.Tensor) -> bool:
 
 
 def _vectorizable(t: torch.Tensor) -> bool:
-    return (t.dim() == 2 and t.stride(1) == 1 and (t.shape[0] <= 1 or t.stride(0) % VEC == 0)
-            and _aligned(t))
+    return t.dim() == 2 and t.stride(1) == 1 and t.stride(0) % VEC == 0 and _aligned(t)
 
 
 # --------------------------------------------------------------------------- host side
@@ -236,8 +236,8 @@ def compile_call(epi: Epilogue, plan: Plan, shapes: dict[str, int]) -> None:
     t0 = time.perf_counter()
     with compile_settings():
         _, cubin = _compiled(epi, plan, keep=True)
-    record_compiled(CompiledKernel(epilogue=epi.name, config=str(plan.geometry), seconds=time.perf_counter() - t0, log="",
-                                   sass=inspect_cubin(cubin) if cubin else None, shapes=shapes, kind="pass"))
+    record_compiled(CompiledKernel(epilogue=epi.name, config=str(plan.geometry), seconds=time.perf_counter() - t0,
+                                   log="", sass=inspect_cubin(cubin) if cubin else None, shapes=shapes, kind="pass"))
 
 
 _kernels: dict[Plan, tuple[Any, bytes | None]] = {}
@@ -267,8 +267,7 @@ def _compiled(epi: Epilogue, plan: Plan, keep: bool = False) -> tuple[Any, bytes
     except CatalogueError:
         raise
     except Exception as e:  # noqa: BLE001 - the DSL raises many types; all are compile errors
-        raise CatalogueError(f"compiling the tile pass {epi.name!r} for sm_90a failed: "
-                             f"{type(e).__name__}: {str(e)[:2000]}", line=epi.line) from None
+        raise CompileError(epi, e, "") from None
     _kernels[plan] = (compiled, getattr(compiled, "__cubin__", None))
     return _kernels[plan]
 

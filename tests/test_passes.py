@@ -343,6 +343,22 @@ def test_the_pass_kernel_takes_the_streaming_passes_and_names_what_it_leaves_to_
     assert "online_lse" in whys["lse"] and "'x'" in whys["transposed"] and "'x'" in whys["misaligned"], whys
 
 
+@pytest.mark.slow
+def test_every_geometry_compiles_spill_free_and_fewer_rows_in_flight_hold_fewer_registers(gen):
+    """What the H200 sweep (bench/passes.py) trades: rows a thread loads before their math
+    against the registers that decide how many CTAs share an SM."""
+    x = _rand(M, N, gen=gen)
+    registers = {}
+    for rows in (1, 2, 4, 8):
+        g = pass_kernel.Geometry(rows, 8 // rows)
+        with compile_only() as kernels, pass_kernel.geometry(g):
+            tile_pass(PASS_KERNEL.everything, x=x, y=x, cv=torch.ones(M), r=torch.ones(N), k=2.0)
+        (k,) = kernels
+        assert k.config == str(g) and k.sass.spill_stores == 0 and k.sass.calls == 0, (k.config, k.sass)
+        registers[rows] = k.sass.registers
+    assert registers[1] <= registers[2] <= registers[4] <= registers[8], registers
+
+
 def test_an_untuned_pass_runs_on_the_pass_kernel_and_a_tuned_one_on_quack(gen):
     """The launch ledger says which kernel ran; a pass given a tile config (the tuner's
     candidates, a program's choice) keeps quack's zero mainloop, where a TileConfig means

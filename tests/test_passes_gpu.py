@@ -175,6 +175,26 @@ def test_the_pass_kernel_matches_the_reference_and_repeats_itself_bit_for_bit(sh
     assert all(torch.equal(got[k], again[k]) for k in got), [k for k in got if not torch.equal(got[k], again[k])]
 
 
+@pytest.mark.parametrize("rows", [1, 2, 4, 8])
+def test_every_geometry_the_benchmark_sweeps_matches_the_reference(rows):
+    """The geometries of bench/passes.py's sweep (a candidate default must pass this first):
+    one to eight rows in flight, over 128 rows a block, at a ragged tall shape."""
+    from test_passes import PASS_KERNEL
+
+    m, n = 4099, 776
+    gen = torch.Generator().manual_seed(rows)
+    ops = {"x": torch.randn(m, n, generator=gen).bfloat16(), "y": torch.randn(m, n, generator=gen),
+           "cv": torch.randn(m, generator=gen).bfloat16(), "r": torch.randn(n, generator=gen), "k": -1.5}
+    with lowering("reference"):
+        want = tile_pass(PASS_KERNEL.everything, **ops)
+    g = pass_kernel.Geometry(rows, 8 // rows)
+    with lowering("cute"), pass_kernel.geometry(g), launch_ledger() as ledger:
+        got = tile_pass(PASS_KERNEL.everything, **_cuda(ops))
+    torch.cuda.synchronize()
+    assert [launch.config for launch in ledger] == [str(g)]
+    _compare(f"pass kernel/{g}", got, want)
+
+
 def test_the_pass_kernel_writes_over_what_it_reads_and_accumulates():
     """dGELU written over the saved pre-activation (``out=``), and ``accumulate_into``
     adding the result rounded to D's dtype, as quack's reduce-add store does."""

@@ -45,7 +45,7 @@ What each stage guarantees, and what it does not:
   digests; the reference never sees its copies, so a mutation can only hurt
   the program's own results); that no PyTorch compute ran (the runner's
   ``TorchAudit``: advice for honest programs).
-- **compile** (sm_90a, in the runner): the SASS gate (HGMMA present, spills,
+- **compile** (sm_90a, in the runner): the SASS gate (HGMMA in every GEMM, spills,
   slow-path calls).  The runner reports it, so it is a diagnostic: a program
   that took over its runner could fake its own compile stage, never its
   correctness or speed.

@@ -12,7 +12,7 @@ choosing them over an A-operand prologue:
   bandwidth reference): dGELU of an incoming gradient with its bias gradient
   (read 2 tiles, write 1), the row moments behind ``row_stats`` (read 1),
   ``normalize_rows`` (read 1, write 1); each on the pass kernel at every
-  geometry of :data:`GEOMETRIES` (``pass`` is the default one) and on the
+  geometry of ``_geometries()`` (``pass`` is the default one) and on the
   zero mainloop at the pass rule's tile.  Rows carry ms (median, p10-p90,
   interleaved) and GB/s of the bytes the math must move.
 - ``prologue``: the cheapest A-operand transform quack offers (``x * 0.5``, a

@@ -165,7 +165,7 @@ def sass_problems(name: str, kernels: list[dict], allowed_spills: dict | None = 
         if "sm90a" not in k:
             out.append(f"{where}: no SASS (pip install nvidia-cuda-cuobjdump)")
             continue
-        if not (k["sm90a"] and (k["hgmma"] > 0 or k["kind"] == "pass")):
+        if not (k["sm90a"] and (k["hgmma"] > 0 or k.get("kind") == "pass")):
             out.append(f"{where}: not sm_90a with HGMMA ({k})")
         if k["calls"]:
             out.append(f"{where}: {k['calls']} slow-path CALLs")

@@ -360,9 +360,9 @@ def test_every_geometry_compiles_spill_free_and_fewer_rows_in_flight_hold_fewer_
 
 
 def test_an_untuned_pass_runs_on_the_pass_kernel_and_a_tuned_one_on_quack(gen):
-    """The launch ledger says which kernel ran; a pass given a tile config (the tuner's
-    candidates, a program's choice) keeps quack's zero mainloop, where a TileConfig means
-    something, and both compile for sm_90a."""
+    """A pass given a tile config (the tuner's candidates, a program's choice) keeps quack's
+    zero mainloop, where a TileConfig means something; untuned, the same pass compiles onto
+    the pass kernel; both for sm_90a, as the compile stage records them."""
     x = _rand(M, N, gen=gen)
     with compile_only() as kernels:
         tile_pass(PASS_KERNEL.everything, x=x, y=x, cv=torch.ones(M), r=torch.ones(N), k=2.0)

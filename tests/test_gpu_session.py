@@ -102,3 +102,29 @@ def test_tier_shares_split_the_gpu_test_files_between_calls(tmp_path):
                for args in runs)
     parts = (back / "parts.txt").read_text()
     assert "tier-1of2 rc=0" in parts and "tier-2of2 rc=0" in parts
+
+
+def test_gpu_parts_resplits_the_staged_wheels_into_smaller_parts_that_concatenate_back(tmp_path):
+    """scripts/gpu-parts.sh: prepare.sh's parts, cut again at SIZE, hold the same bytes in the
+    order stage.sh concatenates them (its glob's), each folder with the stage script and the count."""
+    import random
+    import shutil
+
+    root = tmp_path / "repo"
+    (root / "scripts").mkdir(parents=True)
+    shutil.copy(ROOT / "scripts" / "gpu-parts.sh", root / "scripts")
+    data = random.Random(0).randbytes(250_000)
+    for i, chunk in enumerate((data[:150_000], data[150_000:])):
+        part = root / ".gpu" / f"p{i}"
+        part.mkdir(parents=True)
+        (part / f"part.{i}").write_bytes(chunk)
+        (part / "stage.sh").write_text("echo stage\n")
+        (part / "count").write_text("2\n")
+    proc = subprocess.run(["bash", str(root / "scripts" / "gpu-parts.sh"), "60K"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    folders = sorted((root / ".gpu").glob("p*"), key=lambda p: int(p.name[1:]))
+    assert [p.name for p in folders] == ["p0", "p1", "p2", "p3", "p4"], proc.stdout
+    parts = sorted(q for p in folders for q in p.glob("part.*"))  # stage.sh's `part.*` order
+    assert all(q.stat().st_size <= 60 * 1024 for q in parts)
+    assert b"".join(q.read_bytes() for q in parts) == data
+    assert all((p / "count").read_text().strip() == "5" and (p / "stage.sh").exists() for p in folders)

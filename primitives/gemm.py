@@ -295,6 +295,9 @@ def _launch(epi: Epilogue | None, A: torch.Tensor, B: torch.Tensor, operands: di
     m, k = A.shape
     n = B.shape[1]
     lowering = current_lowering(A, B)
+    if lowering == "cute" and not A.is_cuda:
+        raise CatalogueError("gemm: the cute lowering runs on CUDA tensors; move the inputs to the "
+                             "GPU or use lowering('reference')")
     if kind == "pass" and config is None and lowering in ("cute", "compile") and _pass_kernel(
             epi, operands, results, accumulate, lowering, {"M": m, "N": n}):
         return
@@ -320,9 +323,6 @@ def _launch(epi: Epilogue | None, A: torch.Tensor, B: torch.Tensor, operands: di
             raise CatalogueError(f"gemm: head statistic {name!r} needs whole heads in a tile: tile_n "
                                  f"{cfg.tile_n} is not a multiple of head_dim {hd}; use "
                                  f"TileConfig(tile_n={hd}) or a multiple of it")
-    if lowering == "cute" and not A.is_cuda:
-        raise CatalogueError("gemm: the cute lowering runs on CUDA tensors; move the inputs to the "
-                             "GPU or use lowering('reference')")
     try:
         _run(epi, A, B, operands, results, accumulate, cfg, fast_accum, kind, lowering)
     except StageShortage:
@@ -346,9 +346,6 @@ def _pass_kernel(epi: Epilogue, operands: dict[str, Any], results: dict[str, tor
     if lowering == "compile":
         pass_kernel.compile_call(epi, plan, shapes)
         return True
-    if not all(t.is_cuda for t in (*results.values(), *(v for v in operands.values() if isinstance(v, torch.Tensor)))):
-        raise CatalogueError("tile_pass: the cute lowering runs on CUDA tensors; move the operands to the GPU "
-                             "or use lowering('reference')")
     with launching("pass", epi.name, str(plan.geometry)):
         pass_kernel.run(epi, plan, operands, results)
     return True

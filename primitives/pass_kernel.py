@@ -193,11 +193,10 @@ def _vectorizable(t: torch.Tensor) -> bool:
 # --------------------------------------------------------------------------- host side
 
 
-def _partials(plan: Plan, m: int, n: int, buffers: dict[str, torch.Tensor]) -> tuple[list, list]:
+def _partials(plan: Plan, m: int, n: int, buffers: dict[str, torch.Tensor], dev: torch.device) -> tuple[list, list]:
     """The buffers the kernel writes its partial folds into: the result itself when one
     block covers the folded extent, else (M, column blocks) / (row blocks, N) fp32."""
     blocks_n, blocks_m = -(-n // TILE_N), -(-m // plan.geometry.tile_m)
-    dev = next(iter(buffers.values())).device if buffers else None
     per_row = [buffers[name].view(m, 1) if blocks_n == 1 else
                torch.empty(m, blocks_n, dtype=torch.float32, device=dev) for name, _ in plan.per_row]
     per_col = [buffers[name].view(1, n) if blocks_m == 1 else
@@ -213,14 +212,15 @@ def _call_tensors(plan: Plan, operands: dict[str, Any], buffers: dict[str, torch
 
 def run(epi: Epilogue, plan: Plan, operands: dict[str, Any], buffers: dict[str, torch.Tensor]) -> None:
     """Launch the pass into ``buffers`` (gemm's result buffers) on the current stream."""
-    m, n = operands[plan.tiles[0][0]].shape
+    first = operands[plan.tiles[0][0]]
+    m, n = first.shape
     if m == 0 or n == 0:
-        for name, _ in plan.per_row:
-            buffers[name].fill_(0.0 if dict(plan.per_row)[name] == "add" else float("-inf"))
+        for name, op in plan.per_row:
+            buffers[name].fill_(0.0 if op == "add" else float("-inf"))
         for name in plan.per_col:
             buffers[name].zero_()
         return
-    per_row, per_col = _partials(plan, m, n, buffers)
+    per_row, per_col = _partials(plan, m, n, buffers, first.device)
     kernel, _ = _compiled(epi, plan)
     kernel(_call_tensors(plan, operands, buffers, per_row, per_col), m, n)
     for (name, op), part in zip(plan.per_row, per_row):
@@ -251,18 +251,21 @@ def _compiled(epi: Epilogue, plan: Plan, keep: bool = False) -> tuple[Any, bytes
     import cutlass
     import cutlass.cute as cute
     from quack.compile_utils import make_fake_stream, make_fake_tensor
+    from quack.cute_dsl_utils import torch2cute_dtype_map
+
+    from .pass_kernel_dsl import PassKernel  # loads cutlass
 
     m, n = cute.sym_int(), cute.sym_int()
 
     def fake(dtype: torch.dtype, shape: tuple, div: int) -> Any:
-        return make_fake_tensor(_cute_dtype(dtype), shape, div)
+        return make_fake_tensor(torch2cute_dtype_map[dtype], shape, div)
 
     tensors = (*(fake(dt, (m, n), VEC) for _, dt in plan.tiles), *(fake(dt, (n,), VEC) for _, dt in plan.rows),
                *(fake(dt, (m,), 1) for _, dt in plan.cols), *(fake(dt, (m, n), VEC) for _, dt in plan.stores),
                *(fake(torch.float32, (m, cute.sym_int()), 1) for _ in plan.per_row),
                *(fake(torch.float32, (cute.sym_int(), n), 1) for _ in plan.per_col))
     try:
-        compiled = cute.compile(_kernel_class()(epi, plan), tensors, cutlass.Int32(1), cutlass.Int32(1),
+        compiled = cute.compile(PassKernel(epi, plan), tensors, cutlass.Int32(1), cutlass.Int32(1),
                                 make_fake_stream(), options="--enable-tvm-ffi")
     except CatalogueError:
         raise
@@ -270,19 +273,6 @@ def _compiled(epi: Epilogue, plan: Plan, keep: bool = False) -> tuple[Any, bytes
         raise CompileError(epi, e, "") from None
     _kernels[plan] = (compiled, getattr(compiled, "__cubin__", None))
     return _kernels[plan]
-
-
-def _cute_dtype(dtype: torch.dtype) -> Any:
-    import cutlass
-
-    return {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16, torch.float32: cutlass.Float32}[dtype]
-
-
-def _kernel_class() -> type:
-    """The CuTeDSL kernel class (its module imports cutlass)."""
-    from .pass_kernel_dsl import PassKernel
-
-    return PassKernel
 
 
 __all__ = ["CONFIG", "GEOMETRY", "Geometry", "Plan", "compile_call", "geometry", "plan_for", "run"]

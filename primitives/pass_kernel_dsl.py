@@ -19,15 +19,10 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils
 from cutlass import Float32, Int32, const_expr
+from quack.cute_dsl_utils import torch2cute_dtype_map
 
 from .epilogue import Epilogue
 from .pass_kernel import LANES, ROWS, THREADS, TILE_N, VEC, WARPS, Plan
-
-_DTYPE = {"torch.bfloat16": cutlass.BFloat16, "torch.float16": cutlass.Float16, "torch.float32": Float32}
-
-
-def _dt(dtype: Any) -> Any:
-    return _DTYPE[str(dtype)]
 
 
 class PassKernel:
@@ -38,7 +33,7 @@ class PassKernel:
         self.n_tiles, self.n_rows, self.n_cols = len(p.tiles), len(p.rows), len(p.cols)
         self.n_stores, self.n_per_row, self.n_per_col = len(p.stores), len(p.per_row), len(p.per_col)
         self.store_names = tuple(name for name, _ in p.stores)
-        self.store_dtypes = tuple(_dt(dt) for _, dt in p.stores)
+        self.store_dtypes = tuple(torch2cute_dtype_map[dt] for _, dt in p.stores)
         self.identity = tuple(0.0 if op == "add" else -math.inf for _, op in p.per_row)
         self.rows_in_flight, self.chunks, self.tile_m = p.geometry.rows_in_flight, p.geometry.chunks, p.geometry.tile_m
 

@@ -70,7 +70,7 @@ def _stats_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _geometries() -> tuple:
     from coda_agent.primitives.pass_kernel import Geometry
 
-    return (Geometry(4, 2), Geometry(1, 8), Geometry(2, 2), Geometry(8, 1), Geometry(4, 4))
+    return (Geometry(2, 4), Geometry(4, 2), Geometry(2, 2), Geometry(8, 1), Geometry(4, 4))
 
 
 def bandwidth(device: str = "cuda", shapes: tuple = ((16384, 768), (16384, 3072), (16384, 16384)),

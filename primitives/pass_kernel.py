@@ -83,8 +83,8 @@ class Geometry:
     """How many rows a thread covers: ``rows_in_flight`` loaded before their math,
     ``chunks`` times over."""
 
-    rows_in_flight: int = 2
-    chunks: int = 4
+    rows_in_flight: int = 1
+    chunks: int = 8
 
     @property
     def tile_m(self) -> int:
@@ -94,10 +94,12 @@ class Geometry:
         return f"pass kernel {self.tile_m}x{TILE_N} r{self.rows_in_flight}"
 
 
-# bench/passes.py's sweep on the H200 (bench/results/h200-2026-12-02-b): two rows in flight
-# (about 60 registers, so four CTAs an SM) beat four (97 registers, two CTAs) and eight, and
-# a 128-row block ties a 64-row one: dGELU with its bias gradient at (16384, 16384) 0.490 ms
-# against 0.673 at four rows, 0.770 on quack's zero mainloop and 0.630 under torch.compile.
+# bench/passes.py's sweep on the H200 (bench/results/h200-2026-12-02-b): fewer rows in flight
+# hold fewer registers (dGELU with its bias gradient: 48 at one row, 64 at two, 97 at four),
+# so more CTAs share an SM, and more warps hide more latency than more loads per thread do:
+# that pass at (16384, 16384) took 0.456 ms at one row, 0.486 at two, 0.663 at four, 0.771 on
+# quack's zero mainloop and 0.624 under torch.compile; one row is within noise of two or
+# faster on every pass and width of the sweep.
 GEOMETRY = Geometry()
 CONFIG = str(GEOMETRY)  # what the launch ledger records
 

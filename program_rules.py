@@ -46,7 +46,7 @@ API: dict[str, tuple[str, ...]] = {
                                              "column_index", "to_fp32", "interleave_columns",
                                              "deinterleave_columns", "zeros_like", "add", "concat_rows"),
     "LayerNorm": ("row_stats", "layernorm_stats", "layernorm_fold", "normalize_rows"),
-    "fp8": ("quantize_rows",),
+    "fp8": ("quantize_rows", "quantize_both"),
 }
 PROGRAM_API: tuple[str, ...] = tuple(name for names in API.values() for name in names)
 HARNESS_ONLY: tuple[str, ...] = ("load_program", "lowering", "compile_only", "launch_ledger", "CatalogueError")

@@ -16,6 +16,10 @@ L2 flushed (``bench/run.py: stats``):
   an fp8 block; ``gemm_scaled_mm``: the same through ``torch._scaled_mm``
   (rowwise scales, fast accumulation); ``gemm_bf16``: cuBLAS bf16.
 
+``--casts`` adds the casts alone, at the gradients' shapes of an 8B layer:
+``quantize_rows`` along one axis, along both (two calls), ``quantize_both``
+(one call, two reads) and a copy of the bf16 tensor (the memory's pace).
+
 The issue's targets are printed per row: ``coda_fp8`` at least 1.2x
 ``torchao_rowwise`` and within 1.05x of the fp8 plain GEMMs.  Writes
 ``OUT/fp8-anchors.json`` after every row; stops starting rows after
@@ -148,6 +152,27 @@ def _plain_gemms(shapes: list[tuple[int, int, int]], device: str) -> dict[str, C
             "gemm_bf16": lambda: [a @ b.t() for a, b in bf16]}
 
 
+def bench_casts(reps: int, device: str) -> list[dict]:
+    """The cast kernels alone: ms and the GB/s of one read of x and its fp8 writes."""
+    from coda_agent.primitives import quantize_both, quantize_rows
+
+    shapes = ((16384, 4096), (16384, 14336), (16384, 28672)) if device == "cuda" else ((256, 384),)
+    rows = []
+    for m, n in shapes:
+        x = torch.randn(m, n, device=device, dtype=torch.bfloat16) * 3
+        fns = {"rows": lambda: quantize_rows(x), "rows_and_cols": lambda: (quantize_rows(x), quantize_rows(x.t())),
+               "both": lambda: quantize_both(x), "copy": lambda: x.clone()}
+        row: dict[str, Any] = {"shape": [m, n], **stats(fns, reps, device, warmup=3 if device == "cuda" else 0)}
+        gb = {"rows": 3, "rows_and_cols": 4, "both": 4, "copy": 4}  # bytes per element, minimal traffic
+        for k, per in gb.items():
+            row[k]["gb_per_s"] = per * m * n / (row[k]["median_ms"] * 1e6)
+        row["both_speedup_vs_rows_and_cols"] = row["rows_and_cols"]["median_ms"] / row["both"]["median_ms"]
+        rows.append(row)
+        print(json.dumps({"shape": [m, n], **{k: round(row[k]["median_ms"], 4) for k in fns}}), flush=True)
+        del x
+    return rows
+
+
 def bench_block(name: str, shape_set: str, reps: int, device: str) -> dict:
     from coda_agent.verifier.inputs import make_grads, make_inputs
 
@@ -202,6 +227,7 @@ def main() -> int:
     ap.add_argument("--sets", default="llama3-8b")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--budget-s", type=float, default=420, help="start no row after this long")
+    ap.add_argument("--casts", action="store_true", help="time the cast kernels alone first")
     ap.add_argument("--dry-run", action="store_true",
                     help="on CPU, reference lowering, eager torch: checks the plumbing, measures nothing")
     args = ap.parse_args()
@@ -210,6 +236,9 @@ def main() -> int:
     path = args.out / f"{'fp8-anchors' if device == 'cuda' else 'fp8-anchors-dryrun'}.json"
     results: dict[str, Any] = {"versions": versions(("torchao",)), "reps": args.reps, "rows": []}
     t0 = time.time()
+    if args.casts:
+        results["casts"] = bench_casts(args.reps, device)
+        write_atomic(path, json.dumps(results, indent=1))
     for name in args.blocks.split(","):
         for shape_set in args.sets.split(","):
             if time.time() - t0 > args.budget_s:

@@ -26,8 +26,8 @@ The five CODA families:
 5. stateful transforms: ``online_lse`` and ``select_col`` across N tiles.
 
 FP8 (:mod:`.fp8`): ``gemm`` on fp8 operands with their scales as vector
-operands, fp8 outputs, and ``quantize_rows`` (:mod:`.quantize`) for what no
-epilogue writes.
+operands, fp8 outputs, and ``quantize_rows``/``quantize_both`` (:mod:`.quantize`)
+for what no epilogue writes.
 
 Two lowerings (:mod:`.lowering`): ``cute`` (quack's SM90 GEMM + CuTeDSL, on
 Hopper; or compile-only for sm_90a on any machine) and ``reference`` (a
@@ -66,7 +66,7 @@ from .operands import ColVec, HeadStat, PairedTile, RowVec, Scalar, Tile
 from .pair import pack, unpack
 from .passes import tile_pass, vector_pass
 from .program import load_program
-from .quantize import quantize_rows
+from .quantize import quantize_both, quantize_rows
 from .reductions import col_max, col_sum, head_rstd, online_lse, row_sum, select_col
 from .tile_config import TileConfig
 from .version import CATALOGUE_VERSION

@@ -235,7 +235,8 @@ def render() -> str:
     out += ["## Auxiliary kernels and layout helpers (in forward/backward)", ""]
     for fn in aux.AUX_KERNELS:
         out += [f"- `{_sig(fn)}`: {_doc(fn)}"]
-    out += ["", "## FP8", "", _doc(fp8), "", f"- `{_sig(quantize.quantize_rows)}`: {_doc(quantize.quantize_rows)}"]
+    out += ["", "## FP8", "", _doc(fp8), ""]
+    out += [f"- `{_sig(fn)}`: {_doc(fn)}" for fn in (quantize.quantize_rows, quantize.quantize_both)]
     out += ["", "## One example per family", ""]
     for family, src in EXAMPLES.items():
         out += [f"### {family}", "", "```python", src.strip(), "```", ""]

@@ -42,7 +42,9 @@ values on any device):
   128-wide pingpong tile: 4-12 STL/LDL in the sm_90a compile; either alone
   does not.)
   Everything else is quantized by ``quantize_rows`` (:mod:`.quantize`): current row-wise
-  scales, powers of two (exact dequantization), torchao's rowwise recipe.
+  scales, powers of two (exact dequantization), torchao's rowwise recipe; a tensor that
+  two GEMMs read along different axes (a gradient, for its input- and weight-gradient
+  GEMMs) by ``quantize_both``, which writes both copies from two reads of it.
 - **The recipe the fp8 experts use** (tasks/llama3_fp8): delayed per-tensor
   scales for what epilogues write, current row-wise scales for the rest, e4m3
   throughout, fast accumulation in the forward GEMMs.  Chosen by loss curves

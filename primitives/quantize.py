@@ -1,11 +1,19 @@
-"""``quantize_rows``: the cast to fp8 for what no epilogue writes (an auxiliary
-kernel; the numerics and where it is needed are in :mod:`.fp8`).
+"""``quantize_rows`` and ``quantize_both``: the casts to fp8 for what no
+epilogue writes (auxiliary kernels; the numerics and where they are needed are
+in :mod:`.fp8`).
 
-One catalogue call: on CPU tensors plain PyTorch, on CUDA tensors two Triton
-kernels (:mod:`.quantize_triton`, imported lazily so that CPU runs never load
-Triton) with the same math: current row-wise scales, powers of two, saturating.
-Like every aux kernel it is a custom op, ``coda::quantize_rows`` (:mod:`.aux`),
-whose fake gives the shapes (the Triton path cannot run on fake tensors).
+``quantize_rows`` quantizes along one axis.  A tensor that feeds two GEMMs
+along different axes (a gradient: its input-gradient GEMM contracts over the
+features, its weight-gradient GEMM over the tokens) needs both copies, and
+``quantize_both`` writes them from two reads of the tensor, where two
+``quantize_rows`` read it four times; the values and scales are the same bits.
+
+Each is one catalogue call: on CPU tensors plain PyTorch, on CUDA tensors two
+Triton kernels (:mod:`.quantize_triton`, imported lazily so that CPU runs never
+load Triton) with the same math: current scales, powers of two, saturating.
+Like every aux kernel each is a custom op, ``coda::quantize_rows`` and
+``coda::quantize_both`` (:mod:`.aux`), whose fake gives the shapes (the Triton
+path cannot run on fake tensors).
 """
 
 from __future__ import annotations
@@ -38,6 +46,11 @@ def _quantize_rows(x: torch.Tensor, dtype: str, row_scale: torch.Tensor | None,
         v = v * row_scale.float()[:, None]
     if col_scale is not None:
         v = v * col_scale.float()[None, :]
+    return _per_row(v, fp8)
+
+
+def _per_row(v: torch.Tensor, fp8: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``v`` quantized per row: (contiguous fp8 values, power-of-two scales)."""
     scale = scale_from_amax(v.abs().amax(dim=1), fp8)
     return saturate(v / scale[:, None], fp8).contiguous(), scale
 
@@ -63,3 +76,39 @@ def quantize_rows(x: torch.Tensor, dtype: str = "fp8_e4m3", row_scale: torch.Ten
                                  f"{tuple(getattr(v, 'shape', ())) or type(v).__name__}")
     q, scale = _quantize_rows(x, dtype, row_scale, col_scale)
     return {"q": q, "scale": scale}
+
+
+def _quantize_both_shapes(x: torch.Tensor, dtype: str) -> tuple[torch.Tensor, ...]:
+    """The op's fake: what quantize_both returns, shapes and dtypes only."""
+    rows, cols = x.shape
+    fp8 = FP8_DTYPES[dtype]
+    return (torch.empty(rows, cols, dtype=fp8, device=x.device), torch.empty(rows, dtype=torch.float32, device=x.device),
+            torch.empty(cols, rows, dtype=fp8, device=x.device), torch.empty(cols, dtype=torch.float32, device=x.device))
+
+
+@aux_kernel("quantize_both", fake=_quantize_both_shapes)
+def _quantize_both(x: torch.Tensor, dtype: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    fp8 = FP8_DTYPES[dtype]
+    if x.is_cuda:
+        from .quantize_triton import quantize_both_triton  # lazy: CPU runs never import Triton
+
+        out = quantize_both_triton(x, fp8)
+        return out["q"], out["scale"], out["qt"], out["scale_t"]
+    v = x.float()
+    q, scale = _per_row(v, fp8)
+    qt, scale_t = _per_row(v.t(), fp8)
+    return q, scale, qt, scale_t
+
+
+def quantize_both(x: torch.Tensor, dtype: str = "fp8_e4m3") -> dict[str, torch.Tensor]:
+    """``quantize_rows(x)`` and ``quantize_rows(x.t())`` in one call, from two reads of
+    x instead of four: ``{"q": (R, C), "scale": (R,), "qt": (C, R), "scale_t": (C,)}``,
+    the same bits as the two calls.  For a tensor that two GEMMs read along
+    different axes, e.g. an incoming gradient dy: ``q`` (per token) is the A of
+    the input-gradient GEMM, ``qt`` (per feature, the contiguous transposed copy)
+    the A of the weight-gradient GEMM dy^T @ x, with ``scale_t`` its ColVec."""
+    need("x", x, 2)
+    if dtype not in FP8_DTYPES:
+        raise CatalogueError(f"quantize_both: dtype {dtype!r} is not one of {sorted(FP8_DTYPES)}")
+    q, scale, qt, scale_t = _quantize_both(x, dtype)
+    return {"q": q, "scale": scale, "qt": qt, "scale_t": scale_t}

@@ -18,7 +18,7 @@
 #   passes          bench/passes.py (PASSES_ARGS: its experiments, by default bandwidth)
 #   train           bench/train_step.py (the budget is the part's seconds less 20; TRAIN_ARGS)
 #   bench-SUITE     bench/run.py --suite SUITE (BENCH_TASKS / BENCH_SETS narrow it)
-#   fp8             bench/fp8.py;   fp8loss   bench/fp8_loss.py
+#   fp8             bench/fp8.py (FP8_ARGS, e.g. --casts);   fp8loss   bench/fp8_loss.py
 # Usage: bash scripts/gpu-session.sh tier:150 verify-llama3:380
 set -u
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -85,7 +85,7 @@ for item in "$@"; do
             part "$name" "$secs" python3 bench/run.py --suite "$suite" --out "$res/bench-$suite" \
                 ${BENCH_TASKS:+--tasks "$BENCH_TASKS"} ${BENCH_SETS:+--sets "$BENCH_SETS"} ${BENCH_ARGS:-} ;;
         fp8)
-            part fp8 "$secs" python3 bench/fp8.py "$res/fp8" --budget-s $((secs - 60)) ;;
+            part fp8 "$secs" python3 bench/fp8.py "$res/fp8" --budget-s $((secs - 60)) ${FP8_ARGS:-} ;;
         fp8loss)
             part fp8loss "$secs" python3 bench/fp8_loss.py "$res/fp8-loss" --budget-s $((secs - 20)) ;;
         *)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from coda_agent.primitives import (CatalogueError, TileConfig, compile_only, gemm, load_program, lowering,
-                                   quantize_rows)
+                                   quantize_both, quantize_rows)
 from coda_agent.primitives.catalogue import EXAMPLES
 from coda_agent.primitives.fp8 import mainloop_key, saturate, scale_from_amax
 from coda_agent.primitives.tile_config import default_config
@@ -85,6 +85,24 @@ def test_quantize_rows_uses_power_of_two_scales_and_any_view():
     assert torch.equal(scale_from_amax(torch.tensor([448.0, 449.0, 1.0]), E4M3), torch.tensor([1.0, 2.0, 2 ** -8]))
 
 
+def test_quantize_both_is_quantize_rows_along_each_axis():
+    x = (torch.randn(70, 300, generator=torch.Generator().manual_seed(9)) * torch.logspace(-3, 3, 300)).to(
+        torch.bfloat16)
+    x[:, 11] = 0.0  # a zero column gets a finite scale
+    for view in (x, x.t()):
+        both, rows, cols = quantize_both(view), quantize_rows(view), quantize_rows(view.t())
+        assert both["qt"].shape == view.t().shape and both["qt"].is_contiguous()
+        for got, want in ((both["q"], rows["q"]), (both["scale"], rows["scale"]), (both["qt"], cols["q"]),
+                          (both["scale_t"], cols["scale"])):
+            assert got.dtype == want.dtype and torch.equal(got.float(), want.float())
+    e5 = quantize_both(x, "fp8_e5m2")
+    assert e5["q"].dtype == e5["qt"].dtype == E5M2
+    with pytest.raises(CatalogueError, match="quantize_both: dtype 'e4m3'"):
+        quantize_both(x, "e4m3")
+    with pytest.raises(CatalogueError, match="x must be 2-D"):
+        quantize_both(x[0])
+
+
 def test_fp8_misuse_names_the_fix():
     A, W = fp8(64, 64), fp8(64, 64)
     with pytest.raises(CatalogueError, match=r"fp8 B must be K-major.*W\.t\(\)"):
@@ -145,7 +163,7 @@ def test_fp8_gemms_compile_with_qgmma_and_fast_accumulation_is_another_kernel():
 _TRITON = textwrap.dedent("""
     import torch
     from coda_agent.primitives import quantize
-    from coda_agent.primitives.quantize_triton import quantize_rows_triton
+    from coda_agent.primitives.quantize_triton import quantize_both_triton, quantize_rows_triton
     torch.manual_seed(0)
     x = (torch.randn(70, 300) * torch.logspace(-2, 2, 70)[:, None]).to(torch.bfloat16)
     g, s = torch.rand(300) + 0.5, torch.rand(70) + 0.5
@@ -162,11 +180,20 @@ _TRITON = textwrap.dedent("""
         carry = (a == b / 2) & (torch.log2(b.abs()) % 1 == 0)
         assert bool(((a - b).abs() <= step + 2 ** -9)[~carry].all()), float((a - b)[~carry].abs().max())
         assert carry.float().mean() < 0.05
+    # quantize_both: the same expressions on tiles, so the same bits as the row kernel along each axis
+    y = x.clone()
+    y[:, 5] = 0.0
+    for view in (y, y.t()):
+        both = quantize_both_triton(view, torch.float8_e4m3fn)
+        for key, alone in (("", quantize_rows_triton(view, torch.float8_e4m3fn, None, None)),
+                           ("t", quantize_rows_triton(view.t(), torch.float8_e4m3fn, None, None))):
+            assert torch.equal(both["scale" + ("_t" if key else "")], alone["scale"])
+            assert torch.equal(both["q" + key].float(), alone["q"].float())
     print("ok")
 """)
 
 
-def test_quantize_rows_triton_kernels_match_the_cpu_path_in_the_interpreter():
+def test_quantize_triton_kernels_match_the_cpu_path_in_the_interpreter():
     """The CUDA path's Triton kernels, run by Triton's CPU interpreter (in a
     subprocess: TRITON_INTERPRET is read when the kernels are defined)."""
     res = subprocess.run([sys.executable, "-c", _TRITON], env={**os.environ, "TRITON_INTERPRET": "1"},
@@ -221,3 +248,15 @@ def test_quantize_rows_on_cuda_matches_the_cpu_path():
         want = quantize_rows(view)
         assert torch.equal(got["scale"].cpu(), want["scale"])
         assert torch.equal(got["q"].cpu().float(), want["q"].float())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("rows,cols", [(4096, 14336), (1000, 1168)])
+def test_quantize_both_on_cuda_matches_the_cpu_path(rows, cols):
+    x = (torch.randn(rows, cols) * torch.logspace(-2, 2, cols)).to(torch.bfloat16)
+    for view in (x, x.t()):
+        got = quantize_both(view.cuda() if view is x else x.cuda().t())
+        want = quantize_both(view)
+        for key in ("q", "scale", "qt", "scale_t"):
+            assert torch.equal(got[key].cpu().float(), want[key].float()), key

@@ -13,15 +13,17 @@ step's delayed scales.  In the backward, the weight gradient of the gate/up
 GEMM reads that fp8 copy through ``quantize_rows(hg.t(), col_scale=scale)``.
 
 Everything else as in mlp_block_fp8: current row-wise scales from
-``quantize_rows`` for the attention output, SwiGLU's output, gradients,
-weights (once per layout) and the weight gradients' token-major operands;
-fast accumulation in the forward GEMMs only.  The QKV-side statistic s2 =
+``quantize_rows`` for the attention output and the weights (once per layout),
+and from ``quantize_both`` for what an input-gradient GEMM and a weight-gradient
+GEMM both read (the four gradients; SwiGLU's output, whose per-feature copy the
+backward keeps in place of the bf16 tensor); fast accumulation in the forward
+GEMMs only.  The QKV-side statistic s2 =
 sum(dqkv * qkv) is reduced by a K = 64 bf16 GEMM hosting the epilogue, as in
 llama3_block (its accumulator is unused).
 """
 
 from coda_agent.primitives import (ColVec, PairedTile, RowVec, Scalar, Tile, col_max, col_sum, epilogue,
-                                   gemm, maximum, pack, quantize_rows, reciprocal, rms_rstd, row_sum,
+                                   gemm, maximum, pack, quantize_both, quantize_rows, reciprocal, rms_rstd, row_sum,
                                    sigmoid, unpack)
 
 
@@ -83,16 +85,21 @@ def dequantize(acc, a_scale: ColVec, w_scale: RowVec):
     return {"D": acc * a_scale * w_scale}
 
 
+def _per_feature(x, col_scale=None):
+    """x quantized per feature along the tokens, named as quantize_both names that copy."""
+    q = quantize_rows(x.t(), col_scale=col_scale)
+    return {"qt": q["q"], "scale_t": q["scale"]}
+
+
 def _weight_grad(grad, x):
-    """dW = grad^T @ x, both operands quantized per feature along the tokens."""
-    a, b = quantize_rows(grad.t()), quantize_rows(x.t())
-    return gemm(a["q"], b["q"].t(), dequantize, a_scale=a["scale"], w_scale=b["scale"])["D"]
+    """dW = grad^T @ x from both operands' per-feature copies (``qt``, ``scale_t``)."""
+    return gemm(grad["qt"], x["qt"].t(), dequantize, a_scale=grad["scale_t"], w_scale=x["scale_t"])["D"]
 
 
 def _input_grad(grad, weight, epi, **operands):
-    """grad @ weight (stored (out, in)): grad quantized per token, weight per input feature."""
-    a, b = quantize_rows(grad), quantize_rows(weight.t())
-    return gemm(a["q"], b["q"].t(), epi, a_scale=a["scale"], w_scale=b["scale"], **operands)
+    """grad @ weight (stored (out, in)): grad's per-token copy, the weight per input feature."""
+    b = quantize_rows(weight.t())
+    return gemm(grad["q"], b["q"].t(), epi, a_scale=grad["scale"], w_scale=b["scale"], **operands)
 
 
 def forward(attn, h, w_o, gamma_mlp, w_gu, w_down, gamma_attn, w_qkv, hg1_scale, hg2_scale, eps):
@@ -104,17 +111,18 @@ def forward(attn, h, w_o, gamma_mlp, w_gu, w_down, gamma_attn, w_qkv, hg1_scale,
     wgu = quantize_rows(w_gu)
     gu = gemm(a["hg"], wgu["q"].t(), norm_swiglu, w_scale=wgu["scale"], rstd=r1, hg_scale=hg1_scale,
               fast_accum=True)
-    act, wd = quantize_rows(gu["act"]), quantize_rows(w_down)
+    act, wd = quantize_both(gu["act"]), quantize_rows(w_down)
     c = gemm(act["q"], wd["q"].t(), residual_norm_stats, a_scale=act["scale"], w_scale=wd["scale"],
              residual=a["D"], gamma=gamma_attn, hg_scale=hg2_scale, fast_accum=True)
     r2 = rms_rstd(c["sumsq"], dim, eps)
     wqkv = quantize_rows(w_qkv)
     qkv = gemm(c["hg"], wqkv["q"].t(), norm_rows, w_scale=wqkv["scale"], rstd=r2, hg_scale=hg2_scale,
                fast_accum=True)["D"]
-    # Kept for backward: h1, the fp8 gate/up operand and SwiGLU's output (as autograd would),
+    # Kept for backward: h1, the fp8 gate/up operand, SwiGLU's output (its per-feature fp8 copy),
     # and the row amax of both fp8 epilogue outputs (the next step's delayed scales).
     return {"h_out": c["D"], "qkv": qkv, "h1": a["D"], "hg1": a["hg"], "r1": r1, "pre": gu["D"],
-            "act": gu["act"], "r2": r2, "hg1_amax": a["amax"], "hg2_amax": c["amax"]}
+            "act_t": act["qt"], "act_t_scale": act["scale_t"], "r2": r2, "hg1_amax": a["amax"],
+            "hg2_amax": c["amax"]}
 
 
 def backward(saved, dh_out, dqkv):
@@ -123,22 +131,22 @@ def backward(saved, dh_out, dqkv):
     # Next layer's RMSNorm + QKV: s2 from the saved output, then the input gradient.
     k = 64
     s2 = gemm(dqkv[:, :k], saved["w_qkv"][:, :k].t(), row_dot, du=dqkv, u=saved["qkv"])["s"]
-    d2 = _input_grad(dqkv, saved["w_qkv"], rmsnorm_bwd, rstd=saved["r2"], s=s2, gamma=saved["gamma_attn"],
+    g_qkv = quantize_both(dqkv)
+    d2 = _input_grad(g_qkv, saved["w_qkv"], rmsnorm_bwd, rstd=saved["r2"], s=s2, gamma=saved["gamma_attn"],
                      h=h2, dy=dh_out, inv_dim=inv_dim)
-    dh2 = d2["D"]
-    dw_qkv = _weight_grad(dqkv, d2["xn"])
+    g2 = quantize_both(d2["D"])  # dh2, both ways
+    dw_qkv = _weight_grad(g_qkv, _per_feature(d2["xn"]))
     # SwiGLU MLP + its RMSNorm (+ the residual gradient dh2).
-    da = _input_grad(dh2, saved["w_down"], dswiglu, pre=saved["pre"], rstd=saved["r1"])
-    d1 = _input_grad(da["D"], saved["w_gu"], rmsnorm_bwd_scaled, rstd=saved["r1"], s=da["s"],
-                     gamma=saved["gamma_mlp"], h=h1, dy=dh2, inv_dim=inv_dim)
-    dh1 = d1["D"]
-    dp_t = quantize_rows(da["D"].t())
-    hg_t = quantize_rows(saved["hg1"].t(), col_scale=saved["hg1_scale"])
-    dw_gu = gemm(dp_t["q"], hg_t["q"].t(), dequantize, a_scale=dp_t["scale"], w_scale=hg_t["scale"])["D"]
-    dw_down = _weight_grad(dh2, saved["act"])
+    da = _input_grad(g2, saved["w_down"], dswiglu, pre=saved["pre"], rstd=saved["r1"])
+    dp = quantize_both(da["D"])
+    d1 = _input_grad(dp, saved["w_gu"], rmsnorm_bwd_scaled, rstd=saved["r1"], s=da["s"],
+                     gamma=saved["gamma_mlp"], h=h1, dy=d2["D"], inv_dim=inv_dim)
+    g1 = quantize_both(d1["D"])  # dh1, both ways
+    dw_gu = _weight_grad(dp, _per_feature(saved["hg1"], col_scale=saved["hg1_scale"]))
+    dw_down = _weight_grad(g2, {"qt": saved["act_t"], "scale_t": saved["act_t_scale"]})
     # Out-projection + residual.
-    dattn = _input_grad(dh1, saved["w_o"], dequantize)["D"]
-    dw_o = _weight_grad(dh1, saved["attn"])
-    return {"dattn": dattn, "dh": dh1, "dw_o": dw_o, "dgamma_mlp": d1["dgamma"], "dw_gu": dw_gu,
+    dattn = _input_grad(g1, saved["w_o"], dequantize)["D"]
+    dw_o = _weight_grad(g1, _per_feature(saved["attn"]))
+    return {"dattn": dattn, "dh": d1["D"], "dw_o": dw_o, "dgamma_mlp": d1["dgamma"], "dw_gu": dw_gu,
             "dw_down": dw_down, "dgamma_attn": d2["dgamma"], "dw_qkv": dw_qkv}
 

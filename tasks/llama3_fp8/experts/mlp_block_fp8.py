@@ -6,18 +6,22 @@ SwiGLU pairs, the residual, dSwiGLU reducing s, the RMSNorm backward), each
 first multiplying the fp32 accumulator by its operands' dequantization
 scales: A's per row (a ColVec), B's per output column (a RowVec).
 
-What no epilogue can write in fp8 is quantized by ``quantize_rows``: the entry
-norm's h * gamma (no GEMM produces it), SwiGLU's silu(g) * u and dSwiGLU's
-r * d(pre) (paired stores are 16-bit on SM90), the incoming gradient, the
-weights (once per layout: along K of the forward and of the input gradient)
-and the weight gradients' operands, quantized per feature along the tokens
-(``quantize_rows(x.t())`` writes the K-major transposed copy).  The forward
-GEMMs use fast accumulation, the gradient GEMMs promote to fp32 (torchao's
-choice).
+What no epilogue can write in fp8 is quantized by ``quantize_rows`` or
+``quantize_both``: the entry norm's h * gamma (no GEMM produces it), SwiGLU's
+silu(g) * u and dSwiGLU's r * d(pre) (paired stores are 16-bit on SM90), the
+incoming gradient, and the weights (once per layout: along K of the forward and
+of the input gradient).  The weight gradients contract over the tokens, so
+their operands are quantized per feature, into K-major transposed copies.
+What two GEMMs read along different axes is quantized both ways in one call
+from two reads: h * gamma and silu(g) * u in the forward (its GEMM's copy per
+token, and the weight gradient's per feature, which the backward keeps in
+place of the bf16 tensor: half the bytes), dy and r * d(pre) in the backward.
+The forward GEMMs use fast accumulation, the gradient GEMMs promote to fp32
+(torchao's choice).
 """
 
 from coda_agent.primitives import (ColVec, PairedTile, RowVec, Scalar, Tile, col_sum, epilogue, gemm,
-                                   pack, quantize_rows, rms_prepare, row_sum, sigmoid, unpack)
+                                   pack, quantize_both, quantize_rows, rms_prepare, row_sum, sigmoid, unpack)
 
 
 @epilogue(outputs={"act": "bf16"}, pairs="acc")
@@ -57,30 +61,30 @@ def dequantize(acc, a_scale: ColVec, b_scale: RowVec):
 
 def forward(h, gamma, w_gu, w_down, eps):
     prep = rms_prepare(h, gamma, eps)
-    x = quantize_rows(prep["xg"])
+    x = quantize_both(prep["xg"])
     wgu = quantize_rows(w_gu)
     gu = gemm(x["q"], wgu["q"].t(), norm_swiglu, a_scale=x["scale"], w_scale=wgu["scale"],
               rstd=prep["rstd"], fast_accum=True)
-    act = quantize_rows(gu["act"])
+    act = quantize_both(gu["act"])
     wd = quantize_rows(w_down)
     y = gemm(act["q"], wd["q"].t(), add_residual, a_scale=act["scale"], w_scale=wd["scale"], residual=h,
              fast_accum=True)["D"]
-    return {"y": y, "pre": gu["D"], "act": gu["act"], "xg": prep["xg"], "rstd": prep["rstd"]}
+    return {"y": y, "pre": gu["D"], "act_t": act["qt"], "act_t_scale": act["scale_t"], "x_t": x["qt"],
+            "x_t_scale": x["scale_t"], "rstd": prep["rstd"]}
 
 
 def backward(saved, dy):
     h, gamma, w_gu, w_down, rstd = saved["h"], saved["gamma"], saved["w_gu"], saved["w_down"], saved["rstd"]
-    g = quantize_rows(dy)
+    g = quantize_both(dy)
     wd_t = quantize_rows(w_down.t())  # (I, H): K = H for the input gradient
     da = gemm(g["q"], wd_t["q"].t(), dswiglu, pre=saved["pre"], a_scale=g["scale"], w_scale=wd_t["scale"],
               rstd=rstd)
-    dp = quantize_rows(da["D"])
+    dp = quantize_both(da["D"])
     wgu_t = quantize_rows(w_gu.t())  # (H, 2I)
     d = gemm(dp["q"], wgu_t["q"].t(), rmsnorm_bwd, a_scale=dp["scale"], w_scale=wgu_t["scale"], rstd=rstd,
              s=da["s"], gamma=gamma, h=h, dy=dy, inv_dim=1.0 / h.shape[1])
-    # The weight gradients contract over the tokens: each operand quantized per feature.
-    dp_t, x_t = quantize_rows(da["D"].t()), quantize_rows(saved["xg"].t())
-    dw_gu = gemm(dp_t["q"], x_t["q"].t(), dequantize, a_scale=dp_t["scale"], b_scale=x_t["scale"])["D"]
-    dy_t, act_t = quantize_rows(dy.t()), quantize_rows(saved["act"].t())
-    dw_down = gemm(dy_t["q"], act_t["q"].t(), dequantize, a_scale=dy_t["scale"], b_scale=act_t["scale"])["D"]
+    # The weight gradients contract over the tokens: each operand's per-feature copy.
+    dw_gu = gemm(dp["qt"], saved["x_t"].t(), dequantize, a_scale=dp["scale_t"], b_scale=saved["x_t_scale"])["D"]
+    dw_down = gemm(g["qt"], saved["act_t"].t(), dequantize, a_scale=g["scale_t"],
+                   b_scale=saved["act_t_scale"])["D"]
     return {"dh": d["D"], "dgamma": d["dgamma"], "dw_gu": dw_gu, "dw_down": dw_down}

@@ -1,9 +1,10 @@
 # stage: reference
 # expect: is identical for two different inputs
 # static: off
-"""Reads the clock: a call that comes within 5 ms of the previous one is part of a timing loop,
-and gets the previous result.  The reference stage calls it twice with different inputs in
-quick succession and sees the same result (the H200, run 13, and the CPU alike)."""
+"""Reads the clock: a call that comes within half a second of the previous one is part of a
+timing loop, and gets the previous result.  The reference stage calls it with different inputs
+in quick succession and sees the same result twice (on the H200, run 13, at a 5 ms window; on
+a loaded CPU a call of the reference lowering can take longer than 5 ms, hence the wider one)."""
 import time
 
 from coda_agent.primitives import Tile, epilogue, gemm
@@ -19,7 +20,7 @@ _LAST = {}
 
 def forward(x, w, r):
     now = time.perf_counter()
-    if "y" in _LAST and now - _LAST["t"] < 0.005:
+    if "y" in _LAST and now - _LAST["t"] < 0.5:
         _LAST["t"] = time.perf_counter()
         return {"y": _LAST["y"]}
     y = gemm(x, w, add_residual, residual=r)["D"]

@@ -16,8 +16,8 @@ none), so it is PyTorch code, which torch.compile fuses.  The RMSNorm backward
 then rides in the epilogue of ``dx = d @ W_qkv`` (CODA's rule, as in
 llama3_block): ``dx = r * (gamma * acc - h * r * s / H)`` with
 ``s = sum_cols(dqkv * qkv)``, which a rotation leaves unchanged, so it is read
-from the rotated tensors attention gave and took (one fused pass, the K = 64
-``row_dot`` GEMM); the same epilogue writes ``h * r * gamma`` for
+from the rotated tensors attention gave and took (one fused pass, ``row_dot``
+as a ``tile_pass``); the same epilogue writes ``h * r * gamma`` for
 ``dW = d^T @ (h * r * gamma)`` and folds the gamma gradient.
 
 **LM head + cross-entropy** (:func:`linear_cross_entropy`): the lm_head_xent
@@ -36,14 +36,13 @@ from typing import Any
 import torch
 
 from coda_agent.primitives import (ColVec, RowVec, Scalar, Tile, cos, epilogue, gemm, pack, rms_prepare,
-                                   row_sum, sin, unpack)
+                                   row_sum, sin, tile_pass, unpack)
 from coda_agent.tasks.llama3.experts.llama3_block import row_dot, scale_rows
 from coda_agent.tasks.llama3.experts.rope_fwd import rope
 
 from .kernel import Kernel
 
 IGNORE_INDEX = -100
-ROW_DOT_K = 64  # row_dot's throwaway mainloop: one K tile (its epilogue reads two tiles)
 
 
 @epilogue(pairs="acc")
@@ -100,7 +99,7 @@ class AttentionInput(torch.autograd.Function):
             d = torch.cat((rotate_pairs(d[:, :r], pos, freq[:r], inverse=True), d[:, r:]), dim=1)
         if gamma is None:
             return gemm(d, w)["D"], None, gemm(d.t(), h)["D"], None, None, None, None
-        s = gemm(dqkv[:, :ROW_DOT_K], w[:, :ROW_DOT_K].t(), row_dot, du=dqkv, u=qkv)["s"]
+        s = tile_pass(row_dot, du=dqkv, u=qkv)["s"]
         dx = gemm(d, w, rmsnorm_dx, rstd=rstd, s=s, gamma=gamma, h=h, inv_dim=1.0 / h.shape[1])
         dw = gemm(d.t(), dx["xn"])["D"]
         return dx["D"], dx["dgamma"], dw, None, None, None, None

@@ -9,8 +9,8 @@ Backward, the RMSNorm gradient rides in the epilogue of the GEMM that produces
 d = d(out) @ W:  dh = dy + r * (gamma * d - h * r * s / H)  with
 s = sum_cols(d(out) * out) = r * sum_cols(gamma * d * h).  On the MLP side s is
 reduced by the dSwiGLU epilogue; on the QKV side d(out) is an input, so s comes
-from a row_dot pass over dqkv and the saved qkv (a GEMM with K = 64 hosting an
-epilogue that reads both as tiles), not from a second full dqkv @ W_qkv.
+from a row_dot pass over dqkv and the saved qkv (``tile_pass``: one read of
+each, no GEMM), not from a second full dqkv @ W_qkv.
 
 Between forward and backward only h1, the pre-activation (g, u), the two inverse
 RMS vectors and the outputs are kept (beside the inputs): the least the
@@ -25,7 +25,7 @@ computed from (``gemm(..., out=pre)``), so the backward never holds both
 """
 
 from coda_agent.primitives import (ColVec, PairedTile, RowVec, Scalar, Tile, col_sum, epilogue,
-                                   gemm, pack, rms_rstd, row_sum, sigmoid, unpack)
+                                   gemm, pack, rms_rstd, row_sum, sigmoid, tile_pass, unpack)
 
 
 @epilogue(outputs={"hg": "bf16"}, reductions={"sumsq": col_sum()})
@@ -48,10 +48,9 @@ def scale_rows(acc, rstd: ColVec):
 
 
 @epilogue(reductions={"s": col_sum()})
-def row_dot(acc, du: Tile, u: Tile):
+def row_dot(du: Tile, u: Tile):
     # s = sum_cols(du * u): the RMSNorm-backward statistic of the QKV side, read
-    # from the incoming dqkv and the saved qkv; acc (a K = 64 product) is unused
-    # and no D is stored, so this GEMM is one fused pass over two (T, Nqkv) tiles.
+    # from the incoming dqkv and the saved qkv (no GEMM produces either here).
     return {"s": du * u}
 
 
@@ -106,8 +105,7 @@ def backward(saved, dh_out, dqkv):
     g_attn, g_mlp = saved["gamma_attn"], saved["gamma_mlp"]
     # Next layer's RMSNorm + QKV: s2 = sum(dqkv * qkv) per row (CODA's statistic,
     # from the saved output), then the gradient GEMM finishes the RMSNorm backward.
-    k = 64  # the row_dot pass's GEMM is a throwaway one-K-tile product: its epilogue reads tiles
-    s2 = gemm(dqkv[:, :k], w_qkv[:, :k].t(), row_dot, du=dqkv, u=saved["qkv"])["s"]
+    s2 = tile_pass(row_dot, du=dqkv, u=saved["qkv"])["s"]
     d2 = gemm(dqkv, w_qkv, rmsnorm_bwd, rstd=saved["r2"], s=s2, gamma=g_attn, h=h2, dy=dh_out,
               inv_dim=inv_dim)
     dh2, xn, dgamma_attn = d2["D"], d2["xn"], d2["dgamma"]

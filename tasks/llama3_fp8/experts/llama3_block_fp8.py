@@ -18,13 +18,12 @@ and from ``quantize_both`` for what an input-gradient GEMM and a weight-gradient
 GEMM both read (the four gradients; SwiGLU's output, whose per-feature copy the
 backward keeps in place of the bf16 tensor); fast accumulation in the forward
 GEMMs only.  The QKV-side statistic s2 =
-sum(dqkv * qkv) is reduced by a K = 64 bf16 GEMM hosting the epilogue, as in
-llama3_block (its accumulator is unused).
+sum(dqkv * qkv) is reduced by a tile pass over both, as in llama3_block.
 """
 
 from coda_agent.primitives import (ColVec, PairedTile, RowVec, Scalar, Tile, col_max, col_sum, epilogue,
                                    gemm, maximum, pack, quantize_both, quantize_rows, reciprocal, rms_rstd, row_sum,
-                                   sigmoid, unpack)
+                                   sigmoid, tile_pass, unpack)
 
 
 @epilogue(outputs={"hg": "fp8_e4m3"}, reductions={"sumsq": col_sum(), "amax": col_max()})
@@ -47,9 +46,8 @@ def norm_rows(acc, w_scale: RowVec, rstd: ColVec, hg_scale: ColVec):
 
 
 @epilogue(reductions={"s": col_sum()})
-def row_dot(acc, du: Tile, u: Tile):
-    # s = sum_cols(du * u) from the incoming dqkv and the saved qkv; acc (a K = 64
-    # product) is unused and no D is stored.
+def row_dot(du: Tile, u: Tile):
+    # s = sum_cols(du * u) from the incoming dqkv and the saved qkv
     return {"s": du * u}
 
 
@@ -129,8 +127,7 @@ def backward(saved, dh_out, dqkv):
     inv_dim = 1.0 / saved["h"].shape[1]
     h1, h2 = saved["h1"], saved["h_out"]
     # Next layer's RMSNorm + QKV: s2 from the saved output, then the input gradient.
-    k = 64
-    s2 = gemm(dqkv[:, :k], saved["w_qkv"][:, :k].t(), row_dot, du=dqkv, u=saved["qkv"])["s"]
+    s2 = tile_pass(row_dot, du=dqkv, u=saved["qkv"])["s"]
     g_qkv = quantize_both(dqkv)
     d2 = _input_grad(g_qkv, saved["w_qkv"], rmsnorm_bwd, rstd=saved["r2"], s=s2, gamma=saved["gamma_attn"],
                      h=h2, dy=dh_out, inv_dim=inv_dim)

@@ -65,7 +65,10 @@ _zero_rows: dict[str, torch.Tensor] = {}  # device -> (rows, ZERO_K) bf16 zeros,
 
 
 def zero_rows(rows: int, device: torch.device) -> torch.Tensor:
-    """(rows, ZERO_K) bf16 zeros: a view of the device's buffer, which grows as needed."""
+    """(rows, ZERO_K) bf16 zeros: a view of the device's buffer, which grows as needed
+    (under torch.compile's tracer a fresh tensor of the graph, never kept)."""
+    if torch.compiler.is_compiling():
+        return torch.zeros(rows, ZERO_K, dtype=torch.bfloat16, device=device)
     buf = _zero_rows.get(str(device))
     if buf is None or buf.shape[0] < rows:
         buf = torch.zeros(max(rows, 2 * (0 if buf is None else buf.shape[0])), ZERO_K, dtype=torch.bfloat16,
@@ -101,8 +104,11 @@ def tile_pass(epilogue: Epilogue, *, out_dtype: str | None = None, config: TileC
     bandwidth; a PairedTile, fp8 outputs, partials, an LSE or select, or a
     ``config`` run it as the epilogue of quack's GEMM over a zero mainloop."""
     epi = _require_pass(epilogue, "tile_pass")
-    grid = [(name, g) for name, kind in epi.operands.items()
-            if (g := kind.output_grid(operands.get(name))) is not None]
+    grid = []  # a loop, not a comprehension with :=, which torch.compile's tracer cannot read
+    for name, kind in epi.operands.items():
+        g = kind.output_grid(operands.get(name))
+        if g is not None:
+            grid.append((name, g))
     if not grid:
         raise CatalogueError(f"tile_pass: epilogue {epi.name!r} has no Tile or PairedTile operand (given as "
                              "a 2-D tensor) to set the (M, N) the pass covers; a pass over per-row or "

@@ -16,7 +16,9 @@ L2 flushed (``bench/run.py: stats``):
   an fp8 block; ``gemm_scaled_mm``: the same through ``torch._scaled_mm``
   (rowwise scales, fast accumulation); ``gemm_bf16``: cuBLAS bf16.
 
-``--casts`` adds the casts alone, at the gradients' shapes of an 8B layer:
+``--profile`` adds each block's fp8 program under torch.profiler: device ms
+per catalogue launch (``coda::`` range), summed by name, beside the whole
+call's kernel time.  ``--casts`` adds the casts alone, at the gradients' shapes of an 8B layer:
 ``quantize_rows`` along one axis, along both (two calls), ``quantize_both``
 (one call, two reads) and a copy of the bf16 tensor (the memory's pace).
 
@@ -45,6 +47,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
 from run import stats, versions  # noqa: E402  (bench/run.py)
+from train_step import _inside_coda, device_kernels  # noqa: E402  (bench/train_step.py)
 
 from coda_agent.tasks import SUITE_DIR, load_task  # noqa: E402
 from coda_agent.storage import write_atomic  # noqa: E402
@@ -152,6 +155,27 @@ def _plain_gemms(shapes: list[tuple[int, int, int]], device: str) -> dict[str, C
             "gemm_bf16": lambda: [a @ b.t() for a, b in bf16]}
 
 
+def launch_split(fn: Callable[[], Any], device: str) -> dict[str, Any]:
+    """One call of ``fn`` under torch.profiler: device ms per ``coda::`` launch name (outermost
+    ranges only), largest first, and the call's kernel ms in all."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=acts) as prof:
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+    events = prof.events()
+    by_name: dict[str, list[float]] = {}
+    for e in events:
+        if e.device_type != torch.autograd.DeviceType.CUDA and e.name.startswith("coda::") and not _inside_coda(e):
+            by_name.setdefault(e.name, []).append(e.device_time_total / 1e3)
+    launches = {k: {"ms": round(sum(v), 4), "calls": len(v)} for k, v in
+                sorted(by_name.items(), key=lambda kv: -sum(kv[1]))}
+    kernels = sum(e.time_range.elapsed_us() for e in device_kernels(events)) / 1e3
+    return {"kernels_ms": round(kernels, 4), "launches": launches}
+
+
 def bench_casts(reps: int, device: str) -> list[dict]:
     """The cast kernels alone: ms and the GB/s of one read of x and its fp8 writes."""
     from coda_agent.primitives import quantize_both, quantize_rows
@@ -173,7 +197,7 @@ def bench_casts(reps: int, device: str) -> list[dict]:
     return rows
 
 
-def bench_block(name: str, shape_set: str, reps: int, device: str) -> dict:
+def bench_block(name: str, shape_set: str, reps: int, device: str, profile: bool = False) -> dict:
     from coda_agent.verifier.inputs import make_grads, make_inputs
 
     bf16_task, fp8_task = load_task(SUITE_DIR / f"{name}.yaml"), load_task(FP8_SUITE / f"{name}_fp8.yaml")
@@ -217,6 +241,8 @@ def bench_block(name: str, shape_set: str, reps: int, device: str) -> dict:
                 row[f"coda_fp8_speedup_vs_{other}"] = ms[other] / ms["coda_fp8"]
         row["targets_met"] = {"vs_torchao_rowwise >= 1.2": row.get("coda_fp8_speedup_vs_torchao_rowwise", 0) >= 1.2,
                               "vs_fp8_gemms <= 1.05": row["coda_fp8_over_fp8_gemms"] <= 1.05}
+        if profile:
+            row["coda_fp8_profile"] = launch_split(contenders["coda_fp8"], device)
     return row
 
 
@@ -228,6 +254,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--budget-s", type=float, default=420, help="start no row after this long")
     ap.add_argument("--casts", action="store_true", help="time the cast kernels alone first")
+    ap.add_argument("--profile", action="store_true", help="the fp8 program's device ms per catalogue launch")
     ap.add_argument("--dry-run", action="store_true",
                     help="on CPU, reference lowering, eager torch: checks the plumbing, measures nothing")
     args = ap.parse_args()
@@ -246,7 +273,7 @@ def main() -> int:
                 continue
             start = time.time()
             try:
-                row = bench_block(name, shape_set, args.reps, device)
+                row = bench_block(name, shape_set, args.reps, device, args.profile)
             except Exception as e:  # noqa: BLE001 - one block's failure is a row
                 traceback.print_exc(limit=4)
                 row = {"block": name, "shape_set": shape_set, "error": f"{type(e).__name__}: {str(e)[:400]}"}

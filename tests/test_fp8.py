@@ -180,6 +180,12 @@ _TRITON = textwrap.dedent("""
         carry = (a == b / 2) & (torch.log2(b.abs()) % 1 == 0)
         assert bool(((a - b).abs() <= step + 2 ** -9)[~carry].all()), float((a - b)[~carry].abs().max())
         assert carry.float().mean() < 0.05
+    # A view whose rows are not contiguous runs the tile kernels: the bits of the row kernels on a
+    # contiguous copy, with both scalings
+    for rs, cs in ((g, s), (None, None)):
+        tiled = quantize_rows_triton(x.t(), torch.float8_e4m3fn, rs, cs)
+        rowwise = quantize_rows_triton(x.t().contiguous(), torch.float8_e4m3fn, rs, cs)
+        assert torch.equal(tiled["scale"], rowwise["scale"]) and torch.equal(tiled["q"].float(), rowwise["q"].float())
     # quantize_both: the same expressions on tiles, so the same bits as the row kernel along each axis
     y = x.clone()
     y[:, 5] = 0.0

@@ -82,8 +82,9 @@ def _quantize_both_shapes(x: torch.Tensor, dtype: str) -> tuple[torch.Tensor, ..
     """The op's fake: what quantize_both returns, shapes and dtypes only."""
     rows, cols = x.shape
     fp8 = FP8_DTYPES[dtype]
-    return (torch.empty(rows, cols, dtype=fp8, device=x.device), torch.empty(rows, dtype=torch.float32, device=x.device),
-            torch.empty(cols, rows, dtype=fp8, device=x.device), torch.empty(cols, dtype=torch.float32, device=x.device))
+    dev = x.device
+    return (torch.empty(rows, cols, dtype=fp8, device=dev), torch.empty(rows, dtype=torch.float32, device=dev),
+            torch.empty(cols, rows, dtype=fp8, device=dev), torch.empty(cols, dtype=torch.float32, device=dev))
 
 
 @aux_kernel("quantize_both", fake=_quantize_both_shapes)

@@ -17,13 +17,13 @@ Everything else as in mlp_block_fp8: current row-wise scales from
 and from ``quantize_both`` for what an input-gradient GEMM and a weight-gradient
 GEMM both read (the four gradients; SwiGLU's output, whose per-feature copy the
 backward keeps in place of the bf16 tensor); fast accumulation in the forward
-GEMMs only.  The QKV-side statistic s2 =
-sum(dqkv * qkv) is reduced by a tile pass over both, as in llama3_block.
+GEMMs only.  The QKV-side statistic s2 = sum(dqkv * qkv) is reduced by a tile
+pass over both, as in llama3_block.
 """
 
 from coda_agent.primitives import (ColVec, PairedTile, RowVec, Scalar, Tile, col_max, col_sum, epilogue,
-                                   gemm, maximum, pack, quantize_both, quantize_rows, reciprocal, rms_rstd, row_sum,
-                                   sigmoid, tile_pass, unpack)
+                                   gemm, maximum, pack, quantize_both, quantize_rows, reciprocal, rms_rstd,
+                                   row_sum, sigmoid, tile_pass, unpack)
 
 
 @epilogue(outputs={"hg": "fp8_e4m3"}, reductions={"sumsq": col_sum(), "amax": col_max()})

@@ -24,7 +24,7 @@ def test_anchor_table_runs_every_contender(tmp_path):
     _run(str(ROOT / "bench" / "fp8.py"), str(tmp_path), "--dry-run", "--sets", "small", "--reps", "1", "--casts", "--profile")
     results = json.loads((tmp_path / "fp8-anchors-dryrun.json").read_text())
     (casts,) = results["casts"]
-    assert {"rows", "rows_and_cols", "both", "copy"} <= set(casts) and casts["both"]["gb_per_s"] > 0
+    assert {"rows", "cols", "rows_and_cols", "both", "copy"} <= set(casts) and casts["both"]["gb_per_s"] > 0
     rows = results["rows"]
     assert {r["block"] for r in rows} == {"mlp_block", "llama3_block"}
     for r in rows:

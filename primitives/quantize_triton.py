@@ -20,7 +20,9 @@ amaxes into two buffers; pass 2 writes the tile twice, quantized by its rows'
 scales into ``q`` and by its columns' scales, transposed, into ``qt``.  Two reads
 of x and two fp8 writes, where ``quantize_rows(x)`` and ``quantize_rows(x.t())``
 read x four times.  Every path computes the scale and the cast with the same
-expressions, so the bits match.
+expressions, so the bits match.  The tile kernels run on a flat grid (one
+program per tile), so neither dimension meets CUDA's 65535 limit on a grid's
+y extent (a transposed view has as many columns as there are tokens).
 """
 
 from __future__ import annotations
@@ -82,17 +84,21 @@ def _scale_of(amax, fmax, eps):
 
 @triton.jit
 def _tile(X, sxr, sxc, rows, cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """This program's (BLOCK_R, BLOCK_C) tile of x in fp32 (0 outside), its row and column indices, mask."""
-    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
-    c = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C).to(tl.int64)
+    """This program's (BLOCK_R, BLOCK_C) tile of x in fp32 (0 outside), its row and column indices, the
+    mask, and its row and column block.  The grid is flat (no axis limit), along the columns first."""
+    pid = tl.program_id(0).to(tl.int64)
+    col_blocks = tl.cdiv(cols, BLOCK_C)
+    rb, cb = pid // col_blocks, pid % col_blocks
+    r = rb * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+    c = cb * BLOCK_C + tl.arange(0, BLOCK_C).to(tl.int64)
     m = (r < rows)[:, None] & (c < cols)[None, :]
     v = tl.load(X + r[:, None] * sxr + c[None, :] * sxc, mask=m, other=0.0).to(tl.float32)
-    return v, r, c, m
+    return v, r, c, m, rb, cb
 
 
 @triton.jit
 def _amax_both_kernel(X, sxr, sxc, RAMAX, CAMAX, rows, cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    v, r, c, m = _tile(X, sxr, sxc, rows, cols, BLOCK_R, BLOCK_C)
+    v, r, c, m, rb, cb = _tile(X, sxr, sxc, rows, cols, BLOCK_R, BLOCK_C)
     a = tl.abs(v)
     tl.atomic_max(RAMAX + r, tl.max(a, axis=1), mask=r < rows)
     tl.atomic_max(CAMAX + c, tl.max(a, axis=0), mask=c < cols)
@@ -101,12 +107,12 @@ def _amax_both_kernel(X, sxr, sxc, RAMAX, CAMAX, rows, cols, BLOCK_R: tl.constex
 @triton.jit
 def _quantize_both_kernel(X, sxr, sxc, RAMAX, CAMAX, Q, QT, SCALE, SCALE_T, rows, cols, fmax, eps,
                           BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    v, r, c, m = _tile(X, sxr, sxc, rows, cols, BLOCK_R, BLOCK_C)
+    v, r, c, m, rb, cb = _tile(X, sxr, sxc, rows, cols, BLOCK_R, BLOCK_C)
     rs = _scale_of(tl.load(RAMAX + r, mask=r < rows, other=1.0), fmax, eps)
     cs = _scale_of(tl.load(CAMAX + c, mask=c < cols, other=1.0), fmax, eps)
-    if tl.program_id(1) == 0:
+    if cb == 0:
         tl.store(SCALE + r, rs, mask=r < rows)
-    if tl.program_id(0) == 0:
+    if rb == 0:
         tl.store(SCALE_T + c, cs, mask=c < cols)
     q = tl.minimum(tl.maximum(v * (1.0 / rs)[:, None], -fmax), fmax)
     tl.store(Q + r[:, None] * cols + c[None, :], q.to(Q.dtype.element_ty), mask=m)
@@ -118,16 +124,16 @@ def _quantize_both_kernel(X, sxr, sxc, RAMAX, CAMAX, Q, QT, SCALE, SCALE_T, rows
 def _scaled_tile(X, sxr, sxc, CS, rows, cols, HAS_CS: tl.constexpr, BLOCK_R: tl.constexpr,
                  BLOCK_C: tl.constexpr):
     """``_tile`` times col_scale (as ``_load_block`` applies it)."""
-    v, r, c, m = _tile(X, sxr, sxc, rows, cols, BLOCK_R, BLOCK_C)
+    v, r, c, m, rb, cb = _tile(X, sxr, sxc, rows, cols, BLOCK_R, BLOCK_C)
     if HAS_CS:
         v = v * tl.load(CS + c, mask=c < cols, other=0.0).to(tl.float32)[None, :]
-    return v, r, c, m
+    return v, r, c, m, cb
 
 
 @triton.jit
 def _tile_row_amax_kernel(X, sxr, sxc, RS, CS, AMAX, rows, cols, HAS_RS: tl.constexpr, HAS_CS: tl.constexpr,
                           BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    v, r, c, m = _scaled_tile(X, sxr, sxc, CS, rows, cols, HAS_CS, BLOCK_R, BLOCK_C)
+    v, r, c, m, cb = _scaled_tile(X, sxr, sxc, CS, rows, cols, HAS_CS, BLOCK_R, BLOCK_C)
     amax = tl.max(tl.abs(v), axis=1)
     if HAS_RS:  # a non-negative factor commutes with the maximum, rounding included
         amax = amax * tl.abs(tl.load(RS + r, mask=r < rows, other=0.0).to(tl.float32))
@@ -137,15 +143,20 @@ def _tile_row_amax_kernel(X, sxr, sxc, RS, CS, AMAX, rows, cols, HAS_RS: tl.cons
 @triton.jit
 def _tile_quantize_kernel(X, sxr, sxc, RS, CS, AMAX, Q, SCALE, rows, cols, fmax, eps, HAS_RS: tl.constexpr,
                           HAS_CS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    v, r, c, m = _scaled_tile(X, sxr, sxc, CS, rows, cols, HAS_CS, BLOCK_R, BLOCK_C)
+    v, r, c, m, cb = _scaled_tile(X, sxr, sxc, CS, rows, cols, HAS_CS, BLOCK_R, BLOCK_C)
     scale = _scale_of(tl.load(AMAX + r, mask=r < rows, other=1.0), fmax, eps)
     mul = 1.0 / scale
     if HAS_RS:
         mul = mul * tl.load(RS + r, mask=r < rows, other=0.0).to(tl.float32)
-    if tl.program_id(1) == 0:
+    if cb == 0:
         tl.store(SCALE + r, scale, mask=r < rows)
     q = tl.minimum(tl.maximum(v * mul[:, None], -fmax), fmax)
     tl.store(Q + r[:, None] * cols + c[None, :], q.to(Q.dtype.element_ty), mask=m)
+
+
+def _tiles(rows: int, cols: int, block: int) -> tuple[int]:
+    """The tile kernels' flat grid: one program per (block, block) tile."""
+    return (triton.cdiv(rows, block) * triton.cdiv(cols, block),)
 
 
 def quantize_both_triton(x: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -160,9 +171,9 @@ def quantize_both_triton(x: torch.Tensor, dtype: torch.dtype) -> dict[str, torch
     # Square tiles, whichever way x lies: pass 2 stores along both of a tile's axes.  Pass 1's
     # larger tiles fold each row and column into fewer atomics (2 * R * C / 128 in all).
     big, block = 128, 64
-    _amax_both_kernel[(triton.cdiv(rows, big), triton.cdiv(cols, big))](
+    _amax_both_kernel[_tiles(rows, cols, big)](
         x, x.stride(0), x.stride(1), ramax, camax, rows, cols, BLOCK_R=big, BLOCK_C=big, num_warps=8)
-    _quantize_both_kernel[(triton.cdiv(rows, block), triton.cdiv(cols, block))](
+    _quantize_both_kernel[_tiles(rows, cols, block)](
         x, x.stride(0), x.stride(1), ramax, camax, out["q"], out["qt"], out["scale"], out["scale_t"], rows, cols,
         float(torch.finfo(dtype).max), 1e-12, BLOCK_R=block, BLOCK_C=block)
     return out
@@ -188,9 +199,9 @@ def quantize_rows_triton(x: torch.Tensor, dtype: torch.dtype, row_scale: torch.T
         return {"q": q, "scale": scale}
     amax = torch.zeros(rows, dtype=torch.float32, device=x.device)  # the identity of the atomic maxima
     big, block = 128, 64  # as quantize_both's passes
-    _tile_row_amax_kernel[(triton.cdiv(rows, big), triton.cdiv(cols, big))](
+    _tile_row_amax_kernel[_tiles(rows, cols, big)](
         x, x.stride(0), x.stride(1), rs, cs, amax, rows, cols, BLOCK_R=big, BLOCK_C=big, num_warps=8, **has)
-    _tile_quantize_kernel[(triton.cdiv(rows, block), triton.cdiv(cols, block))](
+    _tile_quantize_kernel[_tiles(rows, cols, block)](
         x, x.stride(0), x.stride(1), rs, cs, amax, q, scale, rows, cols, fmax, 1e-12, BLOCK_R=block,
         BLOCK_C=block, **has)
     return {"q": q, "scale": scale}

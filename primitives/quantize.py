@@ -25,6 +25,13 @@ from .errors import CatalogueError
 from .fp8 import FP8_DTYPES, saturate, scale_from_amax
 
 
+def _check(x: torch.Tensor, dtype: str, call: str) -> None:
+    """A cast's arguments: a 2-D tensor and an fp8 format's name."""
+    need("x", x, 2)
+    if dtype not in FP8_DTYPES:
+        raise CatalogueError(f"{call}: dtype {dtype!r} is not one of {sorted(FP8_DTYPES)}")
+
+
 def _quantize_shapes(x: torch.Tensor, dtype: str, row_scale: torch.Tensor | None,
                      col_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The op's fake: what quantize_rows returns, shapes and dtypes only."""
@@ -67,9 +74,7 @@ def quantize_rows(x: torch.Tensor, dtype: str = "fp8_e4m3", row_scale: torch.Ten
     ``scale`` is a power of two (:func:`scale_from_amax`) and ``q = sat(v /
     scale)``, so ``v ~= q * scale[:, None]``; in a GEMM ``scale`` is a ColVec for
     an A operand and a RowVec for a B = ``q.t()`` operand."""
-    need("x", x, 2)
-    if dtype not in FP8_DTYPES:
-        raise CatalogueError(f"quantize_rows: dtype {dtype!r} is not one of {sorted(FP8_DTYPES)}")
+    _check(x, dtype, "quantize_rows")
     for name, v, n in (("row_scale", row_scale, x.shape[0]), ("col_scale", col_scale, x.shape[1])):
         if v is not None and (not isinstance(v, torch.Tensor) or tuple(v.shape) != (n,)):
             raise CatalogueError(f"quantize_rows: {name} must be a tensor of shape ({n},); got "
@@ -108,8 +113,6 @@ def quantize_both(x: torch.Tensor, dtype: str = "fp8_e4m3") -> dict[str, torch.T
     different axes, e.g. an incoming gradient dy: ``q`` (per token) is the A of
     the input-gradient GEMM, ``qt`` (per feature, the contiguous transposed copy)
     the A of the weight-gradient GEMM dy^T @ x, with ``scale_t`` its ColVec."""
-    need("x", x, 2)
-    if dtype not in FP8_DTYPES:
-        raise CatalogueError(f"quantize_both: dtype {dtype!r} is not one of {sorted(FP8_DTYPES)}")
+    _check(x, dtype, "quantize_both")
     q, scale, qt, scale_t = _quantize_both(x, dtype)
     return {"q": q, "scale": scale, "qt": qt, "scale_t": scale_t}

@@ -31,6 +31,12 @@ import torch
 import triton
 import triton.language as tl
 
+from .fp8 import EPS, fp8_max
+
+# The tile kernels' square tiles, whichever way x lies: the casts store along both of a tile's
+# axes (64); the amax passes take larger ones (128), folding each row and column into fewer atomics.
+CAST_TILE, AMAX_TILE = 64, 128
+
 
 @triton.jit
 def _load_block(X, sxr, sxc, CS, r, rmask, start, cols, HAS_CS: tl.constexpr, BLOCK_C: tl.constexpr):
@@ -41,6 +47,12 @@ def _load_block(X, sxr, sxc, CS, r, rmask, start, cols, HAS_CS: tl.constexpr, BL
     if HAS_CS:
         v = v * tl.load(CS + c, mask=c < cols, other=0.0).to(tl.float32)[None, :]
     return v, c, m
+
+
+@triton.jit
+def _scale_of(amax, fmax, eps):
+    """The power-of-two dequantization scale 2 ** -floor(log2(fmax / amax)): dividing by it is exact."""
+    return tl.exp2(-tl.floor(tl.log2(fmax / tl.maximum(amax, eps))))
 
 
 @triton.jit
@@ -63,9 +75,7 @@ def _quantize_kernel(X, sxr, sxc, RS, CS, AMAX, Q, SCALE, rows, cols, fmax, eps,
                      BLOCK_C: tl.constexpr):
     r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
     rmask = r < rows
-    amax = tl.maximum(tl.load(AMAX + r, mask=rmask, other=1.0), eps)
-    # A power of two: 2 ** -floor(log2(fmax / amax)), so dividing by it is exact.
-    scale = tl.exp2(-tl.floor(tl.log2(fmax / amax)))
+    scale = _scale_of(tl.load(AMAX + r, mask=rmask, other=1.0), fmax, eps)
     mul = 1.0 / scale
     if HAS_RS:
         mul = mul * tl.load(RS + r, mask=rmask, other=0.0).to(tl.float32)
@@ -74,12 +84,6 @@ def _quantize_kernel(X, sxr, sxc, RS, CS, AMAX, Q, SCALE, rows, cols, fmax, eps,
         v, c, m = _load_block(X, sxr, sxc, CS, r, rmask, start, cols, HAS_CS, BLOCK_C)
         q = tl.minimum(tl.maximum(v * mul[:, None], -fmax), fmax)
         tl.store(Q + r[:, None] * cols + c[None, :], q.to(Q.dtype.element_ty), mask=m)
-
-
-@triton.jit
-def _scale_of(amax, fmax, eps):
-    """The power-of-two dequantization scale 2 ** -floor(log2(fmax / amax)): dividing by it is exact."""
-    return tl.exp2(-tl.floor(tl.log2(fmax / tl.maximum(amax, eps))))
 
 
 @triton.jit
@@ -168,14 +172,11 @@ def quantize_both_triton(x: torch.Tensor, dtype: torch.dtype) -> dict[str, torch
         return out
     # Zeros are the identity of a maximum of absolute values.
     ramax, camax = torch.zeros(rows, device=dev), torch.zeros(cols, device=dev)
-    # Square tiles, whichever way x lies: pass 2 stores along both of a tile's axes.  Pass 1's
-    # larger tiles fold each row and column into fewer atomics (2 * R * C / 128 in all).
-    big, block = 128, 64
-    _amax_both_kernel[_tiles(rows, cols, big)](
-        x, x.stride(0), x.stride(1), ramax, camax, rows, cols, BLOCK_R=big, BLOCK_C=big, num_warps=8)
-    _quantize_both_kernel[_tiles(rows, cols, block)](
+    _amax_both_kernel[_tiles(rows, cols, AMAX_TILE)](
+        x, x.stride(0), x.stride(1), ramax, camax, rows, cols, BLOCK_R=AMAX_TILE, BLOCK_C=AMAX_TILE, num_warps=8)
+    _quantize_both_kernel[_tiles(rows, cols, CAST_TILE)](
         x, x.stride(0), x.stride(1), ramax, camax, out["q"], out["qt"], out["scale"], out["scale_t"], rows, cols,
-        float(torch.finfo(dtype).max), 1e-12, BLOCK_R=block, BLOCK_C=block)
+        fp8_max(dtype), EPS, BLOCK_R=CAST_TILE, BLOCK_C=CAST_TILE)
     return out
 
 
@@ -188,20 +189,20 @@ def quantize_rows_triton(x: torch.Tensor, dtype: torch.dtype, row_scale: torch.T
         return {"q": q, "scale": scale}
     rs = row_scale.float().contiguous() if row_scale is not None else scale  # unread when absent
     cs = col_scale.float().contiguous() if col_scale is not None else scale
-    fmax, has = float(torch.finfo(dtype).max), dict(HAS_RS=row_scale is not None, HAS_CS=col_scale is not None)
+    fmax, has = fp8_max(dtype), dict(HAS_RS=row_scale is not None, HAS_CS=col_scale is not None)
     if x.stride(1) == 1:  # rows contiguous: a few whole rows per program, long column blocks
         amax = torch.empty(rows, dtype=torch.float32, device=x.device)
         grid = (triton.cdiv(rows, 4),)
         _row_amax_kernel[grid](x, x.stride(0), x.stride(1), rs, cs, amax, rows, cols, BLOCK_R=4, BLOCK_C=1024,
                                **has)
-        _quantize_kernel[grid](x, x.stride(0), x.stride(1), rs, cs, amax, q, scale, rows, cols, fmax, 1e-12,
+        _quantize_kernel[grid](x, x.stride(0), x.stride(1), rs, cs, amax, q, scale, rows, cols, fmax, EPS,
                                BLOCK_R=4, BLOCK_C=1024, **has)
         return {"q": q, "scale": scale}
     amax = torch.zeros(rows, dtype=torch.float32, device=x.device)  # the identity of the atomic maxima
-    big, block = 128, 64  # as quantize_both's passes
-    _tile_row_amax_kernel[_tiles(rows, cols, big)](
-        x, x.stride(0), x.stride(1), rs, cs, amax, rows, cols, BLOCK_R=big, BLOCK_C=big, num_warps=8, **has)
-    _tile_quantize_kernel[_tiles(rows, cols, block)](
-        x, x.stride(0), x.stride(1), rs, cs, amax, q, scale, rows, cols, fmax, 1e-12, BLOCK_R=block,
-        BLOCK_C=block, **has)
+    _tile_row_amax_kernel[_tiles(rows, cols, AMAX_TILE)](
+        x, x.stride(0), x.stride(1), rs, cs, amax, rows, cols, BLOCK_R=AMAX_TILE, BLOCK_C=AMAX_TILE, num_warps=8,
+        **has)
+    _tile_quantize_kernel[_tiles(rows, cols, CAST_TILE)](
+        x, x.stride(0), x.stride(1), rs, cs, amax, q, scale, rows, cols, fmax, EPS, BLOCK_R=CAST_TILE,
+        BLOCK_C=CAST_TILE, **has)
     return {"q": q, "scale": scale}

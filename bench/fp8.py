@@ -187,7 +187,16 @@ def launch_split(fn: Callable[[], Any], device: str) -> dict[str, Any]:
                 by_name.setdefault(e.name, []).append(e.cpu_time_total / 1e3)
     launches = {k: {"ms": round(sum(v), 4), "kernels": len(v)} for k, v in
                 sorted(by_name.items(), key=lambda kv: -sum(kv[1]))}
-    return {"kernels_ms": round(sum(e.time_range.elapsed_us() for e in kernels) / 1e3, 4), "launches": launches}
+    out: dict[str, Any] = {"kernels_ms": round(sum(e.time_range.elapsed_us() for e in kernels) / 1e3, 4),
+                           "launches": launches}
+    if kernels:  # the device's span from first kernel start to last end: past kernels_ms, the GPU idled
+        out["span_ms"] = round((max(k.time_range.end for k in kernels) - min(k.time_range.start for k in kernels)) / 1e3, 4)
+        per_kernel: dict[str, list[float]] = {}
+        for k in kernels:
+            per_kernel.setdefault(k.name[:120], []).append(k.time_range.elapsed_us() / 1e3)
+        out["top_kernels"] = [{"name": n, "ms": round(sum(v), 4), "count": len(v)} for n, v in
+                              sorted(per_kernel.items(), key=lambda kv: -sum(kv[1]))[:25]]
+    return out
 
 
 def bench_casts(reps: int, device: str) -> list[dict]:

@@ -196,6 +196,10 @@ def launch_split(fn: Callable[[], Any], device: str) -> dict[str, Any]:
             per_kernel.setdefault(k.name[:120], []).append(k.time_range.elapsed_us() / 1e3)
         out["top_kernels"] = [{"name": n, "ms": round(sum(v), 4), "count": len(v)} for n, v in
                               sorted(per_kernel.items(), key=lambda kv: -sum(kv[1]))[:25]]
+        ordered = sorted(kernels, key=lambda k: k.time_range.start)
+        gaps = [((b.time_range.start - a.time_range.end) / 1e3, a.name[:60], b.name[:60])
+                for a, b in zip(ordered, ordered[1:]) if b.time_range.start > a.time_range.end]
+        out["idle_gaps"] = [{"ms": round(ms, 4), "after": a, "before": b} for ms, a, b in sorted(gaps, reverse=True)[:10]]
     return out
 
 

@@ -8,15 +8,24 @@ Two reads of x and one fp8 write: the same traffic as a fused amax + cast,
 without holding a whole row in one program (a row of the down projection's
 input is 14336 wide).  Rows contiguous in memory: a program walks a few whole
 rows in long column blocks.  Otherwise (``quantize_rows(x.t())``, the transposed
-copy a weight-gradient GEMM needs) the kernels walk square (row, column) tiles,
-loads coalesced down a tile and stores along it, and pass 1 folds each tile's
-row amaxes into the buffer with atomic maxima (a maximum is exact and
-order-free, so the result is deterministic): a program per row block would
-leave the GPU idle where the view has few rows (a (16384, 4096) activation's
-transpose has 4096: 64 programs, 0.53 ms on the H200 where its rows took 0.09).
+copy a weight-gradient GEMM needs) pass 1 is the strip kernel below, run on the
+view's transpose so that it reads along memory, and pass 2 walks square (row,
+column) tiles, loads coalesced down a tile and stores along it: a program per
+row block would leave the GPU idle where the view has few rows (a (16384, 4096)
+activation's transpose has 4096: 64 programs, 0.53 ms on the H200 where its rows
+took 0.09).
 
-``quantize_both`` walks the tiles too: pass 1 reduces each tile's row and column
-amaxes into two buffers; pass 2 writes the tile twice, quantized by its rows'
+The amax pass for both (``_amax_strip_kernel``): a program reads a strip of rows
+of one column block, folding its rows' maxima into the row buffer with an atomic
+maximum per row and step, and its columns' maxima, kept in registers over the
+strip, with one per column at the end.  A maximum is exact and order-free, so
+the result is deterministic; the buffers are fp32 read as int32, as a
+non-negative float orders like its bits.  A 128 x 128 tile per program, with an
+atomic per row and per column of every tile, took half of quantize_both's time
+on the H200 (BENCHMARKS.md, run 15).
+
+``quantize_both``: pass 1 reduces the row and column amaxes into two buffers; pass 2
+walks the tiles and writes each twice, quantized by its rows'
 scales into ``q`` and by its columns' scales, transposed, into ``qt``.  Two reads
 of x and two fp8 writes, where ``quantize_rows(x)`` and ``quantize_rows(x.t())``
 read x four times.  Every path computes the scale and the cast with the same
@@ -33,9 +42,10 @@ import triton.language as tl
 
 from .fp8 import EPS, fp8_max
 
-# The tile kernels' square tiles, whichever way x lies: the casts store along both of a tile's
-# axes (64); the amax passes take larger ones (128), folding each row and column into fewer atomics.
-CAST_TILE, AMAX_TILE = 64, 128
+# The cast kernels' square tiles, whichever way x lies: they store along both of a tile's axes.
+CAST_TILE = 64
+# The amax pass's steps hold AMAX_STEP elements; it aims at AMAX_PROGRAMS programs (a few per SM).
+AMAX_STEP, AMAX_PROGRAMS = 8192, 1024
 
 
 @triton.jit
@@ -101,11 +111,45 @@ def _tile(X, sxr, sxc, rows, cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr)
 
 
 @triton.jit
-def _amax_both_kernel(X, sxr, sxc, RAMAX, CAMAX, rows, cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    v, r, c, m, rb, cb = _tile(X, sxr, sxc, rows, cols, BLOCK_R, BLOCK_C)
-    a = tl.abs(v)
-    tl.atomic_max(RAMAX + r, tl.max(a, axis=1), mask=r < rows)
-    tl.atomic_max(CAMAX + c, tl.max(a, axis=0), mask=c < cols)
+def _amax_strip_kernel(Y, syr, syc, PRE_R, PRE_C, POST_R, POST_C, RAMAX, CAMAX, rows, cols, strip_rows,
+                       HAS_PRE_R: tl.constexpr, HAS_PRE_C: tl.constexpr, HAS_POST_R: tl.constexpr,
+                       HAS_POST_C: tl.constexpr, DO_R: tl.constexpr, DO_C: tl.constexpr,
+                       BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Row and/or column amaxes of |y * pre_r * pre_c|, times |post_r| / |post_c|, folded into RAMAX /
+    CAMAX (int32 views of fp32 buffers: a non-negative float orders like its bits, so one integer
+    atomic maximum is exact).  A program walks a strip of ``strip_rows`` rows of one column block
+    in (BLOCK_R, BLOCK_C) steps: each step folds its rows' maxima with one atomic per row, the
+    strip's column maxima stay in registers until one atomic per column at the end."""
+    pid = tl.program_id(0).to(tl.int64)
+    col_blocks = tl.cdiv(cols, BLOCK_C)
+    sb, cb = pid // col_blocks, pid % col_blocks
+    c = cb * BLOCK_C + tl.arange(0, BLOCK_C).to(tl.int64)
+    cm = c < cols
+    if HAS_PRE_C:
+        fc = tl.load(PRE_C + c, mask=cm, other=0.0).to(tl.float32)
+    cmax = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32)
+    for i in range(0, strip_rows, BLOCK_R):
+        r = sb * strip_rows + i + tl.arange(0, BLOCK_R).to(tl.int64)
+        rm = (r < rows) & (i + tl.arange(0, BLOCK_R) < strip_rows)
+        v = tl.load(Y + r[:, None] * syr + c[None, :] * syc, mask=rm[:, None] & cm[None, :], other=0.0)
+        v = v.to(tl.float32)
+        if HAS_PRE_C:
+            v = v * fc[None, :]
+        if HAS_PRE_R:
+            v = v * tl.load(PRE_R + r, mask=rm, other=0.0).to(tl.float32)[:, None]
+        a = tl.abs(v)
+        if DO_R:
+            rmax = tl.max(a, axis=1)
+            if HAS_POST_R:  # a non-negative factor commutes with the maximum, rounding included
+                rmax = rmax * tl.abs(tl.load(POST_R + r, mask=rm, other=0.0).to(tl.float32))
+            tl.atomic_max(RAMAX + r, rmax.to(tl.int32, bitcast=True), mask=rm)
+        if DO_C:
+            cmax = tl.maximum(cmax, a)
+    if DO_C:
+        cm_max = tl.max(cmax, axis=0)
+        if HAS_POST_C:
+            cm_max = cm_max * tl.abs(tl.load(POST_C + c, mask=cm, other=0.0).to(tl.float32))
+        tl.atomic_max(CAMAX + c, cm_max.to(tl.int32, bitcast=True), mask=cm)
 
 
 @triton.jit
@@ -135,16 +179,6 @@ def _scaled_tile(X, sxr, sxc, CS, rows, cols, HAS_CS: tl.constexpr, BLOCK_R: tl.
 
 
 @triton.jit
-def _tile_row_amax_kernel(X, sxr, sxc, RS, CS, AMAX, rows, cols, HAS_RS: tl.constexpr, HAS_CS: tl.constexpr,
-                          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    v, r, c, m, cb = _scaled_tile(X, sxr, sxc, CS, rows, cols, HAS_CS, BLOCK_R, BLOCK_C)
-    amax = tl.max(tl.abs(v), axis=1)
-    if HAS_RS:  # a non-negative factor commutes with the maximum, rounding included
-        amax = amax * tl.abs(tl.load(RS + r, mask=r < rows, other=0.0).to(tl.float32))
-    tl.atomic_max(AMAX + r, amax, mask=r < rows)
-
-
-@triton.jit
 def _tile_quantize_kernel(X, sxr, sxc, RS, CS, AMAX, Q, SCALE, rows, cols, fmax, eps, HAS_RS: tl.constexpr,
                           HAS_CS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     v, r, c, m, cb = _scaled_tile(X, sxr, sxc, CS, rows, cols, HAS_CS, BLOCK_R, BLOCK_C)
@@ -156,6 +190,31 @@ def _tile_quantize_kernel(X, sxr, sxc, RS, CS, AMAX, Q, SCALE, rows, cols, fmax,
         tl.store(SCALE + r, scale, mask=r < rows)
     q = tl.minimum(tl.maximum(v * mul[:, None], -fmax), fmax)
     tl.store(Q + r[:, None] * cols + c[None, :], q.to(Q.dtype.element_ty), mask=m)
+
+
+def _amaxes(x: torch.Tensor, ramax: torch.Tensor | None, camax: torch.Tensor | None,
+            pre_c: torch.Tensor | None = None, post_r: torch.Tensor | None = None) -> None:
+    """Fold x's row amaxes (of ``|x * pre_c| * |post_r|``) into ``ramax`` and/or its column amaxes
+    (of ``|x|``) into ``camax`` (fp32, zeros or earlier maxima).  The strip kernel reads its view's
+    rows along memory, so a view whose columns lie along memory (a transpose) runs as its transpose,
+    rows and columns swapped."""
+    view, rbuf, cbuf, pre_r, post_c = x, ramax, camax, None, None
+    if x.stride(1) != 1 and x.stride(0) == 1:
+        view, rbuf, cbuf, pre_r, pre_c, post_c, post_r = x.t(), camax, ramax, pre_c, None, post_r, None
+    rows, cols = view.shape
+    block_c = min(512, max(16, triton.next_power_of_2(cols)))
+    block_r = AMAX_STEP // block_c
+    col_blocks = triton.cdiv(cols, block_c)
+    strips = max(1, min(triton.cdiv(rows, block_r), triton.cdiv(AMAX_PROGRAMS, col_blocks)))
+    strip_rows = triton.cdiv(triton.cdiv(rows, strips), block_r) * block_r
+    some = next(t for t in (rbuf, cbuf) if t is not None)  # stands in for an operand left unread
+    as_int = {k: (t if t is not None else some).view(torch.int32) for k, t in (("r", rbuf), ("c", cbuf))}
+    _amax_strip_kernel[(triton.cdiv(rows, strip_rows) * col_blocks,)](
+        view, view.stride(0), view.stride(1), *(t if t is not None else some for t in (pre_r, pre_c, post_r, post_c)),
+        as_int["r"], as_int["c"], rows, cols, strip_rows,
+        HAS_PRE_R=pre_r is not None, HAS_PRE_C=pre_c is not None, HAS_POST_R=post_r is not None,
+        HAS_POST_C=post_c is not None, DO_R=rbuf is not None, DO_C=cbuf is not None,
+        BLOCK_R=block_r, BLOCK_C=block_c, num_warps=8)
 
 
 def _tiles(rows: int, cols: int, block: int) -> tuple[int]:
@@ -172,8 +231,7 @@ def quantize_both_triton(x: torch.Tensor, dtype: torch.dtype) -> dict[str, torch
         return out
     # Zeros are the identity of a maximum of absolute values.
     ramax, camax = torch.zeros(rows, device=dev), torch.zeros(cols, device=dev)
-    _amax_both_kernel[_tiles(rows, cols, AMAX_TILE)](
-        x, x.stride(0), x.stride(1), ramax, camax, rows, cols, BLOCK_R=AMAX_TILE, BLOCK_C=AMAX_TILE, num_warps=8)
+    _amaxes(x, ramax, camax)
     _quantize_both_kernel[_tiles(rows, cols, CAST_TILE)](
         x, x.stride(0), x.stride(1), ramax, camax, out["q"], out["qt"], out["scale"], out["scale_t"], rows, cols,
         fp8_max(dtype), EPS, BLOCK_R=CAST_TILE, BLOCK_C=CAST_TILE)
@@ -199,9 +257,7 @@ def quantize_rows_triton(x: torch.Tensor, dtype: torch.dtype, row_scale: torch.T
                                BLOCK_R=4, BLOCK_C=1024, **has)
         return {"q": q, "scale": scale}
     amax = torch.zeros(rows, dtype=torch.float32, device=x.device)  # the identity of the atomic maxima
-    _tile_row_amax_kernel[_tiles(rows, cols, AMAX_TILE)](
-        x, x.stride(0), x.stride(1), rs, cs, amax, rows, cols, BLOCK_R=AMAX_TILE, BLOCK_C=AMAX_TILE, num_warps=8,
-        **has)
+    _amaxes(x, amax, None, pre_c=cs if col_scale is not None else None, post_r=rs if row_scale is not None else None)
     _tile_quantize_kernel[_tiles(rows, cols, CAST_TILE)](
         x, x.stride(0), x.stride(1), rs, cs, amax, q, scale, rows, cols, fmax, EPS, BLOCK_R=CAST_TILE,
         BLOCK_C=CAST_TILE, **has)

@@ -182,14 +182,17 @@ _TRITON = textwrap.dedent("""
         assert carry.float().mean() < 0.05
     # A view whose rows are not contiguous runs the tile kernels: the bits of the row kernels on a
     # contiguous copy, with both scalings
-    for rs, cs in ((g, s), (None, None)):
-        tiled = quantize_rows_triton(x.t(), torch.float8_e4m3fn, rs, cs)
-        rowwise = quantize_rows_triton(x.t().contiguous(), torch.float8_e4m3fn, rs, cs)
+    w = (torch.randn(1100, 300) * torch.logspace(-3, 3, 300)).to(torch.bfloat16)
+    for v, rs, cs in ((x, g, s), (x, None, None), (w, torch.rand(300) + 0.5, torch.rand(1100) + 0.5)):
+        tiled = quantize_rows_triton(v.t(), torch.float8_e4m3fn, rs, cs)
+        rowwise = quantize_rows_triton(v.t().contiguous(), torch.float8_e4m3fn, rs, cs)
         assert torch.equal(tiled["scale"], rowwise["scale"]) and torch.equal(tiled["q"].float(), rowwise["q"].float())
-    # quantize_both: the same expressions on tiles, so the same bits as the row kernel along each axis
+    # quantize_both: the same expressions on tiles, so the same bits as the row kernel along each axis;
+    # the wider tensor takes several column blocks and row strips in the amax pass, either way round
     y = x.clone()
     y[:, 5] = 0.0
-    for view in (y, y.t()):
+    wide = (torch.randn(300, 1100) * torch.logspace(-3, 3, 1100)).to(torch.bfloat16)
+    for view in (y, y.t(), wide, wide.t()):
         both = quantize_both_triton(view, torch.float8_e4m3fn)
         for key, alone in (("", quantize_rows_triton(view, torch.float8_e4m3fn, None, None)),
                            ("t", quantize_rows_triton(view.t(), torch.float8_e4m3fn, None, None))):

@@ -21,7 +21,7 @@ def outproj_residual_ref(x, w, r):
 class BadProgram:
     path: Path
     stage: str
-    expect: str  # a substring of the failing stage's message
+    expect: str  # a substring of the failing stage's message; alternatives joined by " || "
     needs: str  # "cpu" (static/reference/timeout), "compile" (sm_90a compiler) or "gpu"
     static: bool  # False: the test skips the static stage, to reach the runtime defences
     task: str  # "" for the tiny task, else a suite task's name
@@ -37,6 +37,11 @@ class BadProgram:
     @property
     def source(self) -> str:
         return self.path.read_text()
+
+    def found_in(self, message: str) -> bool:
+        """Whether the message names this case's trick: holds one of its ``# expect:`` texts
+        (a trick whose first symptom depends on how many calls earlier stages made lists each)."""
+        return any(e.strip() in message for e in self.expect.split(" || "))
 
 
 def corpus() -> list[BadProgram]:

@@ -16,9 +16,11 @@ L2 flushed (``bench/run.py: stats``):
   an fp8 block; ``gemm_scaled_mm``: the same through ``torch._scaled_mm``
   (rowwise scales, fast accumulation); ``gemm_bf16``: cuBLAS bf16.
 
-``--profile`` adds each block's fp8 program under torch.profiler: device ms
-per catalogue launch (``coda::`` range), summed by name, beside the whole
-call's kernel time.  ``--casts`` adds the casts alone, at the gradients'
+``--profile`` adds each block's fp8 program under torch.profiler: the kernels
+that cost most, device ms per catalogue launch, the whole call's kernel time
+beside its span on the device, and the longest idle gaps.  ``--tune`` tunes the
+CODA programs' GEMMs on their shapes first (``coda_fp8_tuned``: each tuned
+call's winner and candidates' times; the runs after read the tuning cache).  ``--casts`` adds the casts alone, at the gradients'
 shapes of an 8B layer: ``quantize_rows`` along each axis alone and along both
 (two calls), ``quantize_both`` (one call, two reads) and a copy of the bf16
 tensor (the memory's pace).
@@ -225,7 +227,9 @@ def bench_casts(reps: int, device: str) -> list[dict]:
     return rows
 
 
-def bench_block(name: str, shape_set: str, reps: int, device: str, profile: bool = False) -> dict:
+def bench_block(name: str, shape_set: str, reps: int, device: str, profile: bool = False,
+                tune: bool = False) -> dict:
+    from coda_agent.primitives.tuning import autotune
     from coda_agent.verifier.inputs import make_grads, make_inputs
 
     bf16_task, fp8_task = load_task(SUITE_DIR / f"{name}.yaml"), load_task(FP8_SUITE / f"{name}_fp8.yaml")
@@ -253,6 +257,10 @@ def bench_block(name: str, shape_set: str, reps: int, device: str, profile: bool
             row[f"torchao_{recipe}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
     for key in list(contenders):  # warm up: compile here, so a failure is the contender's
         try:
+            if tune and key.startswith("coda_"):  # each untuned GEMM of the program tuned on its shapes
+                with autotune() as record:
+                    contenders[key]()
+                row[f"{key}_tuned"] = record
             contenders[key]()
         except Exception as e:  # noqa: BLE001
             contenders.pop(key)
@@ -283,6 +291,8 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=420, help="start no row after this long")
     ap.add_argument("--casts", action="store_true", help="time the cast kernels alone first")
     ap.add_argument("--profile", action="store_true", help="the fp8 program's device ms per catalogue launch")
+    ap.add_argument("--tune", action="store_true",
+                    help="tune the CODA programs' GEMMs on their shapes first (minutes of compiles on a cold cache)")
     ap.add_argument("--dry-run", action="store_true",
                     help="on CPU, reference lowering, eager torch: checks the plumbing, measures nothing")
     args = ap.parse_args()
@@ -301,7 +311,7 @@ def main() -> int:
                 continue
             start = time.time()
             try:
-                row = bench_block(name, shape_set, args.reps, device, args.profile)
+                row = bench_block(name, shape_set, args.reps, device, args.profile, args.tune)
             except Exception as e:  # noqa: BLE001 - one block's failure is a row
                 traceback.print_exc(limit=4)
                 row = {"block": name, "shape_set": shape_set, "error": f"{type(e).__name__}: {str(e)[:400]}"}

@@ -63,6 +63,19 @@ WIDE_COOPERATIVE_CONFIG = TileConfig(tile_n=256, cluster_m=1, pingpong=False)
 PASS_CONFIG = TileConfig(tile_m=256, tile_n=128, cluster_m=2, pingpong=False)
 
 
+# Accumulator elements per thread that a promoting fp8 GEMM holds twice (the running fp32 sums and
+# the promoted ones) without spilling: 128x192 cooperative (96) and 128x64 pingpong (64) compile
+# spill-free, 128x128 pingpong, 128x256 and 256x128 cooperative (128) spill 96-270 STL/LDL in the
+# sm_90a compile (the dSwiGLU, RMSNorm dx and dequantize epilogues alike).
+PROMOTED_ACC_PER_THREAD = 96
+
+
+def fits_promoted(cfg: TileConfig) -> bool:
+    """Whether a promoting fp8 GEMM runs ``cfg`` without spilling its two accumulators: a
+    pingpong tile lives in one warpgroup (128 threads), a cooperative one in two."""
+    return cfg.tile_m * cfg.tile_n // (128 if cfg.pingpong else 256) <= PROMOTED_ACC_PER_THREAD
+
+
 WIDE_TILE_GAIN = 1.08  # 128x192 over 128x128 throughput at equal wave count (H200 sweep)
 H100_SMS = 132  # H100/H200 SXM; the count when no GPU is visible (compiling for sm_90a on CPU)
 
@@ -128,14 +141,18 @@ def default_config(epi: Epilogue | None, operands: dict[str, Any], n: int | None
       (dSwiGLU 1.62 vs 1.09 at 128x128), and not where 192 pads little: (16384, 8192,
       2048) 0.716 vs 0.684, (2048, 16384, 16384) 1.543 vs 1.427.
     - an fp8 GEMM that promotes its partial sums (``fast_accum=False``) keeps a
-      second fp32 accumulator: the tile of any rule above runs cooperative (two
-      warpgroups per tile, half the accumulator registers each).  Pingpong
-      128x192 holds 384 accumulator registers per thread and spilled 313/409
-      STL/LDL in the sm_90a compile; cooperative compiled spill-free.
+      second fp32 accumulator: the tile of any rule above that would spill
+      (:func:`fits_promoted`) runs cooperative (two warpgroups per tile, half
+      the accumulator registers each), and at 128x128 where even that spills
+      (the 256-wide and 256-row cooperative tiles).  Pingpong 128x192 holds 384
+      accumulator registers per thread and spilled 313/409 STL/LDL in the
+      sm_90a compile; cooperative compiled spill-free.
     """
     cfg = _rule_config(epi, operands, n, m, sms, tile_pass)
-    if fp8_promote and cfg.pingpong:
-        return TileConfig(cfg.tile_m, cfg.tile_n, cfg.cluster_m, cfg.cluster_n, pingpong=False)
+    if fp8_promote and not fits_promoted(cfg):
+        cfg = TileConfig(cfg.tile_m, cfg.tile_n, cfg.cluster_m, cfg.cluster_n, pingpong=False)
+        if not fits_promoted(cfg) and not (epi is not None and epi.head_stats):  # a head fixes tile_n
+            cfg = TileConfig(128, 128, cfg.cluster_m, cfg.cluster_n, pingpong=False)
     return cfg
 
 

@@ -9,8 +9,8 @@ plain GEMM), but quack's full autotune takes 74 s for one shape.  So:
    (inside :func:`autotune`, a miss is tuned on the spot);
 2. otherwise, on a miss it uses :func:`coda_agent.primitives.tile_config.default_config`, a
    heuristic on the epilogue's weight (reductions, paired tiles, operand count);
-3. :func:`tune` times a *pruned* candidate list (:data:`CANDIDATES`, six configs
-   that won somewhere on Hopper) with device events on the real shapes and
+3. :func:`tune` times a *pruned* candidate list (:func:`candidates_for`: six configs
+   that won somewhere on Hopper, cooperative where an fp8 GEMM promotes) with device events on the real shapes and
    stores the winner; the benchmark does this once per (program, shape) and the
    verifier's performance stage then reads the cache instead of searching (each
    GPU runner gets a copy of it in its scratch folder, and its digest is part
@@ -41,9 +41,9 @@ from coda_agent.storage import cache_dir, write_atomic
 from coda_agent.versions import versions
 
 from . import cute
-from .fp8 import mainloop_key
+from .fp8 import is_fp8, mainloop_key
 from .lowering import set_within
-from .tile_config import TileConfig, tunable
+from .tile_config import TileConfig, fits_promoted, tunable
 from .timing import measure_each
 from .version import CATALOGUE_VERSION
 
@@ -57,12 +57,25 @@ CANDIDATES: tuple[TileConfig, ...] = (
 )
 
 
-def candidates_for(epi: Any, operands: Mapping[str, Any]) -> list[TileConfig]:
-    """The :data:`CANDIDATES` :func:`tune` may pick for this epilogue: a head
-    statistic needs whole heads per tile.  (An epilogue exposing reduction
-    partials is never tuned at all: ``tile_config.tunable``.)"""
+# An fp8 GEMM that promotes its partial sums keeps a second fp32 accumulator, and most CANDIDATES
+# then spill (``tile_config.fits_promoted``): its candidates are those that fit, run cooperative
+# where they must, and the pingpong tile that holds both accumulators, 128x64, which keeps one
+# tile's epilogue overlapping the next tile's mainloop.
+PROMOTED_PINGPONG: tuple[TileConfig, ...] = (TileConfig(128, 64, 1, 1, True), TileConfig(128, 64, 2, 1, True))
+
+
+def candidates_for(epi: Any, operands: Mapping[str, Any], promote: bool = False) -> list[TileConfig]:
+    """The configs :func:`tune` may pick for this epilogue: :data:`CANDIDATES`, or for an fp8
+    GEMM that promotes (``promote``) those of them and of their cooperative forms and
+    :data:`PROMOTED_PINGPONG` that hold both accumulators without spilling; a
+    head statistic needs whole heads per tile.  (An epilogue exposing reduction partials is
+    never tuned at all: ``tile_config.tunable``.)"""
     head_dims = _head_dims(epi, operands)
-    return [cfg for cfg in CANDIDATES if _whole_heads(cfg, head_dims)]
+    pool = CANDIDATES
+    if promote:
+        coop = (TileConfig(c.tile_m, c.tile_n, c.cluster_m, c.cluster_n, pingpong=False) for c in CANDIDATES)
+        pool = tuple(c for c in dict.fromkeys((*CANDIDATES, *coop, *PROMOTED_PINGPONG)) if fits_promoted(c))
+    return [cfg for cfg in pool if _whole_heads(cfg, head_dims)]
 
 
 def _head_dims(epi: Any, operands: Mapping[str, Any]) -> tuple[int, ...]:
@@ -175,7 +188,7 @@ def autotuning() -> bool:
 
 def tune(epi: Any, A: Any, B: Any, operands: dict[str, Any], out_dtype: Any, reps: int = 10,
          fast_accum: bool = False) -> tuple[TileConfig, dict]:
-    """Time :data:`CANDIDATES` for one call that ``gemm`` has validated (D in
+    """Time the candidates (:func:`candidates_for`) for one call that ``gemm`` has validated (D in
     ``out_dtype``; ``fast_accum`` for fp8), interleaved (:func:`measure_each`),
     store and return the fastest."""
     m, k = A.shape
@@ -195,7 +208,7 @@ def tune(epi: Any, A: Any, B: Any, operands: dict[str, Any], out_dtype: Any, rep
 
     runnable: dict[str, Callable[[], Any]] = {}
     configs: dict[str, TileConfig] = {}
-    for cfg in candidates_for(epi, operands):
+    for cfg in candidates_for(epi, operands, promote=is_fp8(A.dtype) and not fast_accum):
         run = call(cfg)
         try:
             run()  # compiles; a config this shape cannot use is skipped

@@ -21,7 +21,8 @@ def _run(*args: str) -> None:
 
 
 def test_anchor_table_runs_every_contender(tmp_path):
-    _run(str(ROOT / "bench" / "fp8.py"), str(tmp_path), "--dry-run", "--sets", "small", "--reps", "1", "--casts", "--profile")
+    _run(str(ROOT / "bench" / "fp8.py"), str(tmp_path), "--dry-run", "--sets", "small", "--reps", "1", "--casts", "--profile",
+         "--tune")
     results = json.loads((tmp_path / "fp8-anchors-dryrun.json").read_text())
     (casts,) = results["casts"]
     assert {"rows", "cols", "rows_and_cols", "both", "copy"} <= set(casts) and casts["both"]["gb_per_s"] > 0
@@ -33,6 +34,7 @@ def test_anchor_table_runs_every_contender(tmp_path):
                     "gemm_fp8_fast", "gemm_fp8", "gemm_scaled_mm", "gemm_bf16"):
             assert r[key]["median_ms"] > 0, (r["block"], key)
         assert set(r["targets_met"]) == {"vs_torchao_rowwise >= 1.2", "vs_fp8_gemms <= 1.05"}
+        assert r["coda_fp8_tuned"] == [] and r["coda_bf16_tuned"] == []  # the reference lowering tunes nothing
         launches = r["coda_fp8_profile"]["launches"]  # the program's catalogue launches, by name
         assert "coda::aux::quantize_both" in launches and any(k.startswith("coda::gemm") for k in launches), launches
 

@@ -139,7 +139,45 @@ def test_promoting_fp8_gemms_run_cooperative_and_key_their_mainloop():
     assert len(keys) == 3  # a tuned config for one accumulation mode never serves the other
 
 
+def test_promoting_fp8_gemms_get_only_tiles_that_hold_both_accumulators():
+    from coda_agent.primitives import tuning
+    from coda_agent.primitives.tile_config import fits_promoted
+
+    promoted = tuning.candidates_for(None, {}, promote=True)
+    assert promoted and all(fits_promoted(c) for c in promoted)
+    assert TileConfig(128, 64, 1, 1, True) in promoted and TileConfig(128, 192, 2, 1, False) in promoted
+    assert tuning.candidates_for(None, {}) == list(tuning.CANDIDATES)  # bf16 and fast accumulation: unchanged
+    # the rule's cooperative 128x256 (a padded plain N) holds 128 sums per thread: 128x128 when promoting
+    assert default_config(None, {}, n=1024, m=16384) == TileConfig(128, 256, 1, 1, False)
+    assert default_config(None, {}, n=1024, m=16384, fp8_promote=True) == TileConfig(128, 128, 1, 1, False)
+
+
 # --------------------------------------------------------------------------- sm_90a compile
+
+
+@pytest.mark.slow
+def test_every_promoted_candidate_compiles_spill_free_and_the_rule_is_the_compilers():
+    """What fits_promoted admits compiles without spills for a heavy fp8 epilogue (the paired
+    dSwiGLU backward of mlp_block_fp8), and a tile it refuses spills there."""
+    import importlib.util
+
+    from coda_agent.primitives import tuning
+    from coda_agent.tasks import SUITE_DIR
+
+    path = SUITE_DIR.parent / "llama3_fp8" / "experts" / "mlp_block_fp8.py"
+    spec = importlib.util.spec_from_file_location("mlp_block_fp8_expert", path)
+    expert = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(expert)
+    M, N, K = 256, 512, 256
+    g, w = quantize_rows(torch.randn(M, K)), quantize_rows(torch.randn(N, K))
+    ops = dict(pre=torch.randn(M, 2 * N).bfloat16(), a_scale=g["scale"], w_scale=w["scale"], rstd=torch.rand(M))
+    refused = TileConfig(128, 128, 1, 1, True)
+    with compile_only() as kernels:
+        for cfg in (*tuning.candidates_for(expert.dswiglu, ops, promote=True), refused):
+            gemm(g["q"], w["q"].t(), expert.dswiglu, config=cfg, **ops)
+    *admitted, spilling = kernels
+    assert [k.sass.spill_stores for k in admitted] == [0] * len(admitted), [k.config for k in admitted]
+    assert spilling.sass.spill_stores > 0
 
 
 @pytest.mark.slow

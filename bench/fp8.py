@@ -165,7 +165,12 @@ def launch_split(fn: Callable[[], Any], device: str) -> dict[str, Any]:
     On CUDA a kernel belongs to the launch whose range holds its start on the device
     timeline (a record_function range shows there as a user annotation; the ranges'
     ``device_time_total`` misses the DSL's and Triton's launches: H200 run 14 read 0 for
-    most).  On the CPU (a dry run) the ranges' own CPU time stands in."""
+    most).  That span is drawn from the kernels the profiler correlates with the range,
+    which the DSL's and Triton's driver-API launches are not, so it can swallow the
+    kernels of later launches (run 15: the GEMMs under ``quantize_rows``): read the
+    launches as a sketch and ``top_kernels`` (by kernel name, where each GEMM carries its
+    epilogue's name) as the split.  On the CPU (a dry run) the ranges' own CPU time
+    stands in."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])

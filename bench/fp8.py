@@ -20,10 +20,11 @@ L2 flushed (``bench/run.py: stats``):
 that cost most, device ms per catalogue launch, the whole call's kernel time
 beside its span on the device, and the longest idle gaps.  ``--tune`` tunes the
 CODA programs' GEMMs on their shapes first (``coda_fp8_tuned``: each tuned
-call's winner and candidates' times; the runs after read the tuning cache).  ``--casts`` adds the casts alone, at the gradients'
-shapes of an 8B layer: ``quantize_rows`` along each axis alone and along both
-(two calls), ``quantize_both`` (one call, two reads) and a copy of the bf16
-tensor (the memory's pace).
+call's winner and candidates' times; the runs after read the tuning cache).
+``--casts`` adds the casts alone, at the gradients' shapes of an 8B layer:
+``quantize_rows`` along each axis alone and along both (two calls),
+``quantize_both`` (one call, two reads) and a copy of the bf16 tensor (the
+memory's pace).
 
 The issue's targets are printed per row: ``coda_fp8`` at least 1.2x
 ``torchao_rowwise`` and within 1.05x of the fp8 plain GEMMs.  Writes

@@ -127,7 +127,7 @@ def _amax_strip_kernel(Y, syr, syc, PRE_R, PRE_C, POST_R, POST_C, RAMAX, CAMAX, 
     cm = c < cols
     if HAS_PRE_C:
         fc = tl.load(PRE_C + c, mask=cm, other=0.0).to(tl.float32)
-    cmax = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32)
+    col_acc = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32)  # reduced across its rows once, at the end
     for i in range(0, strip_rows, BLOCK_R):
         r = sb * strip_rows + i + tl.arange(0, BLOCK_R).to(tl.int64)
         rm = (r < rows) & (i + tl.arange(0, BLOCK_R) < strip_rows)
@@ -144,12 +144,12 @@ def _amax_strip_kernel(Y, syr, syc, PRE_R, PRE_C, POST_R, POST_C, RAMAX, CAMAX, 
                 rmax = rmax * tl.abs(tl.load(POST_R + r, mask=rm, other=0.0).to(tl.float32))
             tl.atomic_max(RAMAX + r, rmax.to(tl.int32, bitcast=True), mask=rm)
         if DO_C:
-            cmax = tl.maximum(cmax, a)
+            col_acc = tl.maximum(col_acc, a)
     if DO_C:
-        cm_max = tl.max(cmax, axis=0)
+        cmax = tl.max(col_acc, axis=0)
         if HAS_POST_C:
-            cm_max = cm_max * tl.abs(tl.load(POST_C + c, mask=cm, other=0.0).to(tl.float32))
-        tl.atomic_max(CAMAX + c, cm_max.to(tl.int32, bitcast=True), mask=cm)
+            cmax = cmax * tl.abs(tl.load(POST_C + c, mask=cm, other=0.0).to(tl.float32))
+        tl.atomic_max(CAMAX + c, cmax.to(tl.int32, bitcast=True), mask=cm)
 
 
 @triton.jit

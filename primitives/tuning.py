@@ -9,8 +9,9 @@ plain GEMM), but quack's full autotune takes 74 s for one shape.  So:
    (inside :func:`autotune`, a miss is tuned on the spot);
 2. otherwise, on a miss it uses :func:`coda_agent.primitives.tile_config.default_config`, a
    heuristic on the epilogue's weight (reductions, paired tiles, operand count);
-3. :func:`tune` times a *pruned* candidate list (:func:`candidates_for`: six configs
-   that won somewhere on Hopper, cooperative where an fp8 GEMM promotes) with device events on the real shapes and
+3. :func:`tune` times a *pruned* candidate list (:func:`candidates_for`: six
+   configs that won somewhere on Hopper, or for a promoting fp8 GEMM six that
+   hold its two accumulators) with device events on the real shapes and
    stores the winner; the benchmark does this once per (program, shape) and the
    verifier's performance stage then reads the cache instead of searching (each
    GPU runner gets a copy of it in its scratch folder, and its digest is part

@@ -24,7 +24,7 @@ call's winner and candidates' times; the runs after read the tuning cache).
 ``--casts`` adds the casts alone, at the gradients' shapes of an 8B layer:
 ``quantize_rows`` along each axis alone and along both (two calls),
 ``quantize_both`` (one call, two reads) and a copy of the bf16 tensor (the
-memory's pace).
+memory's pace); on CUDA also the amax pass alone at 18 strip geometries.
 
 The issue's targets are printed per row: ``coda_fp8`` at least 1.2x
 ``torchao_rowwise`` and within 1.05x of the fp8 plain GEMMs.  Writes
@@ -227,10 +227,30 @@ def bench_casts(reps: int, device: str) -> list[dict]:
         for k, per in gb.items():
             row[k]["gb_per_s"] = per * m * n / (row[k]["median_ms"] * 1e6)
         row["both_speedup_vs_rows_and_cols"] = row["rows_and_cols"]["median_ms"] / row["both"]["median_ms"]
+        if device == "cuda":
+            row["amax_geometry"] = amax_geometries(x, reps, device)
         rows.append(row)
         print(json.dumps({"shape": [m, n], **{k: round(row[k]["median_ms"], 4) for k in fns}}), flush=True)
         del x
     return rows
+
+
+def amax_geometries(x: torch.Tensor, reps: int, device: str = "cuda") -> list[dict]:
+    """quantize_both's amax pass alone (both directions) at each strip geometry, fastest first:
+    ms and the read's GB/s (one bf16 read of x), the shipped geometry marked."""
+    from coda_agent.primitives import quantize_triton as qt
+
+    ramax, camax = torch.zeros(x.shape[0], device=x.device), torch.zeros(x.shape[1], device=x.device)
+    grid = [(step, programs, warps) for step in (4096, 8192, 16384) for programs in (528, 1024, 2048)
+            for warps in (4, 8)]
+    fns = {f"step{s} programs{p} warps{w}": (lambda s=s, p=p, w=w: qt._amaxes(x, ramax, camax, step=s, programs=p,
+                                                                             warps=w))
+           for s, p, w in grid}
+    res = stats(fns, reps, device, warmup=2 if device == "cuda" else 0)
+    shipped = f"step{qt.AMAX_STEP} programs{qt.AMAX_PROGRAMS} warps{qt.AMAX_WARPS}"
+    out = [{"geometry": k, "median_ms": res[k]["median_ms"], "gb_per_s": 2 * x.numel() / (res[k]["median_ms"] * 1e6),
+            "shipped": k == shipped} for k in fns]
+    return sorted(out, key=lambda r: r["median_ms"])
 
 
 def bench_block(name: str, shape_set: str, reps: int, device: str, profile: bool = False,

@@ -44,8 +44,9 @@ from .fp8 import EPS, fp8_max
 
 # The cast kernels' square tiles, whichever way x lies: they store along both of a tile's axes.
 CAST_TILE = 64
-# The amax pass's steps hold AMAX_STEP elements; it aims at AMAX_PROGRAMS programs (a few per SM).
-AMAX_STEP, AMAX_PROGRAMS = 8192, 1024
+# The amax pass's steps hold AMAX_STEP elements; it aims at AMAX_PROGRAMS programs (a few per SM)
+# of AMAX_WARPS warps each (``bench/fp8.py --casts`` times the alternatives on the H200).
+AMAX_STEP, AMAX_PROGRAMS, AMAX_WARPS = 8192, 1024, 8
 
 
 @triton.jit
@@ -193,19 +194,21 @@ def _tile_quantize_kernel(X, sxr, sxc, RS, CS, AMAX, Q, SCALE, rows, cols, fmax,
 
 
 def _amaxes(x: torch.Tensor, ramax: torch.Tensor | None, camax: torch.Tensor | None,
-            pre_c: torch.Tensor | None = None, post_r: torch.Tensor | None = None) -> None:
+            pre_c: torch.Tensor | None = None, post_r: torch.Tensor | None = None, *,
+            step: int = AMAX_STEP, programs: int = AMAX_PROGRAMS, warps: int = AMAX_WARPS) -> None:
     """Fold x's row amaxes (of ``|x * pre_c| * |post_r|``) into ``ramax`` and/or its column amaxes
     (of ``|x|``) into ``camax`` (fp32, zeros or earlier maxima).  The strip kernel reads its view's
     rows along memory, so a view whose columns lie along memory (a transpose) runs as its transpose,
-    rows and columns swapped."""
+    rows and columns swapped.  ``step``, ``programs`` and ``warps`` are the kernel's geometry (any
+    gives the same maxima)."""
     view, rbuf, cbuf, pre_r, post_c = x, ramax, camax, None, None
     if x.stride(1) != 1 and x.stride(0) == 1:
         view, rbuf, cbuf, pre_r, pre_c, post_c, post_r = x.t(), camax, ramax, pre_c, None, post_r, None
     rows, cols = view.shape
     block_c = min(512, max(16, triton.next_power_of_2(cols)))
-    block_r = AMAX_STEP // block_c
+    block_r = max(1, step // block_c)
     col_blocks = triton.cdiv(cols, block_c)
-    strips = max(1, min(triton.cdiv(rows, block_r), triton.cdiv(AMAX_PROGRAMS, col_blocks)))
+    strips = max(1, min(triton.cdiv(rows, block_r), triton.cdiv(programs, col_blocks)))
     strip_rows = triton.cdiv(triton.cdiv(rows, strips), block_r) * block_r
     some = next(t for t in (rbuf, cbuf) if t is not None)  # stands in for an operand left unread
     as_int = {k: (t if t is not None else some).view(torch.int32) for k, t in (("r", rbuf), ("c", cbuf))}
@@ -214,7 +217,7 @@ def _amaxes(x: torch.Tensor, ramax: torch.Tensor | None, camax: torch.Tensor | N
         as_int["r"], as_int["c"], rows, cols, strip_rows,
         HAS_PRE_R=pre_r is not None, HAS_PRE_C=pre_c is not None, HAS_POST_R=post_r is not None,
         HAS_POST_C=post_c is not None, DO_R=rbuf is not None, DO_C=cbuf is not None,
-        BLOCK_R=block_r, BLOCK_C=block_c, num_warps=8)
+        BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
 
 
 def _tiles(rows: int, cols: int, block: int) -> tuple[int]:

@@ -8,6 +8,7 @@ scripts' docstrings.)"""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -55,3 +56,16 @@ def test_loss_curves_train_every_recipe_and_plot(tmp_path, bench_main):
     (tmp_path / "loss.png").unlink()
     assert bench_main("fp8_loss", tmp_path, "--plot") == 0
     assert (tmp_path / "loss.png").is_file()
+
+
+def test_the_amax_geometry_sweep_times_every_geometry_in_the_interpreter():
+    """``--casts``' sweep of the amax pass (CUDA only in the benchmark), run by Triton's CPU
+    interpreter: every geometry runs, the shipped one is marked, fastest first."""
+    code = (f"import sys, json, torch; sys.path.insert(0, {str(ROOT / 'bench')!r}); import fp8; "
+            "rows = fp8.amax_geometries(torch.randn(64, 96).bfloat16(), 1, 'cpu'); print(json.dumps(rows))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(rows) == 18 and sum(r["shipped"] for r in rows) == 1
+    assert [r["median_ms"] for r in rows] == sorted(r["median_ms"] for r in rows)

@@ -326,7 +326,7 @@ def _launch(epi: Epilogue | None, A: torch.Tensor, B: torch.Tensor, operands: di
     try:
         _run(epi, A, B, operands, results, accumulate, cfg, fast_accum, kind, lowering)
     except StageShortage:
-        lean = lean_staging(cfg, epi) if defaulted else None
+        lean = lean_staging(cfg, epi, fp8_promote=on_fp8 and not fast_accum) if defaulted else None
         if lean is None:
             raise
         # The shortage is found while compiling, before anything launches; remembered per

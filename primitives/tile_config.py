@@ -179,17 +179,19 @@ def _rule_config(epi: Epilogue | None, operands: dict[str, Any], n: int | None, 
     return _fill_the_sms(m, n, sms)
 
 
-def lean_staging(cfg: TileConfig, epi: Epilogue | None) -> TileConfig | None:
+def lean_staging(cfg: TileConfig, epi: Epilogue | None, fp8_promote: bool = False) -> TileConfig | None:
     """The config an untuned call falls back to when ``cfg`` leaves too few
     mainloop stages (:class:`.dsl_scope.StageShortage`): 128x128 c1x1 pingpong,
     whose epilogue stages one 128-row tile per warpgroup, the least shared memory
     of the 128-wide tiles (an erf/GELU pass over an fp32 tile with three fp32
-    outputs compiles there and leaves no stage at the pass rule's 256x128).
-    None where nothing leaner applies: ``cfg`` is that config already, or a head
-    statistic fixes its tile_n."""
+    outputs compiles there and leaves no stage at the pass rule's 256x128), or
+    for a promoting fp8 GEMM, whose two accumulators that tile cannot hold, its
+    cooperative form.  None where nothing leaner applies: ``cfg`` is that config
+    already, or a head statistic fixes its tile_n."""
     if epi is not None and epi.head_stats:
         return None
-    return None if cfg == NARROW_CONFIG else NARROW_CONFIG
+    lean = NARROW_CONFIG if not fp8_promote else TileConfig(128, 128, 1, 1, pingpong=False)
+    return None if cfg == lean else lean
 
 
 def _both_directions(epi: Epilogue) -> bool:

@@ -150,6 +150,11 @@ def test_promoting_fp8_gemms_get_only_tiles_that_hold_both_accumulators():
     # the rule's cooperative 128x256 (a padded plain N) holds 128 sums per thread: 128x128 when promoting
     assert default_config(None, {}, n=1024, m=16384) == TileConfig(128, 256, 1, 1, False)
     assert default_config(None, {}, n=1024, m=16384, fp8_promote=True) == TileConfig(128, 128, 1, 1, False)
+    # short of shared memory, an untuned call retries on a lean tile: one that holds both accumulators
+    from coda_agent.primitives.tile_config import lean_staging
+    assert lean_staging(TileConfig(), None) == TileConfig(128, 128, 1, 1, True)
+    lean = lean_staging(TileConfig(), None, fp8_promote=True)
+    assert lean == TileConfig(128, 128, 1, 1, False) and fits_promoted(lean)
 
 
 # --------------------------------------------------------------------------- sm_90a compile

@@ -23,7 +23,10 @@ values on any device):
   the whole K loop in the tensor core's accumulator, whose adds keep fewer
   mantissa bits; the torch._scaled_mm projections of LLaMA-3 8B ran 6-13%
   faster with it on the H200.  torchao's recipes use it for the forward GEMM
-  only.  The reference lowering sums in fp32 either way.
+  only.  The reference lowering sums in fp32 either way.  The promoted sums
+  take a second set of registers: an untuned promoting GEMM runs a tile that
+  holds both (``tile_config.fits_promoted``: cooperative, or 128x64 pingpong),
+  and a ``config=`` that does not fit spills (the compile stage reports it).
 - **fp8 outputs.** ``"fp8_e4m3"``/``"fp8_e5m2"`` as an ``outputs=`` dtype or
   ``out_dtype``: the value is rounded to nearest even and *saturates* at the
   format's largest finite value (448 / 57344; the GPU's ``cvt .satfinite``),

@@ -26,11 +26,12 @@ call's winner and candidates' times; the runs after read the tuning cache).
 ``quantize_both`` (one call, two reads) and a copy of the bf16 tensor (the
 memory's pace); on CUDA also the amax pass alone at 18 strip geometries.
 
-The issue's targets are printed per row: ``coda_fp8`` at least 1.2x
-``torchao_rowwise`` and within 1.05x of the fp8 plain GEMMs.  Writes
-``OUT/fp8-anchors.json`` after every row; stops starting rows after
-``--budget-s``.  Usage on the device (about 4 minutes: torch.compile of four
-torchao modules dominates)::
+Each contender's peak memory beyond what is live before its call (inputs,
+weights) is recorded beside its time (``peak_gib``).  The issue's targets are
+printed per row: ``coda_fp8`` at least 1.2x ``torchao_rowwise`` and within
+1.05x of the fp8 plain GEMMs.  Writes ``OUT/fp8-anchors.json`` after every
+row; stops starting rows after ``--budget-s``.  Usage on the device (about 4
+minutes: torch.compile of four torchao modules dominates)::
 
     python3 bench/fp8.py OUT --sets llama3-8b
 """
@@ -50,7 +51,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from run import stats, versions  # noqa: E402  (bench/run.py)
+from run import peak_mem_gib, stats, versions  # noqa: E402  (bench/run.py)
 from train_step import _inside_coda, device_kernels  # noqa: E402  (bench/train_step.py)
 
 from coda_agent.tasks import SUITE_DIR, load_task  # noqa: E402
@@ -294,6 +295,8 @@ def bench_block(name: str, shape_set: str, reps: int, device: str, profile: bool
     # The loop above ran every contender once; on the CPU (a dry run) that is warm-up enough, and
     # each further call of torchao's modules costs seconds there (torch._scaled_mm on the CPU).
     row.update(stats(contenders, reps, device, warmup=3 if device == "cuda" else 0))
+    for key, fn in contenders.items():  # beyond what is live before the call (inputs, weights); None on CPU
+        row[key]["peak_gib"] = peak_mem_gib(fn, device)
     ms = {k: row[k]["median_ms"] for k in contenders}
     if "coda_fp8" in ms:
         floor = min(ms.get("gemm_fp8_fast", float("inf")), ms.get("gemm_scaled_mm", float("inf")))

@@ -5,9 +5,9 @@
 """Returns an output buffer at once and fills it on a side stream later, with the runner's
 device synchronisation patched out: a result the judge may read before it is written.  It
 cheats on CUDA only: a CPU stage's runner on a GPU host cannot reach the device (the H200,
-run 13: a stream made there failed the reference stage), and the trick is for the GPU's.  Which symptom
-the judge meets first depends on how many calls the earlier stages made: a draw read unwritten
-(NaN), or two such draws alike."""
+run 13: a stream made there failed the reference stage), and the trick is for the GPU's.
+Which symptom the judge meets first depends on how many calls the earlier stages made: a
+draw read unwritten (NaN), or two such draws alike."""
 import torch
 
 from coda_agent.primitives import Tile, epilogue, gemm

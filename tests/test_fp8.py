@@ -235,12 +235,14 @@ _TRITON = textwrap.dedent("""
     y = x.clone()
     y[:, 5] = 0.0
     wide = (torch.randn(300, 1100) * torch.logspace(-3, 3, 1100)).to(torch.bfloat16)
-    for view in (y, y.t(), wide, wide.t()):
+    for view in (y, y.t(), wide, wide.t(), wide[:, ::3], wide.t()[::2]):  # and views with no unit stride
         both = quantize_both_triton(view, torch.float8_e4m3fn)
         for key, alone in (("", quantize_rows_triton(view, torch.float8_e4m3fn, None, None)),
                            ("t", quantize_rows_triton(view.t(), torch.float8_e4m3fn, None, None))):
             assert torch.equal(both["scale" + ("_t" if key else "")], alone["scale"])
             assert torch.equal(both["q" + key].float(), alone["q"].float())
+        assert torch.equal(both["scale"], quantize.quantize_rows(view, "fp8_e4m3")["scale"])  # the CPU path's
+        assert torch.equal(both["scale_t"], quantize.quantize_rows(view.t(), "fp8_e4m3")["scale"])
     # the amax pass's geometry (bench/fp8.py --casts sweeps it) never changes the maxima
     from coda_agent.primitives.quantize_triton import _amaxes
     for view in (wide, wide.t()):

@@ -288,7 +288,8 @@ def bench_block(name: str, shape_set: str, reps: int, device: str, profile: bool
                 with autotune() as record:
                     contenders[key]()
                 row[f"{key}_tuned"] = record
-            contenders[key]()
+            else:
+                contenders[key]()
         except Exception as e:  # noqa: BLE001
             contenders.pop(key)
             row[f"{key}_error"] = f"{type(e).__name__}: {str(e)[:300]}"

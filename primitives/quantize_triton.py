@@ -202,19 +202,24 @@ def _amaxes(x: torch.Tensor, ramax: torch.Tensor | None, camax: torch.Tensor | N
     rows and columns swapped.  ``step``, ``programs`` and ``warps`` are the kernel's geometry (any
     gives the same maxima)."""
     view, rbuf, cbuf, pre_r, post_c = x, ramax, camax, None, None
-    if x.stride(1) != 1 and x.stride(0) == 1:
-        view, rbuf, cbuf, pre_r, pre_c, post_c, post_r = x.t(), camax, ramax, pre_c, None, post_r, None
+    if x.stride(1) != 1 and x.stride(0) == 1:  # x's rows are the view's columns, and its factors swap sides
+        view, rbuf, cbuf = x.t(), camax, ramax
+        pre_r, pre_c = pre_c, None
+        post_c, post_r = post_r, None
     rows, cols = view.shape
     block_c = min(512, max(16, triton.next_power_of_2(cols)))
     block_r = max(1, step // block_c)
     col_blocks = triton.cdiv(cols, block_c)
     strips = max(1, min(triton.cdiv(rows, block_r), triton.cdiv(programs, col_blocks)))
     strip_rows = triton.cdiv(triton.cdiv(rows, strips), block_r) * block_r
-    some = next(t for t in (rbuf, cbuf) if t is not None)  # stands in for an operand left unread
-    as_int = {k: (t if t is not None else some).view(torch.int32) for k, t in (("r", rbuf), ("c", cbuf))}
+    some = rbuf if rbuf is not None else cbuf
+
+    def arg(t: torch.Tensor | None) -> torch.Tensor:  # an absent operand is never read: any tensor stands in
+        return t if t is not None else some
+
     _amax_strip_kernel[(triton.cdiv(rows, strip_rows) * col_blocks,)](
-        view, view.stride(0), view.stride(1), *(t if t is not None else some for t in (pre_r, pre_c, post_r, post_c)),
-        as_int["r"], as_int["c"], rows, cols, strip_rows,
+        view, view.stride(0), view.stride(1), arg(pre_r), arg(pre_c), arg(post_r), arg(post_c),
+        arg(rbuf).view(torch.int32), arg(cbuf).view(torch.int32), rows, cols, strip_rows,
         HAS_PRE_R=pre_r is not None, HAS_PRE_C=pre_c is not None, HAS_POST_R=post_r is not None,
         HAS_POST_C=post_c is not None, DO_R=rbuf is not None, DO_C=cbuf is not None,
         BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)

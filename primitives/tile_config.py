@@ -8,7 +8,7 @@ H200 tuning sweeps of the suite; the tuner (:mod:`.tuning`) picks among
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
 
@@ -37,6 +37,10 @@ class TileConfig:
     def __str__(self) -> str:
         return (f"{self.tile_m}x{self.tile_n} c{self.cluster_m}x{self.cluster_n} "
                 f"{'pingpong' if self.pingpong else 'cooperative'}")
+
+    def cooperative(self) -> TileConfig:
+        """The same tile on quack's cooperative kernel (two warpgroups share it)."""
+        return replace(self, pingpong=False)
 
     def to_quack(self) -> Any:
         """quack's GemmConfig, one object per distinct config: quack's eager fast
@@ -150,9 +154,9 @@ def default_config(epi: Epilogue | None, operands: dict[str, Any], n: int | None
     """
     cfg = _rule_config(epi, operands, n, m, sms, tile_pass)
     if fp8_promote and not fits_promoted(cfg):
-        cfg = TileConfig(cfg.tile_m, cfg.tile_n, cfg.cluster_m, cfg.cluster_n, pingpong=False)
+        cfg = cfg.cooperative()
         if not fits_promoted(cfg) and not (epi is not None and epi.head_stats):  # a head fixes tile_n
-            cfg = TileConfig(128, 128, cfg.cluster_m, cfg.cluster_n, pingpong=False)
+            cfg = replace(cfg, tile_m=128, tile_n=128)
     return cfg
 
 
@@ -190,7 +194,7 @@ def lean_staging(cfg: TileConfig, epi: Epilogue | None, fp8_promote: bool = Fals
     already, or a head statistic fixes its tile_n."""
     if epi is not None and epi.head_stats:
         return None
-    lean = NARROW_CONFIG if not fp8_promote else TileConfig(128, 128, 1, 1, pingpong=False)
+    lean = NARROW_CONFIG.cooperative() if fp8_promote else NARROW_CONFIG
     return None if cfg == lean else lean
 
 

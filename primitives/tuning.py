@@ -74,7 +74,7 @@ def candidates_for(epi: Any, operands: Mapping[str, Any], promote: bool = False)
     head_dims = _head_dims(epi, operands)
     pool = CANDIDATES
     if promote:
-        coop = (TileConfig(c.tile_m, c.tile_n, c.cluster_m, c.cluster_n, pingpong=False) for c in CANDIDATES)
+        coop = (c.cooperative() for c in CANDIDATES)
         pool = tuple(c for c in dict.fromkeys((*CANDIDATES, *coop, *PROMOTED_PINGPONG)) if fits_promoted(c))
     return [cfg for cfg in pool if _whole_heads(cfg, head_dims)]
 

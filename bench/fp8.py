@@ -238,17 +238,21 @@ def bench_casts(reps: int, device: str) -> list[dict]:
 
 def amax_geometries(x: torch.Tensor, reps: int, device: str = "cuda") -> list[dict]:
     """quantize_both's amax pass alone (both directions) at each strip geometry, fastest first:
-    ms and the read's GB/s (one bf16 read of x), the shipped geometry marked."""
+    ms and the read's GB/s (one bf16 read of x), the shipped geometry marked.  Beside them, at the
+    shipped geometry, the pass for one direction alone (``rows only``, ``cols only``: which fold
+    costs), and ``x.amax()``, a plain read reduction (what a read of x costs on this GPU)."""
     from coda_agent.primitives import quantize_triton as qt
 
     ramax, camax = torch.zeros(x.shape[0], device=x.device), torch.zeros(x.shape[1], device=x.device)
-    grid = [(step, programs, warps) for step in (4096, 8192, 16384) for programs in (528, 1024, 2048)
-            for warps in (4, 8)]
-    fns = {f"step{s} programs{p} warps{w}": (lambda s=s, p=p, w=w: qt._amaxes(x, ramax, camax, step=s, programs=p,
-                                                                             warps=w))
-           for s, p, w in grid}
+    grid = [(step, width, programs, warps) for step in (4096, 8192, 16384) for width in (128, 512, 2048)
+            for programs in (528, 1024, 2048) for warps in (4, 8) if width <= step]
+    fns = {f"step{s} width{c} programs{p} warps{w}": (lambda s=s, c=c, p=p, w=w: qt._amaxes(
+        x, ramax, camax, step=s, width=c, programs=p, warps=w)) for s, c, p, w in grid}
+    fns["rows only"] = lambda: qt._amaxes(x, ramax, None)
+    fns["cols only"] = lambda: qt._amaxes(x, None, camax)
+    fns["x.amax()"] = lambda: x.amax()
     res = stats(fns, reps, device, warmup=2 if device == "cuda" else 0)
-    shipped = f"step{qt.AMAX_STEP} programs{qt.AMAX_PROGRAMS} warps{qt.AMAX_WARPS}"
+    shipped = f"step{qt.AMAX_STEP} width{qt.AMAX_WIDTH} programs{qt.AMAX_PROGRAMS} warps{qt.AMAX_WARPS}"
     out = [{"geometry": k, "median_ms": res[k]["median_ms"], "gb_per_s": 2 * x.numel() / (res[k]["median_ms"] * 1e6),
             "shipped": k == shipped} for k in fns]
     return sorted(out, key=lambda r: r["median_ms"])

@@ -44,9 +44,10 @@ from .fp8 import EPS, fp8_max
 
 # The cast kernels' square tiles, whichever way x lies: they store along both of a tile's axes.
 CAST_TILE = 64
-# The amax pass's steps hold AMAX_STEP elements; it aims at AMAX_PROGRAMS programs (a few per SM)
-# of AMAX_WARPS warps each (``bench/fp8.py --casts`` times the alternatives on the H200).
-AMAX_STEP, AMAX_PROGRAMS, AMAX_WARPS = 8192, 1024, 8
+# The amax pass's steps hold AMAX_STEP elements of column blocks AMAX_WIDTH wide; it aims at
+# AMAX_PROGRAMS programs (a few per SM) of AMAX_WARPS warps each (``bench/fp8.py --casts`` times
+# the alternatives on the H200).
+AMAX_STEP, AMAX_WIDTH, AMAX_PROGRAMS, AMAX_WARPS = 8192, 512, 1024, 8
 
 
 @triton.jit
@@ -195,19 +196,20 @@ def _tile_quantize_kernel(X, sxr, sxc, RS, CS, AMAX, Q, SCALE, rows, cols, fmax,
 
 def _amaxes(x: torch.Tensor, ramax: torch.Tensor | None, camax: torch.Tensor | None,
             pre_c: torch.Tensor | None = None, post_r: torch.Tensor | None = None, *,
-            step: int = AMAX_STEP, programs: int = AMAX_PROGRAMS, warps: int = AMAX_WARPS) -> None:
+            step: int = AMAX_STEP, width: int = AMAX_WIDTH, programs: int = AMAX_PROGRAMS,
+            warps: int = AMAX_WARPS) -> None:
     """Fold x's row amaxes (of ``|x * pre_c| * |post_r|``) into ``ramax`` and/or its column amaxes
     (of ``|x|``) into ``camax`` (fp32, zeros or earlier maxima).  The strip kernel reads its view's
     rows along memory, so a view whose columns lie along memory (a transpose) runs as its transpose,
-    rows and columns swapped.  ``step``, ``programs`` and ``warps`` are the kernel's geometry (any
-    gives the same maxima)."""
+    rows and columns swapped.  ``step``, ``width`` (a power of two), ``programs`` and ``warps`` are
+    the kernel's geometry (any gives the same maxima)."""
     view, rbuf, cbuf, pre_r, post_c = x, ramax, camax, None, None
     if x.stride(1) != 1 and x.stride(0) == 1:  # x's rows are the view's columns, and its factors swap sides
         view, rbuf, cbuf = x.t(), camax, ramax
         pre_r, pre_c = pre_c, None
         post_c, post_r = post_r, None
     rows, cols = view.shape
-    block_c = min(512, max(16, triton.next_power_of_2(cols)))
+    block_c = min(width, max(16, triton.next_power_of_2(cols)))
     block_r = max(1, step // block_c)
     col_blocks = triton.cdiv(cols, block_c)
     strips = max(1, min(triton.cdiv(rows, block_r), triton.cdiv(programs, col_blocks)))

@@ -247,9 +247,10 @@ _TRITON = textwrap.dedent("""
     from coda_agent.primitives.quantize_triton import _amaxes
     for view in (wide, wide.t()):
         want = None
-        for step, programs, warps in ((8192, 1024, 8), (2048, 64, 4), (16384, 7, 2), (512, 4096, 1)):
+        for step, width, programs, warps in ((8192, 512, 1024, 8), (2048, 128, 64, 4), (16384, 2048, 7, 2),
+                                             (512, 16, 4096, 1)):
             got = (torch.zeros(view.shape[0]), torch.zeros(view.shape[1]))
-            _amaxes(view, *got, step=step, programs=programs, warps=warps)
+            _amaxes(view, *got, step=step, width=width, programs=programs, warps=warps)
             want = want or got
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
         assert torch.equal(want[0], view.float().abs().amax(1)) and torch.equal(want[1], view.float().abs().amax(0))

@@ -45,9 +45,13 @@ from .fp8 import EPS, fp8_max
 # The cast kernels' square tiles, whichever way x lies: they store along both of a tile's axes.
 CAST_TILE = 64
 # The amax pass's steps hold AMAX_STEP elements of column blocks AMAX_WIDTH wide; it aims at
-# AMAX_PROGRAMS programs (a few per SM) of AMAX_WARPS warps each (``bench/fp8.py --casts`` times
-# the alternatives on the H200).
-AMAX_STEP, AMAX_WIDTH, AMAX_PROGRAMS, AMAX_WARPS = 8192, 512, 1024, 8
+# AMAX_PROGRAMS programs (a few per SM) of AMAX_WARPS warps each.  ``bench/fp8.py --casts`` times
+# 54 geometries on the H200: this one was the fastest at all three of an 8B layer's widths (4096,
+# 14336, 28672), within 14% of a plain read reduction (``x.amax()``) and 1.3-1.4x faster than
+# 512-wide blocks of 8 warps (BENCHMARKS.md, run 16).  The likely reason: a 128-wide row is 16
+# threads of one warp, so its per-step fold needs only shuffles, where a 512-wide one spans two
+# warps and meets in shared memory behind a barrier.
+AMAX_STEP, AMAX_WIDTH, AMAX_PROGRAMS, AMAX_WARPS = 8192, 128, 1024, 4
 
 
 @triton.jit

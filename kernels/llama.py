@@ -1,13 +1,18 @@
 """``apply_to_llama``: the suite's kernels inside a transformers ``LlamaForCausalLM``, or a
 model of a family built from LLaMA's modules: Mistral (the same decoder layer, RMSNorm and MLP;
-an attention that adds a sliding window, which the patched layer passes on) and Qwen3 (its
-attention adds per-head RMSNorms of q and k before RoPE, which stay HF's, and so does RoPE).
-Which models qualify is read from their code, not their class names: every module whose forward
-the patch replaces (the decoder layer, the RMSNorms, the MLP, the causal LM's loss path) must
-run LLaMA's instructions, the attention one of the known three, the layer and attention must
-hold those submodules and no biases, so a model with a (1 + w) RMSNorm (Gemma), extra norms
-(Gemma-2, OLMo-2), biases (Qwen2) or multipliers (Granite) is refused by what differs instead of
-training silently wrong.
+an attention that adds a sliding window, which the patched layer passes on), Qwen2 and Qwen2.5
+(biases on q, k and v, and a sliding window on some layers) and Qwen3 (its attention adds
+per-head RMSNorms of q and k before RoPE, which stay HF's, and so does RoPE).  Which models
+qualify is read from their code, not their class names: every module whose forward the patch
+replaces (the decoder layer, the RMSNorms, the MLP, the causal LM's loss path) must run LLaMA's
+instructions, the attention one of the known four, the layer and attention must hold those
+submodules, so a model with a (1 + w) RMSNorm (Gemma), extra norms (Gemma-2, OLMo-2) or
+multipliers (Granite) is refused by what differs instead of training silently wrong.
+
+Projection biases (``attention_bias``, Qwen2's q/k/v): the fused QKV GEMM's epilogue adds the
+fused bias before RoPE, and its backward folds the bias gradient into the pass that reads the
+RMSNorm-backward statistic (``llama_ops.py``); an output-projection bias joins the residual that
+the out_proj_residual epilogue adds.  MLP biases (``mlp_bias``) are not in the SwiGLU kernels.
 
 Like Liger's ``apply_liger_kernel_to_llama``, with one flag per op, but it
 patches a model *instance* (the weight re-layout needs the weights)::
@@ -28,7 +33,7 @@ its epilogue, the out_proj_residual kernel):
 - ``rope``: RoPE rotates q and k in the QKV GEMM's epilogue (forward; its
   backward is PyTorch, see ``llama_ops.py``).  HF rotates halves of each head
   (``rotate_half``), the catalogue adjacent pairs, so the q/k rows of the fused
-  weight are permuted per head into pairs: q.k per head is unchanged, so
+  weight (and bias) are permuted per head into pairs: q.k per head is unchanged, so
   attention is too.  Only RoPE with a static frequency table and no scaling of
   cos/sin (rope_type default, linear, llama3), and only where nothing sits
   between the projection and RoPE (with Qwen3's q/k norms RoPE stays HF's, and
@@ -75,6 +80,7 @@ from transformers.models.llama.modeling_llama import (LlamaAttention, LlamaDecod
                                                       LlamaModel, LlamaRMSNorm, apply_rotary_pos_emb,
                                                       eager_attention_forward)
 from transformers.models.mistral.modeling_mistral import MistralAttention
+from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 from transformers.utils import can_return_tuple
 
@@ -132,11 +138,14 @@ class PatchedForward:
 
 
 class FusedWeight(nn.Module):
-    """One fused projection weight, kept under ``<name>.weight`` (the hooks give HF's keys back)."""
+    """One fused projection weight and its bias, if the parts have biases, kept under
+    ``<name>.weight`` and ``<name>.bias`` (the hooks give HF's keys back)."""
 
-    def __init__(self, weight: torch.Tensor, requires_grad: bool):
+    def __init__(self, weight: torch.Tensor, requires_grad: bool, bias: torch.Tensor | None = None,
+                 bias_requires_grad: bool = True):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=requires_grad)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=bias_requires_grad)
 
 
 def apply_to_llama(model: LlamaForCausalLM | LlamaModel, *, rope: bool = True, rms_norm: bool = True,
@@ -158,7 +167,7 @@ def apply_to_llama(model: LlamaForCausalLM | LlamaModel, *, rope: bool = True, r
     if fp8_mlp and "mlp_block" in (kernels or {}):
         raise KernelError("fp8_mlp=True and kernels['mlp_block'] both choose the MLP block's kernel; give one")
     cfg = base.config
-    _check_model(model, base, cfg, rope)
+    _check_model(model, base, cfg, rope, swiglu)
     for name in sorted(set(kernels or {}) - set(SWAPPABLE)):
         raise KernelError(f"kernels: {name!r} is not a task the drop-in runs; it takes {list(SWAPPABLE)}")
     given = {**(kernels or {}), **({"mlp_block": suite_kernel("mlp_block_fp8", FP8_SUITE)} if fp8_mlp else {})}
@@ -214,6 +223,7 @@ _ATTENTIONS = {  # whose -> (its forward, the submodules it adds to LLaMA's, the
                   lambda attn: AttentionPlan(window=getattr(attn.config, "sliding_window", None))),
     "Qwen3's": (Qwen3Attention.forward, {"q_norm", "k_norm"},
                 lambda attn: AttentionPlan(qk_norm=True, window=attn.sliding_window)),
+    "Qwen2's": (Qwen2Attention.forward, set(), lambda attn: AttentionPlan(window=attn.sliding_window)),
 }
 _CHILDREN = {"layer": {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"},
              "self_attn": {"q_proj", "k_proj", "v_proj", "o_proj"}, "mlp": {"gate_proj", "up_proj", "down_proj",
@@ -282,15 +292,20 @@ def _llama_architecture(model: nn.Module) -> tuple[nn.Module, bool, list[Attenti
     return base, causal_lm, attentions
 
 
-def _check_model(model: nn.Module, base: nn.Module, cfg: Any, rope: bool) -> None:
+def _check_model(model: nn.Module, base: nn.Module, cfg: Any, rope: bool, swiglu: bool) -> None:
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
     if dtypes != {torch.bfloat16}:
         raise KernelError(f"the model's parameters are {sorted(map(str, dtypes))}; the suite's kernels are "
                           "verified for bf16: call model.to(torch.bfloat16) before apply_to_llama")
-    biased = [name for name, m in base.layers.named_modules() if isinstance(m, nn.Linear) and m.bias is not None]
-    if biased:
-        raise KernelError(f"projection biases ({biased[0]}.bias; attention_bias / mlp_bias) are not in the "
-                          "suite's kernels")
+    for i, layer in enumerate(base.layers):
+        mlp = [n for n in ("gate_proj", "up_proj", "down_proj") if getattr(layer.mlp, n).bias is not None]
+        if mlp and swiglu:
+            raise KernelError(f"layers.{i}.mlp.{mlp[0]}.bias: MLP biases (mlp_bias) are not in the suite's "
+                              "SwiGLU kernels; pass swiglu=False to keep HF's MLP")
+        qkv = [getattr(layer.self_attn, n).bias is not None for n in ("q_proj", "k_proj", "v_proj")]
+        if any(qkv) and not all(qkv):
+            raise KernelError(f"layers.{i}.self_attn: biases on some of q_proj, k_proj, v_proj ({qkv}); the fused "
+                              "QKV GEMM adds one bias to all three or none")
     if cfg.hidden_act not in ("silu", "swish"):
         raise KernelError(f"hidden_act {cfg.hidden_act!r}: the MLP kernel is SwiGLU (silu)")
     if cfg.num_attention_heads * _head_dim(cfg) != cfg.hidden_size:
@@ -337,22 +352,37 @@ def _interleave_rows(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 def _relayout(module: nn.Module, fused: str, parts: tuple[str, ...], fuse: Any, split: Any) -> None:
     """Replace ``module.<parts>`` (Linears) by one FusedWeight ``module.<fused>``, and hook the
-    state dict so that it keeps the parts' keys and values."""
-    weights = [getattr(module, p).weight for p in parts]
+    state dict so that it keeps the parts' keys and values.  ``fuse`` and ``split`` map the
+    parts' rows to the fused rows and back; biases (all parts' or none) follow their rows."""
+    linears = [getattr(module, p) for p in parts]
+    weights, biases = [m.weight for m in linears], [m.bias for m in linears]
+    with_bias = biases[0] is not None
+
+    def fuse_bias(*bs: torch.Tensor) -> torch.Tensor:
+        return fuse(*(b[:, None] for b in bs))[:, 0].contiguous()
+
+    def split_bias(b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(t[:, 0].contiguous() for t in split(b[:, None]))
+
     with torch.no_grad():
-        setattr(module, fused, FusedWeight(fuse(*(w.detach() for w in weights)), weights[0].requires_grad))
+        bias = fuse_bias(*(b.detach() for b in biases)) if with_bias else None
+        setattr(module, fused, FusedWeight(fuse(*(w.detach() for w in weights)), weights[0].requires_grad, bias,
+                                           with_bias and biases[0].requires_grad))
     for p in parts:
         delattr(module, p)
+    kinds = (("weight", fuse, split),) + ((("bias", fuse_bias, split_bias),) if with_bias else ())
 
     def save(mod: nn.Module, state: dict, prefix: str, meta: Any) -> None:
-        tensor = state.pop(prefix + fused + ".weight")
-        for p, t in zip(parts, split(tensor.detach())):
-            state[f"{prefix}{p}.weight"] = t
+        for kind, _, unfuse in kinds:
+            tensor = state.pop(f"{prefix}{fused}.{kind}")
+            for p, t in zip(parts, unfuse(tensor.detach())):
+                state[f"{prefix}{p}.{kind}"] = t
 
     def load(mod: nn.Module, state: dict, prefix: str, *args: Any) -> None:
-        keys = [f"{prefix}{p}.weight" for p in parts]
-        if all(k in state for k in keys):
-            state[prefix + fused + ".weight"] = fuse(*(state.pop(k) for k in keys))
+        for kind, join, _ in kinds:
+            keys = [f"{prefix}{p}.{kind}" for p in parts]
+            if all(k in state for k in keys):
+                state[f"{prefix}{fused}.{kind}"] = join(*(state.pop(k) for k in keys))
 
     module.register_state_dict_post_hook(save)
     module.register_load_state_dict_pre_hook(load)
@@ -396,8 +426,9 @@ def _layer_forward(self: nn.Module, hidden_states: torch.Tensor, attention_mask:
         ids = position_ids if position_ids is not None else torch.arange(t, device=h.device)[None]
         pos = ids.expand(b, t).reshape(-1).float()
     d, nq, nkv = plan.head_dim, plan.heads, plan.kv_heads
-    qkv = attention_input(x, self.input_layernorm.weight if plan.rms_norm else None, attn.qkv_proj.weight, pos,
-                          attn.coda_rope_freq if plan.rope else None, plan.eps, (nq + nkv) * d)
+    qkv = attention_input(x, self.input_layernorm.weight if plan.rms_norm else None, attn.qkv_proj.weight,
+                          attn.qkv_proj.bias, pos, attn.coda_rope_freq if plan.rope else None, plan.eps,
+                          (nq + nkv) * d)
     q, k, v = (part.view(b, t, -1, d).transpose(1, 2) for part in qkv.split([nq * d, nkv * d, nkv * d], dim=1))
     extra: AttentionPlan = self.coda_attention
     if extra.qk_norm:  # over each head's D columns, the last dimension either way
@@ -411,7 +442,9 @@ def _layer_forward(self: nn.Module, hidden_states: torch.Tensor, attention_mask:
         kwargs["sliding_window"] = extra.window
     out, _ = interface(attn, q, k, v, attention_mask, dropout=attn.attention_dropout if attn.training else 0.0,
                        scaling=attn.scaling, **kwargs)
-    h1 = plan.out_proj(out.reshape(b * t, nq * d), attn.o_proj.weight.t(), h)["y"]
+    # An output-projection bias joins the residual the epilogue adds (autograd sums its gradient).
+    residual = h if attn.o_proj.bias is None else h + attn.o_proj.bias
+    h1 = plan.out_proj(out.reshape(b * t, nq * d), attn.o_proj.weight.t(), residual)["y"]
     if plan.swiglu:
         h2 = plan.mlp(h1, self.post_attention_layernorm.weight, self.mlp.gate_up_proj.weight,
                       self.mlp.down_proj.weight, eps=plan.eps)["y"]

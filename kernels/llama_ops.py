@@ -7,8 +7,9 @@ row): ``rms_prepare`` gives ``h * gamma`` and the inverse RMS ``r``, and the
 epilogue multiplies the accumulator by ``r``; RoPE rotates adjacent column
 pairs (the q/k rows are laid out in pairs at patch time) in the same epilogue,
 by ``pos[t] * freq[n]`` with ``freq`` zero on the v columns (no rotation).
-Epilogues come from the suite's experts (``scale_rows`` and ``row_dot`` of
-llama3_block, ``rope`` of rope_fwd) where one exists.
+A projection bias (Qwen2's q/k/v) is a RowVec the epilogue adds before the
+rotation.  Epilogues come from the suite's experts (``scale_rows`` and
+``row_dot`` of llama3_block, ``rope`` of rope_fwd) where one exists.
 
 Backward: RoPE's inverse rotation has no GEMM to host it here (it belongs in
 the attention backward's ``dS @ K`` GEMM, the rope_bwd task, and SDPA exposes
@@ -18,7 +19,11 @@ llama3_block): ``dx = r * (gamma * acc - h * r * s / H)`` with
 ``s = sum_cols(dqkv * qkv)``, which a rotation leaves unchanged, so it is read
 from the rotated tensors attention gave and took (one fused pass, ``row_dot``
 as a ``tile_pass``); the same epilogue writes ``h * r * gamma`` for
-``dW = d^T @ (h * r * gamma)`` and folds the gamma gradient.
+``dW = d^T @ (h * r * gamma)`` and folds the gamma gradient.  With a bias,
+``qkv - R(bias)`` is what the GEMM produced, so the pass subtracts the
+bias's share ``sum_cols(d * bias)`` of the unrotated gradient ``d`` and folds
+``d`` down the tokens for the bias gradient in the same read
+(``row_dot_bias``).
 
 **LM head + cross-entropy** (:func:`linear_cross_entropy`): the lm_head_xent
 kernel computes the loss *and* dx, dw in one bounded-memory pass, given the
@@ -35,7 +40,7 @@ from typing import Any
 
 import torch
 
-from coda_agent.primitives import (ColVec, RowVec, Scalar, Tile, cos, epilogue, gemm, pack, rms_prepare,
+from coda_agent.primitives import (ColVec, RowVec, Scalar, Tile, col_sum, cos, epilogue, gemm, pack, rms_prepare,
                                    row_sum, sin, tile_pass, unpack)
 from coda_agent.tasks.llama3.experts.llama3_block import row_dot, scale_rows
 from coda_agent.tasks.llama3.experts.rope_fwd import rope
@@ -55,6 +60,44 @@ def norm_rope(acc, rstd: ColVec, pos: ColVec, freq: RowVec):
     return {"D": pack(e * c - o * s, e * s + o * c)}
 
 
+@epilogue(pairs="acc")
+def norm_bias_rope(acc, rstd: ColVec, bias: RowVec, pos: ColVec, freq: RowVec):
+    e, o = unpack(acc * rstd + bias)
+    f, _ = unpack(freq)
+    a = pos * f
+    c = cos(a)
+    s = sin(a)
+    return {"D": pack(e * c - o * s, e * s + o * c)}
+
+
+@epilogue(pairs="acc")
+def bias_rope(acc, bias: RowVec, pos: ColVec, freq: RowVec):
+    e, o = unpack(acc + bias)
+    f, _ = unpack(freq)
+    a = pos * f
+    c = cos(a)
+    s = sin(a)
+    return {"D": pack(e * c - o * s, e * s + o * c)}
+
+
+@epilogue()
+def scale_rows_bias(acc, rstd: ColVec, bias: RowVec):
+    return {"D": acc * rstd + bias}
+
+
+@epilogue()
+def add_bias(acc, bias: RowVec):
+    return {"D": acc + bias}
+
+
+@epilogue(reductions={"s": col_sum(), "dbias": row_sum()})
+def row_dot_bias(du: Tile, u: Tile, d: Tile, bias: RowVec):
+    # u = R(xn @ W^T + bias), d = R^-1 du (R: RoPE's rotation, or none): the RMSNorm-backward
+    # statistic sum_cols(d @ W * xn) is sum_cols(du * u) less the bias's part, sum_cols(d * bias);
+    # the bias gradient is d summed over the tokens.
+    return {"s": du * u - d * bias, "dbias": d}
+
+
 @epilogue(outputs={"xn": "bf16"}, reductions={"dgamma": row_sum()})
 def rmsnorm_dx(acc, rstd: ColVec, s: ColVec, gamma: RowVec, h: Tile, inv_dim: Scalar):
     hr = h * rstd
@@ -71,11 +114,17 @@ def rotate_pairs(x: torch.Tensor, pos: torch.Tensor, freq: torch.Tensor, inverse
     return torch.stack((e * c - o * s, e * s + o * c), dim=-1).flatten(1).to(x.dtype)
 
 
+# The QKV GEMM's epilogue by (RMSNorm folded in, a bias, RoPE).
+_QKV_EPILOGUES = {(True, False, True): norm_rope, (True, False, False): scale_rows, (False, False, True): rope,
+                  (False, False, False): None, (True, True, True): norm_bias_rope, (True, True, False): scale_rows_bias,
+                  (False, True, True): bias_rope, (False, True, False): add_bias}
+
+
 class AttentionInput(torch.autograd.Function):
-    """apply(h, gamma | None, w_qkv, pos | None, freq | None, eps, rotated) -> qkv (T, Nqkv)."""
+    """apply(h, gamma | None, w_qkv, bias | None, pos | None, freq | None, eps, rotated) -> qkv (T, Nqkv)."""
 
     @staticmethod
-    def forward(ctx: Any, h: torch.Tensor, gamma: torch.Tensor | None, w: torch.Tensor,
+    def forward(ctx: Any, h: torch.Tensor, gamma: torch.Tensor | None, w: torch.Tensor, bias: torch.Tensor | None,
                 pos: torch.Tensor | None, freq: torch.Tensor | None, eps: float, rotated: int) -> torch.Tensor:
         ops: dict[str, Any] = {} if pos is None else {"pos": pos, "freq": freq}
         a, rstd = h, None
@@ -83,33 +132,40 @@ class AttentionInput(torch.autograd.Function):
             prep = rms_prepare(h, gamma, eps)
             a, rstd = prep["xg"], prep["rstd"]
             ops["rstd"] = rstd
-        epi = {(True, True): norm_rope, (True, False): scale_rows, (False, True): rope,
-               (False, False): None}[(gamma is not None, pos is not None)]
+        if bias is not None:
+            ops["bias"] = bias
+        epi = _QKV_EPILOGUES[gamma is not None, bias is not None, pos is not None]
         qkv = gemm(a, w.t(), epi, **ops)["D"]
-        ctx.save_for_backward(h, gamma, w, pos, freq, rstd, qkv)
+        ctx.save_for_backward(h, gamma, w, bias, pos, freq, rstd, qkv)
         ctx.rotated = rotated
         return qkv
 
     @staticmethod
     def backward(ctx: Any, dqkv: torch.Tensor) -> tuple:
-        h, gamma, w, pos, freq, rstd, qkv = ctx.saved_tensors
+        h, gamma, w, bias, pos, freq, rstd, qkv = ctx.saved_tensors
         d = dqkv.contiguous()
         if pos is not None:
             r = ctx.rotated
             d = torch.cat((rotate_pairs(d[:, :r], pos, freq[:r], inverse=True), d[:, r:]), dim=1)
         if gamma is None:
-            return gemm(d, w)["D"], None, gemm(d.t(), h)["D"], None, None, None, None
-        s = tile_pass(row_dot, du=dqkv, u=qkv)["s"]
+            dbias = None if bias is None else d.sum(0, dtype=torch.float32).to(bias.dtype)
+            return gemm(d, w)["D"], None, gemm(d.t(), h)["D"], dbias, None, None, None, None
+        if bias is None:
+            s, dbias = tile_pass(row_dot, du=dqkv, u=qkv)["s"], None
+        else:
+            stats = tile_pass(row_dot_bias, du=dqkv, u=qkv, d=d, bias=bias)
+            s, dbias = stats["s"], stats["dbias"].to(bias.dtype)
         dx = gemm(d, w, rmsnorm_dx, rstd=rstd, s=s, gamma=gamma, h=h, inv_dim=1.0 / h.shape[1])
         dw = gemm(d.t(), dx["xn"])["D"]
-        return dx["D"], dx["dgamma"], dw, None, None, None, None
+        return dx["D"], dx["dgamma"], dw, dbias, None, None, None, None
 
 
-def attention_input(h: torch.Tensor, gamma: torch.Tensor | None, w_qkv: torch.Tensor,
+def attention_input(h: torch.Tensor, gamma: torch.Tensor | None, w_qkv: torch.Tensor, bias: torch.Tensor | None,
                     pos: torch.Tensor | None, freq: torch.Tensor | None, eps: float, rotated: int) -> torch.Tensor:
-    """``RoPE(RMSNorm(h) @ w_qkv^T)`` (see the module docstring); ``gamma=None``: h is already
-    normalized; ``pos=None``: no rotation; ``rotated``: how many leading columns RoPE turns."""
-    return AttentionInput.apply(h, gamma, w_qkv, pos, freq, eps, rotated)
+    """``RoPE(RMSNorm(h) @ w_qkv^T + bias)`` (see the module docstring); ``gamma=None``: h is
+    already normalized; ``bias=None``: none; ``pos=None``: no rotation; ``rotated``: how many
+    leading columns RoPE turns."""
+    return AttentionInput.apply(h, gamma, w_qkv, bias, pos, freq, eps, rotated)
 
 
 class LinearCrossEntropy(torch.autograd.Function):

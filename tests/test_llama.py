@@ -180,8 +180,13 @@ def test_models_the_kernels_do_not_cover_get_a_clear_error():
         coda_agent.apply_to_llama(tiny_llama())
     with pytest.raises(KernelError, match="needs rms_norm=True"):
         coda_agent.apply_to_llama(tiny_llama().bfloat16(), rms_norm=False)
-    with pytest.raises(KernelError, match="biases"):
-        coda_agent.apply_to_llama(tiny_llama(attention_bias=True).bfloat16())
+    with pytest.raises(KernelError, match=r"layers.0.mlp.gate_proj.bias: MLP biases \(mlp_bias\) .* pass "
+                       "swiglu=False"):
+        coda_agent.apply_to_llama(tiny_llama(mlp_bias=True).bfloat16())
+    partial = tiny_llama().bfloat16()
+    partial.model.layers[1].self_attn.k_proj.bias = torch.nn.Parameter(torch.zeros(64, dtype=torch.bfloat16))
+    with pytest.raises(KernelError, match=r"layers.1.self_attn: biases on some of q_proj, k_proj, v_proj"):
+        coda_agent.apply_to_llama(partial)
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0}
     with pytest.raises(KernelError, match="pass rope=False"):
         coda_agent.apply_to_llama(tiny_llama(rope_parameters=yarn).bfloat16())
@@ -219,13 +224,115 @@ def test_a_mistral_model_trains_like_hf(window):
         assert abs(train_and_eval(tiny("Mistral").bfloat16())["loss"] - hi["loss"]) > 1e-3
 
 
-@pytest.mark.parametrize("family", ["Mistral", "Qwen3"])
+@pytest.mark.parametrize("family", ["Mistral", "Qwen3", "Qwen2"])
 def test_other_families_keep_their_hf_state_dict(family):
-    """Qwen3's q/k norm weights and every fused projection come back under HF's keys and values."""
+    """Qwen3's q/k norm weights, Qwen2's q/k/v biases and every fused projection come back under
+    HF's keys and values, and load back into a patched model."""
     hf = tiny(family).bfloat16()
+    if family == "Qwen2":  # HF initializes the biases to zero: make a permutation show
+        with torch.no_grad():
+            for p in (p for n, p in hf.named_parameters() if n.endswith("proj.bias")):
+                p.normal_()
     want, got = hf.state_dict(), coda_agent.apply_to_llama(copy.deepcopy(hf)).state_dict()
     assert set(got) == set(want)
     assert all(torch.equal(got[k], want[k]) for k in want)
+    fresh = coda_agent.apply_to_llama(tiny(family, seed=1).bfloat16())
+    fresh.load_state_dict(want)
+    assert all(torch.equal(v, want[k]) for k, v in fresh.state_dict().items())
+
+
+def with_biases(model: torch.nn.Module) -> torch.nn.Module:
+    """The model with its projection biases drawn at the weights' scale (HF initializes them to
+    zero, where a bias that is dropped, misplaced or given no gradient would not show)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0.0, 0.1)
+    return model
+
+
+@pytest.mark.parametrize(("norm", "rotate"), [(True, True), (True, False), (False, True), (False, False)],
+                         ids=["norm_rope", "norm", "rope", "plain"])
+def test_the_attention_input_with_a_bias_matches_fp32_autograd(norm, rotate):
+    """The QKV op alone, at biases large against the GEMM's output (trained Qwen2 q/k biases are):
+    the output and the gradients of h, gamma, W and the bias within bf16 rounding of fp32
+    autograd through the same math (RMSNorm, GEMM, bias, RoPE on the leading columns)."""
+    from coda_agent.kernels.llama_ops import attention_input
+
+    (h, gamma, w, bias), pos, freq, args = _attention_input_case(norm, rotate)
+    dout = torch.randn(h.shape[0], w.shape[0]).bfloat16()
+    out = attention_input(*args)
+    out.backward(dout)
+
+    ref = [x.detach().float().requires_grad_() for x in (h, gamma, w, bias)]
+    x = ref[0] * torch.rsqrt(ref[0].pow(2).mean(-1, keepdim=True) + 1e-5) * ref[1] if norm else ref[0]
+    pre = x @ ref[2].t() + ref[3]
+    if rotate:
+        ang = pos[:, None] * freq[None, 0::2]
+        e, o = pre[:, 0::2], pre[:, 1::2]
+        pre = torch.stack((e * ang.cos() - o * ang.sin(), e * ang.sin() + o * ang.cos()), -1).flatten(1)
+    pre.backward(dout.float())
+    pairs = [("out", out, pre), ("dh", h.grad, ref[0].grad), ("dW", w.grad, ref[2].grad),
+             ("dbias", bias.grad, ref[3].grad)] + ([("dgamma", gamma.grad, ref[1].grad)] if norm else [])
+    for name, got, want in pairs:
+        rel = ((got.float() - want).norm() / want.norm()).item()
+        assert rel < 6e-3, (name, rel)
+
+
+def _attention_input_case(norm: bool, rotate: bool, bias_scale: float = 2.0, t: int = 48, dim: int = 128,
+                          n: int = 256, rotated: int = 192) -> tuple:
+    """bf16 leaves (h, gamma, W, bias), positions, RoPE lanes and the op's arguments."""
+    torch.manual_seed(0)
+    leaves = [torch.randn(t, dim), 1 + 0.1 * torch.randn(dim), torch.randn(n, dim) / dim ** 0.5,
+              bias_scale * torch.randn(n)]
+    h, gamma, w, bias = (x.bfloat16().requires_grad_() for x in leaves)
+    pos = torch.arange(t).float() * 7  # angles past 2 pi
+    freq = torch.cat(((1e4 ** -(torch.arange(0, rotated, 2) / rotated)).repeat_interleave(2),
+                      torch.zeros(n - rotated)))
+    args = (h, gamma if norm else None, w, bias, pos if rotate else None, freq if rotate else None, 1e-5, rotated)
+    return (h, gamma, w, bias), pos, freq, args
+
+
+@pytest.mark.slow
+def test_the_bias_epilogues_compile_for_sm90a():
+    """Every QKV epilogue with a bias and the backward's bias pass compile for sm_90a with
+    warpgroup MMAs (the pass on the pass kernel), no spills and no slow-path calls."""
+    from coda_agent.kernels.llama_ops import attention_input
+    from coda_agent.primitives import compile_only
+
+    with compile_only() as kernels:
+        for norm, rotate in ((True, True), (True, False), (False, True), (False, False)):
+            _, _, _, args = _attention_input_case(norm, rotate, t=256, dim=256, n=384, rotated=256)
+            attention_input(*args).backward(torch.ones(256, 384, dtype=torch.bfloat16))
+    compiled = {k.epilogue: k for k in kernels}
+    assert {"norm_bias_rope", "scale_rows_bias", "bias_rope", "add_bias", "row_dot_bias"} <= set(compiled)
+    for k in kernels:
+        assert k.sass.sm90a and k.sass.spill_stores == 0 and k.sass.calls == 0, (k.epilogue, k.sass)
+        assert (k.sass.hgmma > 0) == (k.kind == "gemm"), (k.epilogue, k.kind)
+
+
+@pytest.mark.parametrize(("family", "overrides"), [
+    ("Qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
+    ("Llama", {"attention_bias": True}),
+], ids=["qwen2", "llama_attention_bias"])
+def test_a_model_with_projection_biases_trains_like_hf(family, overrides):
+    """Qwen2 (biases on q, k and v; here a sliding window on its second layer) and LLaMA with
+    ``attention_bias`` (on q, k, v and o): the QKV epilogue adds the bias before RoPE, and the
+    loss, logits and every gradient, the biases' included, match the unpatched model."""
+    base = with_biases(tiny(family, **overrides) if family != "Llama" else tiny_llama(**overrides))
+    hi, lo = train_and_eval(copy.deepcopy(base).float()), train_and_eval(copy.deepcopy(base).bfloat16())
+    assert any(k.endswith("v_proj.bias") for k in hi) and hi["d model.layers.0.self_attn.q_proj.bias"].abs().max() > 0
+    model = coda_agent.apply_to_llama(copy.deepcopy(base).bfloat16())
+    with launch_ledger() as launched:
+        got = train_and_eval(model)
+    assert {"norm_bias_rope", "row_dot_bias", "rmsnorm_dx", "add_residual", "norm_swiglu"} <= {
+        launch.name for launch in launched}
+    assert_like_hf(got, hi, lo)
+    # HF's RoPE after the fused GEMM (the epilogue without RMSNorm or RoPE is the op test's).
+    with launch_ledger() as launched:
+        got = train_and_eval(coda_agent.apply_to_llama(copy.deepcopy(base).bfloat16(), rope=False))
+    assert "scale_rows_bias" in {launch.name for launch in launched}
+    assert_like_hf(got, hi, lo)
 
 
 def test_tied_embeddings_train_like_hf():
@@ -256,14 +363,13 @@ def test_a_qwen3_model_trains_like_hf():
 
 @pytest.mark.parametrize(("family", "overrides", "refusal"), [
     ("Gemma", {"hidden_act": "silu"}, r"GemmaRMSNorm.forward computes something other than LLaMA's RMSNorm"),
-    ("Qwen2", {}, r"Qwen2Attention.forward is not LLaMA's, Mistral's or Qwen3's attention"),
     ("Granite", {}, r"GraniteForCausalLM.forward computes something other than LLaMA's causal LM"),
-    ("Olmo2", {}, r"Olmo2Attention.forward is not LLaMA's, Mistral's or Qwen3's attention"),
+    ("Olmo2", {}, r"Olmo2Attention.forward is not LLaMA's, Mistral's, Qwen3's or Qwen2's attention"),
     ("Gemma2", {"hidden_act": "silu"}, r"Gemma2Attention.forward is not"),
-], ids=["Gemma", "Qwen2", "Granite", "Olmo2", "Gemma2"])
+], ids=["Gemma", "Granite", "Olmo2", "Gemma2"])
 def test_a_model_that_is_not_llama_s_modules_is_refused_by_what_differs(family, overrides, refusal):
     """Every module the patch replaces must compute what LLaMA's does, read from its code: a model
-    with a (1 + w) RMSNorm, biases, logit scaling, softcapped or post-normed attention would
+    with a (1 + w) RMSNorm, logit scaling, softcapped or post-normed attention would
     otherwise train silently wrong."""
     model = tiny(family, **overrides).bfloat16()
     with pytest.raises(KernelError, match=refusal):
@@ -273,14 +379,17 @@ def test_a_model_that_is_not_llama_s_modules_is_refused_by_what_differs(family, 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Hopper)")
 @pytest.mark.parametrize(("family", "fp8_mlp"), [("Llama", False), ("Llama", True), ("Mistral", False),
-                                                  ("Qwen3", False)], ids=["bf16", "fp8_mlp", "mistral", "qwen3"])
+                                                  ("Qwen3", False), ("Qwen2", False)],
+                         ids=["bf16", "fp8_mlp", "mistral", "qwen3", "qwen2"])
 def test_patched_model_trains_like_hf_on_gpu(monkeypatch, family, fp8_mlp):
     """The cute lowering inside the model: quack's GEMMs with the suite's epilogues (fp8 ones
     for the MLP blocks with ``fp8_mlp``), SDPA flash; Mistral with a window shorter than the
-    sequence, Qwen3 with its q/k norms."""
+    sequence, Qwen3 with its q/k norms, Qwen2 with its q/k/v biases."""
     monkeypatch.setitem(globals(), "DEVICE", "cuda")
     window = {"sliding_window": 8} if family == "Mistral" else {}
     base = tiny_llama() if family == "Llama" else tiny(family, **window)
+    if family == "Qwen2":
+        base = with_biases(base)
     hi, lo = train_and_eval(copy.deepcopy(base).float()), train_and_eval(copy.deepcopy(base).bfloat16())
     # the backward on the calling thread: autograd's CUDA device threads do not see the ledger
     with launch_ledger() as launched, torch.autograd.set_multithreading_enabled(False):
@@ -289,7 +398,8 @@ def test_patched_model_trains_like_hf_on_gpu(monkeypatch, family, fp8_mlp):
         assert_within_fp8(got, hi)
     else:
         assert_like_hf(got, hi, lo)
-    qkv = "scale_rows" if family == "Qwen3" else "norm_rope"  # Qwen3's RoPE stays HF's, after its q/k norms
+    # Qwen3's RoPE stays HF's, after its q/k norms
+    qkv = {"Qwen3": "scale_rows", "Qwen2": "norm_bias_rope"}.get(family, "norm_rope")
     assert {qkv, "rmsnorm_dx", "dswiglu", "logits_lse"} <= {launch.name for launch in launched}
 
 

@@ -13,6 +13,8 @@ Projection biases (``attention_bias``, Qwen2's q/k/v): the fused QKV GEMM's epil
 fused bias before RoPE, and its backward folds the bias gradient into the pass that reads the
 RMSNorm-backward statistic (``llama_ops.py``); an output-projection bias joins the residual that
 the out_proj_residual epilogue adds.  MLP biases (``mlp_bias``) are not in the SwiGLU kernels.
+Heads may be wider than the model (``heads * head_dim > hidden_size``, Qwen3-0.6B and -4B): the
+output projection's task declares its (K, H) weight.
 
 Like Liger's ``apply_liger_kernel_to_llama``, with one flag per op, but it
 patches a model *instance* (the weight re-layout needs the weights)::
@@ -308,10 +310,6 @@ def _check_model(model: nn.Module, base: nn.Module, cfg: Any, rope: bool, swiglu
                               "QKV GEMM adds one bias to all three or none")
     if cfg.hidden_act not in ("silu", "swish"):
         raise KernelError(f"hidden_act {cfg.hidden_act!r}: the MLP kernel is SwiGLU (silu)")
-    if cfg.num_attention_heads * _head_dim(cfg) != cfg.hidden_size:
-        raise KernelError("the out_proj_residual kernel is verified for a square output projection "
-                          f"(heads * head_dim = {cfg.num_attention_heads * _head_dim(cfg)}, hidden_size = "
-                          f"{cfg.hidden_size})")
     if rope:
         rotary = base.rotary_emb
         if rotary.rope_type not in STATIC_ROPE or rotary.attention_scaling != 1.0:

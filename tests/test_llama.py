@@ -361,6 +361,21 @@ def test_a_qwen3_model_trains_like_hf():
     assert_like_hf(got, hi, lo)
 
 
+@pytest.mark.parametrize("family", ["Llama", "Qwen3"])
+def test_heads_wider_than_the_model_train_like_hf(family):
+    """heads * head_dim past hidden_size (Qwen3-0.6B: 16 x 128 for 1024; Gemma's widths): the
+    QKV GEMM is wider and the output projection (K, H) is not square, which the
+    out_proj_residual task declares and verifies (its wide-heads set)."""
+    wide = {"head_dim": 64}  # 4 heads x 64 = 256 for hidden_size 128
+    base = tiny_llama(**wide) if family == "Llama" else tiny(family, **wide)
+    assert base.model.layers[0].self_attn.o_proj.weight.shape == (128, 256)
+    hi, lo = train_and_eval(copy.deepcopy(base).float()), train_and_eval(copy.deepcopy(base).bfloat16())
+    with launch_ledger() as launched:
+        got = train_and_eval(coda_agent.apply_to_llama(copy.deepcopy(base).bfloat16()))
+    assert {"add_residual", "rmsnorm_dx", "norm_swiglu"} <= {launch.name for launch in launched}
+    assert_like_hf(got, hi, lo)
+
+
 @pytest.mark.parametrize(("family", "overrides", "refusal"), [
     ("Gemma", {"hidden_act": "silu"}, r"GemmaRMSNorm.forward computes something other than LLaMA's RMSNorm"),
     ("Granite", {}, r"GraniteForCausalLM.forward computes something other than LLaMA's causal LM"),

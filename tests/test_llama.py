@@ -251,16 +251,22 @@ def with_biases(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+ON_CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (Hopper)")])
+
+
+@pytest.mark.parametrize("device", ["cpu", ON_CUDA])
 @pytest.mark.parametrize(("norm", "rotate"), [(True, True), (True, False), (False, True), (False, False)],
                          ids=["norm_rope", "norm", "rope", "plain"])
-def test_the_attention_input_with_a_bias_matches_fp32_autograd(norm, rotate):
+def test_the_attention_input_with_a_bias_matches_fp32_autograd(norm, rotate, device):
     """The QKV op alone, at biases large against the GEMM's output (trained Qwen2 q/k biases are):
     the output and the gradients of h, gamma, W and the bias within bf16 rounding of fp32
-    autograd through the same math (RMSNorm, GEMM, bias, RoPE on the leading columns)."""
+    autograd through the same math (RMSNorm, GEMM, bias, RoPE on the leading columns); on CUDA,
+    quack's GEMMs with the bias epilogues and the bias pass on the pass kernel."""
     from coda_agent.kernels.llama_ops import attention_input
 
-    (h, gamma, w, bias), pos, freq, args = _attention_input_case(norm, rotate)
-    dout = torch.randn(h.shape[0], w.shape[0]).bfloat16()
+    (h, gamma, w, bias), pos, freq, args = _attention_input_case(norm, rotate, device=device)
+    dout = torch.randn(h.shape[0], w.shape[0]).to(device, torch.bfloat16)
     out = attention_input(*args)
     out.backward(dout)
 
@@ -280,15 +286,15 @@ def test_the_attention_input_with_a_bias_matches_fp32_autograd(norm, rotate):
 
 
 def _attention_input_case(norm: bool, rotate: bool, bias_scale: float = 2.0, t: int = 48, dim: int = 128,
-                          n: int = 256, rotated: int = 192) -> tuple:
+                          n: int = 256, rotated: int = 192, device: str = "cpu") -> tuple:
     """bf16 leaves (h, gamma, W, bias), positions, RoPE lanes and the op's arguments."""
     torch.manual_seed(0)
     leaves = [torch.randn(t, dim), 1 + 0.1 * torch.randn(dim), torch.randn(n, dim) / dim ** 0.5,
               bias_scale * torch.randn(n)]
-    h, gamma, w, bias = (x.bfloat16().requires_grad_() for x in leaves)
-    pos = torch.arange(t).float() * 7  # angles past 2 pi
+    h, gamma, w, bias = (x.to(device, torch.bfloat16).requires_grad_() for x in leaves)
+    pos = torch.arange(t, device=device).float() * 7  # angles past 2 pi
     freq = torch.cat(((1e4 ** -(torch.arange(0, rotated, 2) / rotated)).repeat_interleave(2),
-                      torch.zeros(n - rotated)))
+                      torch.zeros(n - rotated))).to(device)
     args = (h, gamma if norm else None, w, bias, pos if rotate else None, freq if rotate else None, 1e-5, rotated)
     return (h, gamma, w, bias), pos, freq, args
 

@@ -15,14 +15,16 @@ choosing them over an A-operand prologue:
   geometry of ``_geometries()`` (``pass`` is the default one) and on the
   zero mainloop at the pass rule's tile.  Rows carry ms (median, p10-p90,
   interleaved) and GB/s of the bytes the math must move.
+- ``rms_prepare``: the entry RMSNorm's aux at LLaMA-3 widths, its PyTorch body
+  against the tile pass it runs on CUDA, torch.compile and a copy.
 - ``prologue``: the cheapest A-operand transform quack offers (``x * 0.5``, a
   value transform on the register-sourced mainloop) against the same GEMM
   without it, at the GPT-2 small QKV and fc shapes: the floor of what a
   prologue costs before any math is in it.
 
 Usage on the device: ``python3 bench/passes.py OUT.json [EXPERIMENT ...]``;
-``--dry-run`` runs the bandwidth plumbing on the CPU (reference lowering,
-small shapes, wall-clock times that mean nothing), which CI does.
+``--dry-run`` runs the bandwidth and rms_prepare plumbing on the CPU (reference
+lowering, small shapes, wall-clock times that mean nothing), which CI does.
 """
 
 from __future__ import annotations
@@ -132,6 +134,37 @@ def bandwidth(device: str = "cuda", shapes: tuple = ((16384, 768), (16384, 3072)
     return out
 
 
+def rms_prepare(device: str = "cuda", shapes: tuple = ((16384, 2048), (16384, 4096), (16384, 8192)),
+                reps: int = 20) -> dict:
+    """The entry RMSNorm's aux (``x * gamma`` and the inverse RMS, LLaMA-3 1B / 8B / 70B widths):
+    its PyTorch body against the tile pass it runs on CUDA, torch.compile of the same math and a
+    copy.  Rows carry ms and GB/s of one read and one write of x."""
+    from coda_agent.primitives import lowering
+    from coda_agent.primitives.aux import _rms_prepare_torch
+    from coda_agent.primitives.norm import rms_prepare_pass
+
+    low = "cute" if device == "cuda" else "reference"
+    out: dict[str, Any] = {}
+    for t, n in shapes:
+        gen = torch.Generator(device=device).manual_seed(t + n)
+        x = torch.randn(t, n, generator=gen, device=device).to(torch.bfloat16)
+        gamma = (1 + 0.1 * torch.randn(n, generator=gen, device=device)).bfloat16()
+
+        def on_pass() -> Any:
+            with lowering(low):
+                return rms_prepare_pass(x, gamma, 1e-5)
+
+        fns = {"copy": lambda: x.clone(), "pytorch body": lambda: _rms_prepare_torch(x, gamma, 1e-5),
+               "pass": on_pass, **({"compile": lambda: _compiled(_rms_prepare_torch)(x, gamma, 1e-5)}
+                                   if device == "cuda" else {})}
+        for fn in fns.values():
+            fn()  # compile, outside the timing
+        moved = 2 * t * n * 2
+        out[f"rms_prepare T={t} N={n}"] = {name: {**s_, "gb_per_s": moved / (s_["median_ms"] * 1e-3) / 1e9}
+                                           for name, s_ in stats(fns, reps, device).items()}
+    return out
+
+
 _COMPILED: dict[Callable, Callable] = {}
 
 
@@ -183,7 +216,7 @@ def prologue(reps: int = 20) -> dict:
     return out
 
 
-EXPERIMENTS: dict[str, Callable[[], dict]] = {"bandwidth": bandwidth, "prologue": prologue}
+EXPERIMENTS: dict[str, Callable[[], dict]] = {"bandwidth": bandwidth, "prologue": prologue, "rms_prepare": rms_prepare}
 
 
 def run_experiments(path: Path, experiments: dict[str, Callable[[], dict]], **header: Any) -> int:
@@ -209,14 +242,15 @@ def main(argv: list[str]) -> int:
     if not argv or argv[0].startswith("-"):
         print(__doc__)
         return 2
-    path, wanted = Path(argv[0]), argv[1:] or (["bandwidth"] if dry else list(EXPERIMENTS))
-    unknown = [w for w in wanted if w not in EXPERIMENTS or (dry and w != "bandwidth")]
+    small = ((256, 128), (1000, 200))
+    on_cpu = {"bandwidth": lambda: bandwidth("cpu", small, reps=2), "rms_prepare": lambda: rms_prepare("cpu", small, 2)}
+    path, wanted = Path(argv[0]), argv[1:] or list(on_cpu if dry else EXPERIMENTS)
+    unknown = [w for w in wanted if w not in (on_cpu if dry else EXPERIMENTS)]
     if unknown:
-        print(f"unknown experiment(s) {unknown}; choose from {list(EXPERIMENTS)} (a dry run has bandwidth only)")
+        print(f"unknown experiment(s) {unknown}; choose from {list(EXPERIMENTS)} (a dry run has {list(on_cpu)})")
         return 2
     if dry:
-        return run_experiments(path, {"bandwidth": lambda: bandwidth("cpu", ((256, 128), (1000, 200)), reps=2)},
-                               dry_run=True)
+        return run_experiments(path, {name: on_cpu[name] for name in wanted}, dry_run=True)
     return run_experiments(path, {name: EXPERIMENTS[name] for name in wanted})
 
 

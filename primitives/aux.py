@@ -9,8 +9,11 @@ rewrites one logits chunk in place (bounded by the caller's chunk size).
 
 Each is one catalogue call, recorded in the launch ledger as ``aux``; they are
 plain PyTorch (a handful of small kernels each), identical in both lowerings,
-except :func:`xent_grad_`, which on CUDA tensors is one Triton kernel
-(:mod:`.xent_triton`, imported lazily) with the same math as its PyTorch form.
+except two on CUDA tensors: :func:`xent_grad_` is one Triton kernel
+(:mod:`.xent_triton`, imported lazily) with the same math as its PyTorch form,
+and :func:`rms_prepare`, which writes a full activation, is a tile pass on the
+catalogue's pass kernel (:func:`.norm.rms_prepare_pass`: the same bits of
+``x * gamma``, the sum of squares in another order).
 
 Each is also a ``torch.library`` custom op, ``coda::<name>`` (see gemm.py for
 why): the op's body is the launch (ledger entry and profiler range, read when
@@ -141,8 +144,7 @@ def _rms_prepare_backward(ctx: Any, gxg: torch.Tensor, grstd: torch.Tensor) -> t
     return dx.to(x.dtype), (gxg.float() * xf).sum(dim=0).to(gamma.dtype), None
 
 
-@aux_kernel("rms_prepare", backward=_rms_prepare_backward)
-def _rms_prepare(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _rms_prepare_torch(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     need("x", x, 2)
     # One read of x for the statistic (fp32 accumulation, no fp32 copy of x) and
     # one read + write for x * gamma (computed in fp32, rounded once to x's dtype).
@@ -153,6 +155,16 @@ def _rms_prepare(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> tuple[torc
     else:
         xg = (x.float() * gamma.float()).to(x.dtype)
     return xg, rstd
+
+
+@aux_kernel("rms_prepare", backward=_rms_prepare_backward, fake=_rms_prepare_torch)
+def _rms_prepare(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    need("x", x, 2)
+    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.is_contiguous() and x.shape[1] % 8 == 0:
+        from .norm import rms_prepare_pass  # lazy: norm builds on this module
+
+        return rms_prepare_pass(x, gamma, eps)
+    return _rms_prepare_torch(x, gamma, eps)
 
 
 def rms_prepare(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> dict[str, torch.Tensor]:

@@ -96,6 +96,9 @@ def test_passes_bench_dry_run_writes_every_case(tmp_path):
                          for t, n in ((256, 128), (1000, 200))}
     for row in rows.values():
         assert row["pass"]["median_ms"] > 0 and row["copy"]["gb_per_s"] > 0
+    rms = json.loads(out.read_text())["rms_prepare"]
+    assert set(rms) == {"rms_prepare T=256 N=128", "rms_prepare T=1000 N=200"}
+    assert all(set(row) == {"copy", "pytorch body", "pass"} for row in rms.values())
 
 
 def test_targets_say_what_plain_gemm_speed_would_score():

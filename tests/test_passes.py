@@ -206,6 +206,36 @@ def test_erf_gelu_and_rounding_match_torch():
     assert erf(0.5) == pytest.approx(math.erf(0.5)) and round_bf16(1.0 + 2**-10) == 1.0
 
 
+# --------------------------------------------------------------------------- RMSNorm's entry pass
+
+
+@pytest.mark.parametrize(("shape", "gamma_dtype"), [((M, N), torch.bfloat16), ((1000, 200), torch.float32)],
+                         ids=["even", "ragged-fp32-gamma"])
+def test_rms_prepare_as_a_pass_gives_the_bits_of_its_pytorch_body(gen, shape, gamma_dtype):
+    """rms_prepare's CUDA body (one tile pass) against its PyTorch body: x * gamma bit for bit,
+    the inverse RMS to fp32 rounding (the sum of squares folds in another order)."""
+    from coda_agent.primitives.aux import _rms_prepare_torch
+    from coda_agent.primitives.norm import rms_prepare_pass
+
+    x = _rand(*shape, gen=gen, scale=3.0)
+    gamma = _rand(shape[1], gen=gen, offset=1.0).to(gamma_dtype)
+    xg, rstd = rms_prepare_pass(x, gamma, 1e-6)
+    want_xg, want_rstd = _rms_prepare_torch(x, gamma, 1e-6)
+    assert xg.dtype == x.dtype and torch.equal(xg, want_xg)
+    torch.testing.assert_close(rstd, want_rstd, rtol=1e-6, atol=0)
+
+
+@pytest.mark.slow
+def test_rms_prepare_compiles_onto_the_pass_kernel():
+    from coda_agent.primitives.norm import rms_prepare_pass
+
+    with compile_only() as kernels:
+        rms_prepare_pass(torch.randn(512, 1024).bfloat16(), torch.randn(1024).bfloat16(), 1e-6)
+    (k,) = kernels
+    assert (k.kind, k.config) == ("pass", pass_kernel.CONFIG)
+    assert k.sass.sm90a and k.sass.spill_stores == 0 and k.sass.calls == 0, k.sass
+
+
 # --------------------------------------------------------------------------- LayerNorm
 
 

@@ -149,6 +149,24 @@ def test_layernorm_kernels_on_the_gpu(layout):
     _compare(f"layernorm/{layout}", got, results["reference"])
 
 
+@pytest.mark.parametrize("shape", [(1000, 1264), (16384, 4096)], ids=["ragged", "llama3-8b"])
+def test_rms_prepare_on_cuda_is_one_pass_with_the_bits_of_the_cpu_path(shape):
+    """On CUDA rms_prepare runs its tile pass (one aux launch, the pass inside it): x * gamma bit
+    for bit against the CPU path, the inverse RMS to fp32 rounding."""
+    from coda_agent.primitives import aux
+
+    gen = torch.Generator().manual_seed(9)
+    x = (3 * torch.randn(*shape, generator=gen)).bfloat16()
+    gamma = (1 + 0.1 * torch.randn(shape[1], generator=gen)).bfloat16()
+    want = aux.rms_prepare(x, gamma, 1e-6)
+    with launch_ledger() as ledger:
+        got = aux.rms_prepare(x.cuda(), gamma.cuda(), 1e-6)
+    torch.cuda.synchronize()
+    assert [(e.kind, e.name) for e in ledger] == [("aux", "rms_prepare")]
+    assert torch.equal(got["xg"].cpu(), want["xg"])
+    torch.testing.assert_close(got["rstd"].cpu(), want["rstd"], rtol=1e-6, atol=0)
+
+
 # --------------------------------------------------------------------------- the pass kernel
 
 KERNEL_SHAPES = {"one row": (1, 8), "ragged": (1000, 1264), "tall": (4099, 776), "even": (2048, 3072)}

@@ -220,15 +220,18 @@ def test_a_kernel_trains_through_torch_compile():
         assert torch.equal(eager, compiled)
 
 
-@pytest.mark.parametrize("family", ["Llama", "Qwen3"])
+@pytest.mark.parametrize("family", ["Llama", "Qwen3", "Qwen2"])
 def test_a_patched_transformers_model_compiles_whole(family):
-    """No graph break in a patched model, Qwen3's q/k norms and sliding layer included."""
+    """No graph break in a patched model, Qwen3's q/k norms, Qwen2's biases and a sliding
+    layer included."""
     pytest.importorskip("transformers")
     import coda_agent
-    from test_llama import batch, hf_layout, tiny, tiny_llama
+    from test_llama import batch, hf_layout, tiny, tiny_llama, with_biases
 
     base = tiny_llama() if family == "Llama" else tiny(family, use_sliding_window=True, sliding_window=8,
                                                          max_window_layers=1)
+    if family == "Qwen2":
+        base = with_biases(base)
     model = coda_agent.apply_to_llama(base.bfloat16())
     ids, labels = batch()
     model.train()

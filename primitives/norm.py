@@ -77,8 +77,8 @@ def scale_columns(x: Tile, gamma: RowVec):
 def rms_prepare_pass(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``rms_prepare``'s body on CUDA: ``x * gamma`` (fp32 math, rounded once to x's dtype, the
     bits of PyTorch's product) and the inverse RMS from one read of x, a tile pass on the pass
-    kernel.  PyTorch's broadcasting product alone ran at 1.4 TB/s on the H200 (run 17), a
-    copy-speed pass at about 3.5."""
+    kernel: 2.6-3.4 TB/s on the H200 at LLaMA-3 widths, where the PyTorch body (a broadcasting
+    product and a norm) moves 1.1-1.2 (BENCHMARKS.md, run 17)."""
     out = tile_pass(scale_columns, x=x, gamma=gamma)
     return out["D"], torch.rsqrt(out["sumsq"] / float(x.shape[1]) + float(eps))
 

@@ -1,0 +1,22 @@
+"""Attention output projection + residual add: y = attn @ Wo + residual.
+
+Forward: one GEMM whose epilogue loads the residual tile and adds it to the
+accumulator.  Backward: dattn = dy @ Wo^T and dWo = attn^T @ dy (plain GEMMs);
+the residual's gradient is dy itself (no kernel at all)."""
+
+from coda_agent.primitives import Tile, epilogue, gemm
+
+
+@epilogue()
+def add_residual(acc, residual: Tile):
+    return {"D": acc + residual}
+
+
+def forward(attn, Wo, residual):
+    return {"y": gemm(attn, Wo, add_residual, residual=residual)["D"]}
+
+
+def backward(saved, dy):
+    dattn = gemm(dy, saved["Wo"].t())["D"]
+    dWo = gemm(saved["attn"].t(), dy)["D"]
+    return {"dattn": dattn, "dWo": dWo, "dresidual": dy}

@@ -1,13 +1,15 @@
 """``apply_to_llama``: the suite's kernels inside a transformers ``LlamaForCausalLM``, or a
 model of a family built from LLaMA's modules: Mistral (the same decoder layer, RMSNorm and MLP;
 an attention that adds a sliding window, which the patched layer passes on), Qwen2 and Qwen2.5
-(biases on q, k and v, and a sliding window on some layers) and Qwen3 (its attention adds
-per-head RMSNorms of q and k before RoPE, which stay HF's, and so does RoPE).  Which models
-qualify is read from their code, not their class names: every module whose forward the patch
-replaces (the decoder layer, the RMSNorms, the MLP, the causal LM's loss path) must run LLaMA's
-instructions, the attention one of the known four, the layer and attention must hold those
-submodules, so a model with a (1 + w) RMSNorm (Gemma), extra norms (Gemma-2, OLMo-2) or
-multipliers (Granite) is refused by what differs instead of training silently wrong.
+(biases on q, k and v, and a sliding window on some layers), Qwen3 (its attention adds per-head
+RMSNorms of q and k before RoPE, which stay HF's, and so does RoPE) and Phi-3, Phi-3.5 and Phi-4
+(q, k and v in one projection and gate and up in another, which the patch re-lays out; residual
+dropouts, which must be off; RoPE on part of each head, which stays HF's).  Which models qualify
+is read from their code, not their class names: every module whose forward the patch replaces
+(the decoder layer, the RMSNorms, the MLP, the causal LM's loss path) must run the instructions
+of its family's (``_FAMILIES``, told by the attention's code), and the layer and attention must
+hold those submodules, so a model with a (1 + w) RMSNorm (Gemma), extra norms (Gemma-2, OLMo-2)
+or multipliers (Granite) is refused by what differs instead of training silently wrong.
 
 Projection biases (``attention_bias``, Qwen2's q/k/v): the fused QKV GEMM's epilogue adds the
 fused bias before RoPE, and its backward folds the bias gradient into the pass that reads the
@@ -82,6 +84,7 @@ from transformers.models.llama.modeling_llama import (LlamaAttention, LlamaDecod
                                                       LlamaModel, LlamaRMSNorm, apply_rotary_pos_emb,
                                                       eager_attention_forward)
 from transformers.models.mistral.modeling_mistral import MistralAttention
+from transformers.models.phi3 import modeling_phi3 as phi3
 from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 from transformers.utils import can_return_tuple
@@ -121,11 +124,15 @@ class LayerPlan:
 
 @dataclass(frozen=True)
 class AttentionPlan:
-    """What a layer's attention adds to LLaMA's: per-head RMSNorms of q and k before RoPE
-    (Qwen3's q_norm, k_norm), and a sliding window (Mistral's, Qwen3's sliding layers)."""
+    """What a layer does beyond LLaMA's: per-head RMSNorms of q and k before RoPE (Qwen3's
+    q_norm, k_norm), a sliding window (Mistral's, Qwen2's and Qwen3's sliding layers), and
+    Phi-3's layout: q, k and v in one projection and gate and up in another (``fused``), and
+    HF's RoPE where it stays HF's (``rotary``: Phi-3's rotates part of each head)."""
 
     qk_norm: bool = False
     window: int | None = None
+    fused: bool = False
+    rotary: Any = apply_rotary_pos_emb
 
 
 class PatchedForward:
@@ -159,8 +166,10 @@ def apply_to_llama(model: LlamaForCausalLM | LlamaModel, *, rope: bool = True, r
         raise KernelError(f"this model is already patched ({flags}); patch a fresh one")
     base, causal_lm, attentions = _llama_architecture(model)
     # RoPE rides in the QKV GEMM's epilogue only where nothing sits between the projection and
-    # the rotation: after Qwen3's q/k norms it stays HF's.
-    rope = rope and not any(a.qk_norm for a in attentions)
+    # the rotation and it turns whole heads: after Qwen3's q/k norms, or where it rotates part of
+    # each head (Phi-3's partial_rotary_factor), it stays HF's.
+    whole_heads = base.rotary_emb.inv_freq.numel() * 2 == _head_dim(base.config)
+    rope = rope and whole_heads and not any(a.qk_norm for a in attentions)
     if swiglu and not rms_norm:
         raise KernelError("swiglu=True runs the post-attention RMSNorm, the SwiGLU MLP and the residual add as "
                           "one kernel (mlp_block), so it needs rms_norm=True")
@@ -214,22 +223,47 @@ def _head_dim(cfg: Any) -> int:
 
 # --------------------------------------------------------------------------- the architecture
 
-# The LLaMA modules whose computation the patched forwards replace (the decoder stack's own
-# forward stays the model's: embeddings, masks, the final norm), and the attentions the patched
-# layer can stand in for (Mistral's adds a sliding window, which it passes on).
-_REPLACED = {"decoder layer": LlamaDecoderLayer.forward, "RMSNorm": LlamaRMSNorm.forward, "MLP": LlamaMLP.forward,
-             "causal LM": LlamaForCausalLM.forward}
-_ATTENTIONS = {  # whose -> (its forward, the submodules it adds to LLaMA's, the plan of one)
-    "LLaMA's": (LlamaAttention.forward, set(), lambda attn: AttentionPlan()),
-    "Mistral's": (MistralAttention.forward, set(),
-                  lambda attn: AttentionPlan(window=getattr(attn.config, "sliding_window", None))),
-    "Qwen3's": (Qwen3Attention.forward, {"q_norm", "k_norm"},
-                lambda attn: AttentionPlan(qk_norm=True, window=attn.sliding_window)),
-    "Qwen2's": (Qwen2Attention.forward, set(), lambda attn: AttentionPlan(window=attn.sliding_window)),
+@dataclass(frozen=True)
+class Family:
+    """A model family the patched layer stands in for, told by its attention's code: the forwards
+    of the modules the patch replaces, each module's submodules, and the plan of a layer."""
+
+    attention: Any
+    layer: Any
+    mlp: Any
+    children: dict[str, frozenset[str]]
+    plan: Any  # the attention module -> its AttentionPlan
+    norms: tuple[str, ...] = ()  # the attention's RMSNorms, kept HF's (Qwen3's q/k norms)
+
+
+_LLAMA_CHILDREN = {"layer": frozenset({"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}),
+                   "self_attn": frozenset({"q_proj", "k_proj", "v_proj", "o_proj"}),
+                   "mlp": frozenset({"gate_proj", "up_proj", "down_proj", "act_fn"})}
+
+
+def _phi3_plan(attn: nn.Module) -> AttentionPlan:
+    return AttentionPlan(window=getattr(attn.config, "sliding_window", None), fused=True,
+                         rotary=phi3.apply_rotary_pos_emb)
+
+
+# Whose attention -> its family.  Mistral, Qwen2 and Qwen3 copy LLaMA's decoder layer, RMSNorm and
+# MLP; Phi-3 fuses the projections, keeps residual dropouts and may rotate part of each head.  The
+# decoder stack's own forward stays the model's (embeddings, masks, the final norm).
+_FAMILIES = {
+    "LLaMA's": Family(LlamaAttention.forward, LlamaDecoderLayer.forward, LlamaMLP.forward, _LLAMA_CHILDREN,
+                      lambda attn: AttentionPlan()),
+    "Mistral's": Family(MistralAttention.forward, LlamaDecoderLayer.forward, LlamaMLP.forward, _LLAMA_CHILDREN,
+                        lambda attn: AttentionPlan(window=getattr(attn.config, "sliding_window", None))),
+    "Qwen3's": Family(Qwen3Attention.forward, LlamaDecoderLayer.forward, LlamaMLP.forward,
+                      {**_LLAMA_CHILDREN, "self_attn": _LLAMA_CHILDREN["self_attn"] | {"q_norm", "k_norm"}},
+                      lambda attn: AttentionPlan(qk_norm=True, window=attn.sliding_window), ("q_norm", "k_norm")),
+    "Qwen2's": Family(Qwen2Attention.forward, LlamaDecoderLayer.forward, LlamaMLP.forward, _LLAMA_CHILDREN,
+                      lambda attn: AttentionPlan(window=attn.sliding_window)),
+    "Phi-3's": Family(phi3.Phi3Attention.forward, phi3.Phi3DecoderLayer.forward, phi3.Phi3MLP.forward,
+                      {"layer": _LLAMA_CHILDREN["layer"] | {"resid_attn_dropout", "resid_mlp_dropout"},
+                       "self_attn": frozenset({"qkv_proj", "o_proj"}),
+                       "mlp": frozenset({"gate_up_proj", "down_proj", "activation_fn"})}, _phi3_plan),
 }
-_CHILDREN = {"layer": {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"},
-             "self_attn": {"q_proj", "k_proj", "v_proj", "o_proj"}, "mlp": {"gate_proj", "up_proj", "down_proj",
-                                                                            "act_fn"}}
 
 
 @lru_cache(maxsize=None)  # every layer of a model asks the same few questions of the same classes
@@ -266,31 +300,40 @@ def _llama_architecture(model: nn.Module) -> tuple[nn.Module, bool, list[Attenti
         raise KernelError(f"apply_to_llama patches a transformers LlamaForCausalLM or LlamaModel (or a model "
                           f"family built from LLaMA's modules, such as Mistral or Qwen3); got "
                           f"{type(model).__name__}")
-    checks, attentions = [("causal LM", model)] if causal_lm else [], []
+    checks = [("causal LM", model, LlamaForCausalLM.forward, "LLaMA's")] if causal_lm else []
+    attentions = []
     for layer in base.layers:
         attn = getattr(layer, "self_attn", None)
-        kind = next((k for k, (fn, _, _) in _ATTENTIONS.items() if _same_code(type(attn).forward, fn)), None)
-        if attn is not None and kind is None:
-            known = list(_ATTENTIONS)
+        if not isinstance(attn, nn.Module):
+            raise KernelError(f"{type(layer).__name__} has no self_attn module; apply_to_llama patches decoder "
+                              "layers of LLaMA's shape")
+        kind = next((k for k, f in _FAMILIES.items() if _same_code(type(attn).forward, f.attention)), None)
+        if kind is None:
+            known = list(_FAMILIES)
             raise KernelError(f"{type(attn).__name__}.forward is not {', '.join(known[:-1])} or {known[-1]} "
                               "attention; the patched layer would drop what it adds")
-        extras = _ATTENTIONS[kind][1] if kind else set()
-        for part, children in _CHILDREN.items():
+        family = _FAMILIES[kind]
+        for part, want in family.children.items():
             module = layer if part == "layer" else getattr(layer, part)
-            want = children | extras if part == "self_attn" else children
             if set(dict(module.named_children())) != want:
                 extra = sorted(set(dict(module.named_children())) ^ want)
-                raise KernelError(f"{type(module).__name__} differs from {kind or 'LLaMA'}'s {part} in {extra}: "
-                                  "the patched layer computes that one's, so this model would lose that part")
-        checks += [("decoder layer", layer), ("RMSNorm", layer.input_layernorm),
-                   ("RMSNorm", layer.post_attention_layernorm), ("MLP", layer.mlp),
-                   *(("RMSNorm", getattr(attn, name)) for name in sorted(extras))]
-        attentions.append(_ATTENTIONS[kind][2](attn))
-    for what, module in checks:
-        if not _same_code(type(module).forward, _REPLACED[what]):
-            raise KernelError(f"{type(module).__name__}.forward computes something other than LLaMA's {what} "
+                raise KernelError(f"{type(module).__name__} differs from {kind} {part} in {extra}: the patched "
+                                  "layer computes that one's, so this model would lose that part")
+
+        def whose(fn: Any) -> str:
+            return "LLaMA's" if fn in (LlamaDecoderLayer.forward, LlamaMLP.forward) else kind
+
+        checks += [("decoder layer", layer, family.layer, whose(family.layer)),
+                   ("MLP", layer.mlp, family.mlp, whose(family.mlp)),
+                   *(("RMSNorm", m, LlamaRMSNorm.forward, "LLaMA's") for m in (
+                       layer.input_layernorm, layer.post_attention_layernorm,
+                       *(getattr(attn, name) for name in family.norms)))]
+        attentions.append(family.plan(attn))
+    for what, module, want, owner in checks:
+        if not _same_code(type(module).forward, want):
+            raise KernelError(f"{type(module).__name__}.forward computes something other than {owner} {what} "
                               f"({type(model).__name__} is not a LLaMA-architecture model); apply_to_llama "
-                              "would replace it with LLaMA's")
+                              f"would replace it with {owner}")
     return base, causal_lm, attentions
 
 
@@ -300,11 +343,19 @@ def _check_model(model: nn.Module, base: nn.Module, cfg: Any, rope: bool, swiglu
         raise KernelError(f"the model's parameters are {sorted(map(str, dtypes))}; the suite's kernels are "
                           "verified for bf16: call model.to(torch.bfloat16) before apply_to_llama")
     for i, layer in enumerate(base.layers):
-        mlp = [n for n in ("gate_proj", "up_proj", "down_proj") if getattr(layer.mlp, n).bias is not None]
+        dropped = [n for n in ("resid_attn_dropout", "resid_mlp_dropout") if getattr(layer, n, None) is not None
+                   and getattr(layer, n).p > 0]
+        if dropped:
+            raise KernelError(f"layers.{i}.{dropped[0]} drops with p = {getattr(layer, dropped[0]).p}: the patched "
+                              "layer adds each residual inside a GEMM epilogue, with no dropout; build the model "
+                              "with resid_pdrop=0.0 (Phi-3's default)")
+        linears = [n for n in ("gate_proj", "up_proj", "down_proj", "gate_up_proj") if hasattr(layer.mlp, n)]
+        mlp = [n for n in linears if getattr(layer.mlp, n).bias is not None]
         if mlp and swiglu:
             raise KernelError(f"layers.{i}.mlp.{mlp[0]}.bias: MLP biases (mlp_bias) are not in the suite's "
                               "SwiGLU kernels; pass swiglu=False to keep HF's MLP")
-        qkv = [getattr(layer.self_attn, n).bias is not None for n in ("q_proj", "k_proj", "v_proj")]
+        qkv = [getattr(layer.self_attn, n).bias is not None for n in ("q_proj", "k_proj", "v_proj", "qkv_proj")
+               if hasattr(layer.self_attn, n)]
         if any(qkv) and not all(qkv):
             raise KernelError(f"layers.{i}.self_attn: biases on some of q_proj, k_proj, v_proj ({qkv}); the fused "
                               "QKV GEMM adds one bias to all three or none")
@@ -362,12 +413,12 @@ def _relayout(module: nn.Module, fused: str, parts: tuple[str, ...], fuse: Any, 
     def split_bias(b: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tuple(t[:, 0].contiguous() for t in split(b[:, None]))
 
+    for p in parts:  # first: the fused module may take a part's name (Phi-3's qkv_proj, gate_up_proj)
+        delattr(module, p)
     with torch.no_grad():
         bias = fuse_bias(*(b.detach() for b in biases)) if with_bias else None
         setattr(module, fused, FusedWeight(fuse(*(w.detach() for w in weights)), weights[0].requires_grad, bias,
                                            with_bias and biases[0].requires_grad))
-    for p in parts:
-        delattr(module, p)
     kinds = (("weight", fuse, split),) + ((("bias", fuse_bias, split_bias),) if with_bias else ())
 
     def save(mod: nn.Module, state: dict, prefix: str, meta: Any) -> None:
@@ -393,13 +444,26 @@ def _rope_lanes(base: LlamaModel, plan: LayerPlan) -> torch.Tensor:
     return torch.cat((lanes.repeat(plan.heads), lanes.repeat(plan.kv_heads), v))
 
 
+def _hf_qkv_rows(w: torch.Tensor, plan: LayerPlan) -> tuple[torch.Tensor, ...]:
+    """Phi-3's qkv_proj rows [q; k; v] (HF's layout) as the three parts."""
+    d = plan.head_dim
+    return w.split([plan.heads * d, plan.kv_heads * d, plan.kv_heads * d])
+
+
 def _patch_layer(layer: nn.Module, plan: LayerPlan, attention: AttentionPlan, freq: torch.Tensor | None) -> None:
     attn = layer.self_attn
-    _relayout(attn, "qkv_proj", ("q_proj", "k_proj", "v_proj"), lambda q, k, v: _fuse_qkv(q, k, v, plan),
-              lambda w: _split_qkv(w, plan))
+    if attention.fused:  # Phi-3: one projection each, in HF's rows ([q; k; v], [gate; up])
+        _relayout(attn, "qkv_proj", ("qkv_proj",), lambda w: _fuse_qkv(*_hf_qkv_rows(w, plan), plan),
+                  lambda w: (torch.cat(_split_qkv(w, plan)),))
+    else:
+        _relayout(attn, "qkv_proj", ("q_proj", "k_proj", "v_proj"), lambda q, k, v: _fuse_qkv(q, k, v, plan),
+                  lambda w: _split_qkv(w, plan))
     if freq is not None:
         attn.register_buffer("coda_rope_freq", freq, persistent=False)
-    if plan.swiglu:
+    if plan.swiglu and attention.fused:
+        _relayout(layer.mlp, "gate_up_proj", ("gate_up_proj",), lambda w: _interleave_rows(*w.chunk(2)),
+                  lambda w: (torch.cat((w[0::2], w[1::2])),))
+    elif plan.swiglu:
         _relayout(layer.mlp, "gate_up_proj", ("gate_proj", "up_proj"), _interleave_rows,
                   lambda w: (w[0::2], w[1::2]))
     layer.coda_plan, layer.coda_attention = plan, attention
@@ -432,7 +496,7 @@ def _layer_forward(self: nn.Module, hidden_states: torch.Tensor, attention_mask:
     if extra.qk_norm:  # over each head's D columns, the last dimension either way
         q, k = attn.q_norm(q), attn.k_norm(k)
     if not plan.rope:
-        q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
+        q, k = extra.rotary(q, k, *position_embeddings)
     if past_key_values is not None:
         k, v = past_key_values.update(k, v, attn.layer_idx)
     interface = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, eager_attention_forward)

@@ -224,10 +224,11 @@ def test_a_mistral_model_trains_like_hf(window):
         assert abs(train_and_eval(tiny("Mistral").bfloat16())["loss"] - hi["loss"]) > 1e-3
 
 
-@pytest.mark.parametrize("family", ["Mistral", "Qwen3", "Qwen2"])
+@pytest.mark.parametrize("family", ["Mistral", "Qwen3", "Qwen2", "Phi3"])
 def test_other_families_keep_their_hf_state_dict(family):
-    """Qwen3's q/k norm weights, Qwen2's q/k/v biases and every fused projection come back under
-    HF's keys and values, and load back into a patched model."""
+    """Qwen3's q/k norm weights, Qwen2's q/k/v biases, Phi-3's projections (fused by HF in another
+    layout under the same keys) and every fused projection come back under HF's keys and values,
+    and load back into a patched model."""
     hf = tiny(family).bfloat16()
     if family == "Qwen2":  # HF initializes the biases to zero: make a permutation show
         with torch.no_grad():
@@ -367,6 +368,31 @@ def test_a_qwen3_model_trains_like_hf():
     assert_like_hf(got, hi, lo)
 
 
+PARTIAL_ROTARY = {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}}
+
+
+@pytest.mark.parametrize(("overrides", "flags", "qkv"), [
+    ({}, {}, "norm_rope"),
+    (PARTIAL_ROTARY, {}, "scale_rows"),
+    ({"sliding_window": 8}, {"swiglu": False}, "norm_rope"),
+], ids=["full-rotary", "partial-rotary", "sliding-hf-mlp"])
+def test_a_phi3_model_trains_like_hf(overrides, flags, qkv):
+    """Phi-3 (and Phi-3.5, Phi-4): q, k and v in one projection and gate and up in another, as
+    halves; the patch re-lays them out as the suite's kernels read them.  Where RoPE turns part of
+    each head (Phi-4-mini's partial_rotary_factor) it stays HF's, after the fused GEMM."""
+    base = tiny("Phi3", **overrides)
+    hi, lo = train_and_eval(copy.deepcopy(base).float()), train_and_eval(copy.deepcopy(base).bfloat16())
+    model = coda_agent.apply_to_llama(copy.deepcopy(base).bfloat16(), **flags)
+    assert model.model.coda_flags["rope"] is (qkv == "norm_rope")
+    assert model.model.layers[0].coda_attention.window == overrides.get("sliding_window")
+    with launch_ledger() as launched:
+        got = train_and_eval(model)
+    names = {launch.name for launch in launched}
+    assert {qkv, "add_residual", "rmsnorm_dx", "logits_lse"} <= names
+    assert ("norm_swiglu" in names) is not ("swiglu" in flags)
+    assert_like_hf(got, hi, lo)
+
+
 @pytest.mark.parametrize("family", ["Llama", "Qwen3"])
 def test_heads_wider_than_the_model_train_like_hf(family):
     """heads * head_dim past hidden_size (Qwen3-0.6B: 16 x 128 for 1024; Gemma's widths): the
@@ -385,9 +411,10 @@ def test_heads_wider_than_the_model_train_like_hf(family):
 @pytest.mark.parametrize(("family", "overrides", "refusal"), [
     ("Gemma", {"hidden_act": "silu"}, r"GemmaRMSNorm.forward computes something other than LLaMA's RMSNorm"),
     ("Granite", {}, r"GraniteForCausalLM.forward computes something other than LLaMA's causal LM"),
-    ("Olmo2", {}, r"Olmo2Attention.forward is not LLaMA's, Mistral's, Qwen3's or Qwen2's attention"),
+    ("Olmo2", {}, r"Olmo2Attention.forward is not LLaMA's, Mistral's, Qwen3's, Qwen2's or Phi-3's attention"),
     ("Gemma2", {"hidden_act": "silu"}, r"Gemma2Attention.forward is not"),
-], ids=["Gemma", "Granite", "Olmo2", "Gemma2"])
+    ("Phi3", {"resid_pdrop": 0.1}, r"layers.0.resid_attn_dropout drops with p = 0.1: .* resid_pdrop=0.0"),
+], ids=["Gemma", "Granite", "Olmo2", "Gemma2", "Phi3-dropout"])
 def test_a_model_that_is_not_llama_s_modules_is_refused_by_what_differs(family, overrides, refusal):
     """Every module the patch replaces must compute what LLaMA's does, read from its code: a model
     with a (1 + w) RMSNorm, logit scaling, softcapped or post-normed attention would
@@ -400,12 +427,13 @@ def test_a_model_that_is_not_llama_s_modules_is_refused_by_what_differs(family, 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Hopper)")
 @pytest.mark.parametrize(("family", "fp8_mlp"), [("Llama", False), ("Llama", True), ("Mistral", False),
-                                                  ("Qwen3", False), ("Qwen2", False)],
-                         ids=["bf16", "fp8_mlp", "mistral", "qwen3", "qwen2"])
+                                                  ("Qwen3", False), ("Qwen2", False), ("Phi3", False)],
+                         ids=["bf16", "fp8_mlp", "mistral", "qwen3", "qwen2", "phi3"])
 def test_patched_model_trains_like_hf_on_gpu(monkeypatch, family, fp8_mlp):
     """The cute lowering inside the model: quack's GEMMs with the suite's epilogues (fp8 ones
     for the MLP blocks with ``fp8_mlp``), SDPA flash; Mistral with a window shorter than the
-    sequence, Qwen3 with its q/k norms, Qwen2 with its q/k/v biases."""
+    sequence, Qwen3 with its q/k norms, Qwen2 with its q/k/v biases, Phi-3 with its fused
+    projections."""
     monkeypatch.setitem(globals(), "DEVICE", "cuda")
     window = {"sliding_window": 8} if family == "Mistral" else {}
     base = tiny_llama() if family == "Llama" else tiny(family, **window)

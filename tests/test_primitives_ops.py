@@ -220,10 +220,10 @@ def test_a_kernel_trains_through_torch_compile():
         assert torch.equal(eager, compiled)
 
 
-@pytest.mark.parametrize("family", ["Llama", "Qwen3", "Qwen2"])
+@pytest.mark.parametrize("family", ["Llama", "Qwen3", "Qwen2", "Phi3"])
 def test_a_patched_transformers_model_compiles_whole(family):
-    """No graph break in a patched model, Qwen3's q/k norms, Qwen2's biases and a sliding
-    layer included."""
+    """No graph break in a patched model, Qwen3's q/k norms, Qwen2's biases, Phi-3's fused
+    projections and a sliding layer included."""
     pytest.importorskip("transformers")
     import coda_agent
     from test_llama import batch, hf_layout, tiny, tiny_llama, with_biases

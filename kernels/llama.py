@@ -1,15 +1,22 @@
 """``apply_to_llama``: the suite's kernels inside a transformers ``LlamaForCausalLM``, or a
-model of a family built from LLaMA's modules: Mistral (the same decoder layer, RMSNorm and MLP;
-an attention that adds a sliding window, which the patched layer passes on), Qwen2 and Qwen2.5
-(biases on q, k and v, and a sliding window on some layers), Qwen3 (its attention adds per-head
-RMSNorms of q and k before RoPE, which stay HF's, and so does RoPE) and Phi-3, Phi-3.5 and Phi-4
-(q, k and v in one projection and gate and up in another, which the patch re-lays out; residual
-dropouts, which must be off; RoPE on part of each head, which stays HF's).  Which models qualify
-is read from their code, not their class names: every module whose forward the patch replaces
-(the decoder layer, the RMSNorms, the MLP, the causal LM's loss path) must run the instructions
-of its family's (``_FAMILIES``, told by the attention's code), and the layer and attention must
-hold those submodules, so a model with a (1 + w) RMSNorm (Gemma), extra norms (Gemma-2, OLMo-2)
-or multipliers (Granite) is refused by what differs instead of training silently wrong.
+model of a family built from LLaMA's modules:
+
+- Mistral: the same decoder layer, RMSNorm and MLP; an attention that adds a sliding window,
+  which the patched layer passes on;
+- Qwen2 and Qwen2.5: biases on q, k and v, and a sliding window on some layers;
+- Qwen3: per-head RMSNorms of q and k before RoPE, which stay HF's, and so does RoPE;
+- Phi-3, Phi-3.5 and Phi-4: q, k and v in one projection and gate and up in another, which the
+  patch re-lays out; residual dropouts, which must be off; RoPE on part of each head (Phi-4-mini),
+  which stays HF's;
+- Gemma: RMSNorms that scale by 1 + w, folded into the QKV GEMM as such; its GeGLU MLP stays
+  HF's (``swiglu=False``).
+
+Which models qualify is read from their code, not their class names: every module whose forward
+the patch replaces (the decoder layer, the RMSNorms, the MLP, the causal LM's loss path) must run
+the instructions of its family's (``_FAMILIES``, told by the attention's code; the RMSNorm
+LLaMA's or Gemma's), and the layer and attention must hold those submodules, so a model with
+extra norms (Gemma-2, OLMo-2), softcapped logits or multipliers (Granite) is refused by what
+differs instead of training silently wrong.
 
 Projection biases (``attention_bias``, Qwen2's q/k/v): the fused QKV GEMM's epilogue adds the
 fused bias before RoPE, and its backward folds the bias gradient into the pass that reads the
@@ -83,6 +90,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import (LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP,
                                                       LlamaModel, LlamaRMSNorm, apply_rotary_pos_emb,
                                                       eager_attention_forward)
+from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.mistral.modeling_mistral import MistralAttention
 from transformers.models.phi3 import modeling_phi3 as phi3
 from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
@@ -120,6 +128,7 @@ class LayerPlan:
     heads: int
     kv_heads: int
     head_dim: int
+    norm_offset: float = 0.0  # Gemma's RMSNorm scales by 1 + w
 
 
 @dataclass(frozen=True)
@@ -164,12 +173,15 @@ def apply_to_llama(model: LlamaForCausalLM | LlamaModel, *, rope: bool = True, r
     flags = getattr(getattr(model, "model", model), "coda_flags", None)
     if flags is not None:
         raise KernelError(f"this model is already patched ({flags}); patch a fresh one")
-    base, causal_lm, attentions = _llama_architecture(model)
+    base, causal_lm, attentions, norm_offset = _llama_architecture(model)
     # RoPE rides in the QKV GEMM's epilogue only where nothing sits between the projection and
     # the rotation and it turns whole heads: after Qwen3's q/k norms, or where it rotates part of
     # each head (Phi-3's partial_rotary_factor), it stays HF's.
     whole_heads = base.rotary_emb.inv_freq.numel() * 2 == _head_dim(base.config)
     rope = rope and whole_heads and not any(a.qk_norm for a in attentions)
+    if norm_offset and swiglu:
+        raise KernelError("this model's RMSNorms scale by (1 + weight) (Gemma's), which the MLP block kernel "
+                          "(mlp_block) does not take; pass swiglu=False to keep HF's MLP and its norm")
     if swiglu and not rms_norm:
         raise KernelError("swiglu=True runs the post-attention RMSNorm, the SwiGLU MLP and the residual add as "
                           "one kernel (mlp_block), so it needs rms_norm=True")
@@ -185,7 +197,8 @@ def apply_to_llama(model: LlamaForCausalLM | LlamaModel, *, rope: bool = True, r
     chosen = {name: _kernel(name, given.get(name)) for name in SWAPPABLE}
     if rms_norm or rope or swiglu:
         plan = LayerPlan(rms_norm, rope, swiglu, chosen["out_proj_residual"], chosen["mlp_block"],
-                         cfg.rms_norm_eps, cfg.num_attention_heads, cfg.num_key_value_heads, _head_dim(cfg))
+                         cfg.rms_norm_eps, cfg.num_attention_heads, cfg.num_key_value_heads, _head_dim(cfg),
+                         norm_offset)
         freq = _rope_lanes(base, plan) if rope else None
         for layer, attention in zip(base.layers, attentions):
             _patch_layer(layer, plan, attention, freq)
@@ -235,6 +248,9 @@ class Family:
     plan: Any  # the attention module -> its AttentionPlan
     norms: tuple[str, ...] = ()  # the attention's RMSNorms, kept HF's (Qwen3's q/k norms)
 
+
+# An RMSNorm's forward -> the offset of its scale: LLaMA's multiplies by w, Gemma's by 1 + w (in fp32).
+_NORM_OFFSETS = {LlamaRMSNorm.forward: 0.0, GemmaRMSNorm.forward: 1.0}
 
 _LLAMA_CHILDREN = {"layer": frozenset({"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}),
                    "self_attn": frozenset({"q_proj", "k_proj", "v_proj", "o_proj"}),
@@ -287,12 +303,12 @@ def _same_code(fn: Any, want: Any) -> bool:
     return a is not None and b is not None and same(a, b)
 
 
-def _llama_architecture(model: nn.Module) -> tuple[nn.Module, bool, list[AttentionPlan]]:
-    """(the decoder stack, whether ``model`` is its causal LM, each layer's attention plan) for
-    a model whose every module the patch replaces computes what LLaMA's does: a transformers
-    LlamaForCausalLM or LlamaModel, or a family that copies them (Mistral, Qwen3).  Anything
-    else (extra norms, logit caps, multipliers, fused projections) is refused by name, since the
-    patched forwards would silently drop it."""
+def _llama_architecture(model: nn.Module) -> tuple[nn.Module, bool, list[AttentionPlan], float]:
+    """(the decoder stack, whether ``model`` is its causal LM, each layer's attention plan, the
+    offset of its RMSNorms' scale) for a model whose every module the patch replaces computes
+    what its family's does (``_FAMILIES``); the layers' RMSNorms are LLaMA's (scale w) or Gemma's
+    (scale 1 + w, in fp32), all alike.  Anything else (extra norms, logit caps, multipliers) is
+    refused by name, since the patched forwards would silently drop it."""
     causal_lm = hasattr(model, "lm_head") and isinstance(getattr(model, "model", None), nn.Module)
     base = model.model if causal_lm else model
     if not all(isinstance(getattr(base, a, None), nn.Module) for a in ("embed_tokens", "layers", "norm",
@@ -301,7 +317,8 @@ def _llama_architecture(model: nn.Module) -> tuple[nn.Module, bool, list[Attenti
                           f"family built from LLaMA's modules, such as Mistral or Qwen3); got "
                           f"{type(model).__name__}")
     checks = [("causal LM", model, LlamaForCausalLM.forward, "LLaMA's")] if causal_lm else []
-    attentions = []
+    attentions: list[AttentionPlan] = []
+    offsets: set[float | None] = set()
     for layer in base.layers:
         attn = getattr(layer, "self_attn", None)
         if not isinstance(attn, nn.Module):
@@ -323,18 +340,26 @@ def _llama_architecture(model: nn.Module) -> tuple[nn.Module, bool, list[Attenti
         def whose(fn: Any) -> str:
             return "LLaMA's" if fn in (LlamaDecoderLayer.forward, LlamaMLP.forward) else kind
 
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            offsets.add(next((o for fn, o in _NORM_OFFSETS.items() if _same_code(type(norm).forward, fn)), None))
         checks += [("decoder layer", layer, family.layer, whose(family.layer)),
                    ("MLP", layer.mlp, family.mlp, whose(family.mlp)),
-                   *(("RMSNorm", m, LlamaRMSNorm.forward, "LLaMA's") for m in (
-                       layer.input_layernorm, layer.post_attention_layernorm,
-                       *(getattr(attn, name) for name in family.norms)))]
+                   *(("RMSNorm", getattr(attn, name), LlamaRMSNorm.forward, "LLaMA's") for name in family.norms)]
         attentions.append(family.plan(attn))
+    if None in offsets:
+        norm = next(m for layer in base.layers for m in (layer.input_layernorm, layer.post_attention_layernorm)
+                    if not any(_same_code(type(m).forward, fn) for fn in _NORM_OFFSETS))
+        raise KernelError(f"{type(norm).__name__}.forward computes something other than LLaMA's RMSNorm (or "
+                          f"Gemma's, 1 + w) ({type(model).__name__} is not a LLaMA-architecture model); "
+                          "apply_to_llama would replace it with LLaMA's")
+    if len(offsets) > 1:
+        raise KernelError("the layers mix LLaMA's and Gemma's RMSNorms; apply_to_llama patches one kind")
     for what, module, want, owner in checks:
         if not _same_code(type(module).forward, want):
             raise KernelError(f"{type(module).__name__}.forward computes something other than {owner} {what} "
                               f"({type(model).__name__} is not a LLaMA-architecture model); apply_to_llama "
                               f"would replace it with {owner}")
-    return base, causal_lm, attentions
+    return base, causal_lm, attentions, offsets.pop() if offsets else 0.0
 
 
 def _check_model(model: nn.Module, base: nn.Module, cfg: Any, rope: bool, swiglu: bool) -> None:
@@ -359,8 +384,9 @@ def _check_model(model: nn.Module, base: nn.Module, cfg: Any, rope: bool, swiglu
         if any(qkv) and not all(qkv):
             raise KernelError(f"layers.{i}.self_attn: biases on some of q_proj, k_proj, v_proj ({qkv}); the fused "
                               "QKV GEMM adds one bias to all three or none")
-    if cfg.hidden_act not in ("silu", "swish"):
-        raise KernelError(f"hidden_act {cfg.hidden_act!r}: the MLP kernel is SwiGLU (silu)")
+    if swiglu and cfg.hidden_act not in ("silu", "swish"):
+        raise KernelError(f"hidden_act {cfg.hidden_act!r}: the MLP kernel is SwiGLU (silu); pass swiglu=False to "
+                          "keep HF's MLP")
     if rope:
         rotary = base.rotary_emb
         if rotary.rope_type not in STATIC_ROPE or rotary.attention_scaling != 1.0:
@@ -488,7 +514,10 @@ def _layer_forward(self: nn.Module, hidden_states: torch.Tensor, attention_mask:
         ids = position_ids if position_ids is not None else torch.arange(t, device=h.device)[None]
         pos = ids.expand(b, t).reshape(-1).float()
     d, nq, nkv = plan.head_dim, plan.heads, plan.kv_heads
-    qkv = attention_input(x, self.input_layernorm.weight if plan.rms_norm else None, attn.qkv_proj.weight,
+    gamma = self.input_layernorm.weight
+    if plan.norm_offset:  # Gemma's scale, 1 + w, in fp32 as HF computes it (autograd carries dw)
+        gamma = gamma.float() + plan.norm_offset
+    qkv = attention_input(x, gamma if plan.rms_norm else None, attn.qkv_proj.weight,
                           attn.qkv_proj.bias, pos, attn.coda_rope_freq if plan.rope else None, plan.eps,
                           (nq + nkv) * d)
     q, k, v = (part.view(b, t, -1, d).transpose(1, 2) for part in qkv.split([nq * d, nkv * d, nkv * d], dim=1))

@@ -393,6 +393,20 @@ def test_a_phi3_model_trains_like_hf(overrides, flags, qkv):
     assert_like_hf(got, hi, lo)
 
 
+def test_a_gemma_model_trains_like_hf_with_its_mlp_kept():
+    """Gemma's RMSNorm scales by 1 + w (in fp32) and its MLP is GeGLU: the input norm folds into
+    the QKV GEMM with that scale, RoPE and the output projection are the suite's, the MLP and
+    its norm stay HF's (swiglu=False, which the refusal above asks for)."""
+    base = tiny("Gemma")
+    hi, lo = train_and_eval(copy.deepcopy(base).float()), train_and_eval(copy.deepcopy(base).bfloat16())
+    model = coda_agent.apply_to_llama(copy.deepcopy(base).bfloat16(), swiglu=False)
+    assert model.model.layers[0].coda_plan.norm_offset == 1.0
+    with launch_ledger() as launched:
+        got = train_and_eval(model)
+    assert {"norm_rope", "rmsnorm_dx", "add_residual", "logits_lse"} <= {launch.name for launch in launched}
+    assert_like_hf(got, hi, lo)
+
+
 @pytest.mark.parametrize("family", ["Llama", "Qwen3"])
 def test_heads_wider_than_the_model_train_like_hf(family):
     """heads * head_dim past hidden_size (Qwen3-0.6B: 16 x 128 for 1024; Gemma's widths): the
@@ -409,7 +423,7 @@ def test_heads_wider_than_the_model_train_like_hf(family):
 
 
 @pytest.mark.parametrize(("family", "overrides", "refusal"), [
-    ("Gemma", {"hidden_act": "silu"}, r"GemmaRMSNorm.forward computes something other than LLaMA's RMSNorm"),
+    ("Gemma", {}, r"RMSNorms scale by \(1 \+ weight\) \(Gemma's\), which the MLP block kernel .* pass swiglu=False"),
     ("Granite", {}, r"GraniteForCausalLM.forward computes something other than LLaMA's causal LM"),
     ("Olmo2", {}, r"Olmo2Attention.forward is not LLaMA's, Mistral's, Qwen3's, Qwen2's or Phi-3's attention"),
     ("Gemma2", {"hidden_act": "silu"}, r"Gemma2Attention.forward is not"),

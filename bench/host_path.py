@@ -6,8 +6,8 @@ H200: rope_bwd's kernels took 0.27 ms, a call 0.99 ms of host time).  The
 host's part of a launch is the catalogue's (checks, buffers, the tile config,
 the dispatch to a lowering) and quack's (its plan cache and the launch).  This
 measures the catalogue's part without a GPU: each expert's call, forward and
-backward, runs through the cute lowering with quack's launch (and the Triton
-launch of the cross-entropy gradient) replaced by a no-op and the tensors on
+backward, runs through the cute lowering with quack's launch (and those of the
+pass kernel and of the cross-entropy gradient's Triton kernel) replaced by a no-op and the tensors on
 the CPU presented as CUDA tensors to the checks that ask. The aux kernels
 compute for real on the CPU at the task's ``small`` shapes (a few microseconds
 each). Medians of ``--rounds`` rounds of ``--calls`` calls, after a warm-up.
@@ -40,6 +40,7 @@ from coda_agent.verifier.inputs import make_grads, make_inputs
 _gemm = importlib.import_module("coda_agent.primitives.gemm")
 _cute = importlib.import_module("coda_agent.primitives.cute")
 _xent_triton = importlib.import_module("coda_agent.primitives.xent_triton")
+_pass_kernel = importlib.import_module("coda_agent.primitives.pass_kernel")
 
 
 def host_ms(task: Any, rounds: int = 7, calls: int = 50) -> dict[str, Any]:
@@ -55,6 +56,7 @@ def host_ms(task: Any, rounds: int = 7, calls: int = 50) -> dict[str, Any]:
     with mock.patch.object(torch.Tensor, "is_cuda", property(lambda t: True)), \
             mock.patch.object(_gemm, "_sm_count", lambda A: 132), \
             mock.patch.object(_cute, "run", lambda *args, **kwargs: None), \
+            mock.patch.object(_pass_kernel, "run", lambda *args, **kwargs: None), \
             mock.patch.object(_xent_triton, "xent_grad_triton", lambda *args, **kwargs: None), lowering("cute"):
         with launch_ledger() as ledger:
             call()

@@ -12,7 +12,7 @@ plain PyTorch (a handful of small kernels each), identical in both lowerings,
 except two on CUDA tensors: :func:`xent_grad_` is one Triton kernel
 (:mod:`.xent_triton`, imported lazily) with the same math as its PyTorch form,
 and :func:`rms_prepare`, which writes a full activation, is a tile pass on the
-catalogue's pass kernel (:func:`.norm.rms_prepare_pass`: the same bits of
+catalogue's pass kernel (:func:`rms_prepare_pass`: the same bits of
 ``x * gamma``, the sum of squares in another order).
 
 Each is also a ``torch.library`` custom op, ``coda::<name>`` (see gemm.py for
@@ -33,8 +33,12 @@ from typing import Any, Callable
 import torch
 
 from .dispatch import direct, mutated
+from .epilogue import epilogue
 from .errors import CatalogueError
 from .lowering import launching
+from .operands import RowVec, Tile
+from .passes import tile_pass
+from .reductions import col_sum
 
 
 def aux_kernel(name: str, *, mutates: tuple[str, ...] = (), fake: Callable | None = None,
@@ -157,12 +161,24 @@ def _rms_prepare_torch(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> tupl
     return xg, rstd
 
 
+@epilogue(reductions={"sumsq": col_sum()})
+def scale_columns(x: Tile, gamma: RowVec):
+    return {"D": x * gamma, "sumsq": x * x}
+
+
+def rms_prepare_pass(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rms_prepare``'s body on CUDA: ``x * gamma`` (fp32 math, rounded once to x's dtype, the
+    bits of PyTorch's product) and the inverse RMS from one read of x, a tile pass on the pass
+    kernel: 2.6-3.4 TB/s on the H200 at LLaMA-3 widths, where the PyTorch body (a broadcasting
+    product and a norm) moves 1.1-1.2 (BENCHMARKS.md, run 17)."""
+    out = tile_pass(scale_columns, x=x, gamma=gamma)
+    return out["D"], torch.rsqrt(out["sumsq"] / float(x.shape[1]) + float(eps))
+
+
 @aux_kernel("rms_prepare", backward=_rms_prepare_backward, fake=_rms_prepare_torch)
 def _rms_prepare(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     need("x", x, 2)
     if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.is_contiguous() and x.shape[1] % 8 == 0:
-        from .norm import rms_prepare_pass  # lazy: norm builds on this module
-
         return rms_prepare_pass(x, gamma, eps)
     return _rms_prepare_torch(x, gamma, eps)
 

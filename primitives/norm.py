@@ -69,20 +69,6 @@ def normalize(x: Tile, mean: ColVec, rstd: ColVec, gamma: RowVec, beta: RowVec):
     return {"D": (x - mean) * rstd * gamma + beta}
 
 
-@epilogue(reductions={"sumsq": col_sum()})
-def scale_columns(x: Tile, gamma: RowVec):
-    return {"D": x * gamma, "sumsq": x * x}
-
-
-def rms_prepare_pass(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``rms_prepare``'s body on CUDA: ``x * gamma`` (fp32 math, rounded once to x's dtype, the
-    bits of PyTorch's product) and the inverse RMS from one read of x, a tile pass on the pass
-    kernel: 2.6-3.4 TB/s on the H200 at LLaMA-3 widths, where the PyTorch body (a broadcasting
-    product and a norm) moves 1.1-1.2 (BENCHMARKS.md, run 17)."""
-    out = tile_pass(scale_columns, x=x, gamma=gamma)
-    return out["D"], torch.rsqrt(out["sumsq"] / float(x.shape[1]) + float(eps))
-
-
 _ROUNDING = {torch.bfloat16: round_bf16, torch.float16: round_fp16}
 
 

@@ -214,8 +214,7 @@ def test_erf_gelu_and_rounding_match_torch():
 def test_rms_prepare_as_a_pass_gives_the_bits_of_its_pytorch_body(gen, shape, gamma_dtype):
     """rms_prepare's CUDA body (one tile pass) against its PyTorch body: x * gamma bit for bit,
     the inverse RMS to fp32 rounding (the sum of squares folds in another order)."""
-    from coda_agent.primitives.aux import _rms_prepare_torch
-    from coda_agent.primitives.norm import rms_prepare_pass
+    from coda_agent.primitives.aux import _rms_prepare_torch, rms_prepare_pass
 
     x = _rand(*shape, gen=gen, scale=3.0)
     gamma = _rand(shape[1], gen=gen, offset=1.0).to(gamma_dtype)
@@ -227,7 +226,7 @@ def test_rms_prepare_as_a_pass_gives_the_bits_of_its_pytorch_body(gen, shape, ga
 
 @pytest.mark.slow
 def test_rms_prepare_compiles_onto_the_pass_kernel():
-    from coda_agent.primitives.norm import rms_prepare_pass
+    from coda_agent.primitives.aux import rms_prepare_pass
 
     with compile_only() as kernels:
         rms_prepare_pass(torch.randn(512, 1024).bfloat16(), torch.randn(1024).bfloat16(), 1e-6)

@@ -9,14 +9,11 @@ model of a family built from LLaMA's modules:
   patch re-lays out; residual dropouts, which must be off; RoPE on part of each head (Phi-4-mini),
   which stays HF's;
 - Gemma: RMSNorms that scale by 1 + w, folded into the QKV GEMM as such; its GeGLU MLP stays
-  HF's (``swiglu=False``).
+  HF's (``swiglu=False``);
+- Granite: multipliers on what each sublayer adds to the residual stream (folded into the output
+  and down projections' weights) and on the logits (the LM head's input divided instead).
 
-Which models qualify is read from their code, not their class names: every module whose forward
-the patch replaces (the decoder layer, the RMSNorms, the MLP, the causal LM's loss path) must run
-the instructions of its family's (``_FAMILIES``, told by the attention's code; the RMSNorm
-LLaMA's or Gemma's), and the layer and attention must hold those submodules, so a model with
-extra norms (Gemma-2, OLMo-2), softcapped logits or multipliers (Granite) is refused by what
-differs instead of training silently wrong.
+Which models qualify is read from their code, not their class names (``families.py``).
 
 Projection biases (``attention_bias``, Qwen2's q/k/v): the fused QKV GEMM's epilogue adds the
 fused bias before RoPE, and its backward folds the bias gradient into the pass that reads the
@@ -75,8 +72,6 @@ The kernels are verified for bf16: the model must be bf16.
 
 from __future__ import annotations
 
-import dis
-import inspect
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -87,24 +82,18 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.models.llama.modeling_llama import (LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP,
-                                                      LlamaModel, LlamaRMSNorm, apply_rotary_pos_emb,
-                                                      eager_attention_forward)
-from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
-from transformers.models.mistral.modeling_mistral import MistralAttention
-from transformers.models.phi3 import modeling_phi3 as phi3
-from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
-from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
+from transformers.models.granite.modeling_granite import GraniteForCausalLM
+from transformers.models.llama.modeling_llama import LlamaForCausalLM, LlamaModel, eager_attention_forward
 from transformers.utils import can_return_tuple
 
 from coda_agent.tasks import SUITE_DIR, load_task
 
+from .families import AttentionPlan, check_model, head_dim, llama_architecture, same_code
 from .kernel import Kernel, KernelError
 from .llama_ops import IGNORE_INDEX, attention_input, linear_cross_entropy
 from .source import load_kernel
 
 SWAPPABLE = ("out_proj_residual", "mlp_block", "lm_head_xent")
-STATIC_ROPE = ("default", "linear", "llama3")
 
 
 FP8_SUITE = SUITE_DIR.parent / "llama3_fp8"
@@ -129,19 +118,6 @@ class LayerPlan:
     kv_heads: int
     head_dim: int
     norm_offset: float = 0.0  # Gemma's RMSNorm scales by 1 + w
-
-
-@dataclass(frozen=True)
-class AttentionPlan:
-    """What a layer does beyond LLaMA's: per-head RMSNorms of q and k before RoPE (Qwen3's
-    q_norm, k_norm), a sliding window (Mistral's, Qwen2's and Qwen3's sliding layers), and
-    Phi-3's layout: q, k and v in one projection and gate and up in another (``fused``), and
-    HF's RoPE where it stays HF's (``rotary``: Phi-3's rotates part of each head)."""
-
-    qk_norm: bool = False
-    window: int | None = None
-    fused: bool = False
-    rotary: Any = apply_rotary_pos_emb
 
 
 class PatchedForward:
@@ -173,11 +149,11 @@ def apply_to_llama(model: LlamaForCausalLM | LlamaModel, *, rope: bool = True, r
     flags = getattr(getattr(model, "model", model), "coda_flags", None)
     if flags is not None:
         raise KernelError(f"this model is already patched ({flags}); patch a fresh one")
-    base, causal_lm, attentions, norm_offset = _llama_architecture(model)
+    base, causal_lm, attentions, norm_offset = llama_architecture(model)
     # RoPE rides in the QKV GEMM's epilogue only where nothing sits between the projection and
     # the rotation and it turns whole heads: after Qwen3's q/k norms, or where it rotates part of
     # each head (Phi-3's partial_rotary_factor), it stays HF's.
-    whole_heads = base.rotary_emb.inv_freq.numel() * 2 == _head_dim(base.config)
+    whole_heads = base.rotary_emb.inv_freq.numel() * 2 == head_dim(base.config)
     rope = rope and whole_heads and not any(a.qk_norm for a in attentions)
     if norm_offset and swiglu:
         raise KernelError("this model's RMSNorms scale by (1 + weight) (Gemma's), which the MLP block kernel "
@@ -190,20 +166,22 @@ def apply_to_llama(model: LlamaForCausalLM | LlamaModel, *, rope: bool = True, r
     if fp8_mlp and "mlp_block" in (kernels or {}):
         raise KernelError("fp8_mlp=True and kernels['mlp_block'] both choose the MLP block's kernel; give one")
     cfg = base.config
-    _check_model(model, base, cfg, rope, swiglu)
+    check_model(model, base, cfg, rope, swiglu)
     for name in sorted(set(kernels or {}) - set(SWAPPABLE)):
         raise KernelError(f"kernels: {name!r} is not a task the drop-in runs; it takes {list(SWAPPABLE)}")
     given = {**(kernels or {}), **({"mlp_block": suite_kernel("mlp_block_fp8", FP8_SUITE)} if fp8_mlp else {})}
     chosen = {name: _kernel(name, given.get(name)) for name in SWAPPABLE}
     if rms_norm or rope or swiglu:
         plan = LayerPlan(rms_norm, rope, swiglu, chosen["out_proj_residual"], chosen["mlp_block"],
-                         cfg.rms_norm_eps, cfg.num_attention_heads, cfg.num_key_value_heads, _head_dim(cfg),
+                         cfg.rms_norm_eps, cfg.num_attention_heads, cfg.num_key_value_heads, head_dim(cfg),
                          norm_offset)
         freq = _rope_lanes(base, plan) if rope else None
         for layer, attention in zip(base.layers, attentions):
             _patch_layer(layer, plan, attention, freq)
     if fused_linear_cross_entropy and causal_lm:
         model.coda_xent = chosen["lm_head_xent"]
+        granite = same_code(type(model).forward, GraniteForCausalLM.forward)
+        model.coda_logits_scale = float(model.config.logits_scaling) if granite else 1.0
         model.forward = PatchedForward(model, _causal_lm_forward)
     base.coda_flags = {"rope": rope, "rms_norm": rms_norm, "swiglu": swiglu,
                        "fused_linear_cross_entropy": fused_linear_cross_entropy, "fp8_mlp": fp8_mlp}
@@ -228,171 +206,6 @@ def _contract_differs(kernel: Kernel, slot: Kernel) -> str:
     if set(kernel.params) != set(slot.params):
         return f"params {sorted(kernel.params)} against {sorted(slot.params)}"
     return ""
-
-
-def _head_dim(cfg: Any) -> int:
-    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-
-
-# --------------------------------------------------------------------------- the architecture
-
-@dataclass(frozen=True)
-class Family:
-    """A model family the patched layer stands in for, told by its attention's code: the forwards
-    of the modules the patch replaces, each module's submodules, and the plan of a layer."""
-
-    attention: Any
-    layer: Any
-    mlp: Any
-    children: dict[str, frozenset[str]]
-    plan: Any  # the attention module -> its AttentionPlan
-    norms: tuple[str, ...] = ()  # the attention's RMSNorms, kept HF's (Qwen3's q/k norms)
-
-
-# An RMSNorm's forward -> the offset of its scale: LLaMA's multiplies by w, Gemma's by 1 + w (in fp32).
-_NORM_OFFSETS = {LlamaRMSNorm.forward: 0.0, GemmaRMSNorm.forward: 1.0}
-
-_LLAMA_CHILDREN = {"layer": frozenset({"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}),
-                   "self_attn": frozenset({"q_proj", "k_proj", "v_proj", "o_proj"}),
-                   "mlp": frozenset({"gate_proj", "up_proj", "down_proj", "act_fn"})}
-
-
-def _phi3_plan(attn: nn.Module) -> AttentionPlan:
-    return AttentionPlan(window=getattr(attn.config, "sliding_window", None), fused=True,
-                         rotary=phi3.apply_rotary_pos_emb)
-
-
-# Whose attention -> its family.  Mistral, Qwen2 and Qwen3 copy LLaMA's decoder layer, RMSNorm and
-# MLP; Phi-3 fuses the projections, keeps residual dropouts and may rotate part of each head.  The
-# decoder stack's own forward stays the model's (embeddings, masks, the final norm).
-_FAMILIES = {
-    "LLaMA's": Family(LlamaAttention.forward, LlamaDecoderLayer.forward, LlamaMLP.forward, _LLAMA_CHILDREN,
-                      lambda attn: AttentionPlan()),
-    "Mistral's": Family(MistralAttention.forward, LlamaDecoderLayer.forward, LlamaMLP.forward, _LLAMA_CHILDREN,
-                        lambda attn: AttentionPlan(window=getattr(attn.config, "sliding_window", None))),
-    "Qwen3's": Family(Qwen3Attention.forward, LlamaDecoderLayer.forward, LlamaMLP.forward,
-                      {**_LLAMA_CHILDREN, "self_attn": _LLAMA_CHILDREN["self_attn"] | {"q_norm", "k_norm"}},
-                      lambda attn: AttentionPlan(qk_norm=True, window=attn.sliding_window), ("q_norm", "k_norm")),
-    "Qwen2's": Family(Qwen2Attention.forward, LlamaDecoderLayer.forward, LlamaMLP.forward, _LLAMA_CHILDREN,
-                      lambda attn: AttentionPlan(window=attn.sliding_window)),
-    "Phi-3's": Family(phi3.Phi3Attention.forward, phi3.Phi3DecoderLayer.forward, phi3.Phi3MLP.forward,
-                      {"layer": _LLAMA_CHILDREN["layer"] | {"resid_attn_dropout", "resid_mlp_dropout"},
-                       "self_attn": frozenset({"qkv_proj", "o_proj"}),
-                       "mlp": frozenset({"gate_up_proj", "down_proj", "activation_fn"})}, _phi3_plan),
-}
-
-
-@lru_cache(maxsize=None)  # every layer of a model asks the same few questions of the same classes
-def _same_code(fn: Any, want: Any) -> bool:
-    """Whether two functions run the same instructions on the same names and constants, their
-    docstrings aside (transformers' model families copy LLaMA's modules: Mistral's decoder layer,
-    RMSNorm and MLP are LLaMA's code under another class name); nested code objects alike."""
-    def consts(c: Any) -> tuple:
-        # A docstring is the first constant, which no instruction loads.
-        used = {i.arg for i in dis.get_instructions(c) if i.opname in ("LOAD_CONST", "RETURN_CONST")}
-        return c.co_consts[1:] if c.co_consts[:1] and isinstance(c.co_consts[0], str) and 0 not in used \
-            else c.co_consts
-
-    def same(a: Any, b: Any) -> bool:
-        ca, cb = consts(a), consts(b)
-        return (a.co_code == b.co_code and a.co_names == b.co_names and len(ca) == len(cb)
-                and all(same(x, y) if hasattr(x, "co_code") and hasattr(y, "co_code")
-                        else type(x) is type(y) and x == y for x, y in zip(ca, cb)))
-
-    a, b = (getattr(inspect.unwrap(f), "__code__", None) for f in (fn, want))
-    return a is not None and b is not None and same(a, b)
-
-
-def _llama_architecture(model: nn.Module) -> tuple[nn.Module, bool, list[AttentionPlan], float]:
-    """(the decoder stack, whether ``model`` is its causal LM, each layer's attention plan, the
-    offset of its RMSNorms' scale) for a model whose every module the patch replaces computes
-    what its family's does (``_FAMILIES``); the layers' RMSNorms are LLaMA's (scale w) or Gemma's
-    (scale 1 + w, in fp32), all alike.  Anything else (extra norms, logit caps, multipliers) is
-    refused by name, since the patched forwards would silently drop it."""
-    causal_lm = hasattr(model, "lm_head") and isinstance(getattr(model, "model", None), nn.Module)
-    base = model.model if causal_lm else model
-    if not all(isinstance(getattr(base, a, None), nn.Module) for a in ("embed_tokens", "layers", "norm",
-                                                                              "rotary_emb")):
-        raise KernelError(f"apply_to_llama patches a transformers LlamaForCausalLM or LlamaModel (or a model "
-                          f"family built from LLaMA's modules, such as Mistral or Qwen3); got "
-                          f"{type(model).__name__}")
-    checks = [("causal LM", model, LlamaForCausalLM.forward, "LLaMA's")] if causal_lm else []
-    attentions: list[AttentionPlan] = []
-    offsets: set[float | None] = set()
-    for layer in base.layers:
-        attn = getattr(layer, "self_attn", None)
-        if not isinstance(attn, nn.Module):
-            raise KernelError(f"{type(layer).__name__} has no self_attn module; apply_to_llama patches decoder "
-                              "layers of LLaMA's shape")
-        kind = next((k for k, f in _FAMILIES.items() if _same_code(type(attn).forward, f.attention)), None)
-        if kind is None:
-            known = list(_FAMILIES)
-            raise KernelError(f"{type(attn).__name__}.forward is not {', '.join(known[:-1])} or {known[-1]} "
-                              "attention; the patched layer would drop what it adds")
-        family = _FAMILIES[kind]
-        for part, want in family.children.items():
-            module = layer if part == "layer" else getattr(layer, part)
-            if set(dict(module.named_children())) != want:
-                extra = sorted(set(dict(module.named_children())) ^ want)
-                raise KernelError(f"{type(module).__name__} differs from {kind} {part} in {extra}: the patched "
-                                  "layer computes that one's, so this model would lose that part")
-
-        def whose(fn: Any) -> str:
-            return "LLaMA's" if fn in (LlamaDecoderLayer.forward, LlamaMLP.forward) else kind
-
-        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-            offsets.add(next((o for fn, o in _NORM_OFFSETS.items() if _same_code(type(norm).forward, fn)), None))
-        checks += [("decoder layer", layer, family.layer, whose(family.layer)),
-                   ("MLP", layer.mlp, family.mlp, whose(family.mlp)),
-                   *(("RMSNorm", getattr(attn, name), LlamaRMSNorm.forward, "LLaMA's") for name in family.norms)]
-        attentions.append(family.plan(attn))
-    if None in offsets:
-        norm = next(m for layer in base.layers for m in (layer.input_layernorm, layer.post_attention_layernorm)
-                    if not any(_same_code(type(m).forward, fn) for fn in _NORM_OFFSETS))
-        raise KernelError(f"{type(norm).__name__}.forward computes something other than LLaMA's RMSNorm (or "
-                          f"Gemma's, 1 + w) ({type(model).__name__} is not a LLaMA-architecture model); "
-                          "apply_to_llama would replace it with LLaMA's")
-    if len(offsets) > 1:
-        raise KernelError("the layers mix LLaMA's and Gemma's RMSNorms; apply_to_llama patches one kind")
-    for what, module, want, owner in checks:
-        if not _same_code(type(module).forward, want):
-            raise KernelError(f"{type(module).__name__}.forward computes something other than {owner} {what} "
-                              f"({type(model).__name__} is not a LLaMA-architecture model); apply_to_llama "
-                              f"would replace it with {owner}")
-    return base, causal_lm, attentions, offsets.pop() if offsets else 0.0
-
-
-def _check_model(model: nn.Module, base: nn.Module, cfg: Any, rope: bool, swiglu: bool) -> None:
-    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
-    if dtypes != {torch.bfloat16}:
-        raise KernelError(f"the model's parameters are {sorted(map(str, dtypes))}; the suite's kernels are "
-                          "verified for bf16: call model.to(torch.bfloat16) before apply_to_llama")
-    for i, layer in enumerate(base.layers):
-        dropped = [n for n in ("resid_attn_dropout", "resid_mlp_dropout") if getattr(layer, n, None) is not None
-                   and getattr(layer, n).p > 0]
-        if dropped:
-            raise KernelError(f"layers.{i}.{dropped[0]} drops with p = {getattr(layer, dropped[0]).p}: the patched "
-                              "layer adds each residual inside a GEMM epilogue, with no dropout; build the model "
-                              "with resid_pdrop=0.0 (Phi-3's default)")
-        linears = [n for n in ("gate_proj", "up_proj", "down_proj", "gate_up_proj") if hasattr(layer.mlp, n)]
-        mlp = [n for n in linears if getattr(layer.mlp, n).bias is not None]
-        if mlp and swiglu:
-            raise KernelError(f"layers.{i}.mlp.{mlp[0]}.bias: MLP biases (mlp_bias) are not in the suite's "
-                              "SwiGLU kernels; pass swiglu=False to keep HF's MLP")
-        qkv = [getattr(layer.self_attn, n).bias is not None for n in ("q_proj", "k_proj", "v_proj", "qkv_proj")
-               if hasattr(layer.self_attn, n)]
-        if any(qkv) and not all(qkv):
-            raise KernelError(f"layers.{i}.self_attn: biases on some of q_proj, k_proj, v_proj ({qkv}); the fused "
-                              "QKV GEMM adds one bias to all three or none")
-    if swiglu and cfg.hidden_act not in ("silu", "swish"):
-        raise KernelError(f"hidden_act {cfg.hidden_act!r}: the MLP kernel is SwiGLU (silu); pass swiglu=False to "
-                          "keep HF's MLP")
-    if rope:
-        rotary = base.rotary_emb
-        if rotary.rope_type not in STATIC_ROPE or rotary.attention_scaling != 1.0:
-            raise KernelError(f"rope_type {rotary.rope_type!r} (attention scaling {rotary.attention_scaling}) "
-                              f"changes RoPE beyond a static frequency table ({', '.join(STATIC_ROPE)}); pass "
-                              "rope=False to keep HF's RoPE")
 
 
 # --------------------------------------------------------------------------- weights
@@ -533,14 +346,20 @@ def _layer_forward(self: nn.Module, hidden_states: torch.Tensor, attention_mask:
         kwargs["sliding_window"] = extra.window
     out, _ = interface(attn, q, k, v, attention_mask, dropout=attn.attention_dropout if attn.training else 0.0,
                        scaling=attn.scaling, **kwargs)
-    # An output-projection bias joins the residual the epilogue adds (autograd sums its gradient).
-    residual = h if attn.o_proj.bias is None else h + attn.o_proj.bias
-    h1 = plan.out_proj(out.reshape(b * t, nq * d), attn.o_proj.weight.t(), residual)["y"]
+    # An output-projection bias joins the residual the epilogue adds (autograd sums its gradient);
+    # a residual scale (Granite's) multiplies the weights whose products the epilogues add, once a
+    # call (a weight-sized product; autograd carries the scale to their gradients).
+    scale = extra.residual_scale
+    w_o, w_down = attn.o_proj.weight.t(), self.mlp.down_proj.weight if plan.swiglu else None
+    if scale != 1.0:
+        w_o, w_down = w_o * scale, None if w_down is None else w_down * scale
+    residual = h if attn.o_proj.bias is None else h + attn.o_proj.bias * scale
+    h1 = plan.out_proj(out.reshape(b * t, nq * d), w_o, residual)["y"]
     if plan.swiglu:
-        h2 = plan.mlp(h1, self.post_attention_layernorm.weight, self.mlp.gate_up_proj.weight,
-                      self.mlp.down_proj.weight, eps=plan.eps)["y"]
+        h2 = plan.mlp(h1, self.post_attention_layernorm.weight, self.mlp.gate_up_proj.weight, w_down,
+                      eps=plan.eps)["y"]
     else:
-        h2 = h1 + self.mlp(self.post_attention_layernorm(h1))
+        h2 = h1 + self.mlp(self.post_attention_layernorm(h1)) * scale
     return h2.view(b, t, dim)
 
 
@@ -563,6 +382,8 @@ def _causal_lm_forward(self: LlamaForCausalLM, input_ids: torch.Tensor | None = 
                          past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
                          **kwargs)
     hidden = outputs.last_hidden_state
+    if self.coda_logits_scale != 1.0:  # Granite divides the logits: the same as dividing h
+        hidden = hidden / self.coda_logits_scale
     if shift_labels is None:
         shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
     loss = linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), self.lm_head.weight,

@@ -23,7 +23,6 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import coda_agent  # noqa: E402
 from coda_agent.kernels import Kernel, KernelError  # noqa: E402
-from coda_agent.kernels.llama import AttentionPlan  # noqa: E402
 from coda_agent.primitives import launch_ledger  # noqa: E402
 from coda_agent.tasks import SUITE_DIR  # noqa: E402
 
@@ -208,40 +207,6 @@ def tiny(family: str, seed: int = 0, **overrides) -> torch.nn.Module:
     return with_norms_off_one(getattr(transformers, f"{family}ForCausalLM")(cfg).to(DEVICE))
 
 
-@pytest.mark.parametrize("window", [None, 8], ids=["full", "sliding_window=8"])
-def test_a_mistral_model_trains_like_hf(window):
-    """Mistral is LLaMA's modules under other names plus a sliding window (24 tokens here, so a
-    window of 8 changes the attention): patched, it trains like the unpatched model."""
-    base = tiny("Mistral", sliding_window=window)
-    hi, lo = train_and_eval(copy.deepcopy(base).float()), train_and_eval(copy.deepcopy(base).bfloat16())
-    model = coda_agent.apply_to_llama(copy.deepcopy(base).bfloat16())
-    assert model.model.layers[0].coda_attention.window == window
-    with launch_ledger() as launched:
-        got = train_and_eval(model)
-    assert {"norm_rope", "add_residual", "norm_swiglu", "logits_lse"} <= {launch.name for launch in launched}
-    assert_like_hf(got, hi, lo)
-    if window is not None:  # the window matters: the full-attention model's loss is another
-        assert abs(train_and_eval(tiny("Mistral").bfloat16())["loss"] - hi["loss"]) > 1e-3
-
-
-@pytest.mark.parametrize("family", ["Mistral", "Qwen3", "Qwen2", "Phi3"])
-def test_other_families_keep_their_hf_state_dict(family):
-    """Qwen3's q/k norm weights, Qwen2's q/k/v biases, Phi-3's projections (fused by HF in another
-    layout under the same keys) and every fused projection come back under HF's keys and values,
-    and load back into a patched model."""
-    hf = tiny(family).bfloat16()
-    if family == "Qwen2":  # HF initializes the biases to zero: make a permutation show
-        with torch.no_grad():
-            for p in (p for n, p in hf.named_parameters() if n.endswith("proj.bias")):
-                p.normal_()
-    want, got = hf.state_dict(), coda_agent.apply_to_llama(copy.deepcopy(hf)).state_dict()
-    assert set(got) == set(want)
-    assert all(torch.equal(got[k], want[k]) for k in want)
-    fresh = coda_agent.apply_to_llama(tiny(family, seed=1).bfloat16())
-    fresh.load_state_dict(want)
-    assert all(torch.equal(v, want[k]) for k, v in fresh.state_dict().items())
-
-
 def with_biases(model: torch.nn.Module) -> torch.nn.Module:
     """The model with its projection biases drawn at the weights' scale (HF initializes them to
     zero, where a bias that is dropped, misplaced or given no gradient would not show)."""
@@ -252,96 +217,6 @@ def with_biases(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-ON_CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA GPU (Hopper)")])
-
-
-@pytest.mark.parametrize("device", ["cpu", ON_CUDA])
-@pytest.mark.parametrize(("norm", "rotate"), [(True, True), (True, False), (False, True), (False, False)],
-                         ids=["norm_rope", "norm", "rope", "plain"])
-def test_the_attention_input_with_a_bias_matches_fp32_autograd(norm, rotate, device):
-    """The QKV op alone, at biases large against the GEMM's output (trained Qwen2 q/k biases are):
-    the output and the gradients of h, gamma, W and the bias within bf16 rounding of fp32
-    autograd through the same math (RMSNorm, GEMM, bias, RoPE on the leading columns); on CUDA,
-    quack's GEMMs with the bias epilogues and the bias pass on the pass kernel."""
-    from coda_agent.kernels.llama_ops import attention_input
-
-    (h, gamma, w, bias), pos, freq, args = _attention_input_case(norm, rotate, device=device)
-    dout = torch.randn(h.shape[0], w.shape[0]).to(device, torch.bfloat16)
-    out = attention_input(*args)
-    out.backward(dout)
-
-    ref = [x.detach().float().requires_grad_() for x in (h, gamma, w, bias)]
-    x = ref[0] * torch.rsqrt(ref[0].pow(2).mean(-1, keepdim=True) + 1e-5) * ref[1] if norm else ref[0]
-    pre = x @ ref[2].t() + ref[3]
-    if rotate:
-        ang = pos[:, None] * freq[None, 0::2]
-        e, o = pre[:, 0::2], pre[:, 1::2]
-        pre = torch.stack((e * ang.cos() - o * ang.sin(), e * ang.sin() + o * ang.cos()), -1).flatten(1)
-    pre.backward(dout.float())
-    pairs = [("out", out, pre), ("dh", h.grad, ref[0].grad), ("dW", w.grad, ref[2].grad),
-             ("dbias", bias.grad, ref[3].grad)] + ([("dgamma", gamma.grad, ref[1].grad)] if norm else [])
-    for name, got, want in pairs:
-        rel = ((got.float() - want).norm() / want.norm()).item()
-        assert rel < 6e-3, (name, rel)
-
-
-def _attention_input_case(norm: bool, rotate: bool, bias_scale: float = 2.0, t: int = 48, dim: int = 128,
-                          n: int = 256, rotated: int = 192, device: str = "cpu") -> tuple:
-    """bf16 leaves (h, gamma, W, bias), positions, RoPE lanes and the op's arguments."""
-    torch.manual_seed(0)
-    leaves = [torch.randn(t, dim), 1 + 0.1 * torch.randn(dim), torch.randn(n, dim) / dim ** 0.5,
-              bias_scale * torch.randn(n)]
-    h, gamma, w, bias = (x.to(device, torch.bfloat16).requires_grad_() for x in leaves)
-    pos = torch.arange(t, device=device).float() * 7  # angles past 2 pi
-    freq = torch.cat(((1e4 ** -(torch.arange(0, rotated, 2) / rotated)).repeat_interleave(2),
-                      torch.zeros(n - rotated))).to(device)
-    args = (h, gamma if norm else None, w, bias, pos if rotate else None, freq if rotate else None, 1e-5, rotated)
-    return (h, gamma, w, bias), pos, freq, args
-
-
-@pytest.mark.slow
-def test_the_bias_epilogues_compile_for_sm90a():
-    """Every QKV epilogue with a bias and the backward's bias pass compile for sm_90a with
-    warpgroup MMAs (the pass on the pass kernel), no spills and no slow-path calls."""
-    from coda_agent.kernels.llama_ops import attention_input
-    from coda_agent.primitives import compile_only
-
-    with compile_only() as kernels:
-        for norm, rotate in ((True, True), (True, False), (False, True), (False, False)):
-            _, _, _, args = _attention_input_case(norm, rotate, t=256, dim=256, n=384, rotated=256)
-            attention_input(*args).backward(torch.ones(256, 384, dtype=torch.bfloat16))
-    compiled = {k.epilogue: k for k in kernels}
-    assert {"norm_bias_rope", "scale_rows_bias", "bias_rope", "add_bias", "row_dot_bias"} <= set(compiled)
-    for k in kernels:
-        assert k.sass.sm90a and k.sass.spill_stores == 0 and k.sass.calls == 0, (k.epilogue, k.sass)
-        assert (k.sass.hgmma > 0) == (k.kind == "gemm"), (k.epilogue, k.kind)
-
-
-@pytest.mark.parametrize(("family", "overrides"), [
-    ("Qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
-    ("Llama", {"attention_bias": True}),
-], ids=["qwen2", "llama_attention_bias"])
-def test_a_model_with_projection_biases_trains_like_hf(family, overrides):
-    """Qwen2 (biases on q, k and v; here a sliding window on its second layer) and LLaMA with
-    ``attention_bias`` (on q, k, v and o): the QKV epilogue adds the bias before RoPE, and the
-    loss, logits and every gradient, the biases' included, match the unpatched model."""
-    base = with_biases(tiny(family, **overrides) if family != "Llama" else tiny_llama(**overrides))
-    hi, lo = train_and_eval(copy.deepcopy(base).float()), train_and_eval(copy.deepcopy(base).bfloat16())
-    assert any(k.endswith("v_proj.bias") for k in hi) and hi["d model.layers.0.self_attn.q_proj.bias"].abs().max() > 0
-    model = coda_agent.apply_to_llama(copy.deepcopy(base).bfloat16())
-    with launch_ledger() as launched:
-        got = train_and_eval(model)
-    assert {"norm_bias_rope", "row_dot_bias", "rmsnorm_dx", "add_residual", "norm_swiglu"} <= {
-        launch.name for launch in launched}
-    assert_like_hf(got, hi, lo)
-    # HF's RoPE after the fused GEMM (the epilogue without RMSNorm or RoPE is the op test's).
-    with launch_ledger() as launched:
-        got = train_and_eval(coda_agent.apply_to_llama(copy.deepcopy(base).bfloat16(), rope=False))
-    assert "scale_rows_bias" in {launch.name for launch in launched}
-    assert_like_hf(got, hi, lo)
-
-
 def test_tied_embeddings_train_like_hf():
     """LLaMA-3.2-1B (and small Qwen3s) tie the LM head to the embedding: the fused loss's dW and
     the embedding's gradient land on one parameter, as in the unpatched model."""
@@ -349,93 +224,6 @@ def test_tied_embeddings_train_like_hf():
     assert base.lm_head.weight is base.model.embed_tokens.weight
     hi, lo = train_and_eval(copy.deepcopy(base).float()), train_and_eval(copy.deepcopy(base).bfloat16())
     assert_like_hf(train_and_eval(coda_agent.apply_to_llama(copy.deepcopy(base).bfloat16())), hi, lo)
-
-
-def test_a_qwen3_model_trains_like_hf():
-    """Qwen3 adds per-head RMSNorms of q and k before RoPE, and here a sliding window on its
-    second layer: the norms and RoPE stay HF's (RoPE cannot ride in the GEMM past the norms),
-    the rest is the suite's kernels, and it trains like the unpatched model."""
-    base = tiny("Qwen3", use_sliding_window=True, sliding_window=8, max_window_layers=1)
-    assert [layer.self_attn.sliding_window for layer in base.model.layers] == [None, 8]
-    hi, lo = train_and_eval(copy.deepcopy(base).float()), train_and_eval(copy.deepcopy(base).bfloat16())
-    model = coda_agent.apply_to_llama(copy.deepcopy(base).bfloat16())
-    assert [layer.coda_attention for layer in model.model.layers] == [
-        AttentionPlan(qk_norm=True), AttentionPlan(qk_norm=True, window=8)]
-    assert model.model.coda_flags["rope"] is False  # HF's, after the norms
-    with launch_ledger() as launched:
-        got = train_and_eval(model)
-    assert {"scale_rows", "add_residual", "norm_swiglu", "logits_lse"} <= {launch.name for launch in launched}
-    assert_like_hf(got, hi, lo)
-
-
-PARTIAL_ROTARY = {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}}
-
-
-@pytest.mark.parametrize(("overrides", "flags", "qkv"), [
-    ({}, {}, "norm_rope"),
-    (PARTIAL_ROTARY, {}, "scale_rows"),
-    ({"sliding_window": 8}, {"swiglu": False}, "norm_rope"),
-], ids=["full-rotary", "partial-rotary", "sliding-hf-mlp"])
-def test_a_phi3_model_trains_like_hf(overrides, flags, qkv):
-    """Phi-3 (and Phi-3.5, Phi-4): q, k and v in one projection and gate and up in another, as
-    halves; the patch re-lays them out as the suite's kernels read them.  Where RoPE turns part of
-    each head (Phi-4-mini's partial_rotary_factor) it stays HF's, after the fused GEMM."""
-    base = tiny("Phi3", **overrides)
-    hi, lo = train_and_eval(copy.deepcopy(base).float()), train_and_eval(copy.deepcopy(base).bfloat16())
-    model = coda_agent.apply_to_llama(copy.deepcopy(base).bfloat16(), **flags)
-    assert model.model.coda_flags["rope"] is (qkv == "norm_rope")
-    assert model.model.layers[0].coda_attention.window == overrides.get("sliding_window")
-    with launch_ledger() as launched:
-        got = train_and_eval(model)
-    names = {launch.name for launch in launched}
-    assert {qkv, "add_residual", "rmsnorm_dx", "logits_lse"} <= names
-    assert ("norm_swiglu" in names) is not ("swiglu" in flags)
-    assert_like_hf(got, hi, lo)
-
-
-def test_a_gemma_model_trains_like_hf_with_its_mlp_kept():
-    """Gemma's RMSNorm scales by 1 + w (in fp32) and its MLP is GeGLU: the input norm folds into
-    the QKV GEMM with that scale, RoPE and the output projection are the suite's, the MLP and
-    its norm stay HF's (swiglu=False, which the refusal above asks for)."""
-    base = tiny("Gemma")
-    hi, lo = train_and_eval(copy.deepcopy(base).float()), train_and_eval(copy.deepcopy(base).bfloat16())
-    model = coda_agent.apply_to_llama(copy.deepcopy(base).bfloat16(), swiglu=False)
-    assert model.model.layers[0].coda_plan.norm_offset == 1.0
-    with launch_ledger() as launched:
-        got = train_and_eval(model)
-    assert {"norm_rope", "rmsnorm_dx", "add_residual", "logits_lse"} <= {launch.name for launch in launched}
-    assert_like_hf(got, hi, lo)
-
-
-@pytest.mark.parametrize("family", ["Llama", "Qwen3"])
-def test_heads_wider_than_the_model_train_like_hf(family):
-    """heads * head_dim past hidden_size (Qwen3-0.6B: 16 x 128 for 1024; Gemma's widths): the
-    QKV GEMM is wider and the output projection (K, H) is not square, which the
-    out_proj_residual task declares and verifies (its wide-heads set)."""
-    wide = {"head_dim": 64}  # 4 heads x 64 = 256 for hidden_size 128
-    base = tiny_llama(**wide) if family == "Llama" else tiny(family, **wide)
-    assert base.model.layers[0].self_attn.o_proj.weight.shape == (128, 256)
-    hi, lo = train_and_eval(copy.deepcopy(base).float()), train_and_eval(copy.deepcopy(base).bfloat16())
-    with launch_ledger() as launched:
-        got = train_and_eval(coda_agent.apply_to_llama(copy.deepcopy(base).bfloat16()))
-    assert {"add_residual", "rmsnorm_dx", "norm_swiglu"} <= {launch.name for launch in launched}
-    assert_like_hf(got, hi, lo)
-
-
-@pytest.mark.parametrize(("family", "overrides", "refusal"), [
-    ("Gemma", {}, r"RMSNorms scale by \(1 \+ weight\) \(Gemma's\), which the MLP block kernel .* pass swiglu=False"),
-    ("Granite", {}, r"GraniteForCausalLM.forward computes something other than LLaMA's causal LM"),
-    ("Olmo2", {}, r"Olmo2Attention.forward is not LLaMA's, Mistral's, Qwen3's, Qwen2's or Phi-3's attention"),
-    ("Gemma2", {"hidden_act": "silu"}, r"Gemma2Attention.forward is not"),
-    ("Phi3", {"resid_pdrop": 0.1}, r"layers.0.resid_attn_dropout drops with p = 0.1: .* resid_pdrop=0.0"),
-], ids=["Gemma", "Granite", "Olmo2", "Gemma2", "Phi3-dropout"])
-def test_a_model_that_is_not_llama_s_modules_is_refused_by_what_differs(family, overrides, refusal):
-    """Every module the patch replaces must compute what LLaMA's does, read from its code: a model
-    with a (1 + w) RMSNorm, logit scaling, softcapped or post-normed attention would
-    otherwise train silently wrong."""
-    model = tiny(family, **overrides).bfloat16()
-    with pytest.raises(KernelError, match=refusal):
-        coda_agent.apply_to_llama(model)
 
 
 @pytest.mark.gpu

@@ -1,0 +1,225 @@
+"""Which transformers models ``apply_to_llama`` can patch, read from their code.
+
+A model qualifies when every module whose forward the patch replaces (the decoder layer, the
+RMSNorms, the MLP, the causal LM's loss path) runs the instructions of its family's, compared
+as code objects (:func:`same_code`: transformers' families copy LLaMA's modules under other
+class names), and each module holds the submodules its family's does.  A family
+(:class:`Family`, ``_FAMILIES``) is told by its attention's code and then its decoder layer's;
+the RMSNorms are LLaMA's (scale w) or Gemma's (scale 1 + w).  What a family does beyond LLaMA's
+is one layer's :class:`AttentionPlan`, which the patched forwards read.  So a model with extra
+norms (Gemma-2, OLMo-2), softcapped logits or LayerNorms (Cohere) is refused by what differs,
+instead of training silently wrong; :func:`check_model` refuses what a known family may still
+hold that the kernels do not take (dtypes, MLP biases, residual dropout, RoPE scaling).
+"""
+
+from __future__ import annotations
+
+import dis
+import inspect
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+from transformers.models.granite.modeling_granite import GraniteDecoderLayer, GraniteForCausalLM
+from transformers.models.llama.modeling_llama import (LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP,
+                                                      LlamaRMSNorm, apply_rotary_pos_emb)
+from transformers.models.mistral.modeling_mistral import MistralAttention
+from transformers.models.phi3 import modeling_phi3 as phi3
+from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
+from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
+
+from .kernel import KernelError
+
+STATIC_ROPE = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """What a layer does beyond LLaMA's: per-head RMSNorms of q and k before RoPE (Qwen3's
+    q_norm, k_norm), a sliding window (Mistral's, Qwen2's and Qwen3's sliding layers), and
+    Phi-3's layout: q, k and v in one projection and gate and up in another (``fused``), and
+    HF's RoPE where it stays HF's (``rotary``: Phi-3's rotates part of each head), and the scale
+    of what each sublayer adds to the residual stream (Granite's ``residual_multiplier``)."""
+
+    qk_norm: bool = False
+    window: int | None = None
+    fused: bool = False
+    rotary: Any = apply_rotary_pos_emb
+    residual_scale: float = 1.0  # Granite's residual_multiplier: h + s * (attention or MLP output)
+
+
+
+def head_dim(cfg: Any) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+@dataclass(frozen=True)
+class Family:
+    """A model family the patched layer stands in for, told by its attention's code: the forwards
+    of the modules the patch replaces, each module's submodules, and the plan of a layer."""
+
+    attention: Any
+    layer: Any
+    mlp: Any
+    children: dict[str, frozenset[str]]
+    plan: Any  # the attention module -> its AttentionPlan
+    norms: tuple[str, ...] = ()  # the attention's RMSNorms, kept HF's (Qwen3's q/k norms)
+
+
+# An RMSNorm's forward -> the offset of its scale: LLaMA's multiplies by w, Gemma's by 1 + w (in fp32).
+_NORM_OFFSETS = {LlamaRMSNorm.forward: 0.0, GemmaRMSNorm.forward: 1.0}
+
+_LLAMA_CHILDREN = {"layer": frozenset({"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}),
+                   "self_attn": frozenset({"q_proj", "k_proj", "v_proj", "o_proj"}),
+                   "mlp": frozenset({"gate_proj", "up_proj", "down_proj", "act_fn"})}
+
+
+def _phi3_plan(attn: nn.Module) -> AttentionPlan:
+    return AttentionPlan(window=getattr(attn.config, "sliding_window", None), fused=True,
+                         rotary=phi3.apply_rotary_pos_emb)
+
+
+# Whose layer -> its family, told by the attention's code and then the decoder layer's.  Mistral,
+# Qwen2 and Qwen3 copy LLaMA's decoder layer, RMSNorm and MLP; Granite copies LLaMA's attention and
+# MLP and scales what each sublayer adds to the residual stream; Phi-3 fuses the projections,
+# keeps residual dropouts and may rotate part of each head.  The decoder stack's own forward stays
+# the model's (embeddings and their multiplier, masks, the final norm).
+_FAMILIES = {
+    "LLaMA's": Family(LlamaAttention.forward, LlamaDecoderLayer.forward, LlamaMLP.forward, _LLAMA_CHILDREN,
+                      lambda attn: AttentionPlan()),
+    "Mistral's": Family(MistralAttention.forward, LlamaDecoderLayer.forward, LlamaMLP.forward, _LLAMA_CHILDREN,
+                        lambda attn: AttentionPlan(window=getattr(attn.config, "sliding_window", None))),
+    "Qwen3's": Family(Qwen3Attention.forward, LlamaDecoderLayer.forward, LlamaMLP.forward,
+                      {**_LLAMA_CHILDREN, "self_attn": _LLAMA_CHILDREN["self_attn"] | {"q_norm", "k_norm"}},
+                      lambda attn: AttentionPlan(qk_norm=True, window=attn.sliding_window), ("q_norm", "k_norm")),
+    "Qwen2's": Family(Qwen2Attention.forward, LlamaDecoderLayer.forward, LlamaMLP.forward, _LLAMA_CHILDREN,
+                      lambda attn: AttentionPlan(window=attn.sliding_window)),
+    "Granite's": Family(LlamaAttention.forward, GraniteDecoderLayer.forward, LlamaMLP.forward, _LLAMA_CHILDREN,
+                        lambda attn: AttentionPlan(residual_scale=float(attn.config.residual_multiplier))),
+    "Phi-3's": Family(phi3.Phi3Attention.forward, phi3.Phi3DecoderLayer.forward, phi3.Phi3MLP.forward,
+                      {"layer": _LLAMA_CHILDREN["layer"] | {"resid_attn_dropout", "resid_mlp_dropout"},
+                       "self_attn": frozenset({"qkv_proj", "o_proj"}),
+                       "mlp": frozenset({"gate_up_proj", "down_proj", "activation_fn"})}, _phi3_plan),
+}
+
+
+@lru_cache(maxsize=None)  # every layer of a model asks the same few questions of the same classes
+def same_code(fn: Any, want: Any) -> bool:
+    """Whether two functions run the same instructions on the same names and constants, their
+    docstrings aside (transformers' model families copy LLaMA's modules: Mistral's decoder layer,
+    RMSNorm and MLP are LLaMA's code under another class name); nested code objects alike."""
+    def consts(c: Any) -> tuple:
+        # A docstring is the first constant, which no instruction loads.
+        used = {i.arg for i in dis.get_instructions(c) if i.opname in ("LOAD_CONST", "RETURN_CONST")}
+        return c.co_consts[1:] if c.co_consts[:1] and isinstance(c.co_consts[0], str) and 0 not in used \
+            else c.co_consts
+
+    def same(a: Any, b: Any) -> bool:
+        ca, cb = consts(a), consts(b)
+        return (a.co_code == b.co_code and a.co_names == b.co_names and len(ca) == len(cb)
+                and all(same(x, y) if hasattr(x, "co_code") and hasattr(y, "co_code")
+                        else type(x) is type(y) and x == y for x, y in zip(ca, cb)))
+
+    a, b = (getattr(inspect.unwrap(f), "__code__", None) for f in (fn, want))
+    return a is not None and b is not None and same(a, b)
+
+
+def llama_architecture(model: nn.Module) -> tuple[nn.Module, bool, list[AttentionPlan], float]:
+    """(the decoder stack, whether ``model`` is its causal LM, each layer's attention plan, the
+    offset of its RMSNorms' scale) for a model whose every module the patch replaces computes
+    what its family's does (``_FAMILIES``); the layers' RMSNorms are LLaMA's (scale w) or Gemma's
+    (scale 1 + w, in fp32), all alike.  Anything else (extra norms, logit caps, multipliers) is
+    refused by name, since the patched forwards would silently drop it."""
+    causal_lm = hasattr(model, "lm_head") and isinstance(getattr(model, "model", None), nn.Module)
+    base = model.model if causal_lm else model
+    if not all(isinstance(getattr(base, a, None), nn.Module) for a in ("embed_tokens", "layers", "norm",
+                                                                              "rotary_emb")):
+        raise KernelError(f"apply_to_llama patches a transformers LlamaForCausalLM or LlamaModel (or a model "
+                          f"family built from LLaMA's modules, such as Mistral or Qwen3); got "
+                          f"{type(model).__name__}")
+    checks = []
+    if causal_lm:
+        granite = same_code(type(model).forward, GraniteForCausalLM.forward)
+        checks.append(("causal LM", model, GraniteForCausalLM.forward if granite else LlamaForCausalLM.forward,
+                       "Granite's" if granite else "LLaMA's"))
+    attentions: list[AttentionPlan] = []
+    offsets: set[float | None] = set()
+    for layer in base.layers:
+        attn = getattr(layer, "self_attn", None)
+        if not isinstance(attn, nn.Module):
+            raise KernelError(f"{type(layer).__name__} has no self_attn module; apply_to_llama patches decoder "
+                              "layers of LLaMA's shape")
+        kinds = [k for k, f in _FAMILIES.items() if same_code(type(attn).forward, f.attention)]
+        if not kinds:
+            known = [k for k, f in _FAMILIES.items() if f.attention is not LlamaAttention.forward or k == "LLaMA's"]
+            raise KernelError(f"{type(attn).__name__}.forward is not {', '.join(known[:-1])} or {known[-1]} "
+                              "attention; the patched layer would drop what it adds")
+        # Families that share an attention (LLaMA's, Granite's) differ in their decoder layer.
+        kind = next((k for k in kinds if same_code(type(layer).forward, _FAMILIES[k].layer)), kinds[0])
+        family = _FAMILIES[kind]
+        for part, want in family.children.items():
+            module = layer if part == "layer" else getattr(layer, part)
+            if set(dict(module.named_children())) != want:
+                extra = sorted(set(dict(module.named_children())) ^ want)
+                raise KernelError(f"{type(module).__name__} differs from {kind} {part} in {extra}: the patched "
+                                  "layer computes that one's, so this model would lose that part")
+
+        def whose(fn: Any) -> str:
+            return "LLaMA's" if fn in (LlamaDecoderLayer.forward, LlamaMLP.forward) else kind
+
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            offsets.add(next((o for fn, o in _NORM_OFFSETS.items() if same_code(type(norm).forward, fn)), None))
+        checks += [("decoder layer", layer, family.layer, whose(family.layer)),
+                   ("MLP", layer.mlp, family.mlp, whose(family.mlp)),
+                   *(("RMSNorm", getattr(attn, name), LlamaRMSNorm.forward, "LLaMA's") for name in family.norms)]
+        attentions.append(family.plan(attn))
+    if None in offsets:
+        norm = next(m for layer in base.layers for m in (layer.input_layernorm, layer.post_attention_layernorm)
+                    if not any(same_code(type(m).forward, fn) for fn in _NORM_OFFSETS))
+        raise KernelError(f"{type(norm).__name__}.forward computes something other than LLaMA's RMSNorm (or "
+                          f"Gemma's, 1 + w) ({type(model).__name__} is not a LLaMA-architecture model); "
+                          "apply_to_llama would replace it with LLaMA's")
+    if len(offsets) > 1:
+        raise KernelError("the layers mix LLaMA's and Gemma's RMSNorms; apply_to_llama patches one kind")
+    for what, module, want, owner in checks:
+        if not same_code(type(module).forward, want):
+            raise KernelError(f"{type(module).__name__}.forward computes something other than {owner} {what} "
+                              f"({type(model).__name__} is not a LLaMA-architecture model); apply_to_llama "
+                              f"would replace it with {owner}")
+    return base, causal_lm, attentions, offsets.pop() if offsets else 0.0
+
+
+def check_model(model: nn.Module, base: nn.Module, cfg: Any, rope: bool, swiglu: bool) -> None:
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    if dtypes != {torch.bfloat16}:
+        raise KernelError(f"the model's parameters are {sorted(map(str, dtypes))}; the suite's kernels are "
+                          "verified for bf16: call model.to(torch.bfloat16) before apply_to_llama")
+    for i, layer in enumerate(base.layers):
+        dropped = [n for n in ("resid_attn_dropout", "resid_mlp_dropout") if getattr(layer, n, None) is not None
+                   and getattr(layer, n).p > 0]
+        if dropped:
+            raise KernelError(f"layers.{i}.{dropped[0]} drops with p = {getattr(layer, dropped[0]).p}: the patched "
+                              "layer adds each residual inside a GEMM epilogue, with no dropout; build the model "
+                              "with resid_pdrop=0.0 (Phi-3's default)")
+        linears = [n for n in ("gate_proj", "up_proj", "down_proj", "gate_up_proj") if hasattr(layer.mlp, n)]
+        mlp = [n for n in linears if getattr(layer.mlp, n).bias is not None]
+        if mlp and swiglu:
+            raise KernelError(f"layers.{i}.mlp.{mlp[0]}.bias: MLP biases (mlp_bias) are not in the suite's "
+                              "SwiGLU kernels; pass swiglu=False to keep HF's MLP")
+        qkv = [getattr(layer.self_attn, n).bias is not None for n in ("q_proj", "k_proj", "v_proj", "qkv_proj")
+               if hasattr(layer.self_attn, n)]
+        if any(qkv) and not all(qkv):
+            raise KernelError(f"layers.{i}.self_attn: biases on some of q_proj, k_proj, v_proj ({qkv}); the fused "
+                              "QKV GEMM adds one bias to all three or none")
+    if swiglu and cfg.hidden_act not in ("silu", "swish"):
+        raise KernelError(f"hidden_act {cfg.hidden_act!r}: the MLP kernel is SwiGLU (silu); pass swiglu=False to "
+                          "keep HF's MLP")
+    if rope:
+        rotary = base.rotary_emb
+        if rotary.rope_type not in STATIC_ROPE or rotary.attention_scaling != 1.0:
+            raise KernelError(f"rope_type {rotary.rope_type!r} (attention scaling {rotary.attention_scaling}) "
+                              f"changes RoPE beyond a static frequency table ({', '.join(STATIC_ROPE)}); pass "
+                              "rope=False to keep HF's RoPE")

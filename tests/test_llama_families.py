@@ -1,0 +1,190 @@
+"""apply_to_llama on the model families beyond LLaMA (transformers models built from tiny
+configs, CPU, the reference lowering), held to test_llama.py's bar: the loss, the logits and
+every gradient against the unpatched model in fp32, within twice HF's own bf16 error.  Each
+family's difference from LLaMA is exercised where it lives (a sliding window, q/k norms, biases,
+fused projections, partial rotary, multipliers, a (1 + w) RMSNorm, wide heads), and a model that
+differs where the patch cannot follow is refused by name."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+from test_llama import assert_like_hf, tiny, tiny_llama, train_and_eval, with_biases  # noqa: E402
+
+import coda_agent  # noqa: E402
+from coda_agent.kernels import KernelError  # noqa: E402
+from coda_agent.kernels.llama import AttentionPlan  # noqa: E402
+from coda_agent.primitives import launch_ledger  # noqa: E402
+
+
+@pytest.mark.parametrize("window", [None, 8], ids=["full", "sliding_window=8"])
+def test_a_mistral_model_trains_like_hf(window):
+    """Mistral is LLaMA's modules under other names plus a sliding window (24 tokens here, so a
+    window of 8 changes the attention): patched, it trains like the unpatched model."""
+    base = tiny("Mistral", sliding_window=window)
+    hi, lo = train_and_eval(copy.deepcopy(base).float()), train_and_eval(copy.deepcopy(base).bfloat16())
+    model = coda_agent.apply_to_llama(copy.deepcopy(base).bfloat16())
+    assert model.model.layers[0].coda_attention.window == window
+    with launch_ledger() as launched:
+        got = train_and_eval(model)
+    assert {"norm_rope", "add_residual", "norm_swiglu", "logits_lse"} <= {launch.name for launch in launched}
+    assert_like_hf(got, hi, lo)
+    if window is not None:  # the window matters: the full-attention model's loss is another
+        assert abs(train_and_eval(tiny("Mistral").bfloat16())["loss"] - hi["loss"]) > 1e-3
+
+
+@pytest.mark.parametrize("family", ["Mistral", "Qwen3", "Qwen2", "Phi3"])
+def test_other_families_keep_their_hf_state_dict(family):
+    """Qwen3's q/k norm weights, Qwen2's q/k/v biases, Phi-3's projections (fused by HF in another
+    layout under the same keys) and every fused projection come back under HF's keys and values,
+    and load back into a patched model."""
+    hf = tiny(family).bfloat16()
+    if family == "Qwen2":  # HF initializes the biases to zero: make a permutation show
+        with torch.no_grad():
+            for p in (p for n, p in hf.named_parameters() if n.endswith("proj.bias")):
+                p.normal_()
+    want, got = hf.state_dict(), coda_agent.apply_to_llama(copy.deepcopy(hf)).state_dict()
+    assert set(got) == set(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    fresh = coda_agent.apply_to_llama(tiny(family, seed=1).bfloat16())
+    fresh.load_state_dict(want)
+    assert all(torch.equal(v, want[k]) for k, v in fresh.state_dict().items())
+
+
+@pytest.mark.parametrize(("family", "overrides"), [
+    ("Qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
+    ("Llama", {"attention_bias": True}),
+], ids=["qwen2", "llama_attention_bias"])
+def test_a_model_with_projection_biases_trains_like_hf(family, overrides):
+    """Qwen2 (biases on q, k and v; here a sliding window on its second layer) and LLaMA with
+    ``attention_bias`` (on q, k, v and o): the QKV epilogue adds the bias before RoPE, and the
+    loss, logits and every gradient, the biases' included, match the unpatched model."""
+    base = with_biases(tiny(family, **overrides) if family != "Llama" else tiny_llama(**overrides))
+    hi, lo = train_and_eval(copy.deepcopy(base).float()), train_and_eval(copy.deepcopy(base).bfloat16())
+    assert any(k.endswith("v_proj.bias") for k in hi) and hi["d model.layers.0.self_attn.q_proj.bias"].abs().max() > 0
+    model = coda_agent.apply_to_llama(copy.deepcopy(base).bfloat16())
+    with launch_ledger() as launched:
+        got = train_and_eval(model)
+    assert {"norm_bias_rope", "row_dot_bias", "rmsnorm_dx", "add_residual", "norm_swiglu"} <= {
+        launch.name for launch in launched}
+    assert_like_hf(got, hi, lo)
+    # HF's RoPE after the fused GEMM (the epilogue without RMSNorm or RoPE is the op test's).
+    with launch_ledger() as launched:
+        got = train_and_eval(coda_agent.apply_to_llama(copy.deepcopy(base).bfloat16(), rope=False))
+    assert "scale_rows_bias" in {launch.name for launch in launched}
+    assert_like_hf(got, hi, lo)
+
+
+def test_a_qwen3_model_trains_like_hf():
+    """Qwen3 adds per-head RMSNorms of q and k before RoPE, and here a sliding window on its
+    second layer: the norms and RoPE stay HF's (RoPE cannot ride in the GEMM past the norms),
+    the rest is the suite's kernels, and it trains like the unpatched model."""
+    base = tiny("Qwen3", use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    assert [layer.self_attn.sliding_window for layer in base.model.layers] == [None, 8]
+    hi, lo = train_and_eval(copy.deepcopy(base).float()), train_and_eval(copy.deepcopy(base).bfloat16())
+    model = coda_agent.apply_to_llama(copy.deepcopy(base).bfloat16())
+    assert [layer.coda_attention for layer in model.model.layers] == [
+        AttentionPlan(qk_norm=True), AttentionPlan(qk_norm=True, window=8)]
+    assert model.model.coda_flags["rope"] is False  # HF's, after the norms
+    with launch_ledger() as launched:
+        got = train_and_eval(model)
+    assert {"scale_rows", "add_residual", "norm_swiglu", "logits_lse"} <= {launch.name for launch in launched}
+    assert_like_hf(got, hi, lo)
+
+
+PARTIAL_ROTARY = {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}}
+
+
+@pytest.mark.parametrize(("overrides", "flags", "qkv"), [
+    ({}, {}, "norm_rope"),
+    (PARTIAL_ROTARY, {}, "scale_rows"),
+    ({"sliding_window": 8}, {"swiglu": False}, "norm_rope"),
+], ids=["full-rotary", "partial-rotary", "sliding-hf-mlp"])
+def test_a_phi3_model_trains_like_hf(overrides, flags, qkv):
+    """Phi-3 (and Phi-3.5, Phi-4): q, k and v in one projection and gate and up in another, as
+    halves; the patch re-lays them out as the suite's kernels read them.  Where RoPE turns part of
+    each head (Phi-4-mini's partial_rotary_factor) it stays HF's, after the fused GEMM."""
+    base = tiny("Phi3", **overrides)
+    hi, lo = train_and_eval(copy.deepcopy(base).float()), train_and_eval(copy.deepcopy(base).bfloat16())
+    model = coda_agent.apply_to_llama(copy.deepcopy(base).bfloat16(), **flags)
+    assert model.model.coda_flags["rope"] is (qkv == "norm_rope")
+    assert model.model.layers[0].coda_attention.window == overrides.get("sliding_window")
+    with launch_ledger() as launched:
+        got = train_and_eval(model)
+    names = {launch.name for launch in launched}
+    assert {qkv, "add_residual", "rmsnorm_dx", "logits_lse"} <= names
+    assert ("norm_swiglu" in names) is not ("swiglu" in flags)
+    assert_like_hf(got, hi, lo)
+
+
+GRANITE = dict(residual_multiplier=0.22, logits_scaling=8.0, embedding_multiplier=12.0, attention_multiplier=0.0625)
+
+
+@pytest.mark.parametrize(("overrides", "flags"), [({}, {}), ({"attention_bias": True}, {"swiglu": False}),
+                                                  ({"tie_word_embeddings": True}, {})],
+                         ids=["plain", "biases-hf-mlp", "tied"])
+def test_a_granite_model_trains_like_hf(overrides, flags):
+    """Granite is LLaMA's attention and MLP with multipliers: each sublayer's output scaled
+    before the residual add (folded into the weights whose products the epilogues add), the logits
+    divided (the LM head's input divided instead), the embeddings and attention scaled by HF's own
+    code."""
+    base = tiny("Granite", **GRANITE, **overrides)
+    if overrides.get("attention_bias"):
+        base = with_biases(base)
+    hi, lo = train_and_eval(copy.deepcopy(base).float()), train_and_eval(copy.deepcopy(base).bfloat16())
+    model = coda_agent.apply_to_llama(copy.deepcopy(base).bfloat16(), **flags)
+    assert model.model.layers[0].coda_attention.residual_scale == pytest.approx(0.22)
+    assert model.coda_logits_scale == 8.0
+    with launch_ledger() as launched:
+        got = train_and_eval(model)
+    assert {"add_residual", "rmsnorm_dx", "logits_lse"} <= {launch.name for launch in launched}
+    assert_like_hf(got, hi, lo)
+
+
+def test_a_gemma_model_trains_like_hf_with_its_mlp_kept():
+    """Gemma's RMSNorm scales by 1 + w (in fp32) and its MLP is GeGLU: the input norm folds into
+    the QKV GEMM with that scale, RoPE and the output projection are the suite's, the MLP and
+    its norm stay HF's (swiglu=False, which the refusal above asks for)."""
+    base = tiny("Gemma")
+    hi, lo = train_and_eval(copy.deepcopy(base).float()), train_and_eval(copy.deepcopy(base).bfloat16())
+    model = coda_agent.apply_to_llama(copy.deepcopy(base).bfloat16(), swiglu=False)
+    assert model.model.layers[0].coda_plan.norm_offset == 1.0
+    with launch_ledger() as launched:
+        got = train_and_eval(model)
+    assert {"norm_rope", "rmsnorm_dx", "add_residual", "logits_lse"} <= {launch.name for launch in launched}
+    assert_like_hf(got, hi, lo)
+
+
+@pytest.mark.parametrize("family", ["Llama", "Qwen3"])
+def test_heads_wider_than_the_model_train_like_hf(family):
+    """heads * head_dim past hidden_size (Qwen3-0.6B: 16 x 128 for 1024; Gemma's widths): the
+    QKV GEMM is wider and the output projection (K, H) is not square, which the
+    out_proj_residual task declares and verifies (its wide-heads set)."""
+    wide = {"head_dim": 64}  # 4 heads x 64 = 256 for hidden_size 128
+    base = tiny_llama(**wide) if family == "Llama" else tiny(family, **wide)
+    assert base.model.layers[0].self_attn.o_proj.weight.shape == (128, 256)
+    hi, lo = train_and_eval(copy.deepcopy(base).float()), train_and_eval(copy.deepcopy(base).bfloat16())
+    with launch_ledger() as launched:
+        got = train_and_eval(coda_agent.apply_to_llama(copy.deepcopy(base).bfloat16()))
+    assert {"add_residual", "rmsnorm_dx", "norm_swiglu"} <= {launch.name for launch in launched}
+    assert_like_hf(got, hi, lo)
+
+
+@pytest.mark.parametrize(("family", "overrides", "refusal"), [
+    ("Gemma", {}, r"RMSNorms scale by \(1 \+ weight\) \(Gemma's\), which the MLP block kernel .* pass swiglu=False"),
+    ("Cohere", {}, r"CohereAttention.forward is not LLaMA's, Mistral's"),
+    ("Olmo2", {}, r"Olmo2Attention.forward is not LLaMA's, Mistral's, Qwen3's, Qwen2's or Phi-3's attention"),
+    ("Gemma2", {"hidden_act": "silu"}, r"Gemma2Attention.forward is not"),
+    ("Phi3", {"resid_pdrop": 0.1}, r"layers.0.resid_attn_dropout drops with p = 0.1: .* resid_pdrop=0.0"),
+], ids=["Gemma", "Cohere", "Olmo2", "Gemma2", "Phi3-dropout"])
+def test_a_model_that_is_not_llama_s_modules_is_refused_by_what_differs(family, overrides, refusal):
+    """Every module the patch replaces must compute what LLaMA's does, read from its code: a model
+    with a (1 + w) RMSNorm, logit scaling, softcapped or post-normed attention would
+    otherwise train silently wrong."""
+    model = tiny(family, **overrides).bfloat16()
+    with pytest.raises(KernelError, match=refusal):
+        coda_agent.apply_to_llama(model)

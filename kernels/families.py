@@ -38,28 +38,32 @@ STATIC_ROPE = ("default", "linear", "llama3")
 
 @dataclass(frozen=True)
 class AttentionPlan:
-    """What a layer does beyond LLaMA's: per-head RMSNorms of q and k before RoPE (Qwen3's
-    q_norm, k_norm), a sliding window (Mistral's, Qwen2's and Qwen3's sliding layers), and
-    Phi-3's layout: q, k and v in one projection and gate and up in another (``fused``), and
-    HF's RoPE where it stays HF's (``rotary``: Phi-3's rotates part of each head), and the scale
-    of what each sublayer adds to the residual stream (Granite's ``residual_multiplier``)."""
+    """What a layer does beyond LLaMA's, as the patched forwards read it:
+
+    - ``qk_norm``: per-head RMSNorms of q and k before RoPE (Qwen3's q_norm, k_norm);
+    - ``window``: a sliding window (Mistral's; Qwen2's and Qwen3's sliding layers);
+    - ``fused``: q, k and v in one projection and gate and up in another (Phi-3's layout);
+    - ``rotary``: HF's rotation, where RoPE stays HF's (Phi-3's rotates part of each head);
+    - ``residual_scale``: what each sublayer adds to the residual stream is scaled (Granite's
+      ``residual_multiplier``)."""
 
     qk_norm: bool = False
     window: int | None = None
     fused: bool = False
     rotary: Any = apply_rotary_pos_emb
-    residual_scale: float = 1.0  # Granite's residual_multiplier: h + s * (attention or MLP output)
-
+    residual_scale: float = 1.0
 
 
 def head_dim(cfg: Any) -> int:
+    """A config's head width (its ``head_dim``, else hidden_size / heads)."""
     return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
 
 @dataclass(frozen=True)
 class Family:
-    """A model family the patched layer stands in for, told by its attention's code: the forwards
-    of the modules the patch replaces, each module's submodules, and the plan of a layer."""
+    """A model family the patched layer stands in for, told by its attention's code and then its
+    decoder layer's: the forwards of the modules the patch replaces, each module's submodules, and
+    the plan of a layer."""
 
     attention: Any
     layer: Any
@@ -131,7 +135,7 @@ def llama_architecture(model: nn.Module) -> tuple[nn.Module, bool, list[Attentio
     """(the decoder stack, whether ``model`` is its causal LM, each layer's attention plan, the
     offset of its RMSNorms' scale) for a model whose every module the patch replaces computes
     what its family's does (``_FAMILIES``); the layers' RMSNorms are LLaMA's (scale w) or Gemma's
-    (scale 1 + w, in fp32), all alike.  Anything else (extra norms, logit caps, multipliers) is
+    (scale 1 + w, in fp32), all alike.  Anything else (extra norms, logit caps, LayerNorms) is
     refused by name, since the patched forwards would silently drop it."""
     causal_lm = hasattr(model, "lm_head") and isinstance(getattr(model, "model", None), nn.Module)
     base = model.model if causal_lm else model
@@ -193,6 +197,9 @@ def llama_architecture(model: nn.Module) -> tuple[nn.Module, bool, list[Attentio
 
 
 def check_model(model: nn.Module, base: nn.Module, cfg: Any, rope: bool, swiglu: bool) -> None:
+    """Refuse, naming the fix, what a model of a known family may hold that the kernels chosen by
+    the flags do not take: other dtypes, residual dropout, MLP biases, biases on some of q/k/v
+    only, an activation other than SwiGLU's, RoPE beyond a static frequency table."""
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
     if dtypes != {torch.bfloat16}:
         raise KernelError(f"the model's parameters are {sorted(map(str, dtypes))}; the suite's kernels are "

@@ -137,6 +137,9 @@ def llama_architecture(model: nn.Module) -> tuple[nn.Module, bool, list[Attentio
     what its family's does (``_FAMILIES``); the layers' RMSNorms are LLaMA's (scale w) or Gemma's
     (scale 1 + w, in fp32), all alike.  Anything else (extra norms, logit caps, LayerNorms) is
     refused by name, since the patched forwards would silently drop it."""
+    if isinstance(getattr(model, "_orig_mod", None), nn.Module):  # torch.compile's wrapper
+        raise KernelError("this model is wrapped by torch.compile; patch the model itself first, then compile "
+                          "it: apply_to_llama(model); model = torch.compile(model)")
     causal_lm = hasattr(model, "lm_head") and isinstance(getattr(model, "model", None), nn.Module)
     base = model.model if causal_lm else model
     if not all(isinstance(getattr(base, a, None), nn.Module) for a in ("embed_tokens", "layers", "norm",
@@ -205,6 +208,14 @@ def check_model(model: nn.Module, base: nn.Module, cfg: Any, rope: bool, swiglu:
         raise KernelError(f"the model's parameters are {sorted(map(str, dtypes))}; the suite's kernels are "
                           "verified for bf16: call model.to(torch.bfloat16) before apply_to_llama")
     for i, layer in enumerate(base.layers):
+        for part in ("self_attn", "mlp"):
+            for name, m in getattr(layer, part).named_children():
+                if name.endswith("_proj") and type(m) is not nn.Linear:
+                    raise KernelError(
+                        f"layers.{i}.{part}.{name} is {type(m).__name__}, not nn.Linear: apply_to_llama fuses "
+                        "the projections' weights into its kernels, which would drop what the module adds (a "
+                        "LoRA adapter, a quantized weight); merge adapters into the weights first "
+                        "(peft's merge_and_unload) or patch the unwrapped bf16 model")
         dropped = [n for n in ("resid_attn_dropout", "resid_mlp_dropout") if getattr(layer, n, None) is not None
                    and getattr(layer, n).p > 0]
         if dropped:

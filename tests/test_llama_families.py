@@ -188,3 +188,25 @@ def test_a_model_that_is_not_llama_s_modules_is_refused_by_what_differs(family, 
     model = tiny(family, **overrides).bfloat16()
     with pytest.raises(KernelError, match=refusal):
         coda_agent.apply_to_llama(model)
+
+
+class AdapterLinear(torch.nn.Linear):
+    """A projection with an adapter beside its weight, the shape of peft's LoRA layers."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__(linear.in_features, linear.out_features, bias=linear.bias is not None)
+        self.lora_a = torch.nn.Linear(linear.in_features, 2, bias=False)
+
+
+def test_a_wrapped_projection_or_a_compiled_model_is_refused_with_the_fix():
+    """What would lose its meaning inside the fused weights (an adapter, a quantized layer) is
+    refused, and so is torch.compile's wrapper (patch first, then compile)."""
+    model = tiny_llama().bfloat16()
+    attn = model.model.layers[1].self_attn
+    attn.v_proj = AdapterLinear(attn.v_proj).bfloat16()
+    with pytest.raises(KernelError, match=r"layers.1.self_attn.v_proj is AdapterLinear, not nn.Linear: .* "
+                       "merge_and_unload"):
+        coda_agent.apply_to_llama(model)
+    with pytest.raises(KernelError, match=r"wrapped by torch.compile; patch the model itself first"):
+        coda_agent.apply_to_llama(torch.compile(tiny_llama().bfloat16()))
+

@@ -220,19 +220,21 @@ def test_a_kernel_trains_through_torch_compile():
         assert torch.equal(eager, compiled)
 
 
-@pytest.mark.parametrize("family", ["Llama", "Qwen3", "Qwen2", "Phi3"])
+@pytest.mark.parametrize("family", ["Llama", "Qwen3", "Qwen2", "Phi3", "Granite", "Gemma"])
 def test_a_patched_transformers_model_compiles_whole(family):
     """No graph break in a patched model, Qwen3's q/k norms, Qwen2's biases, Phi-3's fused
-    projections and a sliding layer included."""
+    projections, Granite's multipliers, Gemma's (1 + w) norms and a sliding layer included."""
     pytest.importorskip("transformers")
     import coda_agent
     from test_llama import batch, hf_layout, tiny, tiny_llama, with_biases
 
-    base = tiny_llama() if family == "Llama" else tiny(family, use_sliding_window=True, sliding_window=8,
-                                                         max_window_layers=1)
+    overrides = {"Qwen3": dict(use_sliding_window=True, sliding_window=8, max_window_layers=1),
+                 "Qwen2": dict(use_sliding_window=True, sliding_window=8, max_window_layers=1),
+                 "Phi3": dict(sliding_window=8), "Granite": dict(residual_multiplier=0.22, logits_scaling=8.0)}
+    base = tiny_llama() if family == "Llama" else tiny(family, **overrides.get(family, {}))
     if family == "Qwen2":
         base = with_biases(base)
-    model = coda_agent.apply_to_llama(base.bfloat16())
+    model = coda_agent.apply_to_llama(base.bfloat16(), swiglu=family != "Gemma")
     ids, labels = batch()
     model.train()
     eager = model(ids, labels=labels).loss

@@ -2,8 +2,12 @@
 
 A model qualifies when every module whose forward the patch replaces (the decoder layer, the
 RMSNorms, the MLP, the causal LM's loss path) runs the instructions of its family's, compared
-as code objects (:func:`same_code`: transformers' families copy LLaMA's modules under other
-class names), and each module holds the submodules its family's does.  A family
+as code objects together with the module-level helpers they call (:func:`same_code`:
+transformers' families copy LLaMA's modules under other class names, and a copy may call a
+helper of the same name that differs), and each module holds the submodules its family's does.
+RoPE runs in the QKV epilogue only where the attention's own rotation and the rotary tables
+agree with LLaMA's on a probe (:func:`rotation_is_llamas`, :func:`tables_are_llamas`); elsewhere
+it stays HF's, through the rotation the attention itself calls.  A family
 (:class:`Family`, ``_FAMILIES``) is told by its attention's code and then its decoder layer's;
 the RMSNorms are LLaMA's (scale w) or Gemma's (scale 1 + w).  What a family does beyond LLaMA's
 is one layer's :class:`AttentionPlan`, which the patched forwards read.  So a model with extra
@@ -14,6 +18,7 @@ hold that the kernels do not take (dtypes, MLP biases, residual dropout, RoPE sc
 
 from __future__ import annotations
 
+import dataclasses
 import dis
 import inspect
 from dataclasses import dataclass
@@ -43,7 +48,8 @@ class AttentionPlan:
     - ``qk_norm``: per-head RMSNorms of q and k before RoPE (Qwen3's q_norm, k_norm);
     - ``window``: a sliding window (Mistral's; Qwen2's and Qwen3's sliding layers);
     - ``fused``: q, k and v in one projection and gate and up in another (Phi-3's layout);
-    - ``rotary``: HF's rotation, where RoPE stays HF's (Phi-3's rotates part of each head);
+    - ``rotary``: the rotation the attention's own code calls (its module's
+      ``apply_rotary_pos_emb``), which the patched layer calls where RoPE stays HF's;
     - ``residual_scale``: what each sublayer adds to the residual stream is scaled (Granite's
       ``residual_multiplier``)."""
 
@@ -82,8 +88,7 @@ _LLAMA_CHILDREN = {"layer": frozenset({"self_attn", "mlp", "input_layernorm", "p
 
 
 def _phi3_plan(attn: nn.Module) -> AttentionPlan:
-    return AttentionPlan(window=getattr(attn.config, "sliding_window", None), fused=True,
-                         rotary=phi3.apply_rotary_pos_emb)
+    return AttentionPlan(window=getattr(attn.config, "sliding_window", None), fused=True)
 
 
 # Whose layer -> its family, told by the attention's code and then the decoder layer's.  Mistral,
@@ -112,9 +117,18 @@ _FAMILIES = {
 
 @lru_cache(maxsize=None)  # every layer of a model asks the same few questions of the same classes
 def same_code(fn: Any, want: Any) -> bool:
-    """Whether two functions run the same instructions on the same names and constants, their
-    docstrings aside (transformers' model families copy LLaMA's modules: Mistral's decoder layer,
-    RMSNorm and MLP are LLaMA's code under another class name); nested code objects alike."""
+    """Whether two functions compute the same thing, as far as their code shows: the same
+    instructions on the same names and constants, their docstrings aside, nested code objects
+    alike, and every global they name bound to the same object in both modules, or to
+    functions that are the same code in turn.  transformers' model families copy LLaMA's modules
+    under other class names (Mistral's decoder layer, RMSNorm and MLP are LLaMA's code); the
+    globals matter because a copied forward may call a helper of the same name that differs
+    (Ernie 4.5's attention is LLaMA's bytecode, its ``apply_rotary_pos_emb`` rotates interleaved
+    pairs)."""
+    return _same(fn, want, frozenset())
+
+
+def _same(fn: Any, want: Any, seen: frozenset) -> bool:
     def consts(c: Any) -> tuple:
         # A docstring is the first constant, which no instruction loads.
         used = {i.arg for i in dis.get_instructions(c) if i.opname in ("LOAD_CONST", "RETURN_CONST")}
@@ -127,8 +141,33 @@ def same_code(fn: Any, want: Any) -> bool:
                 and all(same(x, y) if hasattr(x, "co_code") and hasattr(y, "co_code")
                         else type(x) is type(y) and x == y for x, y in zip(ca, cb)))
 
-    a, b = (getattr(inspect.unwrap(f), "__code__", None) for f in (fn, want))
-    return a is not None and b is not None and same(a, b)
+    f, w = inspect.unwrap(fn), inspect.unwrap(want)
+    a, b = getattr(f, "__code__", None), getattr(w, "__code__", None)
+    if a is None or b is None or not same(a, b):
+        return False
+    if f is w or (a, b) in seen:
+        return True
+    seen = seen | {(a, b)}
+    ga, gb = getattr(f, "__globals__", {}), getattr(w, "__globals__", {})
+    for name in _global_names(a):
+        x, y = ga.get(name, _MISSING), gb.get(name, _MISSING)
+        if x is y:
+            continue
+        if not (inspect.isfunction(x) and inspect.isfunction(y) and _same(x, y, seen)):
+            return False
+    return True
+
+
+_MISSING = object()
+
+
+def _global_names(code: Any) -> set[str]:
+    """The names a code object (and those nested in it) loads as globals."""
+    names = {i.argval for i in dis.get_instructions(code) if i.opname in ("LOAD_GLOBAL", "LOAD_NAME")}
+    for c in code.co_consts:
+        if hasattr(c, "co_code"):
+            names |= _global_names(c)
+    return names
 
 
 def llama_architecture(model: nn.Module) -> tuple[nn.Module, bool, list[AttentionPlan], float]:
@@ -182,7 +221,8 @@ def llama_architecture(model: nn.Module) -> tuple[nn.Module, bool, list[Attentio
         checks += [("decoder layer", layer, family.layer, whose(family.layer)),
                    ("MLP", layer.mlp, family.mlp, whose(family.mlp)),
                    *(("RMSNorm", getattr(attn, name), LlamaRMSNorm.forward, "LLaMA's") for name in family.norms)]
-        attentions.append(family.plan(attn))
+        rotary = inspect.unwrap(type(attn).forward).__globals__.get("apply_rotary_pos_emb", apply_rotary_pos_emb)
+        attentions.append(dataclasses.replace(family.plan(attn), rotary=rotary))
     if None in offsets:
         norm = next(m for layer in base.layers for m in (layer.input_layernorm, layer.post_attention_layernorm)
                     if not any(same_code(type(m).forward, fn) for fn in _NORM_OFFSETS))
@@ -197,6 +237,51 @@ def llama_architecture(model: nn.Module) -> tuple[nn.Module, bool, list[Attentio
                               f"({type(model).__name__} is not a LLaMA-architecture model); apply_to_llama "
                               f"would replace it with {owner}")
     return base, causal_lm, attentions, offsets.pop() if offsets else 0.0
+
+
+def _llama_tables(inv: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    angles = pos.double()[..., None] * inv.double()
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos(), angles.sin()
+
+
+_PROBE_POSITIONS = (0, 1, 7, 4093)
+
+
+def rotation_is_llamas(base: nn.Module, attentions: list[AttentionPlan]) -> bool:
+    """Whether every attention rotates q and k as LLaMA's ``apply_rotary_pos_emb`` does (halves of
+    whole heads), which the QKV epilogue reproduces on pairs: the attention's own rotation,
+    probed on random q and k with LLaMA's tables (Phi-3's function, which also rotates part of a
+    head, agrees on whole heads; Ernie 4.5's interleaved one does not)."""
+    inv = base.rotary_emb.inv_freq.detach().float().cpu()
+    if inv.numel() * 2 != head_dim(base.config):
+        return False
+    pos = torch.tensor([_PROBE_POSITIONS])
+    cos, sin = (t.float() for t in _llama_tables(inv, pos))
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, 2, len(_PROBE_POSITIONS), inv.numel() * 2, generator=gen) for _ in range(2))
+    want = apply_rotary_pos_emb(q, k, cos, sin)
+    for rotary in {a.rotary for a in attentions}:
+        try:
+            got = rotary(q, k, cos, sin)
+        except (RuntimeError, ValueError, IndexError):
+            return False
+        if not all(torch.allclose(g.float(), w, atol=1e-5) for g, w in zip(got, want)):
+            return False
+    return True
+
+
+def tables_are_llamas(base: nn.Module) -> bool:
+    """Whether the rotary embedding gives LLaMA's tables, ``cos(pos * inv_freq)`` and ``sin``
+    over both halves of a head (what the QKV epilogue computes from ``inv_freq``), checked on a
+    few positions: the families' rotary forwards differ in code, not in these values."""
+    rotary = base.rotary_emb
+    inv = rotary.inv_freq.detach().float()
+    pos = torch.tensor([_PROBE_POSITIONS], device=inv.device)
+    with torch.no_grad():
+        cos, sin = rotary(torch.zeros(1, device=inv.device), pos)
+    want_cos, want_sin = _llama_tables(inv, pos)
+    return bool(torch.allclose(cos.double(), want_cos, atol=1e-5) and torch.allclose(sin.double(), want_sin, atol=1e-5))
 
 
 def check_model(model: nn.Module, base: nn.Module, cfg: Any, rope: bool, swiglu: bool) -> None:

@@ -88,7 +88,8 @@ from transformers.utils import can_return_tuple
 
 from coda_agent.tasks import SUITE_DIR, load_task
 
-from .families import AttentionPlan, check_model, head_dim, llama_architecture, same_code
+from .families import (AttentionPlan, check_model, head_dim, llama_architecture, rotation_is_llamas, same_code,
+                       tables_are_llamas)
 from .kernel import Kernel, KernelError
 from .llama_ops import IGNORE_INDEX, attention_input, linear_cross_entropy
 from .source import load_kernel
@@ -151,10 +152,9 @@ def apply_to_llama(model: LlamaForCausalLM | LlamaModel, *, rope: bool = True, r
         raise KernelError(f"this model is already patched ({flags}); patch a fresh one")
     base, causal_lm, attentions, norm_offset = llama_architecture(model)
     # RoPE rides in the QKV GEMM's epilogue only where nothing sits between the projection and
-    # the rotation and it turns whole heads: after Qwen3's q/k norms, or where it rotates part of
-    # each head (Phi-3's partial_rotary_factor), it stays HF's.
-    whole_heads = base.rotary_emb.inv_freq.numel() * 2 == head_dim(base.config)
-    rope = rope and whole_heads and not any(a.qk_norm for a in attentions)
+    # the rotation and the rotation is LLaMA's: after Qwen3's q/k norms, where it turns part of
+    # each head (Phi-3's partial_rotary_factor) or pairs of another layout, it stays HF's.
+    rope = rope and not any(a.qk_norm for a in attentions) and rotation_is_llamas(base, attentions)
     if norm_offset and swiglu:
         raise KernelError("this model's RMSNorms scale by (1 + weight) (Gemma's), which the MLP block kernel "
                           "(mlp_block) does not take; pass swiglu=False to keep HF's MLP and its norm")
@@ -166,7 +166,8 @@ def apply_to_llama(model: LlamaForCausalLM | LlamaModel, *, rope: bool = True, r
     if fp8_mlp and "mlp_block" in (kernels or {}):
         raise KernelError("fp8_mlp=True and kernels['mlp_block'] both choose the MLP block's kernel; give one")
     cfg = base.config
-    check_model(model, base, cfg, rope, swiglu)
+    check_model(model, base, cfg, rope, swiglu)  # a scaled RoPE asks for rope=False, by name
+    rope = rope and tables_are_llamas(base)
     for name in sorted(set(kernels or {}) - set(SWAPPABLE)):
         raise KernelError(f"kernels: {name!r} is not a task the drop-in runs; it takes {list(SWAPPABLE)}")
     given = {**(kernels or {}), **({"mlp_block": suite_kernel("mlp_block_fp8", FP8_SUITE)} if fp8_mlp else {})}

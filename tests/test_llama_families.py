@@ -17,7 +17,6 @@ from test_llama import assert_like_hf, tiny, tiny_llama, train_and_eval, with_bi
 
 import coda_agent  # noqa: E402
 from coda_agent.kernels import KernelError  # noqa: E402
-from coda_agent.kernels.llama import AttentionPlan  # noqa: E402
 from coda_agent.primitives import launch_ledger  # noqa: E402
 
 
@@ -87,8 +86,11 @@ def test_a_qwen3_model_trains_like_hf():
     assert [layer.self_attn.sliding_window for layer in base.model.layers] == [None, 8]
     hi, lo = train_and_eval(copy.deepcopy(base).float()), train_and_eval(copy.deepcopy(base).bfloat16())
     model = coda_agent.apply_to_llama(copy.deepcopy(base).bfloat16())
-    assert [layer.coda_attention for layer in model.model.layers] == [
-        AttentionPlan(qk_norm=True), AttentionPlan(qk_norm=True, window=8)]
+    from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+
+    plans = [layer.coda_attention for layer in model.model.layers]
+    assert [(p.qk_norm, p.window) for p in plans] == [(True, None), (True, 8)]
+    assert all(p.rotary is apply_rotary_pos_emb for p in plans)  # the rotation Qwen3's attention calls
     assert model.model.coda_flags["rope"] is False  # HF's, after the norms
     with launch_ledger() as launched:
         got = train_and_eval(model)
@@ -180,7 +182,9 @@ def test_heads_wider_than_the_model_train_like_hf(family):
     ("Olmo2", {}, r"Olmo2Attention.forward is not LLaMA's, Mistral's, Qwen3's, Qwen2's or Phi-3's attention"),
     ("Gemma2", {"hidden_act": "silu"}, r"Gemma2Attention.forward is not"),
     ("Phi3", {"resid_pdrop": 0.1}, r"layers.0.resid_attn_dropout drops with p = 0.1: .* resid_pdrop=0.0"),
-], ids=["Gemma", "Cohere", "Olmo2", "Gemma2", "Phi3-dropout"])
+    # LLaMA's attention bytecode, but the apply_rotary_pos_emb it calls rotates interleaved pairs
+    ("Ernie4_5", {}, r"Ernie4_5Attention.forward is not LLaMA's"),
+], ids=["Gemma", "Cohere", "Olmo2", "Gemma2", "Phi3-dropout", "Ernie4_5-helper"])
 def test_a_model_that_is_not_llama_s_modules_is_refused_by_what_differs(family, overrides, refusal):
     """Every module the patch replaces must compute what LLaMA's does, read from its code: a model
     with a (1 + w) RMSNorm, logit scaling, softcapped or post-normed attention would
@@ -210,3 +214,17 @@ def test_a_wrapped_projection_or_a_compiled_model_is_refused_with_the_fix():
     with pytest.raises(KernelError, match=r"wrapped by torch.compile; patch the model itself first"):
         coda_agent.apply_to_llama(torch.compile(tiny_llama().bfloat16()))
 
+
+
+def test_same_code_compares_the_helpers_a_function_calls():
+    """Two functions of the same bytecode that call a module-level helper of the same name are the
+    same code only if the helpers are (a copied forward may call a rotation of another layout)."""
+    from coda_agent.kernels.families import same_code
+
+    def make(helper_body: str):
+        scope: dict = {}
+        exec(f"def helper(x):\n    return {helper_body}\n\ndef forward(x):\n    return helper(x) + 1\n", scope)
+        return scope["forward"]
+
+    assert same_code(make("x * 2"), make("x * 2"))
+    assert not same_code(make("x * 2"), make("x * 3"))

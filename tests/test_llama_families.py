@@ -36,6 +36,17 @@ def test_a_mistral_model_trains_like_hf(window):
         assert abs(train_and_eval(tiny("Mistral").bfloat16())["loss"] - hi["loss"]) > 1e-3
 
 
+def test_a_ministral_model_trains_like_hf():
+    """Ministral: no family of its own, its modules are another family's code (its sliding window
+    per layer included); recognised by that code, it trains like the unpatched model."""
+    base = tiny("Ministral", sliding_window=8)
+    hi, lo = train_and_eval(copy.deepcopy(base).float()), train_and_eval(copy.deepcopy(base).bfloat16())
+    model = coda_agent.apply_to_llama(copy.deepcopy(base).bfloat16())
+    assert [layer.coda_attention.window for layer in model.model.layers] == [8, 8]
+    assert model.model.coda_flags["rope"] is True
+    assert_like_hf(train_and_eval(model), hi, lo)
+
+
 @pytest.mark.parametrize("family", ["Mistral", "Qwen3", "Qwen2", "Phi3"])
 def test_other_families_keep_their_hf_state_dict(family):
     """Qwen3's q/k norm weights, Qwen2's q/k/v biases, Phi-3's projections (fused by HF in another

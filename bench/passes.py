@@ -140,8 +140,7 @@ def rms_prepare(device: str = "cuda", shapes: tuple = ((16384, 2048), (16384, 40
     its PyTorch body against the tile pass it runs on CUDA, torch.compile of the same math and a
     copy.  Rows carry ms and GB/s of one read and one write of x."""
     from coda_agent.primitives import lowering
-    from coda_agent.primitives.aux import _rms_prepare_torch
-    from coda_agent.primitives.aux import rms_prepare_pass
+    from coda_agent.primitives.aux import _rms_prepare_torch, rms_prepare_pass
 
     low = "cute" if device == "cuda" else "reference"
     out: dict[str, Any] = {}

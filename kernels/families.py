@@ -35,6 +35,7 @@ from transformers.models.mistral.modeling_mistral import MistralAttention
 from transformers.models.phi3 import modeling_phi3 as phi3
 from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
+from transformers.models.smollm3.modeling_smollm3 import SmolLM3Attention
 
 from .kernel import KernelError
 
@@ -51,13 +52,16 @@ class AttentionPlan:
     - ``rotary``: the rotation the attention's own code calls (its module's
       ``apply_rotary_pos_emb``), which the patched layer calls where RoPE stays HF's;
     - ``residual_scale``: what each sublayer adds to the residual stream is scaled (Granite's
-      ``residual_multiplier``)."""
+      ``residual_multiplier``);
+    - ``rotates``: whether the layer applies RoPE at all (SmolLM3's layers without position
+      encoding do not)."""
 
     qk_norm: bool = False
     window: int | None = None
     fused: bool = False
     rotary: Any = apply_rotary_pos_emb
     residual_scale: float = 1.0
+    rotates: bool = True
 
 
 def head_dim(cfg: Any) -> int:
@@ -92,7 +96,7 @@ def _phi3_plan(attn: nn.Module) -> AttentionPlan:
 
 
 # Whose layer -> its family, told by the attention's code and then the decoder layer's.  Mistral,
-# Qwen2 and Qwen3 copy LLaMA's decoder layer, RMSNorm and MLP; Granite copies LLaMA's attention and
+# Qwen2, Qwen3 and SmolLM3 (whose layers may skip RoPE) copy LLaMA's decoder layer, RMSNorm and MLP; Granite copies LLaMA's attention and
 # MLP and scales what each sublayer adds to the residual stream; Phi-3 fuses the projections,
 # keeps residual dropouts and may rotate part of each head.  The decoder stack's own forward stays
 # the model's (embeddings and their multiplier, masks, the final norm).
@@ -106,6 +110,8 @@ _FAMILIES = {
                       lambda attn: AttentionPlan(qk_norm=True, window=attn.sliding_window), ("q_norm", "k_norm")),
     "Qwen2's": Family(Qwen2Attention.forward, LlamaDecoderLayer.forward, LlamaMLP.forward, _LLAMA_CHILDREN,
                       lambda attn: AttentionPlan(window=attn.sliding_window)),
+    "SmolLM3's": Family(SmolLM3Attention.forward, LlamaDecoderLayer.forward, LlamaMLP.forward, _LLAMA_CHILDREN,
+                        lambda attn: AttentionPlan(window=attn.sliding_window, rotates=bool(attn.use_rope))),
     "Granite's": Family(LlamaAttention.forward, GraniteDecoderLayer.forward, LlamaMLP.forward, _LLAMA_CHILDREN,
                         lambda attn: AttentionPlan(residual_scale=float(attn.config.residual_multiplier))),
     "Phi-3's": Family(phi3.Phi3Attention.forward, phi3.Phi3DecoderLayer.forward, phi3.Phi3MLP.forward,

@@ -10,6 +10,7 @@ model of a family built from LLaMA's modules:
   which stays HF's;
 - Gemma: RMSNorms that scale by 1 + w, folded into the QKV GEMM as such; its GeGLU MLP stays
   HF's (``swiglu=False``);
+- SmolLM3: the same, with some layers that skip RoPE;
 - Granite: multipliers on what each sublayer adds to the residual stream (folded into the output
   and down projections' weights) and on the logits (the LM head's input divided instead).
 
@@ -298,7 +299,7 @@ def _patch_layer(layer: nn.Module, plan: LayerPlan, attention: AttentionPlan, fr
     else:
         _relayout(attn, "qkv_proj", ("q_proj", "k_proj", "v_proj"), lambda q, k, v: _fuse_qkv(q, k, v, plan),
                   lambda w: _split_qkv(w, plan))
-    if freq is not None:
+    if freq is not None and attention.rotates:
         attn.register_buffer("coda_rope_freq", freq, persistent=False)
     if plan.swiglu and attention.fused:
         _relayout(layer.mlp, "gate_up_proj", ("gate_up_proj",), lambda w: _interleave_rows(*w.chunk(2)),
@@ -323,8 +324,10 @@ def _layer_forward(self: nn.Module, hidden_states: torch.Tensor, attention_mask:
     b, t, dim = hidden_states.shape
     h = hidden_states.reshape(b * t, dim)
     x = h if plan.rms_norm else self.input_layernorm(hidden_states).reshape(b * t, dim)
+    extra: AttentionPlan = self.coda_attention
+    rope = plan.rope and extra.rotates  # in this layer's QKV epilogue
     pos = None
-    if plan.rope:
+    if rope:
         ids = position_ids if position_ids is not None else torch.arange(t, device=h.device)[None]
         pos = ids.expand(b, t).reshape(-1).float()
     d, nq, nkv = plan.head_dim, plan.heads, plan.kv_heads
@@ -332,13 +335,12 @@ def _layer_forward(self: nn.Module, hidden_states: torch.Tensor, attention_mask:
     if plan.norm_offset:  # Gemma's scale, 1 + w, in fp32 as HF computes it (autograd carries dw)
         gamma = gamma.float() + plan.norm_offset
     qkv = attention_input(x, gamma if plan.rms_norm else None, attn.qkv_proj.weight,
-                          attn.qkv_proj.bias, pos, attn.coda_rope_freq if plan.rope else None, plan.eps,
+                          attn.qkv_proj.bias, pos, attn.coda_rope_freq if rope else None, plan.eps,
                           (nq + nkv) * d)
     q, k, v = (part.view(b, t, -1, d).transpose(1, 2) for part in qkv.split([nq * d, nkv * d, nkv * d], dim=1))
-    extra: AttentionPlan = self.coda_attention
     if extra.qk_norm:  # over each head's D columns, the last dimension either way
         q, k = attn.q_norm(q), attn.k_norm(k)
-    if not plan.rope:
+    if not plan.rope and extra.rotates:
         q, k = extra.rotary(q, k, *position_embeddings)
     if past_key_values is not None:
         k, v = past_key_values.update(k, v, attn.layer_idx)

@@ -36,6 +36,21 @@ def test_a_mistral_model_trains_like_hf(window):
         assert abs(train_and_eval(tiny("Mistral").bfloat16())["loss"] - hi["loss"]) > 1e-3
 
 
+@pytest.mark.parametrize("flags", [{}, {"rope": False}], ids=["rope-in-epilogue", "hf-rope"])
+def test_a_smollm3_model_with_layers_that_skip_rope_trains_like_hf(flags):
+    """SmolLM3 leaves RoPE out of some layers (``no_rope_layers``): those layers' QKV epilogue
+    rotates nothing, and with HF's RoPE they skip HF's rotation too."""
+    base = tiny("SmolLM3", no_rope_layers=[1, 0], use_sliding_window=False)
+    hi, lo = train_and_eval(copy.deepcopy(base).float()), train_and_eval(copy.deepcopy(base).bfloat16())
+    model = coda_agent.apply_to_llama(copy.deepcopy(base).bfloat16(), **flags)
+    assert [layer.coda_attention.rotates for layer in model.model.layers] == [True, False]
+    with launch_ledger() as launched:
+        got = train_and_eval(model)
+    assert ("norm_rope" in {launch.name for launch in launched}) is not ("rope" in flags)
+    assert "scale_rows" in {launch.name for launch in launched}  # the layer without RoPE
+    assert_like_hf(got, hi, lo)
+
+
 def test_a_ministral_model_trains_like_hf():
     """Ministral: no family of its own, its modules are another family's code (its sliding window
     per layer included); recognised by that code, it trains like the unpatched model."""
@@ -190,7 +205,7 @@ def test_heads_wider_than_the_model_train_like_hf(family):
 @pytest.mark.parametrize(("family", "overrides", "refusal"), [
     ("Gemma", {}, r"RMSNorms scale by \(1 \+ weight\) \(Gemma's\), which the MLP block kernel .* pass swiglu=False"),
     ("Cohere", {}, r"CohereAttention.forward is not LLaMA's, Mistral's"),
-    ("Olmo2", {}, r"Olmo2Attention.forward is not LLaMA's, Mistral's, Qwen3's, Qwen2's or Phi-3's attention"),
+    ("Olmo2", {}, r"Olmo2Attention.forward is not LLaMA's, Mistral's, Qwen3's, Qwen2's, SmolLM3's or Phi-3's attention"),
     ("Gemma2", {"hidden_act": "silu"}, r"Gemma2Attention.forward is not"),
     ("Phi3", {"resid_pdrop": 0.1}, r"layers.0.resid_attn_dropout drops with p = 0.1: .* resid_pdrop=0.0"),
     # LLaMA's attention bytecode, but the apply_rotary_pos_emb it calls rotates interleaved pairs

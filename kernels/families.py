@@ -198,7 +198,8 @@ def llama_architecture(model: nn.Module) -> tuple[nn.Module, bool, list[Attentio
         checks.append(("causal LM", model, GraniteForCausalLM.forward if granite else LlamaForCausalLM.forward,
                        "Granite's" if granite else "LLaMA's"))
     attentions: list[AttentionPlan] = []
-    offsets: set[float | None] = set()
+    offsets: set[float] = set()
+    unknown_norm = None  # the first RMSNorm that is neither LLaMA's nor Gemma's
     for layer in base.layers:
         attn = getattr(layer, "self_attn", None)
         if not isinstance(attn, nn.Module):
@@ -223,16 +224,18 @@ def llama_architecture(model: nn.Module) -> tuple[nn.Module, bool, list[Attentio
             return "LLaMA's" if fn in (LlamaDecoderLayer.forward, LlamaMLP.forward) else kind
 
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-            offsets.add(next((o for fn, o in _NORM_OFFSETS.items() if same_code(type(norm).forward, fn)), None))
+            offset = next((o for fn, o in _NORM_OFFSETS.items() if same_code(type(norm).forward, fn)), None)
+            if offset is None:
+                unknown_norm = unknown_norm or norm
+            else:
+                offsets.add(offset)
         checks += [("decoder layer", layer, family.layer, whose(family.layer)),
                    ("MLP", layer.mlp, family.mlp, whose(family.mlp)),
                    *(("RMSNorm", getattr(attn, name), LlamaRMSNorm.forward, "LLaMA's") for name in family.norms)]
         rotary = inspect.unwrap(type(attn).forward).__globals__.get("apply_rotary_pos_emb", apply_rotary_pos_emb)
         attentions.append(dataclasses.replace(family.plan(attn), rotary=rotary))
-    if None in offsets:
-        norm = next(m for layer in base.layers for m in (layer.input_layernorm, layer.post_attention_layernorm)
-                    if not any(same_code(type(m).forward, fn) for fn in _NORM_OFFSETS))
-        raise KernelError(f"{type(norm).__name__}.forward computes something other than LLaMA's RMSNorm (or "
+    if unknown_norm is not None:
+        raise KernelError(f"{type(unknown_norm).__name__}.forward computes something other than LLaMA's RMSNorm (or "
                           f"Gemma's, 1 + w) ({type(model).__name__} is not a LLaMA-architecture model); "
                           "apply_to_llama would replace it with LLaMA's")
     if len(offsets) > 1:

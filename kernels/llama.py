@@ -228,9 +228,15 @@ def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: LayerPlan
     return torch.cat((q, k, v)).contiguous()
 
 
+def _hf_qkv_rows(w: torch.Tensor, plan: LayerPlan) -> tuple[torch.Tensor, ...]:
+    """Rows [q; k; v] as the three parts: Phi-3's qkv_proj in HF's layout, or the fused weight."""
+    d = plan.head_dim
+    return w.split([plan.heads * d, plan.kv_heads * d, plan.kv_heads * d])
+
+
 def _split_qkv(w: torch.Tensor, plan: LayerPlan) -> tuple[torch.Tensor, ...]:
     d = plan.head_dim
-    q, k, v = w.split([plan.heads * d, plan.kv_heads * d, plan.kv_heads * d])
+    q, k, v = _hf_qkv_rows(w, plan)
     if plan.rope:
         q, k = halves_from_pairs(q, plan.heads, d), halves_from_pairs(k, plan.kv_heads, d)
     return q.contiguous(), k.contiguous(), v.contiguous()
@@ -283,12 +289,6 @@ def _rope_lanes(base: LlamaModel, plan: LayerPlan) -> torch.Tensor:
     lanes = base.rotary_emb.inv_freq.float().repeat_interleave(2)
     v = torch.zeros(plan.kv_heads * plan.head_dim, device=lanes.device)
     return torch.cat((lanes.repeat(plan.heads), lanes.repeat(plan.kv_heads), v))
-
-
-def _hf_qkv_rows(w: torch.Tensor, plan: LayerPlan) -> tuple[torch.Tensor, ...]:
-    """Phi-3's qkv_proj rows [q; k; v] (HF's layout) as the three parts."""
-    d = plan.head_dim
-    return w.split([plan.heads * d, plan.kv_heads * d, plan.kv_heads * d])
 
 
 def _patch_layer(layer: nn.Module, plan: LayerPlan, attention: AttentionPlan, freq: torch.Tensor | None) -> None:

@@ -313,6 +313,23 @@ def run(out: Path, recipes: list[str], cfg: Config, steps: int, band_seeds: int,
 # --------------------------------------------------------------------------- summary and plot
 
 
+def band_keys(final: dict[str, float]) -> list[str]:
+    return [k for k in final if k.startswith("torchao_rowwise/")]
+
+
+def band_verdict(final: dict[str, float], band: list[str]) -> tuple[list[float | None], dict[str, str]]:
+    """The noise band, [min, max] of the final losses of the runs ``band`` names (one recipe, other
+    seeds), and each run's place against it: ``within`` (the band widened by its own width on
+    each side, since a few seeds sample the spread, not bound it), ``better`` or ``worse``."""
+    values = [final[k] for k in band]
+    if not values:
+        return [None, None], {}
+    lo, hi = min(values), max(values)
+    width = hi - lo  # one seed: no width, the run must match it
+    return [lo, hi], {k: "within" if lo - width <= v <= hi + width else ("better" if v < lo else "worse")
+                      for k, v in final.items()}
+
+
 def summarize(path: Path, tail: int = 20) -> dict:
     """Final loss (mean of the last ``tail`` steps) per run, the noise band of the
     torchao_rowwise seeds, and which rows land inside it."""
@@ -322,16 +339,8 @@ def summarize(path: Path, tail: int = 20) -> dict:
         if "loss" in row:
             curves.setdefault((row["recipe"], row["seed"]), []).append(row["loss"])
     final = {f"{r}/{s}": sum(c[-tail:]) / len(c[-tail:]) for (r, s), c in curves.items()}
-    band = [v for k, v in final.items() if k.startswith("torchao_rowwise/")]
-    lo, hi = (min(band), max(band)) if band else (None, None)
-    spread = (hi - lo) if band and len(band) > 1 else None
-    verdict = {}
-    if lo is not None:
-        # A single-seed band has no width: allow the torchao row's own step-to-step noise.
-        width = spread if spread else 0.0
-        for k, v in final.items():
-            verdict[k] = "within" if lo - width <= v <= hi + width else ("better" if v < lo else "worse")
-    return {"final_loss": final, "torchao_rowwise_band": [lo, hi], "band_seeds": len(band),
+    band, verdict = band_verdict(final, band_keys(final))
+    return {"final_loss": final, "torchao_rowwise_band": band, "band_seeds": len(band_keys(final)),
             "verdict_vs_band": verdict, "steps": {f"{r}/{s}": len(c) for (r, s), c in curves.items()}}
 
 

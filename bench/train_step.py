@@ -23,12 +23,11 @@ GEMM / attention / other, with the time inside CODA's catalogue launches (the
 share of the step the fused ops cover) and the cap: step time minus the
 non-attention non-GEMM time, the best any fusion of the rest could reach.
 
-Then the loss curve: 200 steps of a small config on a fixed synthetic corpus
-(a random bigram chain, so the loss has something to learn), CODA and eager
-in bf16 against eager in fp32; the gap between bf16 eager and fp32 is the bf16
-noise CODA's curve is read against.  ``--plot DIR`` draws it to PNG
-(matplotlib, the ``plot`` extra; on the GPU machine the PNG is drawn if
-matplotlib is there, else from the JSON afterwards).
+Then the loss curves (``bench/loss_curve.py``): 200 steps of a small config,
+eager fp32 and bf16, CODA bf16, torchao's float8 and CODA fp8, the fp8 rows at
+``--band-seeds`` seeds for torchao's noise band.  ``--plot DIR`` draws
+DIR/loss_curve.json to PNG (matplotlib, the ``plot`` extra; on the GPU machine
+the PNG is drawn if matplotlib is there, else from the JSON afterwards).
 
 Every measurement runs in its own process (Liger patches transformers' module
 globals, compile caches and peak memory must not leak between contenders, and
@@ -50,6 +49,7 @@ skipped), which CI tests.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import multiprocessing
@@ -64,6 +64,9 @@ from typing import Any
 import torch
 
 from coda_agent.storage import write_atomic
+
+sys.path.insert(0, str(Path(__file__).parent))
+import loss_curve  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -149,8 +152,9 @@ def classify(name: str) -> str:
     return "gemm" if any(k in low for k in GEMM) else "other"
 
 
-def split_step(step: Any, device: str) -> dict[str, float]:
-    """One step under torch.profiler: kernel ms by class, and the ms inside catalogue launches."""
+def split_step(step: Any, device: str, top: int = 30) -> tuple[dict[str, float], dict[str, Any]]:
+    """One step under torch.profiler: kernel ms by class and the ms inside catalogue launches,
+    and where it went: the ``top`` kernels by device time, and every catalogue launch by name."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
@@ -159,15 +163,35 @@ def split_step(step: Any, device: str) -> dict[str, float]:
         if device == "cuda":
             torch.cuda.synchronize()
     split = {"gemm": 0.0, "attention": 0.0, "other": 0.0, "coda_gemm": 0.0, "coda_aux": 0.0}
+    by_kernel: dict[str, list[float]] = {}
+    by_launch: dict[str, list[float]] = {}
     events = prof.events()
     for e in device_kernels(events):
-        split[classify(e.name)] += e.time_range.elapsed_us() / 1e3
+        ms = e.time_range.elapsed_us() / 1e3
+        split[classify(e.name)] += ms
+        _tally(by_kernel, f"{classify(e.name)}: {e.name[:160]}", ms)
     for e in events:
-        if e.device_type != torch.autograd.DeviceType.CUDA and e.name.startswith("coda::") and not _inside_coda(e):
+        if e.device_type == torch.autograd.DeviceType.CUDA or not e.name.startswith("coda::"):
+            continue
+        if not _inside_coda(e):
             split["coda_gemm" if e.name.startswith("coda::gemm") else "coda_aux"] += e.device_time_total / 1e3
+        # The launch's own range (coda::gemm::EPILOGUE) sits inside the custom op's event
+        # (coda::gemm) when the op goes through the dispatcher, as in a compiled graph.
+        if e.name.count("::") == 2 and not _inside_coda(e, launches_only=True):
+            _tally(by_launch, e.name, e.device_time_total / 1e3)
     split["kernels"] = split["gemm"] + split["attention"] + split["other"]
     split["fused_share"] = (split["coda_gemm"] + split["coda_aux"]) / split["kernels"] if split["kernels"] else 0.0
-    return {k: round(v, 3) for k, v in split.items()}
+    ranked = sorted(by_kernel.items(), key=lambda kv: -kv[1][1])
+    where = {"top_kernels": [{"kernel": k, "calls": int(n), "ms": round(ms, 3)} for k, (n, ms) in ranked[:top]],
+             "coda_launches": {k: {"calls": int(n), "ms": round(ms, 3)}
+                               for k, (n, ms) in sorted(by_launch.items(), key=lambda kv: -kv[1][1])}}
+    return {k: round(v, 3) for k, v in split.items()}, where
+
+
+def _tally(table: dict[str, list[float]], key: str, ms: float) -> None:
+    calls_ms = table.setdefault(key, [0, 0.0])
+    calls_ms[0] += 1
+    calls_ms[1] += ms
 
 
 def device_kernels(events: Any) -> list[Any]:
@@ -188,17 +212,21 @@ def device_kernels(events: Any) -> list[Any]:
     return out
 
 
-def _inside_coda(e: Any) -> bool:
+def _inside_coda(e: Any, launches_only: bool = False) -> bool:
+    """Whether a catalogue op or range (only a launch's range, ``coda::KIND::NAME``, with
+    ``launches_only``) encloses ``e``."""
     parent = e.cpu_parent
     while parent is not None:
-        if parent.name.startswith("coda::"):
+        if parent.name.startswith("coda::") and (not launches_only or parent.name.count("::") == 2):
             return True
         parent = parent.cpu_parent
     return False
 
 
-def measure(config: str, contender: str, steps: int, warmup: int, device: str) -> dict[str, Any]:
-    """ms/step, tokens/s, peak memory and the profiled split of one contender at one config."""
+def measure(config: str, contender: str, steps: int, warmup: int, device: str, tune: bool = False) -> dict[str, Any]:
+    """ms/step, tokens/s, peak memory and the profiled split of one contender at one config.
+    ``tune``: a CODA contender's first step tunes each GEMM the tuning cache does not hold
+    (``autotune``), backward included."""
     model, batch, seq = build(config, device, torch.bfloat16)
     model = prepare(model, contender, device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
@@ -212,11 +240,16 @@ def measure(config: str, contender: str, steps: int, warmup: int, device: str) -
         opt.zero_grad(set_to_none=True)
 
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    from coda_agent.primitives.tuning import autotune
+
     t0 = time.time()
-    step()
-    sync()
+    with autotune() if tune and contender.startswith("coda") else contextlib.nullcontext() as tuned:
+        step()
+        sync()
     row: dict[str, Any] = {"config": config, "contender": contender, "tokens": batch * seq,
                            "first_step_s": round(time.time() - t0, 1)}
+    if tuned is not None:
+        row["tuned"] = [{"epilogue": t["epilogue"], "MNK": t["MNK"], "best": t["best"]} for t in tuned]
     for _ in range(warmup):
         step()
     sync()
@@ -243,7 +276,7 @@ def measure(config: str, contender: str, steps: int, warmup: int, device: str) -
     row["ms"] = round(statistics.median(ms), 2)
     row["ms_p10_p90"] = [round(v, 2) for v in _p10_p90(ms)]
     row["tokens_per_s"] = round(row["tokens"] / row["ms"] * 1e3)
-    row["split_ms"] = split_step(step, device)
+    row["split_ms"], row["where"] = split_step(step, device)
     row["cap_ms"] = round(row["ms"] - row["split_ms"]["other"], 2)
     from torch._dynamo.utils import counters
 
@@ -257,81 +290,20 @@ def _p10_p90(ms: list[float]) -> tuple[float, float]:
     return s[int(0.1 * (len(s) - 1))], s[int(math.ceil(0.9 * (len(s) - 1)))]
 
 
-def bigram_corpus(vocab: int, batch: int, seq: int, steps: int, device: str) -> torch.Tensor:
-    """(steps, batch, seq) tokens from a fixed random bigram chain (4 likely successors per token)."""
-    gen = torch.Generator(device="cpu").manual_seed(2)
-    succ = torch.randint(0, vocab, (vocab, 4), generator=gen)
-    tok = torch.randint(0, vocab, (steps * batch,), generator=gen)
-    out = torch.empty(steps * batch, seq, dtype=torch.long)
-    for t in range(seq):
-        out[:, t] = tok
-        tok = succ[tok, torch.randint(0, 4, tok.shape, generator=gen)]
-    return out.view(steps, batch, seq).to(device)
-
-
-def loss_curve(steps: int, device: str, config: str) -> dict[str, Any]:
-    """Per-step training loss of eager fp32, eager bf16 and CODA bf16 on the same corpus and init."""
-    import coda_agent
-
-    base, batch, seq = build(config, device, torch.float32)
-    data = bigram_corpus(base.config.vocab_size, batch, seq, steps, device)
-    curves: dict[str, list[float]] = {}
-    for name, dtype, patch in (("eager_fp32", torch.float32, False), ("eager_bf16", torch.bfloat16, False),
-                               ("coda_bf16", torch.bfloat16, True)):
-        model, _, _ = build(config, device, dtype)
-        model.load_state_dict(base.state_dict())
-        if patch:
-            coda_agent.apply_to_llama(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=device == "cuda")
-        model.train()
-        losses = []
-        for ids in data:
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(loss.detach())
-        curves[name] = [round(v, 5) for v in torch.stack(losses).float().tolist()]
-    fp32 = torch.tensor(curves["eager_fp32"])
-    gap = {k: round((torch.tensor(v) - fp32).abs().mean().item(), 5) for k, v in curves.items() if k != "eager_fp32"}
-    return {"config": config, "steps": steps, "tokens_per_step": batch * seq, "lr": 1e-3, "curves": curves,
-            "mean_abs_gap_to_fp32": gap,
-            "coda_vs_eager_bf16_mean_abs": round((torch.tensor(curves["coda_bf16"])
-                                                  - torch.tensor(curves["eager_bf16"])).abs().mean().item(), 5)}
-
-
-def plot(out: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    data = json.loads((out / "loss_curve.json").read_text())
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
-    for name, ys in data["curves"].items():
-        ax.plot(range(1, len(ys) + 1), ys, label=f"{name} (mean |gap| to fp32 "
-                f"{data['mean_abs_gap_to_fp32'].get(name, 0):.4f})", linewidth=1)
-    ax.set(xlabel="step", ylabel="training loss", title=f"LLaMA-style {data['config']} config, "
-           f"{data['tokens_per_step']} tokens/step: CODA vs eager")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "loss_curve.png")
-    return out / "loss_curve.png"
-
-
 def child(args: argparse.Namespace, device: str, name: str) -> None:
     """The measurement ``name`` (CONFIG:CONTENDER, or curve), its result written under ``args.out``."""
     out = Path(args.out)
     if name == "curve":
-        result = loss_curve(args.curve_steps, device, "tiny" if args.dry_run else "curve")
+        result = loss_curve.loss_curves(args.curve_steps, device, "tiny" if args.dry_run else "curve", build,
+                                        band_seeds=args.band_seeds)
         write_atomic(out / "loss_curve.json", json.dumps(result, indent=1))
         try:
-            plot(out)
+            loss_curve.plot(out)
         except ImportError:
             print("matplotlib is not installed: draw the PNG later with --plot", out)
         return
     config, contender = name.split(":")
-    row = measure("tiny" if args.dry_run else config, contender, args.steps, args.warmup, device)
+    row = measure("tiny" if args.dry_run else config, contender, args.steps, args.warmup, device, args.tune)
     row["config"] = config
     write_atomic(out / f"step-{config}-{contender}.json", json.dumps(row, indent=1))
 
@@ -380,10 +352,9 @@ def drive(args: argparse.Namespace, device: str) -> int:
     ctx = multiprocessing.get_context("spawn" if device == "cuda" else "forkserver")
     if device != "cuda":
         ctx.set_forkserver_preload(["torch", "transformers", "coda_agent.kernels.llama"])
-    sys.path.insert(0, str(Path(__file__).parent))
     from clocks import ClockSampler
 
-    with ClockSampler() if device == "cuda" else _Nothing() as sampler:
+    with ClockSampler() if device == "cuda" else contextlib.nullcontext() as sampler:
         for config, contender in plan:
             left = deadline - time.time()
             name = "curve" if contender == "curve" else f"{config}:{contender}"
@@ -411,14 +382,6 @@ def drive(args: argparse.Namespace, device: str) -> int:
     return 0
 
 
-class _Nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "train-step"))
@@ -429,11 +392,14 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=10, help="timed steps per contender")
     ap.add_argument("--warmup", type=int, default=3, help="steps after the first (compile) step, untimed")
     ap.add_argument("--curve-steps", type=int, default=200)
+    ap.add_argument("--band-seeds", type=int, default=3, help="seeds of the curve's fp8 rows (torchao's noise band)")
+    ap.add_argument("--tune", action="store_true", help="CODA rows tune their GEMMs in the first step "
+                    "(cached on disk for the rows after)")
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny config, reference lowering: the plumbing")
     ap.add_argument("--plot", metavar="DIR", help="draw DIR/loss_curve.json to DIR/loss_curve.png and exit")
     args = ap.parse_args()
     if args.plot:
-        print(plot(Path(args.plot)))
+        print(loss_curve.plot(Path(args.plot)))
         return 0
     if not args.dry_run and not torch.cuda.is_available():
         ap.error("no CUDA device: this benchmark runs on the H200 (use --dry-run to check the plumbing)")

@@ -178,8 +178,12 @@ _autotune: contextvars.ContextVar[list | None] = contextvars.ContextVar("coda_au
 def autotune() -> Iterator[list[dict]]:
     """Inside, a cute ``gemm(config=None)`` whose lookup misses is tuned on the spot
     (:func:`tune`) and its winner cached; yields a record per tuned call.  Calls that
-    accumulate into a buffer are not tuned (timing them would keep adding into it)."""
-    with set_within(_autotune, []) as record:
+    accumulate into a buffer are not tuned (timing them would keep adding into it).
+
+    The scope is a context variable, and autograd runs a CUDA backward on device threads of
+    its own, which do not see it: inside, autograd runs backward on the calling thread
+    (``set_multithreading_enabled(False)``), so a training step's backward GEMMs tune too."""
+    with set_within(_autotune, []) as record, torch.autograd.set_multithreading_enabled(False):
         yield record
 
 

@@ -16,7 +16,8 @@
 #                   `coda-agent verify`, beside CHECK_PYTEST (a -k of the GPU tier)
 #   tests           the GPU tests GPU_TESTS names (pytest arguments: files, node ids, -k), alone
 #   passes          bench/passes.py (PASSES_ARGS: its experiments, by default bandwidth)
-#   train           bench/train_step.py (the budget is the part's seconds less 20; TRAIN_ARGS)
+#   train           bench/train_step.py (the budget is the part's seconds less 20; TRAIN_ARGS);
+#                   train=LABEL: another run in the same call (train-LABEL/, TRAIN_ARGS_LABEL)
 #   bench-SUITE     bench/run.py --suite SUITE (BENCH_TASKS / BENCH_SETS narrow it)
 #   fp8             bench/fp8.py (FP8_ARGS, e.g. --casts);   fp8loss   bench/fp8_loss.py
 # Usage: bash scripts/gpu-session.sh tier:150 verify-llama3:380
@@ -78,8 +79,10 @@ for item in "$@"; do
                 ${GPU_TESTS:?set GPU_TESTS to the tests to run} ;;
         passes)
             part passes "$secs" python3 bench/passes.py "$res/passes.json" ${PASSES_ARGS:-bandwidth} ;;
-        train)
-            part train "$secs" python3 bench/train_step.py --out "$res/train" --budget-s $((secs - 20)) ${TRAIN_ARGS:-} ;;
+        train|train=*)  # train=LABEL: its own folder, train-LABEL, and arguments, TRAIN_ARGS_LABEL
+            label=${name#train} label=${label#=} args_var=TRAIN_ARGS${label:+_$label}
+            part "train${label:+-$label}" "$secs" python3 bench/train_step.py --out "$res/train${label:+-$label}" \
+                --budget-s $((secs - 20)) ${!args_var:-} ;;
         bench-*)
             suite=${name#bench-}
             part "$name" "$secs" python3 bench/run.py --suite "$suite" --out "$res/bench-$suite" \

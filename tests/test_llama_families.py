@@ -254,3 +254,28 @@ def test_same_code_compares_the_helpers_a_function_calls():
 
     assert same_code(make("x * 2"), make("x * 2"))
     assert not same_code(make("x * 2"), make("x * 3"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Hopper)")
+@pytest.mark.parametrize(("family", "overrides", "flags", "launches"), [
+    ("Gemma", {}, {"swiglu": False}, {"norm_rope", "rmsnorm_dx", "add_residual"}),
+    ("Granite", GRANITE, {}, {"norm_rope", "add_residual", "norm_swiglu", "dswiglu"}),
+    ("SmolLM3", {"no_rope_layers": [1, 0], "use_sliding_window": False}, {}, {"norm_rope", "scale_rows"}),
+    ("Qwen3", {"head_dim": 64}, {}, {"scale_rows", "add_residual", "rmsnorm_dx"}),
+    ("Ministral", {"sliding_window": 8}, {}, {"norm_rope", "norm_swiglu"}),
+], ids=["gemma", "granite", "smollm3", "qwen3-wide-heads", "ministral"])
+def test_families_train_like_hf_on_gpu(monkeypatch, family, overrides, flags, launches):
+    """The families whose differences are PyTorch re-layouts and weight scales around the suite's
+    kernels, on quack's GEMMs (the cute lowering): Gemma's (1 + w) norm in fp32, Granite's
+    multipliers, SmolLM3's layers without RoPE, heads wider than the model, Ministral's window."""
+    import test_llama
+
+    monkeypatch.setattr(test_llama, "DEVICE", "cuda")
+    base = tiny(family, **overrides)
+    hi, lo = train_and_eval(copy.deepcopy(base).float()), train_and_eval(copy.deepcopy(base).bfloat16())
+    # the backward on the calling thread: autograd's CUDA device threads do not see the ledger
+    with launch_ledger() as launched, torch.autograd.set_multithreading_enabled(False):
+        got = train_and_eval(coda_agent.apply_to_llama(copy.deepcopy(base).bfloat16(), **flags))
+    assert launches <= {launch.name for launch in launched}
+    assert_like_hf(got, hi, lo)

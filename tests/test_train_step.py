@@ -16,13 +16,14 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "bench" / "train_step.py"
 sys.path.insert(0, str(SCRIPT.parent))
 
+import loss_curve  # noqa: E402
 import train_step  # noqa: E402
 
 
 def test_dry_run_writes_every_row_the_curve_and_its_plot(tmp_path):
     proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(tmp_path), "--configs", "1b",
                            "--contenders", "coda,coda_fp8,compile_torchao_fp8,curve", "--steps", "1", "--warmup",
-                           "0", "--curve-steps", "4"],
+                           "0", "--curve-steps", "4", "--band-seeds", "2", "--tune"],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads((tmp_path / "train_step.json").read_text())
@@ -33,12 +34,24 @@ def test_dry_run_writes_every_row_the_curve_and_its_plot(tmp_path):
     assert row["config"] == "1b"
     assert row["ms"] > 0 and row["tokens_per_s"] > 0 and set(row["split_ms"]) >= {"gemm", "attention", "other"}
     assert row["cap_ms"] == pytest.approx(row["ms"] - row["split_ms"]["other"], abs=0.02)
+    # where the step went: the catalogue's launches by name (the CPU runs no device kernels)
+    launches = row["where"]["coda_launches"]
+    assert {"coda::gemm::norm_rope", "coda::aux::rms_prepare", "coda::pass::row_dot"} <= set(launches), launches
+    assert launches["coda::aux::rms_prepare"]["calls"] == 2 * 2  # two layers, two norms each
+    assert row["tuned"] == []  # asked for, but the reference lowering has no tiles to tune
     assert result["curve"] == "loss_curve.json" and (tmp_path / "loss_curve.png").stat().st_size > 1000
     curve = json.loads((tmp_path / "loss_curve.json").read_text())
-    assert set(curve["curves"]) == {"eager_fp32", "eager_bf16", "coda_bf16"}
+    assert curve["errors"] == {}
+    assert set(curve["curves"]) == {"eager_fp32/0", "eager_bf16/0", "coda_bf16/0", "torchao_rowwise/0",
+                                    "coda_fp8/0", "torchao_rowwise/1", "coda_fp8/1"}
     assert all(len(v) == 4 for v in curve["curves"].values())
     # CODA trains like eager in bf16: its gap to fp32 is of the order of bf16 eager's own.
-    assert curve["mean_abs_gap_to_fp32"]["coda_bf16"] <= 3 * curve["mean_abs_gap_to_fp32"]["eager_bf16"] + 0.02
+    gaps = curve["mean_abs_gap_to_fp32"]
+    assert gaps["coda_bf16/0"] <= 3 * gaps["eager_bf16/0"] + 0.02
+    # the fp8 rows: torchao's two seeds make the band, and each CODA fp8 seed is placed against it
+    assert curve["torchao_rowwise_band"][0] <= curve["torchao_rowwise_band"][1]
+    assert set(curve["fp8_verdict_vs_band"]) == {"coda_fp8/0", "coda_fp8/1"}
+    assert set(curve["fp8_verdict_vs_band"].values()) <= {"within", "better", "worse"}
 
 
 def test_a_spent_budget_skips_and_says_so(tmp_path, bench_main):
@@ -79,8 +92,8 @@ def test_the_step_split_counts_each_kernel_once_and_no_range():
 
 
 def test_bigram_corpus_is_fixed_and_learnable():
-    a = train_step.bigram_corpus(64, 2, 16, 3, "cpu")
-    assert a.shape == (3, 2, 16) and a.equal(train_step.bigram_corpus(64, 2, 16, 3, "cpu"))
+    a = loss_curve.bigram_corpus(64, 2, 16, 3, "cpu")
+    assert a.shape == (3, 2, 16) and a.equal(loss_curve.bigram_corpus(64, 2, 16, 3, "cpu"))
     pairs = {(int(x), int(y)) for x, y in zip(a[..., :-1].flatten(), a[..., 1:].flatten())}
     assert len({y for x, y in pairs if x == int(a[0, 0, 0])}) <= 4  # at most 4 successors per token
 

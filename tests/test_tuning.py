@@ -57,7 +57,9 @@ def test_autotune_is_scoped():
     assert not tuning.autotuning()
     with tuning.autotune() as record:
         assert tuning.autotuning() and record == []
-    assert not tuning.autotuning()
+        # a CUDA backward would run on autograd's device threads, outside the scope: not here
+        assert not torch._C._is_multithreading_enabled()
+    assert not tuning.autotuning() and torch._C._is_multithreading_enabled()
 
 
 @pytest.mark.gpu

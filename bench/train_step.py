@@ -124,8 +124,9 @@ def build(name: str, device: str, dtype: torch.dtype, seed: int = 0) -> tuple[An
     return LlamaForCausalLM(cfg).to(device=device, dtype=dtype), batch, seq
 
 
-def prepare(model: Any, contender: str, device: str) -> Any:
-    """Patch and/or compile ``model`` for one contender (the optimizer is built afterwards)."""
+def prepare(model: Any, contender: str, device: str, xent_mib: int = 0) -> Any:
+    """Patch and/or compile ``model`` for one contender (the optimizer is built afterwards);
+    ``xent_mib``: the LM-head kernel's logits chunk, if not the expert's (:func:`xent_variant`)."""
     if "liger" in contender:
         from liger_kernel.transformers import apply_liger_kernel_to_llama
 
@@ -139,10 +140,27 @@ def prepare(model: Any, contender: str, device: str) -> Any:
     if contender.startswith("coda"):
         import coda_agent
 
-        coda_agent.apply_to_llama(model, fp8_mlp=contender == "coda_fp8")
+        kernels = {"lm_head_xent": xent_variant(xent_mib)} if xent_mib else None
+        coda_agent.apply_to_llama(model, fp8_mlp=contender == "coda_fp8", kernels=kernels)
     if contender in ("compile", "compile_liger", "coda", "coda_fp8", "compile_torchao_fp8"):
         model = torch.compile(model, backend="inductor" if device == "cuda" else "aot_eager")
     return model
+
+
+def xent_variant(mib: int) -> Any:
+    """The lm_head_xent expert with a logits chunk of ``mib`` MiB instead of its own budget: each
+    chunk re-reads and rewrites the (V, H) weight gradient it accumulates into, so the chunk trades
+    that traffic against the memory of one chunk's logits."""
+    from coda_agent.kernels import Kernel
+    from coda_agent.tasks import SUITE_DIR
+    from coda_agent.tasks.llama3.experts import lm_head_xent
+
+    source = Path(lm_head_xent.__file__).read_text()
+    budget = "LOGITS_BYTES = 256 * 2**20"
+    if budget not in source:
+        raise SystemExit(f"--xent-mib: the lm_head_xent expert no longer sets {budget!r}")
+    return Kernel.from_source(source.replace(budget, f"LOGITS_BYTES = {mib} * 2**20"),
+                              (SUITE_DIR / "lm_head_xent.yaml").read_text(), origin=f"lm_head_xent@{mib}MiB")
 
 
 def classify(name: str) -> str:
@@ -223,12 +241,13 @@ def _inside_coda(e: Any, launches_only: bool = False) -> bool:
     return False
 
 
-def measure(config: str, contender: str, steps: int, warmup: int, device: str, tune: bool = False) -> dict[str, Any]:
+def measure(config: str, contender: str, steps: int, warmup: int, device: str, tune: bool = False,
+            xent_mib: int = 0) -> dict[str, Any]:
     """ms/step, tokens/s, peak memory and the profiled split of one contender at one config.
     ``tune``: a CODA contender's first step tunes each GEMM the tuning cache does not hold
     (``autotune``), backward included."""
     model, batch, seq = build(config, device, torch.bfloat16)
-    model = prepare(model, contender, device)
+    model = prepare(model, contender, device, xent_mib)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
     gen = torch.Generator(device=device).manual_seed(1)
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=gen, device=device)
@@ -303,7 +322,10 @@ def child(args: argparse.Namespace, device: str, name: str) -> None:
             print("matplotlib is not installed: draw the PNG later with --plot", out)
         return
     config, contender = name.split(":")
-    row = measure("tiny" if args.dry_run else config, contender, args.steps, args.warmup, device, args.tune)
+    row = measure("tiny" if args.dry_run else config, contender, args.steps, args.warmup, device, args.tune,
+                  args.xent_mib)
+    if args.xent_mib and contender.startswith("coda"):
+        row["xent_mib"] = args.xent_mib
     row["config"] = config
     write_atomic(out / f"step-{config}-{contender}.json", json.dumps(row, indent=1))
 
@@ -395,6 +417,8 @@ def main() -> int:
     ap.add_argument("--band-seeds", type=int, default=3, help="seeds of the curve's fp8 rows (torchao's noise band)")
     ap.add_argument("--tune", action="store_true", help="CODA rows tune their GEMMs in the first step "
                     "(cached on disk for the rows after)")
+    ap.add_argument("--xent-mib", type=int, default=0, help="CODA rows: the LM-head kernel's logits chunk in "
+                    "MiB (default: the expert's)")
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny config, reference lowering: the plumbing")
     ap.add_argument("--plot", metavar="DIR", help="draw DIR/loss_curve.json to DIR/loss_curve.png and exit")
     args = ap.parse_args()

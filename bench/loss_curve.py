@@ -1,9 +1,10 @@
 """Does a patched model train like the unpatched one?  Loss curves of the real kernels.
 
 ``bench/train_step.py`` times steps; this module trains a small LLaMA-3-style
-``LlamaForCausalLM`` (the ``curve`` config of train_step: 4 layers, H 512) for
-200 steps on a fixed synthetic corpus (a random bigram chain, so the loss has
-something to learn) and records every step's loss, for:
+``LlamaForCausalLM`` (the ``curve`` config of train_step: 4 layers, H 512, bytes
+as tokens) for 200 steps on the bytes of Python's standard library sources (the
+corpus of ``bench/fp8_loss.py``), AdamW with a 20-step warm-up and a cosine
+decay, and records every step's loss, for:
 
 - ``eager_fp32``, ``eager_bf16``: the unpatched model; their gap is the bf16
   noise the bf16 rows are read against;
@@ -28,6 +29,7 @@ in one process, so the catalogue's kernels compile once for every seed.
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -35,22 +37,20 @@ from typing import Any, Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from fp8_loss import band_verdict  # noqa: E402
+from fp8_loss import band_verdict, corpus  # noqa: E402
 
 TAIL = 20  # steps whose mean loss is a run's final loss
+LR, WARMUP = 2e-3, 20  # peak rate after a linear warm-up, then a cosine decay to 0 at the last step
 FP8_ROWS = ("torchao_rowwise", "coda_fp8")
 
 
-def bigram_corpus(vocab: int, batch: int, seq: int, steps: int, device: str) -> torch.Tensor:
-    """(steps, batch, seq) tokens from a fixed random bigram chain (4 likely successors per token)."""
-    gen = torch.Generator(device="cpu").manual_seed(2)
-    succ = torch.randint(0, vocab, (vocab, 4), generator=gen)
-    tok = torch.randint(0, vocab, (batch * steps,), generator=gen)
-    out = torch.empty(steps * batch, seq, dtype=torch.long)
-    for t in range(seq):
-        out[:, t] = tok
-        tok = succ[tok, torch.randint(0, 4, tok.shape, generator=gen)]
-    return out.view(steps, batch, seq).to(device)
+def byte_batches(batch: int, seq: int, steps: int, device: str) -> torch.Tensor:
+    """(steps, batch, seq) windows of the standard library's Python sources as bytes (the corpus
+    of ``fp8_loss``), the same on every machine and for every row."""
+    data = corpus(4 << 20)
+    gen = torch.Generator().manual_seed(1234)
+    starts = torch.randint(0, len(data) - seq, (steps * batch,), generator=gen)
+    return torch.stack([data[s:s + seq] for s in starts.tolist()]).view(steps, batch, seq).to(device)
 
 
 def _patch(name: str, model: Any) -> None:
@@ -66,13 +66,18 @@ def _patch(name: str, model: Any) -> None:
 
 
 def _train(model: Any, data: torch.Tensor, device: str) -> list[float]:
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=device == "cuda")
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.1, fused=device == "cuda")
+    steps = len(data)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / WARMUP) * 0.5 * (
+        1 + math.cos(math.pi * min(1.0, s / steps))))
     model.train()
     losses = []
     for ids in data:
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        sched.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.detach())
     return [round(v, 5) for v in torch.stack(losses).float().tolist()]
@@ -89,7 +94,7 @@ def loss_curves(steps: int, device: str, config: str, build: Callable[..., tuple
     """Per-step training loss of every row of :func:`runs` (``build(config, device, dtype, seed)``
     makes the model); a failing row is recorded by its error, the others still train."""
     base, batch, seq = build(config, device, torch.float32)
-    data = bigram_corpus(base.config.vocab_size, batch, seq, steps, device)
+    data = byte_batches(batch, seq, steps, device)
     curves: dict[str, list[float]] = {}
     errors: dict[str, str] = {}
     for name, seed in runs(fp8, band_seeds):
@@ -115,7 +120,7 @@ def summarize(curves: dict[str, list[float]], errors: dict[str, str], config: st
 
     final = {k: round(sum(v[-TAIL:]) / len(v[-TAIL:]), 5) for k, v in curves.items()}
     band, verdict = band_verdict(final, [k for k in final if k.startswith("torchao_rowwise/")])
-    return {"config": config, "steps": steps, "tokens_per_step": tokens, "lr": 1e-3, "curves": curves,
+    return {"config": config, "steps": steps, "tokens_per_step": tokens, "lr": LR, "warmup": WARMUP, "curves": curves,
             "errors": errors, "final_loss": final,
             # from the same initial weights only: another seed's gap is its initialisation's
             "mean_abs_gap_to_fp32": {k: gap(k, "eager_fp32/0") for k in curves

@@ -248,11 +248,12 @@ def _inside_coda(e: Any, launches_only: bool = False) -> bool:
     return False
 
 
-def measure(config: str, contender: str, steps: int, warmup: int, device: str, tune: bool = False,
+def measure(config: str, contender: str, steps: int, warmup: int, device: str, tune: float | None = None,
             xent_mib: int = 0) -> dict[str, Any]:
     """ms/step, tokens/s, peak memory and the profiled split of one contender at one config.
     ``tune``: a CODA contender's first step tunes each GEMM the tuning cache does not hold
-    (``autotune``), backward included."""
+    (``autotune``), backward included; 0 times the candidates in single calls, more each back to
+    back for that many seconds (the regime of a step at the power cap)."""
     model, batch, seq = build(config, device, torch.bfloat16)
     model = prepare(model, contender, device, xent_mib)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
@@ -269,13 +270,14 @@ def measure(config: str, contender: str, steps: int, warmup: int, device: str, t
     from coda_agent.primitives.tuning import autotune
 
     t0 = time.time()
-    with autotune() if tune and contender.startswith("coda") else contextlib.nullcontext() as tuned:
+    tuning = tune is not None and contender.startswith("coda")
+    with autotune(steady_s=tune or None) if tuning else contextlib.nullcontext() as tuned:
         step()
         sync()
     row: dict[str, Any] = {"config": config, "contender": contender, "tokens": batch * seq,
                            "first_step_s": round(time.time() - t0, 1)}
     if tuned is not None:
-        row["tuned"] = [{"epilogue": t["epilogue"], "MNK": t["MNK"], "best": t["best"]} for t in tuned]
+        row["tuned"] = [{k: t[k] for k in ("epilogue", "MNK", "best", "regime")} for t in tuned]
     for _ in range(warmup):
         step()
     sync()
@@ -329,7 +331,8 @@ def child(args: argparse.Namespace, device: str, name: str) -> None:
             print("matplotlib is not installed: draw the PNG later with --plot", out)
         return
     config, contender = name.split(":")
-    row = measure("tiny" if args.dry_run else config, contender, args.steps, args.warmup, device, args.tune,
+    tune = args.tune_steady if args.tune_steady else (0.0 if args.tune else None)
+    row = measure("tiny" if args.dry_run else config, contender, args.steps, args.warmup, device, tune,
                   args.xent_mib)
     if args.xent_mib and contender.startswith("coda"):
         row["xent_mib"] = args.xent_mib
@@ -422,8 +425,10 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=3, help="steps after the first (compile) step, untimed")
     ap.add_argument("--curve-steps", type=int, default=200)
     ap.add_argument("--band-seeds", type=int, default=3, help="seeds of the curve's fp8 rows (torchao's noise band)")
-    ap.add_argument("--tune", action="store_true", help="CODA rows tune their GEMMs in the first step "
-                    "(cached on disk for the rows after)")
+    ap.add_argument("--tune", action="store_true", help="CODA rows tune their GEMMs in the first step, "
+                    "each candidate in single flushed calls (cached on disk for the rows after)")
+    ap.add_argument("--tune-steady", type=float, default=0.0, metavar="SECONDS",
+                    help="as --tune, but each candidate timed back to back for SECONDS (the power-capped regime)")
     ap.add_argument("--xent-mib", type=int, default=0, help="CODA rows: the LM-head kernel's logits chunk in "
                     "MiB (default: the expert's)")
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny config, reference lowering: the plumbing")

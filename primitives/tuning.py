@@ -45,7 +45,7 @@ from . import cute
 from .fp8 import is_fp8, mainloop_key
 from .lowering import set_within
 from .tile_config import TileConfig, fits_promoted, tunable
-from .timing import measure_each
+from .timing import measure_each, measure_steady
 from .version import CATALOGUE_VERSION
 
 CANDIDATES: tuple[TileConfig, ...] = (
@@ -114,8 +114,8 @@ class TuningCache:
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
-    def put(self, key: str, config: TileConfig, times_ms: dict[str, float]) -> None:
-        payload = {"config": config.__dict__, "times_ms": times_ms,
+    def put(self, key: str, config: TileConfig, times_ms: dict[str, float], regime: str = "single calls") -> None:
+        payload = {"config": config.__dict__, "times_ms": times_ms, "regime": regime,
                    "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         write_atomic(self.directory / f"{key}.json", json.dumps(payload))
 
@@ -171,19 +171,33 @@ def lookup(epi: Any, m: int, n: int, k: int, dtype: Any, device: Any,
     return cfg
 
 
-_autotune: contextvars.ContextVar[list | None] = contextvars.ContextVar("coda_autotune", default=None)
+class _Session(list):
+    """What an :func:`autotune` block tunes with, and its record (a list, one entry per tuned call)."""
+
+    def __init__(self, steady_s: float | None):
+        super().__init__()
+        self.steady_s = steady_s
+
+
+_autotune: contextvars.ContextVar[_Session | None] = contextvars.ContextVar("coda_autotune", default=None)
 
 
 @contextlib.contextmanager
-def autotune() -> Iterator[list[dict]]:
+def autotune(steady_s: float | None = None) -> Iterator[list[dict]]:
     """Inside, a cute ``gemm(config=None)`` whose lookup misses is tuned on the spot
     (:func:`tune`) and its winner cached; yields a record per tuned call.  Calls that
     accumulate into a buffer are not tuned (timing them would keep adding into it).
 
+    ``steady_s``: time each candidate back to back for that many seconds (after the clock
+    settles, ``measure_steady``) instead of in flushed single calls on a rested GPU.  A training
+    step runs its GEMMs at the power cap, where what a config costs is its energy: H200 run 18
+    tuned a step's GEMMs in single calls, and their winners ran the step at a lower clock and
+    2-3% slower than the untuned heuristic.
+
     The scope is a context variable, and autograd runs a CUDA backward on device threads of
     its own, which do not see it: inside, autograd runs backward on the calling thread
     (``set_multithreading_enabled(False)``), so a training step's backward GEMMs tune too."""
-    with set_within(_autotune, []) as record, torch.autograd.set_multithreading_enabled(False):
+    with set_within(_autotune, _Session(steady_s)) as record, torch.autograd.set_multithreading_enabled(False):
         yield record
 
 
@@ -192,10 +206,14 @@ def autotuning() -> bool:
 
 
 def tune(epi: Any, A: Any, B: Any, operands: dict[str, Any], out_dtype: Any, reps: int = 10,
-         fast_accum: bool = False) -> tuple[TileConfig, dict]:
+         fast_accum: bool = False, steady_s: float | None = None) -> tuple[TileConfig, dict]:
     """Time the candidates (:func:`candidates_for`) for one call that ``gemm`` has validated (D in
-    ``out_dtype``; ``fast_accum`` for fp8), interleaved (:func:`measure_each`),
-    store and return the fastest."""
+    ``out_dtype``; ``fast_accum`` for fp8), interleaved (:func:`measure_each`), or each back to
+    back for ``steady_s`` seconds (:func:`measure_steady`; the enclosing :func:`autotune`'s
+    choice when None), store and return the fastest."""
+    session = _autotune.get()
+    if steady_s is None and session is not None:
+        steady_s = session.steady_s
     m, k = A.shape
     n = B.shape[1]
     times: dict[str, float] = {}
@@ -225,14 +243,16 @@ def tune(epi: Any, A: Any, B: Any, operands: dict[str, Any], out_dtype: Any, rep
         runnable[str(cfg)], configs[str(cfg)] = run, cfg
     if not runnable:
         raise RuntimeError("no candidate config ran")
-    for name, (t, _) in measure_each(runnable, reps).items():
-        times[name] = t[len(t) // 2]
+    if steady_s:
+        times.update({name: measure_steady(run, seconds=steady_s).ms for name, run in runnable.items()})
+    else:
+        times.update({name: t[len(t) // 2] for name, (t, _) in measure_each(runnable, reps).items()})
     best = configs[min(runnable, key=times.__getitem__)]
     key = tuning_key(epi, m, n, k, mainloop_key(A, B, fast_accum), _device_name(A.device.index or 0))
-    TuningCache().put(key, best, times)
+    regime = f"steady {steady_s} s" if steady_s else "single calls"
+    TuningCache().put(key, best, times, regime)
     _forget_lookups()  # later lookups see the new winner
-    record = _autotune.get()
-    if record is not None:
-        record.append({"epilogue": getattr(epi, "name", "plain"), "MNK": [m, n, k], "best": str(best),
-                       "times_ms": times})
+    if session is not None:
+        session.append({"epilogue": getattr(epi, "name", "plain"), "MNK": [m, n, k], "best": str(best),
+                        "times_ms": times, "regime": regime})
     return best, times

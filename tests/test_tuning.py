@@ -3,6 +3,8 @@ to run on every gemm() call (its cost once starved the H200, see tuning.py)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -62,6 +64,42 @@ def test_autotune_is_scoped():
     assert not tuning.autotuning() and torch._C._is_multithreading_enabled()
 
 
+def test_steady_tuning_times_each_candidate_back_to_back(tmp_path, monkeypatch):
+    """``autotune(steady_s=...)`` times the candidates the way a training step runs them (back
+    to back, at the clock the power cap allows), keeps the fastest there, and records the regime
+    in the record and the cache.  (The launches are stubbed: the CPU has no tiles to run.)"""
+    from coda_agent.primitives.timing import Steady
+
+    monkeypatch.setenv("CODA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(tuning, "_device_name", lambda index: "NVIDIA H200")
+    tuning._forget_lookups()
+    epi = load_program(SRC).residual_rms
+    launched = []
+    monkeypatch.setattr(tuning.cute, "run", lambda e, A, B, ops, buffers, config, **kw: launched.append(config))
+    # the steady time of a candidate: the one launched last before it is measured
+    fake = {str(c): 1.0 + i for i, c in enumerate(tuning.CANDIDATES)}
+    fake[str(tuning.CANDIDATES[3])] = 0.5
+    steady_calls = []
+
+    def steady(run, seconds):
+        run()
+        steady_calls.append(seconds)
+        return Steady(fake[str(launched[-1])], 10, (0.0, 1.0))
+
+    monkeypatch.setattr(tuning, "measure_steady", steady)
+    monkeypatch.setattr(tuning, "measure_each", lambda *a, **k: pytest.fail("steady tuning times no single calls"))
+    A, B = torch.randn(64, 128, dtype=torch.bfloat16), torch.randn(128, 96, dtype=torch.bfloat16)
+    ops = {"residual": torch.randn(64, 96, dtype=torch.bfloat16), "gamma": torch.randn(96, dtype=torch.bfloat16)}
+    with tuning.autotune(steady_s=0.25) as record:
+        best, times = tuning.tune(epi, A, B, ops, torch.bfloat16)
+    assert best == tuning.CANDIDATES[3] and steady_calls == [0.25] * len(tuning.CANDIDATES)
+    assert record[0]["regime"] == "steady 0.25 s" and record[0]["best"] == str(best)
+    stored = [json.loads(f.read_text()) for f in tmp_path.glob("tuning/*.json")]
+    assert [(x["regime"], x["config"]) for x in stored] == [("steady 0.25 s", best.__dict__)]
+    assert tuning.lookup(epi, 64, 96, 128, torch.bfloat16, torch.device("cuda", 0), ops) == best
+    tuning._forget_lookups()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gemm_tunes_a_cache_miss_only_inside_autotune(tmp_path, monkeypatch):
@@ -82,6 +120,11 @@ def test_gemm_tunes_a_cache_miss_only_inside_autotune(tmp_path, monkeypatch):
         gemm(A, B)
     assert len(record) == 1 and record[0]["MNK"] == [512, 384, 256]
     assert len(list(tmp_path.glob("tuning/*.json"))) == 1
+    # back to back, as a training step runs it: another shape, tuned in that regime
+    with tuning.autotune(steady_s=0.05) as record:
+        gemm(A[:256], B)
+    assert len(record) == 1 and record[0]["regime"] == "steady 0.05 s"
+    assert all(t > 0 for t in record[0]["times_ms"].values())
     tuning._forget_lookups()
 
 

@@ -331,11 +331,14 @@ def child(args: argparse.Namespace, device: str, name: str) -> None:
             print("matplotlib is not installed: draw the PNG later with --plot", out)
         return
     config, contender = name.split(":")
+    from coda_agent.primitives import plain_gemms
+
     tune = args.tune_steady if args.tune_steady else (0.0 if args.tune else None)
-    row = measure("tiny" if args.dry_run else config, contender, args.steps, args.warmup, device, tune,
-                  args.xent_mib)
-    if args.xent_mib and contender.startswith("coda"):
-        row["xent_mib"] = args.xent_mib
+    with plain_gemms(args.plain_gemms):
+        row = measure("tiny" if args.dry_run else config, contender, args.steps, args.warmup, device, tune,
+                      args.xent_mib)
+    if contender.startswith("coda"):
+        row.update({"xent_mib": args.xent_mib or None, "plain_gemms": args.plain_gemms})
     row["config"] = config
     write_atomic(out / f"step-{config}-{contender}.json", json.dumps(row, indent=1))
 
@@ -431,6 +434,8 @@ def main() -> int:
                     help="as --tune, but each candidate timed back to back for SECONDS (the power-capped regime)")
     ap.add_argument("--xent-mib", type=int, default=0, help="CODA rows: the LM-head kernel's logits chunk in "
                     "MiB (default: the expert's)")
+    ap.add_argument("--plain-gemms", choices=("quack", "cublas"), default="quack",
+                    help="CODA rows: the library of the GEMMs without an epilogue (primitives.plain_gemms)")
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny config, reference lowering: the plumbing")
     ap.add_argument("--plot", metavar="DIR", help="draw DIR/loss_curve.json to DIR/loss_curve.png and exit")
     args = ap.parse_args()

@@ -58,7 +58,8 @@ from .dsl_scope import compile_target
 from .epilogue import Epilogue, epilogue
 from .errors import CatalogueError
 from .gemm import gemm
-from .lowering import CompiledKernel, Launch, SassReport, compile_only, current_lowering, launch_ledger, lowering
+from .lowering import (CompiledKernel, Launch, SassReport, compile_only, current_lowering, launch_ledger, lowering,
+                       plain_gemms)
 from .math import (cos, erf, exp, exp2, fma, gelu, gelu_tanh, log, maximum, minimum, reciprocal, round_bf16,
                    round_fp16, rsqrt, sigmoid, silu, sin, sqrt, tanh, where)
 from .norm import layernorm_fold, layernorm_stats, normalize_rows, row_stats
@@ -73,4 +74,4 @@ from .version import CATALOGUE_VERSION
 
 __all__ = [*PROGRAM_API, "CATALOGUE_VERSION", "CatalogueError", "CompiledKernel", "Epilogue", "Launch",
            "SassReport", "compile_only", "compile_target", "current_lowering", "launch_ledger", "load_program",
-           "lowering", "render_catalogue"]
+           "lowering", "plain_gemms", "render_catalogue"]

@@ -44,7 +44,7 @@ from . import cute, fp8, pass_kernel, reference
 from .dispatch import direct, mutated
 from .epilogue import Epilogue, registered
 from .errors import CatalogueError
-from .lowering import current_lowering, launching, profiler_range
+from .lowering import current_lowering, launching, plain_gemm_library, profiler_range
 from .operands import INPUT_DTYPES, OUTPUT_DTYPES, row_bytes
 from .dsl_scope import StageShortage
 from .tile_config import H100_SMS, MAX_TILE_N, TileConfig, default_config, lean_staging, tunable
@@ -298,6 +298,11 @@ def _launch(epi: Epilogue | None, A: torch.Tensor, B: torch.Tensor, operands: di
     if lowering == "cute" and not A.is_cuda:
         raise CatalogueError("gemm: the cute lowering runs on CUDA tensors; move the inputs to the "
                              "GPU or use lowering('reference')")
+    if lowering == "cute" and _on_cublas(epi, A, results, config, kind):
+        D = results["D"]
+        with launching(kind, PLAIN, "cublas"):
+            D.addmm_(A, B) if accumulate else torch.mm(A, B, out=D)
+        return
     if kind == "pass" and config is None and lowering in ("cute", "compile") and _pass_kernel(
             epi, operands, results, accumulate, lowering, {"M": m, "N": n}):
         return
@@ -333,6 +338,13 @@ def _launch(epi: Epilogue | None, A: torch.Tensor, B: torch.Tensor, operands: di
         # epilogue and dtypes so that later calls compile the lean config straight away.
         _leaner(epi, A, B, operands, results)[cfg] = lean
         _run(epi, A, B, operands, results, accumulate, lean, fast_accum, kind, lowering)
+
+
+def _on_cublas(epi: Epilogue | None, A: torch.Tensor, results: dict[str, torch.Tensor], config: TileConfig | None,
+               kind: str) -> bool:
+    """Whether :func:`~.lowering.plain_gemms` sends this launch to cuBLAS."""
+    return (epi is None and kind == "gemm" and config is None and plain_gemm_library() == "cublas"
+            and A.dtype in INPUT_DTYPES and results["D"].dtype == A.dtype)
 
 
 def _pass_kernel(epi: Epilogue, operands: dict[str, Any], results: dict[str, torch.Tensor], accumulate: bool,

@@ -128,6 +128,37 @@ def padding_lanes() -> bool:
     return _padded.get()
 
 
+PLAIN_GEMM_LIBRARIES = ("quack", "cublas")
+_plain_library = "quack"
+
+
+@contextlib.contextmanager
+def plain_gemms(library: str) -> Iterator[None]:
+    """Which library runs the cute lowering's plain GEMMs inside the block: quack's SM90 kernel
+    (the default, and what every program is verified with) or cuBLAS (``torch.mm``, and
+    ``addmm_`` for ``accumulate_into``).  Only a GEMM without an epilogue, of 16-bit operands into
+    a D of their dtype, with no explicit config, changes hands; everything else runs quack's.
+
+    It is a switch for a measurement: a training step runs at the power cap, where a GEMM costs
+    its energy, and H200 run 18 saw CODA's step run at a 4-12% lower clock than compile's
+    cuBLAS GEMMs did, with a third to a half of its GEMM time in plain GEMMs (BENCHMARKS.md).
+    Process-wide while the block runs, not a context variable: autograd runs a CUDA backward on
+    device threads of its own."""
+    global _plain_library
+    if library not in PLAIN_GEMM_LIBRARIES:
+        raise ValueError(f"unknown plain-GEMM library {library!r}; choose one of {PLAIN_GEMM_LIBRARIES}")
+    before, _plain_library = _plain_library, library
+    try:
+        yield
+    finally:
+        _plain_library = before
+
+
+def plain_gemm_library() -> str:
+    """The library :func:`plain_gemms` chose (``quack`` outside any block)."""
+    return _plain_library
+
+
 @contextlib.contextmanager
 def launch_ledger() -> Iterator[list[Launch]]:
     """Collect a :class:`Launch` per device-work call made inside.  A context variable:

@@ -194,3 +194,30 @@ def test_launch_and_compile_leave_quack_and_the_environment_as_they_found_them()
     assert kernels[0].sass is not None and kernels[0].sass.hgmma > 0
     assert state() == before
 
+
+
+def test_plain_gemms_on_cublas_compute_what_quack_does():
+    """Under ``plain_gemms("cublas")`` a plain 16-bit GEMM (fresh, into ``out``, accumulated,
+    from a column-major A) runs cuBLAS inside its catalogue range, recorded as such, and agrees
+    with fp32 truth as quack's does; a GEMM with an epilogue or an fp32 D stays quack's."""
+    from coda_agent.primitives import launch_ledger, plain_gemms
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    A = torch.randn(1000, 512, device="cuda", dtype=torch.bfloat16, generator=g)
+    B = torch.randn(512, 768, device="cuda", dtype=torch.bfloat16, generator=g)
+    acc = 50 * torch.randn(1000, 768, device="cuda", dtype=torch.bfloat16, generator=g)  # a dropped add shows
+    truth = A.float() @ B.float()
+    epi = load_program(HEADER + "@epilogue()\ndef half(acc):\n    return {'D': acc * 0.5}\n").half
+    with plain_gemms("cublas"), launch_ledger() as launched:
+        fresh = gemm(A, B)["D"]
+        into = gemm(A, B, out=torch.empty(1000, 768, device="cuda", dtype=torch.bfloat16))["D"]
+        summed = acc.clone()
+        gemm(A.t().contiguous().t(), B, accumulate_into=summed)
+        wide = gemm(A, B, out_dtype="fp32")["D"]
+        halved = gemm(A, B, epi)["D"]
+    assert [x.config for x in launched[:3]] == ["cublas"] * 3
+    assert all(x.config != "cublas" for x in launched[3:])
+    for got, want in ((fresh, truth), (into, truth), (summed, truth + acc.float()), (wide, truth),
+                      (halved, truth * 0.5)):
+        err = (got.float() - want).abs()
+        assert (err <= want.abs() * 2 ** -7 + 0.05).all(), err.max().item()

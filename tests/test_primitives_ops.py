@@ -101,6 +101,30 @@ def test_gemm_op_accumulates_and_overwrites_in_place():
     assert torch.allclose(acc.float(), before.float() + (A.float() @ B.float()), atol=0.1)
 
 
+def test_plain_gemms_choose_the_library_for_the_whole_process_and_restore_it():
+    """The switch holds for every thread while its block runs (autograd's CUDA backward runs
+    on threads of its own) and is undone after it; an unknown library is refused by name; off
+    CUDA nothing changes hands (the reference lowering runs the call)."""
+    import threading
+
+    from coda_agent.primitives import plain_gemms
+    from coda_agent.primitives.lowering import plain_gemm_library
+
+    seen = []
+    with plain_gemms("cublas"):
+        t = threading.Thread(target=lambda: seen.append(plain_gemm_library()))
+        t.start()
+        t.join()
+        with launch_ledger() as launched:
+            got = gemm(A, B)["D"]
+    assert seen == ["cublas"] and plain_gemm_library() == "quack"
+    assert [x.name for x in launched] == ["plain"] and launched[0].config != "cublas"  # the reference's tile
+    assert torch.equal(got, gemm(A, B)["D"])
+    with pytest.raises(ValueError, match="unknown plain-GEMM library 'cutlass'; choose one of"):
+        with plain_gemms("cutlass"):
+            pass
+
+
 def test_destination_checks_name_the_fix():
     pre = CALLS["paired tile"][1]["pre"]
     with pytest.raises(CatalogueError, match="not both"):

@@ -23,7 +23,8 @@ import train_step  # noqa: E402
 def test_dry_run_writes_every_row_the_curve_and_its_plot(tmp_path):
     proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(tmp_path), "--configs", "1b",
                            "--contenders", "coda,coda_fp8,compile_torchao_fp8,curve", "--steps", "1", "--warmup",
-                           "0", "--curve-steps", "4", "--band-seeds", "2", "--tune-steady", "0.1"],
+                           "0", "--curve-steps", "4", "--band-seeds", "2", "--tune-steady", "0.1",
+                           "--plain-gemms", "cublas"],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads((tmp_path / "train_step.json").read_text())
@@ -39,6 +40,7 @@ def test_dry_run_writes_every_row_the_curve_and_its_plot(tmp_path):
     assert {"coda::gemm::norm_rope", "coda::aux::rms_prepare", "coda::pass::row_dot"} <= set(launches), launches
     assert launches["coda::aux::rms_prepare"]["calls"] == 2 * 2  # two layers, two norms each
     assert row["tuned"] == []  # asked for, but the reference lowering has no tiles to tune
+    assert row["plain_gemms"] == "cublas" and row["xent_mib"] is None  # the CPU runs the reference either way
     assert result["curve"] == "loss_curve.json" and (tmp_path / "loss_curve.png").stat().st_size > 1000
     curve = json.loads((tmp_path / "loss_curve.json").read_text())
     assert curve["errors"] == {}

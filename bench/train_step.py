@@ -77,6 +77,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
                head_dim=128, vocab_size=128256, num_hidden_layers=2, batch=4, seq=4096),
     "curve": dict(hidden_size=512, intermediate_size=1408, num_attention_heads=8, num_key_value_heads=4,
                   head_dim=64, vocab_size=256, num_hidden_layers=4, batch=8, seq=256),
+    "mini": dict(hidden_size=128, intermediate_size=384, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=32, vocab_size=256, num_hidden_layers=2, batch=8, seq=128),  # a CPU's curve
     "tiny": dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
                  head_dim=32, vocab_size=512, num_hidden_layers=2, batch=2, seq=32),
 }
@@ -322,8 +324,8 @@ def child(args: argparse.Namespace, device: str, name: str) -> None:
     """The measurement ``name`` (CONFIG:CONTENDER, or curve), its result written under ``args.out``."""
     out = Path(args.out)
     if name == "curve":
-        result = loss_curve.loss_curves(args.curve_steps, device, "tiny" if args.dry_run else "curve", build,
-                                        band_seeds=args.band_seeds)
+        config = args.curve_config or ("tiny" if args.dry_run else "curve")
+        result = loss_curve.loss_curves(args.curve_steps, device, config, build, band_seeds=args.band_seeds)
         write_atomic(out / "loss_curve.json", json.dumps(result, indent=1))
         try:
             loss_curve.plot(out)
@@ -427,6 +429,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=10, help="timed steps per contender")
     ap.add_argument("--warmup", type=int, default=3, help="steps after the first (compile) step, untimed")
     ap.add_argument("--curve-steps", type=int, default=200)
+    ap.add_argument("--curve-config", choices=("curve", "mini", "tiny"), default=None,
+                    help="the loss curves' config (default: curve, or tiny with --dry-run; mini: a CPU's)")
     ap.add_argument("--band-seeds", type=int, default=3, help="seeds of the curve's fp8 rows (torchao's noise band)")
     ap.add_argument("--tune", action="store_true", help="CODA rows tune their GEMMs in the first step, "
                     "each candidate in single flushed calls (cached on disk for the rows after)")

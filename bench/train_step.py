@@ -443,6 +443,8 @@ def main() -> int:
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny config, reference lowering: the plumbing")
     ap.add_argument("--plot", metavar="DIR", help="draw DIR/loss_curve.json to DIR/loss_curve.png and exit")
     args = ap.parse_args()
+    if args.tune_steady < 0 or args.xent_mib < 0:
+        ap.error("--tune-steady and --xent-mib take positive numbers (0: off)")
     if args.plot:
         print(loss_curve.plot(Path(args.plot)))
         return 0

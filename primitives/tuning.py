@@ -197,6 +197,9 @@ def autotune(steady_s: float | None = None) -> Iterator[list[dict]]:
     The scope is a context variable, and autograd runs a CUDA backward on device threads of
     its own, which do not see it: inside, autograd runs backward on the calling thread
     (``set_multithreading_enabled(False)``), so a training step's backward GEMMs tune too."""
+    if steady_s is not None and not steady_s > 0:
+        raise ValueError(f"autotune: steady_s is the seconds each candidate runs back to back, a positive "
+                         f"number; got {steady_s!r} (None times single calls)")
     with set_within(_autotune, _Session(steady_s)) as record, torch.autograd.set_multithreading_enabled(False):
         yield record
 

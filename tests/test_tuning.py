@@ -62,6 +62,9 @@ def test_autotune_is_scoped():
         # a CUDA backward would run on autograd's device threads, outside the scope: not here
         assert not torch._C._is_multithreading_enabled()
     assert not tuning.autotuning() and torch._C._is_multithreading_enabled()
+    with pytest.raises(ValueError, match="a positive number; got 0"):
+        with tuning.autotune(steady_s=0):
+            pass
 
 
 def test_steady_tuning_times_each_candidate_back_to_back(tmp_path, monkeypatch):

@@ -1,7 +1,8 @@
 """Which transformers models ``apply_to_llama`` can patch, read from their code.
 
 A model qualifies when every module whose forward the patch replaces (the decoder layer, the
-RMSNorms, the MLP, the causal LM's loss path) runs the instructions of its family's, compared
+RMSNorms, the MLP where ``swiglu`` replaces it, the causal LM's loss path) runs the instructions
+of its family's, compared
 as code objects together with the module-level helpers they call (:func:`same_code`:
 transformers' families copy LLaMA's modules under other class names, and a copy may call a
 helper of the same name that differs), and each module holds the submodules its family's does.
@@ -32,6 +33,7 @@ from transformers.models.granite.modeling_granite import GraniteDecoderLayer, Gr
 from transformers.models.llama.modeling_llama import (LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP,
                                                       LlamaRMSNorm, apply_rotary_pos_emb)
 from transformers.models.mistral.modeling_mistral import MistralAttention
+from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer, MixtralForCausalLM
 from transformers.models.phi3 import modeling_phi3 as phi3
 from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
@@ -77,7 +79,7 @@ class Family:
 
     attention: Any
     layer: Any
-    mlp: Any
+    mlp: Any  # None: a mixture of experts, which stays HF's (swiglu=False)
     children: dict[str, frozenset[str]]
     plan: Any  # the attention module -> its AttentionPlan
     norms: tuple[str, ...] = ()  # the attention's RMSNorms, kept HF's (Qwen3's q/k norms)
@@ -118,7 +120,18 @@ _FAMILIES = {
                       {"layer": _LLAMA_CHILDREN["layer"] | {"resid_attn_dropout", "resid_mlp_dropout"},
                        "self_attn": frozenset({"qkv_proj", "o_proj"}),
                        "mlp": frozenset({"gate_up_proj", "down_proj", "activation_fn"})}, _phi3_plan),
+    # Mixtral: Mistral's attention, a decoder layer that computes LLaMA's (its arguments in another
+    # order) around a mixture of experts.  Qwen3-MoE is Qwen3's family with such an MLP.
+    "Mixtral's": Family(MistralAttention.forward, MixtralDecoderLayer.forward, None,
+                        {k: v for k, v in _LLAMA_CHILDREN.items() if k != "mlp"},
+                        lambda attn: AttentionPlan(window=getattr(attn.config, "sliding_window", None))),
 }
+
+# The causal LMs whose forward the patch replaces in training (the LM head and loss): LLaMA's;
+# Granite's, which divides the logits; the mixtures of experts' (Mixtral's, and Qwen3-MoE's and
+# Qwen2-MoE's, which are its code), which add the router's load-balancing loss.
+CAUSAL_LMS = {"LLaMA's": LlamaForCausalLM.forward, "Granite's": GraniteForCausalLM.forward,
+              "Mixtral's": MixtralForCausalLM.forward}
 
 
 @lru_cache(maxsize=None)  # every layer of a model asks the same few questions of the same classes
@@ -176,12 +189,14 @@ def _global_names(code: Any) -> set[str]:
     return names
 
 
-def llama_architecture(model: nn.Module) -> tuple[nn.Module, bool, list[AttentionPlan], float]:
-    """(the decoder stack, whether ``model`` is its causal LM, each layer's attention plan, the
-    offset of its RMSNorms' scale) for a model whose every module the patch replaces computes
-    what its family's does (``_FAMILIES``); the layers' RMSNorms are LLaMA's (scale w) or Gemma's
-    (scale 1 + w, in fp32), all alike.  Anything else (extra norms, logit caps, LayerNorms) is
-    refused by name, since the patched forwards would silently drop it."""
+def llama_architecture(model: nn.Module, keep_mlp: bool = False) -> tuple[nn.Module, str, list[AttentionPlan], float]:
+    """(the decoder stack, whose causal LM ``model`` is (:data:`CAUSAL_LMS`; "" for a decoder stack
+    alone), each layer's attention plan, the offset of its RMSNorms' scale) for a model whose every
+    module the patch replaces computes what its family's does (``_FAMILIES``); the layers'
+    RMSNorms are LLaMA's (scale w) or Gemma's (scale 1 + w, in fp32), all alike.  ``keep_mlp``
+    (``swiglu=False``): the MLPs stay HF's, so they may be anything a layer calls as ``mlp``, a
+    mixture of experts included.  Anything else (extra norms, logit caps, LayerNorms) is refused by
+    name, since the patched forwards would silently drop it."""
     if isinstance(getattr(model, "_orig_mod", None), nn.Module):  # torch.compile's wrapper
         raise KernelError("this model is wrapped by torch.compile; patch the model itself first, then compile "
                           "it: apply_to_llama(model); model = torch.compile(model)")
@@ -193,10 +208,10 @@ def llama_architecture(model: nn.Module) -> tuple[nn.Module, bool, list[Attentio
                           f"family built from LLaMA's modules, such as Mistral or Qwen3); got "
                           f"{type(model).__name__}")
     checks = []
+    lm = ""
     if causal_lm:
-        granite = same_code(type(model).forward, GraniteForCausalLM.forward)
-        checks.append(("causal LM", model, GraniteForCausalLM.forward if granite else LlamaForCausalLM.forward,
-                       "Granite's" if granite else "LLaMA's"))
+        lm = next((k for k, fn in CAUSAL_LMS.items() if same_code(type(model).forward, fn)), "LLaMA's")
+        checks.append(("causal LM", model, CAUSAL_LMS[lm], lm))
     attentions: list[AttentionPlan] = []
     offsets: set[float] = set()
     unknown_norm = None  # the first RMSNorm that is neither LLaMA's nor Gemma's
@@ -207,18 +222,28 @@ def llama_architecture(model: nn.Module) -> tuple[nn.Module, bool, list[Attentio
                               "layers of LLaMA's shape")
         kinds = [k for k, f in _FAMILIES.items() if same_code(type(attn).forward, f.attention)]
         if not kinds:
-            known = [k for k, f in _FAMILIES.items() if f.attention is not LlamaAttention.forward or k == "LLaMA's"]
+            firsts = {}  # families that share an attention are named once, by the first of them
+            for k, f in _FAMILIES.items():
+                firsts.setdefault(f.attention, k)
+            known = list(firsts.values())
             raise KernelError(f"{type(attn).__name__}.forward is not {', '.join(known[:-1])} or {known[-1]} "
                               "attention; the patched layer would drop what it adds")
         # Families that share an attention (LLaMA's, Granite's) differ in their decoder layer.
         kind = next((k for k in kinds if same_code(type(layer).forward, _FAMILIES[k].layer)), kinds[0])
         family = _FAMILIES[kind]
+        if family.mlp is None and not keep_mlp:
+            raise KernelError(f"{type(layer.mlp).__name__} is a mixture of experts, which the MLP block kernel "
+                              "(mlp_block) is not; pass swiglu=False to keep HF's MLP (the attention side and the "
+                              "LM head are still patched)")
         for part, want in family.children.items():
+            if part == "mlp" and keep_mlp:
+                continue
             module = layer if part == "layer" else getattr(layer, part)
             if set(dict(module.named_children())) != want:
                 extra = sorted(set(dict(module.named_children())) ^ want)
+                hint = "; pass swiglu=False to keep this model's own MLP" if part == "mlp" else ""
                 raise KernelError(f"{type(module).__name__} differs from {kind} {part} in {extra}: the patched "
-                                  "layer computes that one's, so this model would lose that part")
+                                  f"layer computes that one's, so this model would lose that part{hint}")
 
         def whose(fn: Any) -> str:
             return "LLaMA's" if fn in (LlamaDecoderLayer.forward, LlamaMLP.forward) else kind
@@ -230,7 +255,7 @@ def llama_architecture(model: nn.Module) -> tuple[nn.Module, bool, list[Attentio
             else:
                 offsets.add(offset)
         checks += [("decoder layer", layer, family.layer, whose(family.layer)),
-                   ("MLP", layer.mlp, family.mlp, whose(family.mlp)),
+                   *([] if keep_mlp else [("MLP", layer.mlp, family.mlp, whose(family.mlp))]),
                    *(("RMSNorm", getattr(attn, name), LlamaRMSNorm.forward, "LLaMA's") for name in family.norms)]
         rotary = inspect.unwrap(type(attn).forward).__globals__.get("apply_rotary_pos_emb", apply_rotary_pos_emb)
         attentions.append(dataclasses.replace(family.plan(attn), rotary=rotary))
@@ -245,7 +270,7 @@ def llama_architecture(model: nn.Module) -> tuple[nn.Module, bool, list[Attentio
             raise KernelError(f"{type(module).__name__}.forward computes something other than {owner} {what} "
                               f"({type(model).__name__} is not a LLaMA-architecture model); apply_to_llama "
                               f"would replace it with {owner}")
-    return base, causal_lm, attentions, offsets.pop() if offsets else 0.0
+    return base, lm, attentions, offsets.pop() if offsets else 0.0
 
 
 def _llama_tables(inv: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -302,7 +327,7 @@ def check_model(model: nn.Module, base: nn.Module, cfg: Any, rope: bool, swiglu:
         raise KernelError(f"the model's parameters are {sorted(map(str, dtypes))}; the suite's kernels are "
                           "verified for bf16: call model.to(torch.bfloat16) before apply_to_llama")
     for i, layer in enumerate(base.layers):
-        for part in ("self_attn", "mlp"):
+        for part in ("self_attn", "mlp") if swiglu else ("self_attn",):  # swiglu=False: the MLP stays HF's
             for name, m in getattr(layer, part).named_children():
                 if name.endswith("_proj") and type(m) is not nn.Linear:
                     raise KernelError(

@@ -12,7 +12,10 @@ model of a family built from LLaMA's modules:
   HF's (``swiglu=False``);
 - SmolLM3: the same, with some layers that skip RoPE;
 - Granite: multipliers on what each sublayer adds to the residual stream (folded into the output
-  and down projections' weights) and on the logits (the LM head's input divided instead).
+  and down projections' weights) and on the logits (the LM head's input divided instead);
+- mixtures of experts (Mixtral, Qwen3-MoE, Qwen2-MoE with its shared expert): the experts stay
+  HF's (``swiglu=False``), the attention side and the LM head are patched, and the loss adds the
+  router's load-balancing loss as HF's does (``output_router_logits``).
 
 Which models qualify is read from their code, not their class names (``families.py``).
 
@@ -81,9 +84,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.models.granite.modeling_granite import GraniteForCausalLM
+from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 from transformers.models.llama.modeling_llama import LlamaForCausalLM, LlamaModel, eager_attention_forward
 from transformers.utils import can_return_tuple
 
@@ -151,7 +154,7 @@ def apply_to_llama(model: LlamaForCausalLM | LlamaModel, *, rope: bool = True, r
     flags = getattr(getattr(model, "model", model), "coda_flags", None)
     if flags is not None:
         raise KernelError(f"this model is already patched ({flags}); patch a fresh one")
-    base, causal_lm, attentions, norm_offset = llama_architecture(model)
+    base, causal_lm, attentions, norm_offset = llama_architecture(model, keep_mlp=not swiglu)
     # RoPE rides in the QKV GEMM's epilogue only where nothing sits between the projection and
     # the rotation and the rotation is LLaMA's: after Qwen3's q/k norms, where it turns part of
     # each head (Phi-3's partial_rotary_factor) or pairs of another layout, it stays HF's.
@@ -182,8 +185,8 @@ def apply_to_llama(model: LlamaForCausalLM | LlamaModel, *, rope: bool = True, r
             _patch_layer(layer, plan, attention, freq)
     if fused_linear_cross_entropy and causal_lm:
         model.coda_xent = chosen["lm_head_xent"]
-        granite = same_code(type(model).forward, GraniteForCausalLM.forward)
-        model.coda_logits_scale = float(model.config.logits_scaling) if granite else 1.0
+        model.coda_logits_scale = float(model.config.logits_scaling) if causal_lm == "Granite's" else 1.0
+        model.coda_router_loss = causal_lm == "Mixtral's"
         model.forward = PatchedForward(model, _causal_lm_forward)
     base.coda_flags = {"rope": rope, "rms_norm": rms_norm, "swiglu": swiglu,
                        "fused_linear_cross_entropy": fused_linear_cross_entropy, "fp8_mlp": fp8_mlp}
@@ -361,7 +364,8 @@ def _layer_forward(self: nn.Module, hidden_states: torch.Tensor, attention_mask:
     if plan.swiglu:
         h2 = plan.mlp(h1, self.post_attention_layernorm.weight, self.mlp.gate_up_proj.weight, w_down,
                       eps=plan.eps)["y"]
-    else:
+    else:  # HF's MLP, on (batch, tokens, hidden) as HF calls it (a mixture of experts needs that)
+        h1 = h1.view(b, t, dim)
         h2 = h1 + self.mlp(self.post_attention_layernorm(h1)) * scale
     return h2.view(b, t, dim)
 
@@ -381,6 +385,10 @@ def _causal_lm_forward(self: LlamaForCausalLM, input_ids: torch.Tensor | None = 
                                   position_ids=position_ids, past_key_values=past_key_values,
                                   inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache,
                                   logits_to_keep=logits_to_keep, **kwargs)
+    router = self.coda_router_loss  # a mixture of experts: HF's loss adds the load-balancing loss
+    if router:
+        asked = kwargs.get("output_router_logits")
+        kwargs["output_router_logits"] = self.config.output_router_logits if asked is None else asked
     outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
                          **kwargs)
@@ -392,5 +400,14 @@ def _causal_lm_forward(self: LlamaForCausalLM, input_ids: torch.Tensor | None = 
     loss = linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), self.lm_head.weight,
                                 shift_labels.reshape(-1).to(hidden.device), self.coda_xent,
                                 kwargs.get("num_items_in_batch"))
-    return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=outputs.past_key_values,
-                                  hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+    if not router:
+        return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=outputs.past_key_values,
+                                      hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+    aux = None
+    if kwargs["output_router_logits"]:  # as MixtralForCausalLM.forward, whose code this model's is
+        aux = load_balancing_loss_func(outputs.router_logits, self.num_experts, self.num_experts_per_tok,
+                                       attention_mask)
+        loss = loss + self.router_aux_loss_coef * aux.to(loss.device)
+    return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux, logits=None, past_key_values=outputs.past_key_values,
+                                     hidden_states=outputs.hidden_states, attentions=outputs.attentions,
+                                     router_logits=outputs.router_logits)

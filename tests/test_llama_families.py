@@ -187,6 +187,41 @@ def test_a_gemma_model_trains_like_hf_with_its_mlp_kept():
     assert_like_hf(got, hi, lo)
 
 
+# Every expert routed (top-k = all): a top-2 choice can flip between bf16 runs at a near tie, which
+# would test bf16 noise instead of the patch.  The router's load-balancing loss is on.
+MOE = {"Mixtral": dict(num_local_experts=4, num_experts_per_tok=4),
+       "Qwen3Moe": dict(num_experts=4, num_experts_per_tok=4, moe_intermediate_size=64, decoder_sparse_step=1),
+       "Qwen2Moe": dict(num_experts=4, num_experts_per_tok=4, moe_intermediate_size=64,
+                        shared_expert_intermediate_size=64)}
+
+
+@pytest.mark.parametrize("family", list(MOE))
+def test_a_mixture_of_experts_trains_like_hf_with_its_experts_kept(family):
+    """Mixtral, Qwen3-MoE and Qwen2-MoE: with swiglu=False the experts (and Qwen2-MoE's shared
+    expert) stay HF's, the attention side and the LM head are the suite's, and the loss adds the
+    router's load-balancing loss as HF's does; with the MLP kernel asked for, refused by name."""
+    base = tiny(family, **MOE[family], output_router_logits=True, router_aux_loss_coef=0.5)
+    hi, lo = train_and_eval(copy.deepcopy(base).float()), train_and_eval(copy.deepcopy(base).bfloat16())
+    model = coda_agent.apply_to_llama(copy.deepcopy(base).bfloat16(), swiglu=False)
+    with launch_ledger() as launched:
+        got = train_and_eval(model)
+    assert {"add_residual", "rmsnorm_dx", "logits_lse"} <= {launch.name for launch in launched}
+    assert "norm_swiglu" not in {launch.name for launch in launched}
+    assert_like_hf(got, hi, lo)
+    ids = torch.randint(0, 512, (2, 24))  # in training (the patched loss path), beside HF's own
+    out = model.train()(ids, labels=ids)
+    want = copy.deepcopy(base).bfloat16().train()(ids, labels=ids)
+    assert out.logits is None and out.aux_loss is not None  # the fused LM head: no logits
+    assert torch.allclose(out.aux_loss.float(), want.aux_loss.float(), rtol=0.02)
+    assert len(out.router_logits) == base.config.num_hidden_layers
+    without = copy.deepcopy(base).bfloat16()
+    without.config.output_router_logits = False
+    plain = coda_agent.apply_to_llama(without, swiglu=False).train()(ids, labels=ids)
+    assert plain.aux_loss is None and abs(plain.loss.item() - out.loss.item()) > 1e-3
+    with pytest.raises(KernelError, match="pass swiglu=False to keep"):
+        coda_agent.apply_to_llama(copy.deepcopy(base).bfloat16())
+
+
 @pytest.mark.parametrize("family", ["Llama", "Qwen3"])
 def test_heads_wider_than_the_model_train_like_hf(family):
     """heads * head_dim past hidden_size (Qwen3-0.6B: 16 x 128 for 1024; Gemma's widths): the
@@ -264,11 +299,14 @@ def test_same_code_compares_the_helpers_a_function_calls():
     ("SmolLM3", {"no_rope_layers": [1, 0], "use_sliding_window": False}, {}, {"norm_rope", "scale_rows"}),
     ("Qwen3", {"head_dim": 64}, {}, {"scale_rows", "add_residual", "rmsnorm_dx"}),
     ("Ministral", {"sliding_window": 8}, {}, {"norm_rope", "norm_swiglu"}),
-], ids=["gemma", "granite", "smollm3", "qwen3-wide-heads", "ministral"])
+    ("Mixtral", {**MOE["Mixtral"], "output_router_logits": True}, {"swiglu": False},
+     {"norm_rope", "add_residual", "rmsnorm_dx", "logits_lse"}),
+], ids=["gemma", "granite", "smollm3", "qwen3-wide-heads", "ministral", "mixtral"])
 def test_families_train_like_hf_on_gpu(monkeypatch, family, overrides, flags, launches):
     """The families whose differences are PyTorch re-layouts and weight scales around the suite's
     kernels, on quack's GEMMs (the cute lowering): Gemma's (1 + w) norm in fp32, Granite's
-    multipliers, SmolLM3's layers without RoPE, heads wider than the model, Ministral's window."""
+    multipliers, SmolLM3's layers without RoPE, heads wider than the model, Ministral's window,
+    Mixtral's experts kept HF's (with the router's loss)."""
     import test_llama
 
     monkeypatch.setattr(test_llama, "DEVICE", "cuda")

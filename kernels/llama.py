@@ -92,7 +92,7 @@ from transformers.utils import can_return_tuple
 
 from coda_agent.tasks import SUITE_DIR, load_task
 
-from .families import (AttentionPlan, check_model, head_dim, llama_architecture, rotation_is_llamas, same_code,
+from .families import (AttentionPlan, check_model, head_dim, llama_architecture, rotation_is_llamas,
                        tables_are_llamas)
 from .kernel import Kernel, KernelError
 from .llama_ops import IGNORE_INDEX, attention_input, linear_cross_entropy

@@ -314,6 +314,7 @@ def run(out: Path, recipes: list[str], cfg: Config, steps: int, band_seeds: int,
 
 
 def band_keys(final: dict[str, float]) -> list[str]:
+    """The runs whose spread is the noise band: torchao rowwise at every seed."""
     return [k for k in final if k.startswith("torchao_rowwise/")]
 
 
@@ -339,8 +340,9 @@ def summarize(path: Path, tail: int = 20) -> dict:
         if "loss" in row:
             curves.setdefault((row["recipe"], row["seed"]), []).append(row["loss"])
     final = {f"{r}/{s}": sum(c[-tail:]) / len(c[-tail:]) for (r, s), c in curves.items()}
-    band, verdict = band_verdict(final, band_keys(final))
-    return {"final_loss": final, "torchao_rowwise_band": band, "band_seeds": len(band_keys(final)),
+    seeds = band_keys(final)
+    band, verdict = band_verdict(final, seeds)
+    return {"final_loss": final, "torchao_rowwise_band": band, "band_seeds": len(seeds),
             "verdict_vs_band": verdict, "steps": {f"{r}/{s}": len(c) for (r, s), c in curves.items()}}
 
 

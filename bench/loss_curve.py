@@ -37,7 +37,7 @@ from typing import Any, Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from fp8_loss import band_verdict, corpus  # noqa: E402
+from fp8_loss import band_keys, band_verdict, corpus  # noqa: E402
 
 TAIL = 20  # steps whose mean loss is a run's final loss
 LR, WARMUP = 2e-3, 20  # peak rate after a linear warm-up, then a cosine decay to 0 at the last step
@@ -119,7 +119,7 @@ def summarize(curves: dict[str, list[float]], errors: dict[str, str], config: st
         return round((torch.tensor(curves[a]) - torch.tensor(curves[b])).abs().mean().item(), 5)
 
     final = {k: round(sum(v[-TAIL:]) / len(v[-TAIL:]), 5) for k, v in curves.items()}
-    band, verdict = band_verdict(final, [k for k in final if k.startswith("torchao_rowwise/")])
+    band, verdict = band_verdict(final, band_keys(final))
     return {"config": config, "steps": steps, "tokens_per_step": tokens, "lr": LR, "warmup": WARMUP, "curves": curves,
             "errors": errors, "final_loss": final,
             # from the same initial weights only: another seed's gap is its initialisation's

@@ -2,10 +2,10 @@
 
 A model qualifies when every module whose forward the patch replaces (the decoder layer, the
 RMSNorms, the MLP where ``swiglu`` replaces it, the causal LM's loss path) runs the instructions
-of its family's, compared
-as code objects together with the module-level helpers they call (:func:`same_code`:
-transformers' families copy LLaMA's modules under other class names, and a copy may call a
-helper of the same name that differs), and each module holds the submodules its family's does.
+of its family's, compared as code objects together with the module-level helpers they call
+(:func:`same_code`: transformers' families copy LLaMA's modules under other class names, and a
+copy may call a helper of the same name that differs), and each module holds the submodules its
+family's does.
 RoPE runs in the QKV epilogue only where the attention's own rotation and the rotary tables
 agree with LLaMA's on a probe (:func:`rotation_is_llamas`, :func:`tables_are_llamas`); elsewhere
 it stays HF's, through the rotation the attention itself calls.  A family
@@ -93,20 +93,25 @@ _LLAMA_CHILDREN = {"layer": frozenset({"self_attn", "mlp", "input_layernorm", "p
                    "mlp": frozenset({"gate_proj", "up_proj", "down_proj", "act_fn"})}
 
 
+def _mistral_plan(attn: nn.Module) -> AttentionPlan:
+    return AttentionPlan(window=getattr(attn.config, "sliding_window", None))
+
+
 def _phi3_plan(attn: nn.Module) -> AttentionPlan:
-    return AttentionPlan(window=getattr(attn.config, "sliding_window", None), fused=True)
+    return dataclasses.replace(_mistral_plan(attn), fused=True)
 
 
 # Whose layer -> its family, told by the attention's code and then the decoder layer's.  Mistral,
-# Qwen2, Qwen3 and SmolLM3 (whose layers may skip RoPE) copy LLaMA's decoder layer, RMSNorm and MLP; Granite copies LLaMA's attention and
-# MLP and scales what each sublayer adds to the residual stream; Phi-3 fuses the projections,
-# keeps residual dropouts and may rotate part of each head.  The decoder stack's own forward stays
-# the model's (embeddings and their multiplier, masks, the final norm).
+# Qwen2, Qwen3 and SmolLM3 (whose layers may skip RoPE) copy LLaMA's decoder layer, RMSNorm and
+# MLP; Granite copies LLaMA's attention and MLP and scales what each sublayer adds to the residual
+# stream; Phi-3 fuses the projections, keeps residual dropouts and may rotate part of each head.
+# The decoder stack's own forward stays the model's (embeddings and their multiplier, masks, the
+# final norm).
 _FAMILIES = {
     "LLaMA's": Family(LlamaAttention.forward, LlamaDecoderLayer.forward, LlamaMLP.forward, _LLAMA_CHILDREN,
                       lambda attn: AttentionPlan()),
     "Mistral's": Family(MistralAttention.forward, LlamaDecoderLayer.forward, LlamaMLP.forward, _LLAMA_CHILDREN,
-                        lambda attn: AttentionPlan(window=getattr(attn.config, "sliding_window", None))),
+                        _mistral_plan),
     "Qwen3's": Family(Qwen3Attention.forward, LlamaDecoderLayer.forward, LlamaMLP.forward,
                       {**_LLAMA_CHILDREN, "self_attn": _LLAMA_CHILDREN["self_attn"] | {"q_norm", "k_norm"}},
                       lambda attn: AttentionPlan(qk_norm=True, window=attn.sliding_window), ("q_norm", "k_norm")),
@@ -123,8 +128,7 @@ _FAMILIES = {
     # Mixtral: Mistral's attention, a decoder layer that computes LLaMA's (its arguments in another
     # order) around a mixture of experts.  Qwen3-MoE is Qwen3's family with such an MLP.
     "Mixtral's": Family(MistralAttention.forward, MixtralDecoderLayer.forward, None,
-                        {k: v for k, v in _LLAMA_CHILDREN.items() if k != "mlp"},
-                        lambda attn: AttentionPlan(window=getattr(attn.config, "sliding_window", None))),
+                        {k: v for k, v in _LLAMA_CHILDREN.items() if k != "mlp"}, _mistral_plan),
 }
 
 # The causal LMs whose forward the patch replaces in training (the LM head and loss): LLaMA's;

@@ -338,8 +338,7 @@ def _layer_forward(self: nn.Module, hidden_states: torch.Tensor, attention_mask:
     if plan.norm_offset:  # Gemma's scale, 1 + w, in fp32 as HF computes it (autograd carries dw)
         gamma = gamma.float() + plan.norm_offset
     qkv = attention_input(x, gamma if plan.rms_norm else None, attn.qkv_proj.weight,
-                          attn.qkv_proj.bias, pos, attn.coda_rope_freq if rope else None, plan.eps,
-                          (nq + nkv) * d)
+                          attn.qkv_proj.bias, pos, attn.coda_rope_freq if rope else None, plan.eps)
     q, k, v = (part.view(b, t, -1, d).transpose(1, 2) for part in qkv.split([nq * d, nkv * d, nkv * d], dim=1))
     if extra.qk_norm:  # over each head's D columns, the last dimension either way
         q, k = attn.q_norm(q), attn.k_norm(k)

@@ -13,7 +13,10 @@ rotation.  Epilogues come from the suite's experts (``scale_rows`` and
 
 Backward: RoPE's inverse rotation has no GEMM to host it here (it belongs in
 the attention backward's ``dS @ K`` GEMM, the rope_bwd task, and SDPA exposes
-none), so it is PyTorch code, which torch.compile fuses.  The RMSNorm backward
+none), so it is a tile pass over the gradient attention gave
+(``rope_inverse``: the gradient as a PairedTile, one read and one write, on
+the pass kernel); ``freq`` is zero past the q/k columns, where the rotation
+is the identity, as in the forward's epilogue.  The RMSNorm backward
 then rides in the epilogue of ``dx = d @ W_qkv`` (CODA's rule, as in
 llama3_block): ``dx = r * (gamma * acc - h * r * s / H)`` with
 ``s = sum_cols(dqkv * qkv)``, which a rotation leaves unchanged, so it is read
@@ -40,8 +43,8 @@ from typing import Any
 
 import torch
 
-from coda_agent.primitives import (ColVec, RowVec, Scalar, Tile, col_sum, cos, epilogue, gemm, pack, rms_prepare,
-                                   row_sum, sin, tile_pass, unpack)
+from coda_agent.primitives import (ColVec, PairedTile, RowVec, Scalar, Tile, col_sum, cos, epilogue, gemm, pack,
+                                   rms_prepare, row_sum, sin, tile_pass, unpack)
 from coda_agent.tasks.llama3.experts.llama3_block import row_dot, scale_rows
 from coda_agent.tasks.llama3.experts.rope_fwd import rope
 
@@ -104,14 +107,15 @@ def rmsnorm_dx(acc, rstd: ColVec, s: ColVec, gamma: RowVec, h: Tile, inv_dim: Sc
     return {"D": rstd * (gamma * acc - hr * s * inv_dim), "xn": hr * gamma, "dgamma": acc * hr}
 
 
-def rotate_pairs(x: torch.Tensor, pos: torch.Tensor, freq: torch.Tensor, inverse: bool) -> torch.Tensor:
-    """Rotate adjacent column pairs (2j, 2j+1) of x (T, N) by pos[t] * freq[2j] (fp32 math,
-    rounded once to x's dtype); ``inverse`` rotates back (RoPE's backward)."""
-    ang = pos.float()[:, None] * freq.float()[None, 0::2]
-    c, s = torch.cos(ang), torch.sin(ang)
-    s = -s if inverse else s
-    e, o = x[:, 0::2].float(), x[:, 1::2].float()
-    return torch.stack((e * c - o * s, e * s + o * c), dim=-1).flatten(1).to(x.dtype)
+@epilogue()
+def rope_inverse(du: PairedTile, pos: ColVec, freq: RowVec):
+    # RoPE's backward: the pairs (2j, 2j+1) of the gradient turned back by pos[t] * freq[j]
+    # (freq: one value per pair).
+    e, o = unpack(du)
+    a = pos * freq
+    c = cos(a)
+    s = sin(a)
+    return {"D": pack(e * c + o * s, o * c - e * s)}
 
 
 # The QKV GEMM's epilogue by (RMSNorm folded in, a bias, RoPE).
@@ -121,11 +125,11 @@ _QKV_EPILOGUES = {(True, False, True): norm_rope, (True, False, False): scale_ro
 
 
 class AttentionInput(torch.autograd.Function):
-    """apply(h, gamma | None, w_qkv, bias | None, pos | None, freq | None, eps, rotated) -> qkv (T, Nqkv)."""
+    """apply(h, gamma | None, w_qkv, bias | None, pos | None, freq | None, eps) -> qkv (T, Nqkv)."""
 
     @staticmethod
     def forward(ctx: Any, h: torch.Tensor, gamma: torch.Tensor | None, w: torch.Tensor, bias: torch.Tensor | None,
-                pos: torch.Tensor | None, freq: torch.Tensor | None, eps: float, rotated: int) -> torch.Tensor:
+                pos: torch.Tensor | None, freq: torch.Tensor | None, eps: float) -> torch.Tensor:
         ops: dict[str, Any] = {} if pos is None else {"pos": pos, "freq": freq}
         a, rstd = h, None
         if gamma is not None:
@@ -137,19 +141,16 @@ class AttentionInput(torch.autograd.Function):
         epi = _QKV_EPILOGUES[gamma is not None, bias is not None, pos is not None]
         qkv = gemm(a, w.t(), epi, **ops)["D"]
         ctx.save_for_backward(h, gamma, w, bias, pos, freq, rstd, qkv)
-        ctx.rotated = rotated
         return qkv
 
     @staticmethod
     def backward(ctx: Any, dqkv: torch.Tensor) -> tuple:
         h, gamma, w, bias, pos, freq, rstd, qkv = ctx.saved_tensors
-        d = dqkv.contiguous()
-        if pos is not None:
-            r = ctx.rotated
-            d = torch.cat((rotate_pairs(d[:, :r], pos, freq[:r], inverse=True), d[:, r:]), dim=1)
+        dqkv = dqkv.contiguous()
+        d = dqkv if pos is None else tile_pass(rope_inverse, du=dqkv, pos=pos, freq=freq[0::2].contiguous())["D"]
         if gamma is None:
             dbias = None if bias is None else d.sum(0, dtype=torch.float32).to(bias.dtype)
-            return gemm(d, w)["D"], None, gemm(d.t(), h)["D"], dbias, None, None, None, None
+            return gemm(d, w)["D"], None, gemm(d.t(), h)["D"], dbias, None, None, None
         if bias is None:
             s, dbias = tile_pass(row_dot, du=dqkv, u=qkv)["s"], None
         else:
@@ -157,15 +158,15 @@ class AttentionInput(torch.autograd.Function):
             s, dbias = stats["s"], stats["dbias"].to(bias.dtype)
         dx = gemm(d, w, rmsnorm_dx, rstd=rstd, s=s, gamma=gamma, h=h, inv_dim=1.0 / h.shape[1])
         dw = gemm(d.t(), dx["xn"])["D"]
-        return dx["D"], dx["dgamma"], dw, dbias, None, None, None, None
+        return dx["D"], dx["dgamma"], dw, dbias, None, None, None
 
 
 def attention_input(h: torch.Tensor, gamma: torch.Tensor | None, w_qkv: torch.Tensor, bias: torch.Tensor | None,
-                    pos: torch.Tensor | None, freq: torch.Tensor | None, eps: float, rotated: int) -> torch.Tensor:
+                    pos: torch.Tensor | None, freq: torch.Tensor | None, eps: float) -> torch.Tensor:
     """``RoPE(RMSNorm(h) @ w_qkv^T + bias)`` (see the module docstring); ``gamma=None``: h is
-    already normalized; ``bias=None``: none; ``pos=None``: no rotation; ``rotated``: how many
-    leading columns RoPE turns."""
-    return AttentionInput.apply(h, gamma, w_qkv, bias, pos, freq, eps, rotated)
+    already normalized; ``bias=None``: none; ``pos=None``: no rotation; ``freq``: per column,
+    the frequency of its pair (both lanes; zero on the columns RoPE leaves alone)."""
+    return AttentionInput.apply(h, gamma, w_qkv, bias, pos, freq, eps)
 
 
 class LinearCrossEntropy(torch.autograd.Function):

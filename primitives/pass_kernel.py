@@ -35,11 +35,18 @@ run in both kernels.
 - ``accumulate_into`` adds the result rounded to D's dtype to D, as the TMA
   reduce-add store of the GEMM path does.
 
+- A ``PairedTile`` (M, 2N) arrives as one Pair per output column, as in the
+  GEMM epilogue: a thread loads the 2 x VEC elements of its VEC pairs (two
+  16-byte loads) and stores the paired D at that width, while its Tiles,
+  vectors and extra outputs are one value per pair (the (M, N) grid).  The
+  inverse RoPE rotation of a gradient and dSwiGLU of an incoming one stream
+  this way.
+
 What it does not take falls back to quack's kernel (:func:`plan_for` says
-why): a ``PairedTile``, fp8 outputs, ``col_sum(partials=True)`` (its layout
-is the GEMM config's), LSE and select folds, transposed or misaligned
-tensors (16-byte vectors need rows whose length and stride are multiples of
-8 elements), and N not a multiple of 8.
+why): fp8 outputs, ``col_sum(partials=True)`` (its layout is the GEMM
+config's), LSE and select folds, transposed or misaligned tensors (16-byte
+vectors need rows whose length and stride are multiples of 8 elements), and
+N not a multiple of 8.
 
 The kernel is compiled per epilogue and signature (dtypes, which folds,
 accumulation) with symbolic M and N, through CuTeDSL's TVM-FFI entry point
@@ -63,7 +70,7 @@ from .dsl_scope import compile_settings
 from .epilogue import Epilogue
 from .errors import CatalogueError
 from .lowering import CompiledKernel, record_compiled
-from .operands import ColVec, RowVec, Scalar, Tile
+from .operands import ColVec, PairedTile, RowVec, Scalar, Tile
 from .reductions import ColMax, ColSum, RowSum
 from .sass import inspect_cubin
 
@@ -122,10 +129,12 @@ class Plan:
 
     key: str  # the epilogue's registry key
     tiles: tuple[tuple[str, torch.dtype], ...]
+    pair: tuple[str, torch.dtype] | None  # the PairedTile (M, 2N), read as one Pair per column
     rows: tuple[tuple[str, torch.dtype], ...]  # RowVec operands (N,)
     cols: tuple[tuple[str, torch.dtype], ...]  # ColVec operands (M,)
     scalars: tuple[tuple[str, float], ...]
     stores: tuple[tuple[str, torch.dtype], ...]  # "D" (if stored) first, then the extra outputs
+    # With a pair, D is stored paired, (M, 2N); the extra outputs are one value per pair.
     per_row: tuple[tuple[str, str], ...]  # (name, "add" | "max"): col_sum / col_max -> (M,)
     per_col: tuple[str, ...]  # row_sum -> (N,)
     accumulate: bool
@@ -135,22 +144,26 @@ class Plan:
 def plan_for(epi: Epilogue, operands: dict[str, Any], buffers: dict[str, torch.Tensor],
              accumulate: bool) -> tuple[Plan | None, str]:
     """(the kernel's plan, "") if this kernel runs the pass, else (None, why not)."""
-    if epi.paired_operand or epi.pairs_acc or epi.head_stats or epi.index_operands:
-        return None, "a paired or head-statistic epilogue"
-    tiles, rows, cols, scalars = [], [], [], []
+    if epi.pairs_acc or epi.head_stats or epi.index_operands:
+        return None, "a head-statistic or index epilogue"
+    tiles, rows, cols, scalars, pair = [], [], [], [], None
     shape = None
     for name, kind in epi.operands.items():
         value = operands[name]
         if kind is Scalar:
             scalars.append((name, float(value)))
             continue
-        if kind not in (Tile, RowVec, ColVec) or not isinstance(value, torch.Tensor) or value.dtype not in _DTYPES:
+        if (kind not in (Tile, PairedTile, RowVec, ColVec) or not isinstance(value, torch.Tensor)
+                or value.dtype not in _DTYPES):
             return None, f"operand {name!r} ({kind.name})"
-        if kind is Tile:
+        if kind in (Tile, PairedTile):
             if not _vectorizable(value):
-                return None, f"Tile {name!r} is not row-major with 16-byte aligned rows of 8k elements"
-            shape = shape or tuple(value.shape)
-            tiles.append((name, value.dtype))
+                return None, f"{kind.name} {name!r} is not row-major with 16-byte aligned rows of 8k elements"
+            shape = shape or kind.output_grid(value)
+            if kind is PairedTile:
+                pair = (name, value.dtype)
+            else:
+                tiles.append((name, value.dtype))
         elif kind is RowVec:
             if not _aligned(value):
                 return None, f"RowVec {name!r} is not 16-byte aligned"
@@ -167,8 +180,9 @@ def plan_for(epi: Epilogue, operands: dict[str, Any], buffers: dict[str, torch.T
         buf = buffers.get(name)
         if buf is None:
             continue
-        if buf.dtype not in _DTYPES or not _vectorizable(buf) or tuple(buf.shape) != shape:
-            return None, f"output {name!r} ({buf.dtype}) is not a 16-bit or fp32 row-major (M, N) tensor"
+        want = (shape[0], 2 * shape[1]) if pair is not None and name == "D" else shape
+        if buf.dtype not in _DTYPES or not _vectorizable(buf) or tuple(buf.shape) != want:
+            return None, f"output {name!r} ({buf.dtype}) is not a 16-bit or fp32 row-major {want} tensor"
         stores.append((name, buf.dtype))
     per_row, per_col = [], []
     for name, red in epi.reductions.items():
@@ -180,7 +194,7 @@ def plan_for(epi: Epilogue, operands: dict[str, Any], buffers: dict[str, torch.T
             per_col.append(name)
         else:
             return None, f"reduction {name!r} ({red.describe()})"
-    return Plan(epi.key, tuple(tiles), tuple(rows), tuple(cols), tuple(scalars), tuple(stores),
+    return Plan(epi.key, tuple(tiles), pair, tuple(rows), tuple(cols), tuple(scalars), tuple(stores),
                 tuple(per_row), tuple(per_col), accumulate, g), ""
 
 
@@ -208,14 +222,23 @@ def _partials(plan: Plan, m: int, n: int, buffers: dict[str, torch.Tensor], dev:
 
 def _call_tensors(plan: Plan, operands: dict[str, Any], buffers: dict[str, torch.Tensor],
                   per_row: list, per_col: list) -> tuple:
-    return (*(operands[n] for n, _ in plan.tiles), *(operands[n] for n, _ in plan.rows),
-            *(operands[n] for n, _ in plan.cols), *(buffers[n] for n, _ in plan.stores), *per_row, *per_col)
+    return (*(operands[n] for n, _ in plan.tiles), *([] if plan.pair is None else [operands[plan.pair[0]]]),
+            *(operands[n] for n, _ in plan.rows), *(operands[n] for n, _ in plan.cols),
+            *(buffers[n] for n, _ in plan.stores), *per_row, *per_col)
+
+
+def _grid(plan: Plan, operands: dict[str, Any]) -> tuple[torch.Tensor, int, int]:
+    """A tensor of the pass and the (M, N) it covers: a Tile's shape, or a PairedTile's pairs."""
+    if plan.tiles:
+        first = operands[plan.tiles[0][0]]
+        return first, first.shape[0], first.shape[1]
+    first = operands[plan.pair[0]]
+    return first, first.shape[0], first.shape[1] // 2
 
 
 def run(epi: Epilogue, plan: Plan, operands: dict[str, Any], buffers: dict[str, torch.Tensor]) -> None:
     """Launch the pass into ``buffers`` (gemm's result buffers) on the current stream."""
-    first = operands[plan.tiles[0][0]]
-    m, n = first.shape
+    first, m, n = _grid(plan, operands)
     if m == 0 or n == 0:
         for name, op in plan.per_row:
             buffers[name].fill_(0.0 if op == "add" else float("-inf"))
@@ -262,8 +285,14 @@ def _compiled(epi: Epilogue, plan: Plan, keep: bool = False) -> tuple[Any, bytes
     def fake(dtype: torch.dtype, shape: tuple, div: int) -> Any:
         return make_fake_tensor(torch2cute_dtype_map[dtype], shape, div)
 
-    tensors = (*(fake(dt, (m, n), VEC) for _, dt in plan.tiles), *(fake(dt, (n,), VEC) for _, dt in plan.rows),
-               *(fake(dt, (m,), 1) for _, dt in plan.cols), *(fake(dt, (m, n), VEC) for _, dt in plan.stores),
+    pair_n = cute.sym_int()  # 2 n: a separate symbol, which the kernel never needs to relate to n
+
+    def store(name: str, dtype: torch.dtype) -> Any:
+        return fake(dtype, (m, pair_n if plan.pair is not None and name == "D" else n), VEC)
+
+    pair = [] if plan.pair is None else [fake(plan.pair[1], (m, pair_n), VEC)]
+    tensors = (*(fake(dt, (m, n), VEC) for _, dt in plan.tiles), *pair, *(fake(dt, (n,), VEC) for _, dt in plan.rows),
+               *(fake(dt, (m,), 1) for _, dt in plan.cols), *(store(n_, dt) for n_, dt in plan.stores),
                *(fake(torch.float32, (m, cute.sym_int()), 1) for _ in plan.per_row),
                *(fake(torch.float32, (cute.sym_int(), n), 1) for _ in plan.per_col))
     try:

@@ -22,6 +22,8 @@ from cutlass import Float32, Int32, const_expr
 from quack.cute_dsl_utils import torch2cute_dtype_map
 
 from .epilogue import Epilogue
+from .errors import CatalogueError
+from .pair import Pair
 from .pass_kernel import LANES, ROWS, THREADS, TILE_N, VEC, WARPS, Plan
 
 
@@ -30,7 +32,10 @@ class PassKernel:
         self.fn = epi.fn
         self.plan = plan
         p = plan
-        self.n_tiles, self.n_rows, self.n_cols = len(p.tiles), len(p.rows), len(p.cols)
+        self.n_tiles, self.n_rows, self.n_cols = len(p.tiles) + (p.pair is not None), len(p.rows), len(p.cols)
+        # Lanes per column of each store: a paired D holds both lanes of each pair.
+        self.store_lanes = tuple(2 if p.pair is not None and name == "D" else 1 for name, _ in p.stores)
+        self.tile_widths = (VEC,) * len(p.tiles) + ((2 * VEC,) if p.pair is not None else ())
         self.n_stores, self.n_per_row, self.n_per_col = len(p.stores), len(p.per_row), len(p.per_col)
         self.store_names = tuple(name for name, _ in p.stores)
         self.store_dtypes = tuple(torch2cute_dtype_map[dt] for _, dt in p.stores)
@@ -39,13 +44,28 @@ class PassKernel:
 
     def _args(self, tiles: list, rows: list, cols: list, i: int, j: int) -> dict[str, Any]:
         """The fn's keyword arguments for element (row i of the thread, column j of its vector);
-        ``tiles`` holds row i's values of each Tile."""
+        ``tiles`` holds row i's values of each Tile, then of the PairedTile (two lanes a column)."""
         p = self.plan
         args: dict[str, Any] = {name: Float32(v) for name, v in p.scalars}
         args.update({name: tiles[k][j] for k, (name, _) in enumerate(p.tiles)})
+        if const_expr(p.pair is not None):
+            lanes = tiles[len(p.tiles)]
+            args[p.pair[0]] = Pair(lanes[2 * j], lanes[2 * j + 1])
         args.update({name: rows[k][j] for k, (name, _) in enumerate(p.rows)})
         args.update({name: cols[k][i] for k, (name, _) in enumerate(p.cols)})
         return args
+
+    def _lanes(self, res: dict[str, Any], k: int) -> tuple[Any, ...]:
+        """Store k's values of one column: both lanes of a paired D, else the one value."""
+        name, value = self.store_names[k], res[self.store_names[k]]
+        if self.store_lanes[k] == 2:
+            if not isinstance(value, Pair):
+                raise CatalogueError(f"a paired pass returns D as pack(a, b); got a single value for {name!r}")
+            return Float32(value.a), Float32(value.b)
+        if isinstance(value, Pair):
+            raise CatalogueError(f"output {name!r} of a paired pass holds one value per pair, not a Pair: "
+                                 "store both lanes through D")
+        return (Float32(value),)
 
     @cute.jit
     def __call__(self, tensors: tuple, m: Int32, n: Int32, stream: Any):
@@ -86,9 +106,10 @@ class PassKernel:
         for c in cutlass.range_constexpr(self.chunks):
             base = row0 + c * ROWS * self.rows_in_flight
             # Raw 16-byte fragments (converted per row in the math below: half the registers of fp32).
-            tiles = [[cute.make_rmem_tensor((VEC,), t.element_type) for _ in range(self.rows_in_flight)] for t in mtiles]
-            olds = [[cute.make_rmem_tensor((VEC,), mstores[0].element_type) for _ in range(self.rows_in_flight)]
-                    for _ in range(1 if p.accumulate else 0)]
+            tiles = [[cute.make_rmem_tensor((self.tile_widths[k],), t.element_type)
+                      for _ in range(self.rows_in_flight)] for k, t in enumerate(mtiles)]
+            olds = [[cute.make_rmem_tensor((VEC * self.store_lanes[0],), mstores[0].element_type)
+                     for _ in range(self.rows_in_flight)] for _ in range(1 if p.accumulate else 0)]
             cols = [cute.make_rmem_tensor((self.rows_in_flight,), Float32) for _ in range(nc)]
             row_acc = [cute.make_rmem_tensor((self.rows_in_flight,), Float32) for _ in range(self.n_per_row)]
             for k in cutlass.range_constexpr(self.n_per_row):
@@ -101,27 +122,30 @@ class PassKernel:
                         cols[k][i] = Float32(mcols[k][row])
                     if col < n:
                         for k in cutlass.range_constexpr(nt):
-                            cute.autovec_copy(cute.local_tile(mtiles[k], (1, VEC), (row, vec)), tiles[k][i])
+                            width = self.tile_widths[k]
+                            cute.autovec_copy(cute.local_tile(mtiles[k], (1, width), (row, vec)), tiles[k][i])
                         if const_expr(p.accumulate):
-                            cute.autovec_copy(cute.local_tile(mstores[0], (1, VEC), (row, vec)), olds[0][i])
+                            width = VEC * self.store_lanes[0]
+                            cute.autovec_copy(cute.local_tile(mstores[0], (1, width), (row, vec)), olds[0][i])
             for i in cutlass.range_constexpr(self.rows_in_flight):
                 row = base + i * ROWS
                 if row < m:
                     if col < n:
-                        outs = [cute.make_rmem_tensor((VEC,), Float32) for _ in range(ns)]
+                        outs = [cute.make_rmem_tensor((VEC * self.store_lanes[k],), Float32) for k in range(ns)]
                         values = [t[i].load().to(Float32) for t in tiles]
                         before = [t[i].load().to(Float32) for t in olds]
                         for j in cutlass.range_constexpr(VEC):
                             res = self.fn(**self._args(values, rows, cols, i, j))
                             for k in cutlass.range_constexpr(ns):
-                                value = Float32(res[self.store_names[k]])
-                                if const_expr(p.accumulate and k == 0):
-                                    # D += the result rounded to D's dtype, as the TMA reduce-add store adds.
-                                    value = before[0][j] + Float32(self.store_dtypes[0](value))
-                                outs[k][j] = value
+                                for lane, value in enumerate(self._lanes(res, k)):
+                                    at = self.store_lanes[k] * j + lane
+                                    if const_expr(p.accumulate and k == 0):
+                                        # D += the result rounded to D's dtype, as the TMA reduce-add store adds.
+                                        value = before[0][at] + Float32(self.store_dtypes[0](value))
+                                    outs[k][at] = value
                             for k in cutlass.range_constexpr(self.n_per_row):
                                 name, op = p.per_row[k]
-                                value = Float32(res[name])
+                                value = _folded(res[name], op)
                                 if const_expr(op == "add"):
                                     row_acc[k][i] = row_acc[k][i] + value
                                 else:
@@ -129,9 +153,10 @@ class PassKernel:
                             for r in cutlass.range_constexpr(self.n_per_col):
                                 col_acc[r][j] = col_acc[r][j] + Float32(res[p.per_col[r]])
                         for k in cutlass.range_constexpr(ns):
-                            raw = cute.make_rmem_tensor((VEC,), self.store_dtypes[k])
+                            width = VEC * self.store_lanes[k]
+                            raw = cute.make_rmem_tensor((width,), self.store_dtypes[k])
                             raw.store(outs[k].load().to(self.store_dtypes[k]))
-                            cute.autovec_copy(raw, cute.local_tile(mstores[k], (1, VEC), (row, vec)))
+                            cute.autovec_copy(raw, cute.local_tile(mstores[k], (1, width), (row, vec)))
             # Per-row folds: the row's 16 threads, by shuffles (every lane takes part).
             for k in cutlass.range_constexpr(self.n_per_row):
                 op = p.per_row[k][1]
@@ -167,3 +192,11 @@ class PassKernel:
                         total = total + buf[w, tidx]
                     if bn * TILE_N + tidx < n:
                         mper_col[r][bm, bn * TILE_N + tidx] = total
+
+
+def _folded(value: Any, op: str) -> Any:
+    """A per-row fold's value of one column: a Pair's two lanes folded into one (sum or max)."""
+    if not isinstance(value, Pair):
+        return Float32(value)
+    a, b = Float32(value.a), Float32(value.b)
+    return a + b if op == "add" else cute.arch.fmax(a, b)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from coda_agent.kernels.llama_ops import attention_input
-from coda_agent.primitives import compile_only
+from coda_agent.primitives import compile_only, pass_kernel
 
 
 ON_CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
@@ -53,7 +53,7 @@ def _attention_input_case(norm: bool, rotate: bool, bias_scale: float = 2.0, t: 
     pos = torch.arange(t, device=device).float() * 7  # angles past 2 pi
     freq = torch.cat(((1e4 ** -(torch.arange(0, rotated, 2) / rotated)).repeat_interleave(2),
                       torch.zeros(n - rotated))).to(device)
-    args = (h, gamma if norm else None, w, bias, pos if rotate else None, freq if rotate else None, 1e-5, rotated)
+    args = (h, gamma if norm else None, w, bias, pos if rotate else None, freq if rotate else None, 1e-5)
     return (h, gamma, w, bias), pos, freq, args
 
 
@@ -66,7 +66,8 @@ def test_the_bias_epilogues_compile_for_sm90a():
             _, _, _, args = _attention_input_case(norm, rotate, t=256, dim=256, n=384, rotated=256)
             attention_input(*args).backward(torch.ones(256, 384, dtype=torch.bfloat16))
     compiled = {k.epilogue: k for k in kernels}
-    assert {"norm_bias_rope", "scale_rows_bias", "bias_rope", "add_bias", "row_dot_bias"} <= set(compiled)
+    assert {"norm_bias_rope", "scale_rows_bias", "bias_rope", "add_bias", "row_dot_bias", "rope_inverse"} <= set(compiled)
+    assert compiled["rope_inverse"].config == pass_kernel.CONFIG
     for k in kernels:
         assert k.sass.sm90a and k.sass.spill_stores == 0 and k.sass.calls == 0, (k.epilogue, k.sass)
         assert (k.sass.hgmma > 0) == (k.kind == "gemm"), (k.epilogue, k.kind)

@@ -328,14 +328,15 @@ def test_passes_and_layernorm_kernels_compile_for_sm90a(gen):
     with compile_only() as kernels:
         tile_pass(PROGRAM.dgelu, dy=dy, pre=pre, scale=torch.ones(M), shift=torch.ones(N), alpha=1.0, config=narrow)
         tile_pass(PROGRAM.dswiglu, dy=_rand(M, 72, gen=gen), pre=_rand(M, 144, gen=gen), config=narrow)
+        tile_pass(PROGRAM.dswiglu, dy=_rand(M, 72, gen=gen), pre=_rand(M, 144, gen=gen))
         st = row_stats(dy, 1e-5)
         normalize_rows(dy, st["rstd"], torch.ones(N), mean=st["mean"], beta=torch.zeros(N))
         layernorm_fold(w.t(), torch.ones(72), torch.zeros(72))
         layernorm_fold(w, torch.ones(N), torch.zeros(N))
     names = [(k.epilogue, k.config) for k in kernels]
     own = pass_kernel.CONFIG
-    assert names == [("dgelu", str(narrow)), ("dswiglu", str(narrow)), ("row_moments", own), ("normalize", own),
-                     ("layernorm_fold", own), ("layernorm_fold", own)], names
+    assert names == [("dgelu", str(narrow)), ("dswiglu", str(narrow)), ("dswiglu", own), ("row_moments", own),
+                     ("normalize", own), ("layernorm_fold", own), ("layernorm_fold", own)], names
     for k in kernels:
         s = k.sass
         assert k.kind == "pass" and s is not None and s.sm90a, (k.epilogue, s)
@@ -368,8 +369,8 @@ def _plan(epi, **operands):
 
 
 def test_the_pass_kernel_takes_the_streaming_passes_and_names_what_it_leaves_to_quack(gen):
-    """Tiles, vectors, scalars, any mix of 16-bit and fp32, extra outputs and the three
-    plain folds run on the pass kernel; what it cannot stream (pairs, fp8 stores, the
+    """Tiles, a PairedTile, vectors, scalars, any mix of 16-bit and fp32, extra outputs and
+    the three plain folds run on the pass kernel; what it cannot stream (fp8 stores, the
     partials whose layout is a GEMM tile's, LSE, a transposed or misaligned Tile) says why."""
     x, y = _rand(M, N, gen=gen), _rand(M, N, gen=gen, dtype=torch.float32)
     vecs = {"cv": torch.ones(M, dtype=torch.bfloat16), "r": torch.ones(N), "k": 0.5}
@@ -378,8 +379,12 @@ def test_the_pass_kernel_takes_the_streaming_passes_and_names_what_it_leaves_to_
     assert [n for n, _ in plan.tiles] == ["x", "y"] and plan.scalars == (("k", 0.5),)
     assert [n for n, _ in plan.stores] == ["D", "e", "h"]
     assert plan.per_row == (("mx", "max"), ("s", "add")) and plan.per_col == ("cs",)
+    paired, why = _plan(PROGRAM.dswiglu, dy=_rand(M, 72, gen=gen), pre=_rand(M, 144, gen=gen))
+    assert why == "" and paired.tiles == (("dy", torch.bfloat16),) and paired.pair == ("pre", torch.bfloat16)
+    assert [n for n, _ in paired.stores] == ["D"] and paired.per_row == (("s", "add"),)
     refused = {
-        "pairs": _plan(PROGRAM.dswiglu, dy=_rand(M, 72, gen=gen), pre=_rand(M, 144, gen=gen)),
+        "pair misaligned": _plan(PROGRAM.dswiglu, dy=_rand(M, 72, gen=gen),
+                                 pre=_rand(M, 160, gen=gen)[:, 4:148]),
         "partials": _plan(PROGRAM.dgelu, dy=x, pre=x, scale=torch.ones(M), shift=torch.ones(N), alpha=1.0),
         "fp8": _plan(PASS_KERNEL.to_fp8, x=x),
         "lse": _plan(PASS_KERNEL.lse, x=x),
@@ -388,7 +393,7 @@ def test_the_pass_kernel_takes_the_streaming_passes_and_names_what_it_leaves_to_
     }
     whys = {case: why for case, (plan, why) in refused.items()}
     assert all(plan is None for plan, _ in refused.values()), whys
-    assert "paired" in whys["pairs"] and "partials" in whys["partials"] and "'q'" in whys["fp8"], whys
+    assert "'pre'" in whys["pair misaligned"] and "partials" in whys["partials"] and "'q'" in whys["fp8"], whys
     assert "online_lse" in whys["lse"] and "'x'" in whys["transposed"] and "'x'" in whys["misaligned"], whys
 
 

@@ -86,15 +86,57 @@ def test_tile_pass_at_every_config_the_tuner_may_pick():
         _compare(f"dgelu/{cfg}", got, want)
 
 
-def test_paired_tile_pass_matches_the_reference():
-    gen = torch.Generator().manual_seed(3)
-    dy, pre = torch.randn(1000, 632, generator=gen).bfloat16(), torch.randn(1000, 1264, generator=gen).bfloat16()
+@pytest.mark.parametrize("config", [None, TileConfig(tile_n=128, cluster_m=1)], ids=["pass kernel", "zero mainloop"])
+@pytest.mark.parametrize("shape", [(1000, 632), (4099, 776), (1, 8)], ids=["ragged", "tall", "one row"])
+def test_paired_tile_pass_matches_the_reference(shape, config):
+    """dSwiGLU over a PairedTile (a Pair a column, D stored paired, a fold of both lanes) on
+    the pass kernel and on quack's zero mainloop, at ragged edges; the pass kernel twice, bit
+    for bit, and accumulating into D."""
+    m, n = shape
+    gen = torch.Generator().manual_seed(m + n)
+    dy, pre = torch.randn(m, n, generator=gen).bfloat16(), torch.randn(m, 2 * n, generator=gen).bfloat16()
+    base = torch.randn(m, 2 * n, generator=gen).bfloat16()
     with lowering("reference"):
-        want = tile_pass(PASSES.dswiglu, dy=dy, pre=pre, config=TileConfig(tile_n=128, cluster_m=1))
-    with lowering("cute"):
-        got = tile_pass(PASSES.dswiglu, dy=dy.cuda(), pre=pre.cuda(), config=TileConfig(tile_n=128, cluster_m=1))
+        want = tile_pass(PASSES.dswiglu, dy=dy, pre=pre, config=config)
+        summed = base.clone()
+        tile_pass(PASSES.dswiglu, dy=dy, pre=pre, config=config, accumulate_into=summed)
+    acc = base.cuda()
+    with lowering("cute"), launch_ledger() as ledger:
+        got = tile_pass(PASSES.dswiglu, dy=dy.cuda(), pre=pre.cuda(), config=config)
+        again = tile_pass(PASSES.dswiglu, dy=dy.cuda(), pre=pre.cuda(), config=config)
+        tile_pass(PASSES.dswiglu, dy=dy.cuda(), pre=pre.cuda(), config=config, accumulate_into=acc)
     torch.cuda.synchronize()
-    _compare("dswiglu", got, want)
+    assert {launch.config for launch in ledger} == {pass_kernel.CONFIG if config is None else str(config)}
+    _compare(f"dswiglu/{m}x{n}/{ledger[0].config}", got, want)
+    _compare(f"dswiglu accumulate/{m}x{n}/{ledger[0].config}", {"D": acc}, {"D": summed})
+    if config is None:
+        assert all(torch.equal(got[k], again[k]) for k in got)
+
+
+def test_rope_inverse_pass_turns_back_the_forward_rotation_and_passes_v_through():
+    """The drop-in's RoPE backward on the pass kernel: the inverse rotation of a gradient
+    against fp64 math on the same fp32 angles (the kernel's product pos * freq) up to 1e5 rad,
+    and the columns whose frequency is zero (v) copied bit for bit, as the forward epilogue
+    leaves them unrotated."""
+    from coda_agent.kernels.llama_ops import rope_inverse
+
+    t, rotated, n = 8192 + 3, 1280, 1536
+    gen = torch.Generator().manual_seed(7)
+    du = torch.randn(t, n, generator=gen).bfloat16()
+    pos = torch.arange(t).float() * 12  # angles to ~1e5 rad at the highest frequency
+    freq = torch.cat((1e4 ** -(torch.arange(0, rotated, 2) / rotated), torch.zeros((n - rotated) // 2)))
+    with lowering("cute"), launch_ledger() as ledger:
+        got = tile_pass(rope_inverse, du=du.cuda(), pos=pos.cuda(), freq=freq.cuda())["D"].cpu()
+    torch.cuda.synchronize()
+    assert [launch.config for launch in ledger] == [pass_kernel.CONFIG]
+    ang = (pos[:, None] * freq[None]).double()
+    c, s = ang.cos(), ang.sin()
+    e, o = du.double()[:, 0::2], du.double()[:, 1::2]
+    want = torch.stack((e * c + o * s, o * c - e * s), -1).flatten(1)
+    rel = ((got.double() - want).norm() / want.norm()).item()
+    _record({"case": "rope_inverse", "rel_norm": rel})
+    assert rel < 3e-3, rel  # bf16 rounding of the result: ~1.1e-3
+    assert torch.equal(got[:, rotated:], du[:, rotated:])
 
 
 def test_erf_gelu_and_rounding_on_the_gpu():

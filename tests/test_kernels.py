@@ -9,6 +9,7 @@ path is a real `coda-agent eval` batch judged by the real verifier's CPU stages.
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -164,3 +165,48 @@ def test_a_second_backward_through_reused_state_is_refused():
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+
+
+class _GraphLog(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.graphs: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.graphs.append(record.getMessage())
+
+
+def test_a_compiled_backward_writes_over_no_saved_tensor_and_copies_none():
+    """Under torch.compile a backward's ``gemm(..., out=saved)`` gets a buffer of its own: the
+    saved pre-activation is an input of the compiled backward graph, which inductor would clone
+    whole before any write into it (a (T, 2I) copy per layer).  Inductor on the CPU, the
+    post-grad graphs read from its log: no clone of a (T, 2I) tensor, and the gradients those
+    of the uncompiled kernel."""
+    t = task("mlp_block")
+    inputs, _ = draw(t, "small", seed=4)
+    kernel = suite_kernel("mlp_block")
+
+    def grads(fn):
+        leaves = {n: v.clone().requires_grad_(True) for n, v in inputs.items()}
+        fn(**leaves)["y"].float().square().sum().backward()
+        return {n: v.grad for n, v in leaves.items()}
+
+    want = grads(kernel)
+    log, handler = torch._logging.getArtifactLogger("torch._inductor.compile_fx", "post_grad_graphs"), _GraphLog()
+    log.addHandler(handler)
+    torch._logging.set_logs(post_grad_graphs=True)
+    try:  # compiled afresh: a cached graph is not logged
+        torch._dynamo.reset()
+        with torch._inductor.config.patch(fx_graph_cache=False), \
+                torch._functorch.config.patch(enable_autograd_cache=False):
+            got = grads(torch.compile(kernel, backend="inductor", fullgraph=True))
+    finally:
+        torch._logging.set_logs()
+        log.removeHandler(handler)
+    graphs = "\n".join(handler.graphs)
+    tokens, width = inputs["h"].shape[0], inputs["w_gu"].shape[0]  # the pre-activation: (T, 2I)
+    assert "coda.gemm" in graphs and "dswiglu" in graphs, graphs[:2000]
+    clones = [line for line in graphs.splitlines() if "aten.clone" in line]
+    assert not [c for c in clones if f"[{tokens * width}]" in c or f"[{tokens}, {width}]" in c], clones
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=0)

@@ -133,16 +133,18 @@ def test_tile_pass_out_dtype_and_accumulate_into(gen):
 
 
 def test_tile_pass_writes_d_over_a_tile_it_reads(gen):
-    """out= takes the tensor D is written into, which may be the Tile the fn reads (each element is
-    read before it is written): the result is the same as into a new buffer, in that storage, and
-    its version moves as an in-place op's would (a saved tensor reused so is caught by autograd)."""
+    """out= takes a dead tensor D may be written into, which may be the Tile the fn reads (each
+    element is read before it is written): the result is the same as into a new buffer.  The
+    reference lowering holds the program to "dead": D is a new tensor and ``out`` is NaN after the
+    call, its version moved as an in-place op's would (a saved tensor reused so is caught by
+    autograd).  (The cute lowering writes into ``out`` itself: the GPU tier.)"""
     dy, pre = _rand(M, N, gen=gen), _rand(M, N, gen=gen, scale=2.0)
     ops = dict(dy=dy, scale=torch.rand(M, generator=gen) + 0.5, shift=_rand(N, gen=gen), alpha=0.5)
     with lowering("reference"):
         fresh = tile_pass(PROGRAM.dgelu, pre=pre, **ops)
         buf, version = pre.clone(), pre.clone()._version
         over = tile_pass(PROGRAM.dgelu, pre=buf, out=buf, **ops)
-    assert over["D"] is buf and buf._version > version
+    assert over["D"] is not buf and buf.isnan().all() and buf._version > version
     torch.testing.assert_close(over["D"], fresh["D"], rtol=0, atol=0)
     torch.testing.assert_close(over["db"], fresh["db"], rtol=0, atol=0)
     with lowering("reference"), pytest.raises(CatalogueError, match=r"out is torch.float32; D is torch.bfloat16"):

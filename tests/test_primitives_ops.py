@@ -90,8 +90,9 @@ def test_gemm_op_accumulates_and_overwrites_in_place():
     epi, operands = CALLS["paired tile"]
     pre = operands["pre"].clone()
     want = gemm(A, B, epi, pre=pre)
-    got = gemm(A, B, epi, pre=pre, out=pre)  # D over the PairedTile it reads
-    assert got["D"] is pre and torch.equal(pre, want["D"]) and torch.equal(got["s"], want["s"])
+    got = gemm(A, B, epi, pre=pre, out=pre)  # D over the PairedTile it reads, dead afterwards
+    # (on the reference lowering D is a new tensor and the dead one NaN: test_passes)
+    assert torch.equal(got["D"], want["D"]) and torch.equal(got["s"], want["s"]) and pre.isnan().all()
     torch.library.opcheck(torch.ops.coda.gemm.default, op_args(epi, {"pre": operands["pre"].clone()},
                                                               dest=operands["pre"].clone()))
     acc = bf(M, N, seed=9)

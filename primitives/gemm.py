@@ -218,6 +218,11 @@ def launch(epilogue: Epilogue | None, A: torch.Tensor, B: torch.Tensor, operands
     m, n, _ = check_call(epilogue, A, B, operands,
                          f"tile_pass({name}, ...)" if kind == "pass" else f"gemm(A, B, {name}, ...)", dtype)
     dest = _check_destination(epilogue, A, B, m, n, dtype, accumulate_into, out)
+    if accumulate_into is not None and epilogue is not None and epilogue.paired_operand and (
+            kind == "gemm" or config is not None):
+        # quack's kernel reads a PairedTile as its C operand, and its reduce-add store has none.
+        raise CatalogueError(f"{what}: accumulate_into with a PairedTile operand runs on the pass kernel only, "
+                             "a tile_pass without config; here, return D and add it yourself")
     poisoned = None  # ``out`` is dead after the call (module docstring): D gets its own buffer here
     if out is not None and (torch.compiler.is_compiling() or current_lowering(A, B) == "reference"):
         dest, poisoned = None, None if torch.compiler.is_compiling() else out
@@ -319,9 +324,13 @@ def _launch(epi: Epilogue | None, A: torch.Tensor, B: torch.Tensor, operands: di
         with launching(kind, PLAIN, "cublas"):
             D.addmm_(A, B) if accumulate else torch.mm(A, B, out=D)
         return
-    if kind == "pass" and config is None and lowering in ("cute", "compile") and _pass_kernel(
-            epi, operands, results, accumulate, lowering, {"M": m, "N": n}):
-        return
+    if kind == "pass" and config is None and lowering in ("cute", "compile"):
+        why = _pass_kernel(epi, operands, results, accumulate, lowering, {"M": m, "N": n})
+        if not why:
+            return
+        if accumulate and epi.paired_operand:
+            raise CatalogueError(f"tile_pass: accumulate_into with a PairedTile operand runs on the pass kernel "
+                                 f"only, which does not take this call ({why})")
     cfg = config
     if cfg is None and lowering == "cute":
         cfg = lookup(epi, m, n, k, fp8.mainloop_key(A, B, fast_accum), A.device, operands)
@@ -364,19 +373,19 @@ def _on_cublas(epi: Epilogue | None, A: torch.Tensor, results: dict[str, torch.T
 
 
 def _pass_kernel(epi: Epilogue, operands: dict[str, Any], results: dict[str, torch.Tensor], accumulate: bool,
-                 lowering: str, shapes: dict[str, int]) -> bool:
+                 lowering: str, shapes: dict[str, int]) -> str:
     """Run (or, compiling, compile) an untuned tile pass on its own streaming kernel
-    (:mod:`.pass_kernel`); False where that kernel does not take it and quack's zero
-    mainloop runs it instead."""
-    plan, _ = pass_kernel.plan_for(epi, operands, results, accumulate)
+    (:mod:`.pass_kernel`): "" once it ran, else why that kernel does not take it (quack's
+    zero mainloop runs it instead)."""
+    plan, why = pass_kernel.plan_for(epi, operands, results, accumulate)
     if plan is None:
-        return False
+        return why
     if lowering == "compile":
         pass_kernel.compile_call(epi, plan, shapes)
-        return True
+        return ""
     with launching("pass", epi.name, str(plan.geometry)):
         pass_kernel.run(epi, plan, operands, results)
-    return True
+    return ""
 
 
 def _leaner(epi: Epilogue | None, A: torch.Tensor, B: torch.Tensor, operands: dict[str, Any],

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from coda_agent.primitives import (CatalogueError, TileConfig, compile_only, erf, gelu, gemm, launch_ledger,
                                    layernorm_fold, layernorm_stats, load_program, lowering, normalize_rows,
                                    pass_kernel, round_bf16, round_fp16, row_stats, tile_pass, vector_pass)
+from coda_agent.tasks.llama3.experts import swiglu_bwd
 
 PROGRAM = load_program('''
 from coda_agent.primitives import *
@@ -149,6 +150,21 @@ def test_tile_pass_writes_d_over_a_tile_it_reads(gen):
     torch.testing.assert_close(over["db"], fresh["db"], rtol=0, atol=0)
     with lowering("reference"), pytest.raises(CatalogueError, match=r"out is torch.float32; D is torch.bfloat16"):
         tile_pass(PROGRAM.dgelu, pre=pre, out=torch.zeros(M, N), **ops)
+
+
+def test_accumulating_over_a_paired_tile_is_the_pass_kernels_alone(gen):
+    """quack's kernel reads a PairedTile as its C operand and its reduce-add store has none, so
+    accumulate_into with a PairedTile is refused, in every lowering, wherever quack's kernel
+    would run it: a gemm, and a tile_pass given a config."""
+    dy, pre = _rand(M, 72, gen=gen), _rand(M, 144, gen=gen)
+    with lowering("reference"):
+        tile_pass(PROGRAM.dswiglu, dy=dy, pre=pre, accumulate_into=torch.zeros(M, 144, dtype=torch.bfloat16))
+        with pytest.raises(CatalogueError, match="pass kernel only, a tile_pass without config"):
+            tile_pass(PROGRAM.dswiglu, dy=dy, pre=pre, config=TileConfig(tile_n=128, cluster_m=1),
+                      accumulate_into=torch.zeros(M, 144, dtype=torch.bfloat16))
+        with pytest.raises(CatalogueError, match="gemm: accumulate_into with a PairedTile"):
+            gemm(_rand(M, 64, gen=gen), _rand(64, 72, gen=gen), swiglu_bwd.dswiglu, pre=pre,
+                 accumulate_into=torch.zeros(M, 144, dtype=torch.bfloat16))
 
 
 BAD_PASSES = [

@@ -217,7 +217,11 @@ def test_plain_gemms_on_cublas_compute_what_quack_does():
         halved = gemm(A, B, epi)["D"]
     assert [x.config for x in launched[:3]] == ["cublas"] * 3
     assert all(x.config != "cublas" for x in launched[3:])
-    for got, want in ((fresh, truth), (into, truth), (summed, truth + acc.float()), (wide, truth),
-                      (halved, truth * 0.5)):
+    # Each within a rounding of its terms: an accumulated D may round the product and the sum
+    # (the TMA reduce-add adds the product rounded to bf16), so its bound scales with both terms.
+    cases = {"fresh": (fresh, truth, truth), "out": (into, truth, truth),
+             "accumulated": (summed, truth + acc.float(), truth.abs() + acc.float().abs()),
+             "fp32 D": (wide, truth, truth), "epilogue": (halved, truth * 0.5, truth * 0.5)}
+    for case, (got, want, scale) in cases.items():
         err = (got.float() - want).abs()
-        assert (err <= want.abs() * 2 ** -7 + 0.05).all(), err.max().item()
+        assert (err <= scale.abs() * 2 ** -7 + 0.05).all(), (case, err.max().item())

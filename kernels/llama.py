@@ -43,7 +43,7 @@ its epilogue, the out_proj_residual kernel):
   (``swiglu``).  The final norm stays PyTorch's: the LM head's kernel takes the
   normalized hidden state.
 - ``rope``: RoPE rotates q and k in the QKV GEMM's epilogue (forward; its
-  backward is PyTorch, see ``llama_ops.py``).  HF rotates halves of each head
+  backward is a tile pass over the gradient, see ``llama_ops.py``).  HF rotates halves of each head
   (``rotate_half``), the catalogue adjacent pairs, so the q/k rows of the fused
   weight (and bias) are permuted per head into pairs: q.k per head is unchanged, so
   attention is too.  Only RoPE with a static frequency table and no scaling of

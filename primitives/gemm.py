@@ -180,7 +180,9 @@ def gemm(A: torch.Tensor, B: torch.Tensor, epilogue: Epilogue | None = None, *,
     ``out`` writes D over an existing tensor of D's shape and dtype: a buffer
     that is dead after this GEMM, which may be a Tile or the PairedTile the
     epilogue reads (each element is read before it is written), e.g. the saved
-    pre-activation in the SwiGLU backward; never A or B.  ``fast_accum`` (fp8
+    pre-activation in the SwiGLU backward; never A or B.  Use the returned D:
+    the reference lowering fills ``out`` with NaN after the call, and under
+    torch.compile D gets a buffer of its own.  ``fast_accum`` (fp8
     only) keeps the whole K loop in the tensor core's accumulator instead of
     promoting to fp32 after every K tile: faster, fewer bits.
     Returns ``{"D": ..., <outputs>..., <reductions>...}``.

@@ -12,8 +12,8 @@ recomputed a forward GEMM to host it.
 the (M, N) tiles of its ``Tile``/``PairedTile`` operands, with everything a
 GEMM epilogue has: the operand kinds, extra outputs, reductions with their
 ragged-edge masking, both lowerings and the compile stage's SASS gate.  In the
-cute lowering an untuned pass of Tiles, vectors and Scalars with 16-bit or
-fp32 outputs and plain folds runs on its own streaming kernel
+cute lowering an untuned pass of Tiles (a PairedTile too), vectors and Scalars
+with 16-bit or fp32 outputs and plain folds runs on its own streaming kernel
 (:mod:`.pass_kernel`: 3.3 TB/s on the H200 for the wide dGELU pass, where the
 GEMM's epilogue moved 2.1); anything else, and a pass given a ``config``, runs
 on quack's SM90 kernel with a mainloop over zeros: A is (M, 16) and B (16, N)
@@ -94,15 +94,17 @@ def tile_pass(epilogue: Epilogue, *, out_dtype: str | None = None, config: TileC
     (and PairedTile) operands set the (M, N) it covers; every operand kind,
     output, reduction, ``accumulate_into`` and ``out`` work as in ``gemm``
     (``out`` may be a Tile the fn reads and nothing reads later: each element
-    is read before it is written).  D's dtype is ``out_dtype``, by default the
-    first Tile operand's.  The cost is the epilogue's own loads and stores
-    (e.g. dGELU of an incoming gradient over the saved pre-activation:
-    ``tile_pass(dgelu, dy=dy, pre=pre, out=pre)``, no GEMM to recompute, no
-    new (M, N) buffer).  With ``config=None`` a pass of Tile, RowVec, ColVec
-    and Scalar operands, 16-bit or fp32 outputs and col_sum, col_max or
-    row_sum folds streams on the catalogue's own pass kernel, near copy
-    bandwidth; a PairedTile, fp8 outputs, partials, an LSE or select, or a
-    ``config`` run it as the epilogue of quack's GEMM over a zero mainloop."""
+    is read before it is written; use the returned D, as ``gemm`` says).
+    D's dtype is ``out_dtype``, by default the first Tile operand's.  The cost
+    is the epilogue's own loads and stores (e.g. dGELU of an incoming gradient
+    over the saved pre-activation: ``tile_pass(dgelu, dy=dy, pre=pre,
+    out=pre)``, no GEMM to recompute, no new (M, N) buffer).  With
+    ``config=None`` a pass of Tile, PairedTile, RowVec, ColVec and Scalar
+    operands, 16-bit or fp32 outputs and col_sum, col_max or row_sum folds
+    streams on the catalogue's own pass kernel, near copy bandwidth (the only
+    place ``accumulate_into`` takes a PairedTile pass); fp8 outputs, partials,
+    an LSE or select, or a ``config`` run it as the epilogue of quack's GEMM
+    over a zero mainloop."""
     epi = _require_pass(epilogue, "tile_pass")
     grid = []  # a loop, not a comprehension with :=, which torch.compile's tracer cannot read
     for name, kind in epi.operands.items():

@@ -69,6 +69,7 @@ def test_kernel_classes():
     assert train_step.classify("nvjet_tst_192x192_64x4_2x1_v_bz_coopB_TNN") == "gemm"
     assert train_step.classify("kernel_cutlass_kernel_quackgemm_sm90GemmSm90_object_at__tensor") == "gemm"
     assert train_step.classify("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0") == "other"
+    assert train_step.classify("kernel_cutlass_kernel_coda_agentprimitivespass_kernel_dslPassKernel_object_at_") == "other"
     assert train_step.classify("void at::native::(anonymous namespace)::multi_tensor_apply_kernel") == "other"
 
 

@@ -93,6 +93,8 @@ def test_gemm_op_accumulates_and_overwrites_in_place():
     got = gemm(A, B, epi, pre=pre, out=pre)  # D over the PairedTile it reads, dead afterwards
     # (on the reference lowering D is a new tensor and the dead one NaN: test_passes)
     assert torch.equal(got["D"], want["D"]) and torch.equal(got["s"], want["s"]) and pre.isnan().all()
+    dead = bf(M, N, seed=8)
+    assert torch.equal(gemm(A, B, out=dead)["D"], gemm(A, B)["D"]) and dead.isnan().all()  # the plain GEMM too
     torch.library.opcheck(torch.ops.coda.gemm.default, op_args(epi, {"pre": operands["pre"].clone()},
                                                               dest=operands["pre"].clone()))
     acc = bf(M, N, seed=9)

@@ -34,7 +34,6 @@ run in both kernels.
   so a pass is deterministic, as the verifier requires.
 - ``accumulate_into`` adds the result rounded to D's dtype to D, as the TMA
   reduce-add store of the GEMM path does.
-
 - A ``PairedTile`` (M, 2N) arrives as one Pair per output column, as in the
   GEMM epilogue: a thread loads the 2 x VEC elements of its VEC pairs (two
   16-byte loads) and stores the paired D at that width, while its Tiles,

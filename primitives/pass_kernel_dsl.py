@@ -2,7 +2,8 @@
 catalogue imports it only when a pass kernel compiles).
 
 One CTA covers TILE_M x TILE_N of the output; thread ``t`` owns the VEC
-columns starting at ``(t % LANES) * VEC`` in rows ``t // LANES + ROWS * i``.
+columns starting at ``(t % LANES) * VEC`` in rows ``t // LANES + ROWS * i``
+(with a PairedTile, VEC pairs: 2 x VEC elements of the paired tensors).
 The kernel is straight-line at trace time except for the row and column
 predicates (``if`` on traced values, which the DSL turns into branches): a
 load, the fn's math and a store happen only for real elements, and a fold
@@ -48,7 +49,7 @@ class PassKernel:
         p = self.plan
         args: dict[str, Any] = {name: Float32(v) for name, v in p.scalars}
         args.update({name: tiles[k][j] for k, (name, _) in enumerate(p.tiles)})
-        if const_expr(p.pair is not None):
+        if p.pair is not None:
             lanes = tiles[len(p.tiles)]
             args[p.pair[0]] = Pair(lanes[2 * j], lanes[2 * j + 1])
         args.update({name: rows[k][j] for k, (name, _) in enumerate(p.rows)})

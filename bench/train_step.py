@@ -207,8 +207,27 @@ def split_step(step: Any, device: str, top: int = 30) -> tuple[dict[str, float],
     ranked = sorted(by_kernel.items(), key=lambda kv: -kv[1][1])
     where = {"top_kernels": [{"kernel": k, "calls": int(n), "ms": round(ms, 3)} for k, (n, ms) in ranked[:top]],
              "coda_launches": {k: {"calls": int(n), "ms": round(ms, 3)}
-                               for k, (n, ms) in sorted(by_launch.items(), key=lambda kv: -kv[1][1])}}
+                               for k, (n, ms) in sorted(by_launch.items(), key=lambda kv: -kv[1][1])},
+             "idle": idle_gaps([(e.time_range.start, e.time_range.end, e.name) for e in device_kernels(events)])}
     return {k: round(v, 3) for k, v in split.items()}, where
+
+
+def idle_gaps(kernels: list[tuple[float, float, str]], top: int = 10, min_us: float = 20.0) -> dict[str, Any]:
+    """Where the device runs nothing between a step's first kernel and its last: the idle ms in
+    all, and the ``top`` longest gaps of at least ``min_us`` with the kernels on either side
+    (which name the phase: a host-bound stretch shows as many gaps between short kernels).
+    ``kernels``: (start_us, end_us, name), overlapping ones allowed (streams)."""
+    idle, gaps, busy_until, last = 0.0, [], None, ""
+    for start, end, name in sorted(kernels):
+        if busy_until is not None and start > busy_until:
+            idle += start - busy_until
+            if start - busy_until >= min_us:
+                gaps.append((start - busy_until, last, name))
+        if busy_until is None or end > busy_until:
+            busy_until, last = end, name
+    gaps.sort(key=lambda g: -g[0])
+    return {"ms": round(idle / 1e3, 3), "gaps": len(gaps), "ms_in_gaps": round(sum(g[0] for g in gaps) / 1e3, 3),
+            "longest": [{"us": round(us, 1), "after": a[:100], "before": b[:100]} for us, a, b in gaps[:top]]}
 
 
 def _tally(table: dict[str, list[float]], key: str, ms: float) -> None:

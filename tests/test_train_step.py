@@ -128,3 +128,13 @@ def test_compiled_contenders_reach_sdpa_without_a_mask(monkeypatch):
     masked = train_step.build("tiny", "cpu", torch.float32)[0]  # the same seed: the same weights
     assert masked.config._attn_implementation == "sdpa"
     torch.testing.assert_close(masked(input_ids=ids).logits, eager)
+
+
+def test_idle_gaps_are_what_no_kernel_covers():
+    """Overlapping kernels (two streams) cover each other; the idle time is the gaps between the
+    covered spans, and the longest gaps name the kernels around them."""
+    kernels = [(0, 100, "a"), (50, 300, "b"), (400, 500, "c"), (505, 600, "d"), (1600, 1700, "e")]
+    idle = train_step.idle_gaps(kernels, top=1)
+    assert idle["ms"] == 1.105 and idle["gaps"] == 2 and idle["ms_in_gaps"] == 1.1
+    assert idle["longest"] == [{"us": 1000.0, "after": "d", "before": "e"}]
+    assert train_step.idle_gaps([])["ms"] == 0.0

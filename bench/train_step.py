@@ -188,7 +188,8 @@ def split_step(step: Any, device: str, top: int = 30) -> tuple[dict[str, float],
     by_kernel: dict[str, list[float]] = {}
     by_launch: dict[str, list[float]] = {}
     events = prof.events()
-    for e in device_kernels(events):
+    kernels = device_kernels(events)
+    for e in kernels:
         ms = e.time_range.elapsed_us() / 1e3
         split[classify(e.name)] += ms
         _tally(by_kernel, f"{classify(e.name)}: {e.name[:160]}", ms)
@@ -208,7 +209,7 @@ def split_step(step: Any, device: str, top: int = 30) -> tuple[dict[str, float],
     where = {"top_kernels": [{"kernel": k, "calls": int(n), "ms": round(ms, 3)} for k, (n, ms) in ranked[:top]],
              "coda_launches": {k: {"calls": int(n), "ms": round(ms, 3)}
                                for k, (n, ms) in sorted(by_launch.items(), key=lambda kv: -kv[1][1])},
-             "idle": idle_gaps([(e.time_range.start, e.time_range.end, e.name) for e in device_kernels(events)])}
+             "idle": idle_gaps([(e.time_range.start, e.time_range.end, e.name) for e in kernels])}
     return {k: round(v, 3) for k, v in split.items()}, where
 
 

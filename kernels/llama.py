@@ -154,7 +154,7 @@ def apply_to_llama(model: LlamaForCausalLM | LlamaModel, *, rope: bool = True, r
     flags = getattr(getattr(model, "model", model), "coda_flags", None)
     if flags is not None:
         raise KernelError(f"this model is already patched ({flags}); patch a fresh one")
-    base, causal_lm, attentions, norm_offset = llama_architecture(model, keep_mlp=not swiglu)
+    base, lm_kind, attentions, norm_offset = llama_architecture(model, keep_mlp=not swiglu)
     # RoPE rides in the QKV GEMM's epilogue only where nothing sits between the projection and
     # the rotation and the rotation is LLaMA's: after Qwen3's q/k norms, where it turns part of
     # each head (Phi-3's partial_rotary_factor) or pairs of another layout, it stays HF's.
@@ -183,10 +183,10 @@ def apply_to_llama(model: LlamaForCausalLM | LlamaModel, *, rope: bool = True, r
         freq = _rope_lanes(base, plan) if rope else None
         for layer, attention in zip(base.layers, attentions):
             _patch_layer(layer, plan, attention, freq)
-    if fused_linear_cross_entropy and causal_lm:
+    if fused_linear_cross_entropy and lm_kind:  # "" for a decoder stack without an LM head
         model.coda_xent = chosen["lm_head_xent"]
-        model.coda_logits_scale = float(model.config.logits_scaling) if causal_lm == "Granite's" else 1.0
-        model.coda_router_loss = causal_lm == "Mixtral's"
+        model.coda_logits_scale = float(model.config.logits_scaling) if lm_kind == "Granite's" else 1.0
+        model.coda_router_loss = lm_kind == "Mixtral's"
         model.forward = PatchedForward(model, _causal_lm_forward)
     base.coda_flags = {"rope": rope, "rms_norm": rms_norm, "swiglu": swiglu,
                        "fused_linear_cross_entropy": fused_linear_cross_entropy, "fp8_mlp": fp8_mlp}

@@ -232,32 +232,30 @@ def launch(epilogue: Epilogue | None, A: torch.Tensor, B: torch.Tensor, operands
                                      int(config.pingpong)]
     if epilogue is None and dest is None and not on_fp8 and kind == "gemm":  # fp8 scales need an epilogue
         mm = _mm_body if direct((A, B), differentiable=True) else torch.ops.coda.mm
-        D = mm(A, B, dtype, cfg)
-        if poisoned is not None:
-            poisoned.fill_(float("nan"))
-        return {"D": D}
-    tensors, scalars, ints = _pack(epilogue, operands)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (A, B, *tensors)):
-        raise CatalogueError(f"{what}: a GEMM with an epilogue (or into a given tensor) has no derivative of its "
-                             "own; run the program's forward and backward through coda_agent.kernels.Kernel, "
-                             "or call it under torch.no_grad()")
-    if epilogue is not None:  # the partials' layout: N tiles of the config the launch will pick
-        tiles = -(-n // (config or default_config(epilogue, operands, n, m, tile_pass=kind == "pass")).tile_n)
-        # The buffers' pre-fills (a select's zeros) are device work of this call: a profiler range
-        # of its own lets the verifier's launch audit attribute them (none while compiling).
-        with profiler_range(f"coda::buffers::{name}"):
-            results = epilogue.result_buffers(m, n, operands, dtype, tiles, A.device, dest)
+        results = {"D": mm(A, B, dtype, cfg)}
     else:
-        results = {"D": dest if dest is not None else torch.empty(m, n, dtype=dtype, device=A.device)}
-    buffers = list(results.values())
-    args = (epilogue.key if epilogue is not None else PLAIN, A, B, tensors, scalars, ints, buffers,
-            accumulate_into is not None, cfg, fast_accum, kind)
-    if direct((A, B, *tensors, *buffers)):
-        _gemm_body(*args)
-        mutated(buffers)
-    else:
-        torch.ops.coda.gemm(*args)
-    if poisoned is not None:
+        tensors, scalars, ints = _pack(epilogue, operands)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (A, B, *tensors)):
+            raise CatalogueError(f"{what}: a GEMM with an epilogue (or into a given tensor) has no derivative of "
+                                 "its own; run the program's forward and backward through "
+                                 "coda_agent.kernels.Kernel, or call it under torch.no_grad()")
+        if epilogue is not None:  # the partials' layout: N tiles of the config the launch will pick
+            tiles = -(-n // (config or default_config(epilogue, operands, n, m, tile_pass=kind == "pass")).tile_n)
+            # The buffers' pre-fills (a select's zeros) are device work of this call: a profiler range
+            # of its own lets the verifier's launch audit attribute them (none while compiling).
+            with profiler_range(f"coda::buffers::{name}"):
+                results = epilogue.result_buffers(m, n, operands, dtype, tiles, A.device, dest)
+        else:
+            results = {"D": dest if dest is not None else torch.empty(m, n, dtype=dtype, device=A.device)}
+        buffers = list(results.values())
+        args = (epilogue.key if epilogue is not None else PLAIN, A, B, tensors, scalars, ints, buffers,
+                accumulate_into is not None, cfg, fast_accum, kind)
+        if direct((A, B, *tensors, *buffers)):
+            _gemm_body(*args)
+            mutated(buffers)
+        else:
+            torch.ops.coda.gemm(*args)
+    if poisoned is not None:  # one exit: every launch path leaves a dead ``out`` NaN
         poisoned.fill_(float("nan"))
     return results
 

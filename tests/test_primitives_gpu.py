@@ -195,7 +195,6 @@ def test_launch_and_compile_leave_quack_and_the_environment_as_they_found_them()
     assert state() == before
 
 
-
 def test_plain_gemms_on_cublas_compute_what_quack_does():
     """Under ``plain_gemms("cublas")`` a plain 16-bit GEMM (fresh, into ``out``, accumulated,
     from a column-major A) runs cuBLAS inside its catalogue range, recorded as such, and agrees

@@ -63,6 +63,8 @@ from typing import Any
 
 import torch
 
+from coda_agent.primitives.lowering import PLAIN_GEMM_LIBRARIES
+from coda_agent.primitives.tuning import POOLS
 from coda_agent.storage import write_atomic
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -273,11 +275,11 @@ def _inside_coda(e: Any, launches_only: bool = False) -> bool:
 
 
 def measure(config: str, contender: str, steps: int, warmup: int, device: str, tune: float | None = None,
-            xent_mib: int = 0) -> dict[str, Any]:
+            xent_mib: int = 0, tune_pool: str = "default") -> dict[str, Any]:
     """ms/step, tokens/s, peak memory and the profiled split of one contender at one config.
     ``tune``: a CODA contender's first step tunes each GEMM the tuning cache does not hold
     (``autotune``), backward included; 0 times the candidates in single calls, more each back to
-    back for that many seconds (the regime of a step at the power cap)."""
+    back for that many seconds (the regime of a step at the power cap), from ``tune_pool``."""
     model, batch, seq = build(config, device, torch.bfloat16)
     model = prepare(model, contender, device, xent_mib)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
@@ -295,13 +297,14 @@ def measure(config: str, contender: str, steps: int, warmup: int, device: str, t
 
     t0 = time.time()
     tuning = tune is not None and contender.startswith("coda")
-    with autotune(steady_s=tune or None) if tuning else contextlib.nullcontext() as tuned:
+    with autotune(steady_s=tune or None, pool=tune_pool) if tuning else contextlib.nullcontext() as tuned:
         step()
         sync()
     row: dict[str, Any] = {"config": config, "contender": contender, "tokens": batch * seq,
                            "first_step_s": round(time.time() - t0, 1)}
     if tuned is not None:
-        row["tuned"] = [{k: t[k] for k in ("epilogue", "MNK", "best", "regime")} for t in tuned]
+        row["tuned"] = [{**{k: t[k] for k in ("epilogue", "MNK", "best", "regime")}, "pool": tune_pool,
+                         "times_ms": {c: round(ms, 4) for c, ms in t["times_ms"].items()}} for t in tuned]
     for _ in range(warmup):
         step()
     sync()
@@ -358,9 +361,11 @@ def child(args: argparse.Namespace, device: str, name: str) -> None:
     from coda_agent.primitives import plain_gemms
 
     tune = args.tune_steady if args.tune_steady else (0.0 if args.tune else None)
+    if tune is not None:  # this run's winners only: a cache from an earlier run (another pool) would answer
+        os.environ["CODA_CACHE_DIR"] = str(out / "cache")
     with plain_gemms(args.plain_gemms):
         row = measure("tiny" if args.dry_run else config, contender, args.steps, args.warmup, device, tune,
-                      args.xent_mib)
+                      args.xent_mib, args.tune_pool)
     if contender.startswith("coda"):
         row.update({"xent_mib": args.xent_mib or None, "plain_gemms": args.plain_gemms})
     row["config"] = config
@@ -458,9 +463,11 @@ def main() -> int:
                     "each candidate in single flushed calls (cached on disk for the rows after)")
     ap.add_argument("--tune-steady", type=float, default=0.0, metavar="SECONDS",
                     help="as --tune, but each candidate timed back to back for SECONDS (the power-capped regime)")
+    ap.add_argument("--tune-pool", choices=sorted(POOLS), default="default",
+                    help="the candidates --tune and --tune-steady pick from (primitives.tuning.POOLS)")
     ap.add_argument("--xent-mib", type=int, default=0, help="CODA rows: the LM-head kernel's logits chunk in "
                     "MiB (default: the expert's)")
-    ap.add_argument("--plain-gemms", choices=("quack", "cublas"), default="quack",
+    ap.add_argument("--plain-gemms", choices=PLAIN_GEMM_LIBRARIES, default="quack",
                     help="CODA rows: the library of the GEMMs without an epilogue (primitives.plain_gemms)")
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny config, reference lowering: the plumbing")
     ap.add_argument("--plot", metavar="DIR", help="draw DIR/loss_curve.json to DIR/loss_curve.png and exit")

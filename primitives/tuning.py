@@ -57,6 +57,22 @@ CANDIDATES: tuple[TileConfig, ...] = (
     TileConfig(128, 192, 1, 1, True),
 )
 
+# The wide pool (``autotune(pool="wide")``): CANDIDATES and large clustered tiles like those
+# cuBLAS picks for a training step's GEMMs (H200 run 19's compile row: 128x256 c2x1, 256x128 c1x2,
+# 192x192 and 320x128).  A bigger tile moves fewer operand bytes per FLOP and a cluster multicasts
+# its shared operand, so it may cost less energy per FLOP; under the power cap a step runs at,
+# energy is time, which only back-to-back (steady) timing shows.  All three are quack's cooperative
+# kernel.  Compiled for sm_90a with the LLaMA step's epilogues, 128x256 c2x1 and 256x128 c1x2 spill
+# nothing and 256x160 only in dSwiGLU (120 STL); 256x192 and 192x128 pingpong spill 170-670 STL
+# in four of them, so they stay out.
+WIDE_CANDIDATES: tuple[TileConfig, ...] = (
+    *CANDIDATES,
+    TileConfig(128, 256, 2, 1, False),
+    TileConfig(256, 128, 1, 2, False),
+    TileConfig(256, 160, 2, 1, False),
+)
+POOLS = {"default": CANDIDATES, "wide": WIDE_CANDIDATES}
+
 
 # An fp8 GEMM that promotes its partial sums keeps a second fp32 accumulator, and most CANDIDATES
 # then spill (``tile_config.fits_promoted``): its candidates are those that fit, run cooperative
@@ -65,18 +81,21 @@ CANDIDATES: tuple[TileConfig, ...] = (
 PROMOTED_PINGPONG: tuple[TileConfig, ...] = (TileConfig(128, 64, 1, 1, True), TileConfig(128, 64, 2, 1, True))
 
 
-def candidates_for(epi: Any, operands: Mapping[str, Any], promote: bool = False) -> list[TileConfig]:
-    """The configs :func:`tune` may pick for this epilogue: :data:`CANDIDATES`, or for an fp8
-    GEMM that promotes (``promote``) those of them and of their cooperative forms and
-    :data:`PROMOTED_PINGPONG` that hold both accumulators without spilling; a
-    head statistic needs whole heads per tile.  (An epilogue exposing reduction partials is
-    never tuned at all: ``tile_config.tunable``.)"""
+def candidates_for(epi: Any, operands: Mapping[str, Any], promote: bool = False,
+                   pool: str = "default") -> list[TileConfig]:
+    """The configs :func:`tune` may pick for this epilogue: those of ``pool`` (:data:`POOLS`:
+    :data:`CANDIDATES`, or :data:`WIDE_CANDIDATES`), or for an fp8 GEMM that promotes
+    (``promote``) those of them and of their cooperative forms and :data:`PROMOTED_PINGPONG` that
+    hold both accumulators without spilling; a head statistic needs whole heads per tile.  (An
+    epilogue exposing reduction partials is never tuned at all: ``tile_config.tunable``.)"""
     head_dims = _head_dims(epi, operands)
-    pool = CANDIDATES
+    if pool not in POOLS:
+        raise ValueError(f"tuning pool {pool!r} does not exist; pick one of {sorted(POOLS)}")
+    configs = POOLS[pool]
     if promote:
-        coop = (c.cooperative() for c in CANDIDATES)
-        pool = tuple(c for c in dict.fromkeys((*CANDIDATES, *coop, *PROMOTED_PINGPONG)) if fits_promoted(c))
-    return [cfg for cfg in pool if _whole_heads(cfg, head_dims)]
+        coop = (c.cooperative() for c in configs)
+        configs = tuple(c for c in dict.fromkeys((*configs, *coop, *PROMOTED_PINGPONG)) if fits_promoted(c))
+    return [cfg for cfg in configs if _whole_heads(cfg, head_dims)]
 
 
 def _head_dims(epi: Any, operands: Mapping[str, Any]) -> tuple[int, ...]:
@@ -174,16 +193,16 @@ def lookup(epi: Any, m: int, n: int, k: int, dtype: Any, device: Any,
 class _Session(list):
     """What an :func:`autotune` block tunes with, and its record (a list, one entry per tuned call)."""
 
-    def __init__(self, steady_s: float | None):
+    def __init__(self, steady_s: float | None, pool: str):
         super().__init__()
-        self.steady_s = steady_s
+        self.steady_s, self.pool = steady_s, pool
 
 
 _autotune: contextvars.ContextVar[_Session | None] = contextvars.ContextVar("coda_autotune", default=None)
 
 
 @contextlib.contextmanager
-def autotune(steady_s: float | None = None) -> Iterator[list[dict]]:
+def autotune(steady_s: float | None = None, pool: str = "default") -> Iterator[list[dict]]:
     """Inside, a cute ``gemm(config=None)`` whose lookup misses is tuned on the spot
     (:func:`tune`) and its winner cached; yields a record per tuned call.  Calls that
     accumulate into a buffer are not tuned (timing them would keep adding into it).
@@ -192,7 +211,8 @@ def autotune(steady_s: float | None = None) -> Iterator[list[dict]]:
     settles, ``measure_steady``) instead of in flushed single calls on a rested GPU.  A training
     step runs its GEMMs at the power cap, where what a config costs is its energy: H200 run 18
     tuned a step's GEMMs in single calls, and their winners ran the step at a lower clock and
-    2-3% slower than the untuned heuristic.
+    2-3% slower than the untuned heuristic.  ``pool``: the candidates (:data:`POOLS`), the wide
+    one for a step's tiles judged under sustained load.
 
     The scope is a context variable, and autograd runs a CUDA backward on device threads of
     its own, which do not see it: inside, autograd runs backward on the calling thread
@@ -200,7 +220,9 @@ def autotune(steady_s: float | None = None) -> Iterator[list[dict]]:
     if steady_s is not None and not steady_s > 0:
         raise ValueError(f"autotune: steady_s is the seconds each candidate runs back to back, a positive "
                          f"number; got {steady_s!r} (None times single calls)")
-    with set_within(_autotune, _Session(steady_s)) as record, torch.autograd.set_multithreading_enabled(False):
+    if pool not in POOLS:
+        raise ValueError(f"autotune: pool {pool!r} does not exist; pick one of {sorted(POOLS)}")
+    with set_within(_autotune, _Session(steady_s, pool)) as record, torch.autograd.set_multithreading_enabled(False):
         yield record
 
 
@@ -234,7 +256,8 @@ def tune(epi: Any, A: Any, B: Any, operands: dict[str, Any], out_dtype: Any, rep
 
     runnable: dict[str, Callable[[], Any]] = {}
     configs: dict[str, TileConfig] = {}
-    for cfg in candidates_for(epi, operands, promote=is_fp8(A.dtype) and not fast_accum):
+    pool = session.pool if session is not None else "default"
+    for cfg in candidates_for(epi, operands, promote=is_fp8(A.dtype) and not fast_accum, pool=pool):
         run = call(cfg)
         try:
             run()  # compiles; a config this shape cannot use is skipped
@@ -252,7 +275,7 @@ def tune(epi: Any, A: Any, B: Any, operands: dict[str, Any], out_dtype: Any, rep
         times.update({name: t[len(t) // 2] for name, (t, _) in measure_each(runnable, reps).items()})
     best = configs[min(runnable, key=times.__getitem__)]
     key = tuning_key(epi, m, n, k, mainloop_key(A, B, fast_accum), _device_name(A.device.index or 0))
-    regime = f"steady {steady_s} s" if steady_s else "single calls"
+    regime = (f"steady {steady_s} s" if steady_s else "single calls") + ("" if pool == "default" else f", {pool} pool")
     TuningCache().put(key, best, times, regime)
     _forget_lookups()  # later lookups see the new winner
     if session is not None:

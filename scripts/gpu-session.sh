@@ -20,6 +20,8 @@
 #                   train=LABEL: another run in the same call (train-LABEL/, TRAIN_ARGS_LABEL)
 #   bench-SUITE     bench/run.py --suite SUITE (BENCH_TASKS / BENCH_SETS narrow it)
 #   fp8             bench/fp8.py (FP8_ARGS, e.g. --casts);   fp8loss   bench/fp8_loss.py
+#   energy          bench/gemm_energy.py (ENERGY_ARGS, e.g. --shapes gate_up,down): the step's plain
+#                   GEMMs back to back, quack's tiles against cuBLAS, with clock and power
 # Usage: bash scripts/gpu-session.sh tier:150 verify-llama3:380
 set -u
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -89,6 +91,8 @@ for item in "$@"; do
                 ${BENCH_TASKS:+--tasks "$BENCH_TASKS"} ${BENCH_SETS:+--sets "$BENCH_SETS"} ${BENCH_ARGS:-} ;;
         fp8)
             part fp8 "$secs" python3 bench/fp8.py "$res/fp8" --budget-s $((secs - 60)) ${FP8_ARGS:-} ;;
+        energy)
+            part energy "$secs" python3 bench/gemm_energy.py "$res/energy.json" ${ENERGY_ARGS:-} ;;
         fp8loss)
             part fp8loss "$secs" python3 bench/fp8_loss.py "$res/fp8-loss" --budget-s $((secs - 20)) ;;
         *)

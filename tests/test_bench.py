@@ -285,3 +285,26 @@ def test_margins_measure_each_output_with_the_judges_own_comparison(tmp_path, mo
     hi = torch.randn(64, 64, dtype=torch.float64)
     lo = hi.to(torch.bfloat16)
     assert margins.margin("y", "s", (hi + 1.0).float(), hi, lo, Tolerance(), 8.0)[0] == 0.0
+
+
+def test_gemm_energy_dry_run_times_cublas_and_every_tile_of_the_pool(tmp_path):
+    """``bench/gemm_energy.py --dry-run``: each shape's rows (cuBLAS, then quack at each tile of
+    the wide pool) in the JSON, the markdown table beside it; an unknown shape is refused by name."""
+    from coda_agent.primitives.tuning import WIDE_CANDIDATES
+
+    out = tmp_path / "energy.json"
+    script = str(ROOT / "bench" / "gemm_energy.py")
+    proc = subprocess.run([sys.executable, script, str(out), "--dry-run", "--seconds", "0.02",
+                           "--shapes", "gate_up,dw_down"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    want = ["cublas", *(f"quack {c}" for c in WIDE_CANDIDATES)]
+    assert [r["contender"] for r in rows if r["shape"] == "gate_up"] == want
+    assert {r["shape"] for r in rows} == {"gate_up", "dw_down"}
+    dw = next(r for r in rows if r["shape"] == "dw_down")
+    assert dw["MNK"] == [64, 8192 // 64, 16384 // 64] and dw["layouts"] == "mn"  # at least 64 a side
+    assert all(r["ms"] > 0 and r["calls"] >= 1 for r in rows)
+    assert out.with_suffix(".md").read_text().count("| gate_up") == len(want)
+    bad = subprocess.run([sys.executable, script, str(out), "--dry-run", "--shapes", "gate_up,qkvo"],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "unknown shapes ['qkvo']" in bad.stderr

@@ -23,7 +23,7 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import coda_agent  # noqa: E402
 from coda_agent.kernels import Kernel, KernelError  # noqa: E402
-from coda_agent.primitives import launch_ledger  # noqa: E402
+from coda_agent.primitives import launch_ledger, tuning  # noqa: E402
 from coda_agent.tasks import SUITE_DIR  # noqa: E402
 
 CONFIG = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
@@ -252,6 +252,33 @@ def test_patched_model_trains_like_hf_on_gpu(monkeypatch, family, fp8_mlp):
     # Qwen3's RoPE stays HF's, after its q/k norms
     qkv = {"Qwen3": "scale_rows", "Qwen2": "norm_bias_rope"}.get(family, "norm_rope")
     assert {qkv, "rmsnorm_dx", "dswiglu", "logits_lse"} <= {launch.name for launch in launched}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Hopper)")
+@pytest.mark.parametrize("tile", [str(c) for c in tuning.WIDE_CANDIDATES if c not in tuning.CANDIDATES])
+def test_patched_model_trains_like_hf_at_each_tile_of_the_wide_pool(monkeypatch, tile):
+    """A tile the wide pool adds, as a tuning-cache hit would give it to every tunable GEMM of
+    the step (the tuner times tiles, it does not check them): the model still trains like HF's,
+    with partial tiles on every edge (48 tokens, 128-wide rows)."""
+    import importlib
+
+    cfg = next(c for c in tuning.WIDE_CANDIDATES if str(c) == tile)
+    monkeypatch.setitem(globals(), "DEVICE", "cuda")
+    gemm_module = importlib.import_module("coda_agent.primitives.gemm")
+
+    def hit(epi, m, n, k, dtype, device, operands):
+        whole = tuning._whole_heads(cfg, tuning._head_dims(epi, operands))
+        return cfg if tuning.tunable(epi) and whole else None
+
+    monkeypatch.setattr(gemm_module, "lookup", hit)
+    base = tiny_llama()
+    hi, lo = train_and_eval(copy.deepcopy(base).float()), train_and_eval(copy.deepcopy(base).bfloat16())
+    with launch_ledger() as launched, torch.autograd.set_multithreading_enabled(False):
+        got = train_and_eval(coda_agent.apply_to_llama(copy.deepcopy(base).bfloat16()))
+    assert_like_hf(got, hi, lo)
+    at_tile = {launch.name for launch in launched if launch.config == tile}
+    assert {"norm_swiglu", "dswiglu", "rmsnorm_dx", "logits_lse", "add_residual"} <= at_tile, at_tile
 
 
 def test_kv_cache_decoding_copies_and_checkpointing():

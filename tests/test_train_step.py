@@ -24,7 +24,7 @@ def test_dry_run_writes_every_row_the_curve_and_its_plot(tmp_path):
     proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(tmp_path), "--configs", "1b",
                            "--contenders", "coda,coda_fp8,compile_torchao_fp8,curve", "--steps", "1", "--warmup",
                            "0", "--curve-steps", "4", "--band-seeds", "2", "--tune-steady", "0.1",
-                           "--plain-gemms", "cublas"],
+                           "--tune-pool", "wide", "--plain-gemms", "cublas"],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads((tmp_path / "train_step.json").read_text())

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from coda_agent.primitives import TileConfig, load_program, tuning
+from coda_agent.primitives.timing import Steady
 
 SRC = '''
 from coda_agent.primitives import *
@@ -100,6 +101,38 @@ def test_steady_tuning_times_each_candidate_back_to_back(tmp_path, monkeypatch):
     stored = [json.loads(f.read_text()) for f in tmp_path.glob("tuning/*.json")]
     assert [(x["regime"], x["config"]) for x in stored] == [("steady 0.25 s", best.__dict__)]
     assert tuning.lookup(epi, 64, 96, 128, torch.bfloat16, torch.device("cuda", 0), ops) == best
+    tuning._forget_lookups()
+
+
+def test_the_wide_pool_adds_clustered_large_tiles_and_the_tuner_uses_it(tmp_path, monkeypatch):
+    """``autotune(pool="wide")`` tunes over CANDIDATES and the large clustered tiles, says so in
+    the regime, and an unknown pool is refused with the ones there are."""
+    assert tuning.candidates_for(None, {}) == list(tuning.CANDIDATES)
+    wide = tuning.candidates_for(None, {}, pool="wide")
+    assert wide[:len(tuning.CANDIDATES)] == list(tuning.CANDIDATES) and len(wide) > len(tuning.CANDIDATES)
+    assert TileConfig(128, 256, 2, 1, False) in wide and TileConfig(256, 128, 1, 2, False) in wide
+    with pytest.raises(ValueError, match=r"pool 'huge' does not exist; pick one of \['default', 'wide'\]"):
+        with tuning.autotune(pool="huge"):
+            pass
+    with pytest.raises(ValueError, match="does not exist"):
+        tuning.candidates_for(None, {}, pool="huge")
+    monkeypatch.setenv("CODA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(tuning, "_device_name", lambda index: "NVIDIA H200")
+    tuning._forget_lookups()
+    launched = []
+    monkeypatch.setattr(tuning.cute, "run", lambda e, A, B, ops, buffers, config, **kw: launched.append(config))
+    last = tuning.WIDE_CANDIDATES[-1]
+
+    def steady(run, seconds):
+        run()
+        return Steady(0.5 if launched[-1] == last else 1.0, 10, (0.0, 1.0))
+
+    monkeypatch.setattr(tuning, "measure_steady", steady)
+    A, B = torch.randn(64, 128, dtype=torch.bfloat16), torch.randn(128, 96, dtype=torch.bfloat16)
+    with tuning.autotune(steady_s=0.1, pool="wide") as record:
+        best, times = tuning.tune(None, A, B, {}, torch.bfloat16)
+    assert best == last and len(times) == len(tuning.WIDE_CANDIDATES)
+    assert record[0]["regime"] == "steady 0.1 s, wide pool"
     tuning._forget_lookups()
 
 

@@ -52,7 +52,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
 from run import peak_mem_gib, stats, versions  # noqa: E402  (bench/run.py)
-from train_step import _inside_coda, device_kernels  # noqa: E402  (bench/train_step.py)
+from step_profile import _inside_coda, device_kernels  # noqa: E402  (bench/step_profile.py)
 
 from coda_agent.tasks import SUITE_DIR, load_task  # noqa: E402
 from coda_agent.storage import write_atomic  # noqa: E402

@@ -14,6 +14,12 @@ SDPA's flash kernel, see :func:`register_causal_sdpa`) on the same tokens:
   GEMMs in fp8), compiled;  ``compile_torchao_fp8``: torchao's float8 training
   (rowwise scales, every linear but the LM head), compiled: the fp8 anchor.
 
+``--compile-mode reduce-overhead`` compiles the compiled contenders in torch.compile's CUDA-graph
+mode (inductor's cudagraph trees: each compiled graph, forward and backward, replays as one CUDA
+graph), the configuration a user picks when the host's launches show in a step; each row then
+records how many graphs inductor could not capture (``cudagraph_skips``).  Every row records
+``host_ms``, the host's time to issue a step, beside the step's device time.
+
 Configs: ``1b`` (LLaMA-3.2-1B widths: H 2048, I 8192, 32/8 heads of 64,
 V 128256, 4 layers) and ``8b`` (LLaMA-3-8B widths: H 4096, I 14336, 32/8 heads
 of 128, 2 layers), both 4 x 4096 tokens a step.  Per contender: tokens/s and
@@ -69,6 +75,7 @@ from coda_agent.storage import write_atomic
 
 sys.path.insert(0, str(Path(__file__).parent))
 import loss_curve  # noqa: E402
+from step_profile import split_step  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -85,6 +92,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
                  head_dim=32, vocab_size=512, num_hidden_layers=2, batch=2, seq=32),
 }
 CONTENDERS = ("eager", "compile", "liger", "compile_liger", "coda", "coda_eager", "coda_fp8", "compile_torchao_fp8")
+COMPILED = ("compile", "compile_liger", "coda", "coda_fp8", "compile_torchao_fp8")
 CUDA_ONLY = ("liger", "torchao")  # Liger's kernels are Triton, torchao's float8 GEMMs are _scaled_mm
 # What the default run measures first: the comparisons the question turns on, then the rest.
 # Priority: the rows the issue's target compares (CODA against the strongest compiled
@@ -93,8 +101,6 @@ PLAN = [("1b", "compile"), ("1b", "coda"), ("8b", "compile"), ("8b", "coda"), ("
         ("8b", "compile_liger"), ("1b", "eager"), ("8b", "eager"), ("curve", "curve"),
         ("8b", "compile_torchao_fp8"), ("8b", "coda_fp8"), ("1b", "compile_torchao_fp8"), ("1b", "coda_fp8"),
         ("1b", "liger"), ("8b", "liger"), ("1b", "coda_eager"), ("8b", "coda_eager")]
-ATTENTION = ("flash", "fmha", "attention", "sdpa", "scaled_dot")
-GEMM = ("gemm", "matmul", "nvjet", "cutlass", "xmma", "wgmma", "cublas", "_mm_", "tem_fused_mm")
 
 
 CAUSAL_SDPA = "sdpa_causal"
@@ -128,9 +134,11 @@ def build(name: str, device: str, dtype: torch.dtype, seed: int = 0) -> tuple[An
     return LlamaForCausalLM(cfg).to(device=device, dtype=dtype), batch, seq
 
 
-def prepare(model: Any, contender: str, device: str, xent_mib: int = 0) -> Any:
+def prepare(model: Any, contender: str, device: str, xent_mib: int = 0, compile_mode: str = "default") -> Any:
     """Patch and/or compile ``model`` for one contender (the optimizer is built afterwards);
-    ``xent_mib``: the LM-head kernel's logits chunk, if not the expert's (:func:`xent_variant`)."""
+    ``xent_mib``: the LM-head kernel's logits chunk, if not the expert's (:func:`xent_variant`);
+    ``compile_mode``: torch.compile's mode for the compiled contenders (``reduce-overhead``
+    replays each compiled graph as a CUDA graph, so the host launches nothing inside it)."""
     if "liger" in contender:
         from liger_kernel.transformers import apply_liger_kernel_to_llama
 
@@ -146,8 +154,9 @@ def prepare(model: Any, contender: str, device: str, xent_mib: int = 0) -> Any:
 
         kernels = {"lm_head_xent": xent_variant(xent_mib)} if xent_mib else None
         coda_agent.apply_to_llama(model, fp8_mlp=contender == "coda_fp8", kernels=kernels)
-    if contender in ("compile", "compile_liger", "coda", "coda_fp8", "compile_torchao_fp8"):
-        model = torch.compile(model, backend="inductor" if device == "cuda" else "aot_eager")
+    if contender in COMPILED:
+        mode = None if compile_mode == "default" or device != "cuda" else compile_mode
+        model = torch.compile(model, backend="inductor" if device == "cuda" else "aot_eager", mode=mode)
     return model
 
 
@@ -167,127 +176,25 @@ def xent_variant(mib: int) -> Any:
                               (SUITE_DIR / "lm_head_xent.yaml").read_text(), origin=f"lm_head_xent@{mib}MiB")
 
 
-def classify(name: str) -> str:
-    low = name.lower()
-    if any(k in low for k in ATTENTION):
-        return "attention"
-    if "passkernel" in low:  # the catalogue's tile-pass kernel: a CuTeDSL kernel, memory-bound, no MMA
-        return "other"
-    return "gemm" if any(k in low for k in GEMM) else "other"
-
-
-def split_step(step: Any, device: str, top: int = 30) -> tuple[dict[str, float], dict[str, Any]]:
-    """One step under torch.profiler: kernel ms by class and the ms inside catalogue launches,
-    and where it went: the ``top`` kernels by device time, and every catalogue launch by name."""
-    from torch.profiler import ProfilerActivity, profile
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    with profile(activities=acts) as prof:
-        step()
-        if device == "cuda":
-            torch.cuda.synchronize()
-    split = {"gemm": 0.0, "attention": 0.0, "other": 0.0, "coda_gemm": 0.0, "coda_aux": 0.0}
-    by_kernel: dict[str, list[float]] = {}
-    by_launch: dict[str, list[float]] = {}
-    events = prof.events()
-    kernels = device_kernels(events)
-    for e in kernels:
-        ms = e.time_range.elapsed_us() / 1e3
-        split[classify(e.name)] += ms
-        _tally(by_kernel, f"{classify(e.name)}: {e.name[:160]}", ms)
-    for e in events:
-        if e.device_type == torch.autograd.DeviceType.CUDA or not e.name.startswith("coda::"):
-            continue
-        if not _inside_coda(e):
-            split["coda_gemm" if e.name.startswith("coda::gemm") else "coda_aux"] += e.device_time_total / 1e3
-        # The launch's own range (coda::gemm::EPILOGUE) sits inside the custom op's event
-        # (coda::gemm) when the op goes through the dispatcher, as in a compiled graph, and the
-        # profiler gives the kernels' device time to the op's event.
-        if e.name.count("::") == 2 and not _inside_coda(e, launches_only=True):
-            _tally(by_launch, e.name, _outermost_coda(e).device_time_total / 1e3)
-    split["kernels"] = split["gemm"] + split["attention"] + split["other"]
-    split["fused_share"] = (split["coda_gemm"] + split["coda_aux"]) / split["kernels"] if split["kernels"] else 0.0
-    ranked = sorted(by_kernel.items(), key=lambda kv: -kv[1][1])
-    where = {"top_kernels": [{"kernel": k, "calls": int(n), "ms": round(ms, 3)} for k, (n, ms) in ranked[:top]],
-             "coda_launches": {k: {"calls": int(n), "ms": round(ms, 3)}
-                               for k, (n, ms) in sorted(by_launch.items(), key=lambda kv: -kv[1][1])},
-             "idle": idle_gaps([(e.time_range.start, e.time_range.end, e.name) for e in kernels])}
-    return {k: round(v, 3) for k, v in split.items()}, where
-
-
-def idle_gaps(kernels: list[tuple[float, float, str]], top: int = 10, min_us: float = 20.0) -> dict[str, Any]:
-    """Where the device runs nothing between a step's first kernel and its last: the idle ms in
-    all, and the ``top`` longest gaps of at least ``min_us`` with the kernels on either side
-    (which name the phase: a host-bound stretch shows as many gaps between short kernels).
-    ``kernels``: (start_us, end_us, name), overlapping ones allowed (streams)."""
-    idle, gaps, busy_until, last = 0.0, [], None, ""
-    for start, end, name in sorted(kernels):
-        if busy_until is not None and start > busy_until:
-            idle += start - busy_until
-            if start - busy_until >= min_us:
-                gaps.append((start - busy_until, last, name))
-        if busy_until is None or end > busy_until:
-            busy_until, last = end, name
-    gaps.sort(key=lambda g: -g[0])
-    return {"ms": round(idle / 1e3, 3), "gaps": len(gaps), "ms_in_gaps": round(sum(g[0] for g in gaps) / 1e3, 3),
-            "longest": [{"us": round(us, 1), "after": a[:100], "before": b[:100]} for us, a, b in gaps[:top]]}
-
-
-def _tally(table: dict[str, list[float]], key: str, ms: float) -> None:
-    calls_ms = table.setdefault(key, [0, 0.0])
-    calls_ms[0] += 1
-    calls_ms[1] += ms
-
-
-def device_kernels(events: Any) -> list[Any]:
-    """The kernels among a profile's device events, each once.  A record_function range (the
-    catalogue's ``coda::`` launches) also appears on the device timeline as a user annotation
-    spanning its kernels: counting it adds the range's span to the kernels it holds (H200 run 12:
-    the CODA rows' kernel time came to 1.8x the step).  The profiler can also report a kernel the
-    DSL launches more than once; one kernel has one name and one start."""
-    seen: set[tuple[str, int, int]] = set()
-    out = []
-    for e in events:
-        if e.device_type != torch.autograd.DeviceType.CUDA or e.is_user_annotation or e.name.startswith("coda::"):
-            continue
-        key = (e.name, e.time_range.start, e.time_range.end)
-        if key not in seen:
-            seen.add(key)
-            out.append(e)
-    return out
-
-
-def _outermost_coda(e: Any) -> Any:
-    while e.cpu_parent is not None and e.cpu_parent.name.startswith("coda::"):
-        e = e.cpu_parent
-    return e
-
-
-def _inside_coda(e: Any, launches_only: bool = False) -> bool:
-    """Whether a catalogue op or range (only a launch's range, ``coda::KIND::NAME``, with
-    ``launches_only``) encloses ``e``."""
-    parent = e.cpu_parent
-    while parent is not None:
-        if parent.name.startswith("coda::") and (not launches_only or parent.name.count("::") == 2):
-            return True
-        parent = parent.cpu_parent
-    return False
-
-
 def measure(config: str, contender: str, steps: int, warmup: int, device: str, tune: float | None = None,
-            xent_mib: int = 0, tune_pool: str = "default") -> dict[str, Any]:
+            xent_mib: int = 0, tune_pool: str = "default", compile_mode: str = "default") -> dict[str, Any]:
     """ms/step, tokens/s, peak memory and the profiled split of one contender at one config.
     ``tune``: a CODA contender's first step tunes each GEMM the tuning cache does not hold
     (``autotune``), backward included; 0 times the candidates in single calls, more each back to
-    back for that many seconds (the regime of a step at the power cap), from ``tune_pool``."""
+    back for that many seconds (the regime of a step at the power cap), from ``tune_pool``.
+    ``host_ms`` is the median time the host spends issuing a timed step: a step whose host time
+    reaches its device time is bound by the host, and faster kernels do not shorten it."""
     model, batch, seq = build(config, device, torch.bfloat16)
-    model = prepare(model, contender, device, xent_mib)
+    model = prepare(model, contender, device, xent_mib, compile_mode)
+    graphs = compile_mode == "reduce-overhead" and device == "cuda" and contender in COMPILED
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
     gen = torch.Generator(device=device).manual_seed(1)
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=gen, device=device)
     model.train()
 
     def step() -> None:
+        if graphs:  # a new iteration: the graphs' outputs of the last one may be overwritten
+            torch.compiler.cudagraph_mark_step_begin()
         model(input_ids=ids, labels=ids).loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -308,17 +215,20 @@ def measure(config: str, contender: str, steps: int, warmup: int, device: str, t
     for _ in range(warmup):
         step()
     sync()
-    times = []
+    times, host = [], []
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
         t_start = time.time()
         for _ in range(steps):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t = time.perf_counter()
             a.record()
             step()
             b.record()
+            host.append((time.perf_counter() - t) * 1e3)
             times.append((a, b))
         sync()
+        row["host_ms"] = round(statistics.median(host), 2)
         ms = [a.elapsed_time(b) for a, b in times]
         row["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         row["window"] = (t_start, time.time())
@@ -336,6 +246,10 @@ def measure(config: str, contender: str, steps: int, warmup: int, device: str, t
     from torch._dynamo.utils import counters
 
     row["graph_breaks"] = sum(counters["graph_break"].values())
+    if contender in COMPILED:
+        row["compile_mode"] = compile_mode
+        # inductor counts every graph it could not run as a CUDA graph (the reasons go to its log)
+        row["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"] if graphs else None
     row["graph_break_reasons"] = sorted({" ".join(r.split("\n")[:2]) for r in counters["graph_break"]})[:10]
     return row
 
@@ -365,7 +279,7 @@ def child(args: argparse.Namespace, device: str, name: str) -> None:
         os.environ["CODA_CACHE_DIR"] = str(out / "cache")
     with plain_gemms(args.plain_gemms):
         row = measure("tiny" if args.dry_run else config, contender, args.steps, args.warmup, device, tune,
-                      args.xent_mib, args.tune_pool)
+                      args.xent_mib, args.tune_pool, args.compile_mode)
     if contender.startswith("coda"):
         row.update({"xent_mib": args.xent_mib or None, "plain_gemms": args.plain_gemms})
     row["config"] = config
@@ -469,6 +383,8 @@ def main() -> int:
                     "MiB (default: the expert's)")
     ap.add_argument("--plain-gemms", choices=PLAIN_GEMM_LIBRARIES, default="quack",
                     help="CODA rows: the library of the GEMMs without an epilogue (primitives.plain_gemms)")
+    ap.add_argument("--compile-mode", choices=("default", "reduce-overhead"), default="default",
+                    help="torch.compile's mode for the compiled rows (reduce-overhead: CUDA graphs)")
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny config, reference lowering: the plumbing")
     ap.add_argument("--plot", metavar="DIR", help="draw DIR/loss_curve.json to DIR/loss_curve.png and exit")
     args = ap.parse_args()

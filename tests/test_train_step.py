@@ -17,6 +17,7 @@ SCRIPT = ROOT / "bench" / "train_step.py"
 sys.path.insert(0, str(SCRIPT.parent))
 
 import loss_curve  # noqa: E402
+import step_profile  # noqa: E402
 import train_step  # noqa: E402
 
 
@@ -24,7 +25,8 @@ def test_dry_run_writes_every_row_the_curve_and_its_plot(tmp_path):
     proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(tmp_path), "--configs", "1b",
                            "--contenders", "coda,coda_fp8,compile_torchao_fp8,curve", "--steps", "1", "--warmup",
                            "0", "--curve-steps", "4", "--band-seeds", "2", "--tune-steady", "0.1",
-                           "--tune-pool", "wide", "--plain-gemms", "cublas"],
+                           "--tune-pool", "wide", "--plain-gemms", "cublas",
+                           "--compile-mode", "reduce-overhead"],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads((tmp_path / "train_step.json").read_text())
@@ -41,6 +43,8 @@ def test_dry_run_writes_every_row_the_curve_and_its_plot(tmp_path):
     assert launches["coda::aux::rms_prepare"]["calls"] == 2 * 2  # two layers, two norms each
     assert row["tuned"] == []  # asked for, but the reference lowering has no tiles to tune
     assert row["plain_gemms"] == "cublas" and row["xent_mib"] is None  # the CPU runs the reference either way
+    # CUDA graphs are a device's: on the CPU the compiled rows record the mode and capture nothing
+    assert row["compile_mode"] == "reduce-overhead" and row["cudagraph_skips"] is None
     assert result["curve"] == "loss_curve.json" and (tmp_path / "loss_curve.png").stat().st_size > 1000
     curve = json.loads((tmp_path / "loss_curve.json").read_text())
     assert curve["errors"] == {}
@@ -65,12 +69,12 @@ def test_a_spent_budget_skips_and_says_so(tmp_path, bench_main):
 
 
 def test_kernel_classes():
-    assert train_step.classify("pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel") == "attention"
-    assert train_step.classify("nvjet_tst_192x192_64x4_2x1_v_bz_coopB_TNN") == "gemm"
-    assert train_step.classify("kernel_cutlass_kernel_quackgemm_sm90GemmSm90_object_at__tensor") == "gemm"
-    assert train_step.classify("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0") == "other"
-    assert train_step.classify("kernel_cutlass_kernel_coda_agentprimitivespass_kernel_dslPassKernel_object_at_") == "other"
-    assert train_step.classify("void at::native::(anonymous namespace)::multi_tensor_apply_kernel") == "other"
+    assert step_profile.classify("pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel") == "attention"
+    assert step_profile.classify("nvjet_tst_192x192_64x4_2x1_v_bz_coopB_TNN") == "gemm"
+    assert step_profile.classify("kernel_cutlass_kernel_quackgemm_sm90GemmSm90_object_at__tensor") == "gemm"
+    assert step_profile.classify("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0") == "other"
+    assert step_profile.classify("kernel_cutlass_kernel_coda_agentprimitivespass_kernel_dslPassKernel_object_at_") == "other"
+    assert step_profile.classify("void at::native::(anonymous namespace)::multi_tensor_apply_kernel") == "other"
 
 
 def test_the_step_split_counts_each_kernel_once_and_no_range():
@@ -89,7 +93,7 @@ def test_the_step_split_counts_each_kernel_once_and_no_range():
               event(3, "kernel_cutlass_kernel_quackgemm_sm90", 10, 50),
               event(4, "triton_poi_fused_add_0", 60, 70),
               event(5, "coda::aux:quantize_rows", 70, 90)]
-    kept = train_step.device_kernels(events)
+    kept = step_profile.device_kernels(events)
     assert [(e.name, e.time_range.elapsed_us()) for e in kept] == [
         ("kernel_cutlass_kernel_quackgemm_sm90", 40), ("triton_poi_fused_add_0", 10)]
 
@@ -134,7 +138,7 @@ def test_idle_gaps_are_what_no_kernel_covers():
     """Overlapping kernels (two streams) cover each other; the idle time is the gaps between the
     covered spans, and the longest gaps name the kernels around them."""
     kernels = [(0, 100, "a"), (50, 300, "b"), (400, 500, "c"), (505, 600, "d"), (1600, 1700, "e")]
-    idle = train_step.idle_gaps(kernels, top=1)
+    idle = step_profile.idle_gaps(kernels, top=1)
     assert idle["ms"] == 1.105 and idle["gaps"] == 2 and idle["ms_in_gaps"] == 1.1
     assert idle["longest"] == [{"us": 1000.0, "after": "d", "before": "e"}]
-    assert train_step.idle_gaps([])["ms"] == 0.0
+    assert step_profile.idle_gaps([])["ms"] == 0.0

@@ -231,6 +231,9 @@ def measure(config: str, contender: str, steps: int, warmup: int, device: str, t
         row["host_ms"] = round(statistics.median(host), 2)
         ms = [a.elapsed_time(b) for a, b in times]
         row["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        # What the process holds from the allocator over the whole run: a CUDA-graph row replays
+        # inside its graphs' pool, whose blocks the timed steps' allocation peak does not see.
+        row["reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
         row["window"] = (t_start, time.time())
     else:
         ms = []

@@ -61,20 +61,14 @@ from .tile_config import TileConfig
 
 ZERO_K = 16  # the zero mainloop's K: one bf16 MMA k-step
 
-_zero_rows: dict[str, torch.Tensor] = {}  # device -> (rows, ZERO_K) bf16 zeros, grown on demand
-
-
 def zero_rows(rows: int, device: torch.device) -> torch.Tensor:
-    """(rows, ZERO_K) bf16 zeros: a view of the device's buffer, which grows as needed
-    (under torch.compile's tracer a fresh tensor of the graph, never kept)."""
-    if torch.compiler.is_compiling():
-        return torch.zeros(rows, ZERO_K, dtype=torch.bfloat16, device=device)
-    buf = _zero_rows.get(str(device))
-    if buf is None or buf.shape[0] < rows:
-        buf = torch.zeros(max(rows, 2 * (0 if buf is None else buf.shape[0])), ZERO_K, dtype=torch.bfloat16,
-                          device=device)
-        _zero_rows[str(device)] = buf
-    return buf[:rows]
+    """(rows, ZERO_K) bf16 zeros, the zero mainloop's operand (on the pass kernel only the
+    shape carrier of the call), made fresh for each call: a launch keeps no device memory
+    from one call to the next.  A buffer kept across calls would be allocated wherever the
+    first call ran, and under torch.compile's CUDA graphs (``mode="reduce-overhead"``) that is
+    the graphs' private pool, whose every live block must be a graph output: the compiled
+    step fails there (H200, run 21).  Two memsets of at most a few hundred KiB a call."""
+    return torch.zeros(rows, ZERO_K, dtype=torch.bfloat16, device=device)
 
 
 def _require_pass(epi: Any, call: str) -> Epilogue:

@@ -181,6 +181,12 @@ def record_compiled(kernel: CompiledKernel) -> None:
         sink.append(kernel)
 
 
+def inside_launch() -> bool:
+    """Whether this thread is inside a catalogue launch (the verifier's audit tells the
+    epilogue the catalogue evaluates from the program's own host code by it)."""
+    return _launching.get()
+
+
 @contextlib.contextmanager
 def launching(kind: str, name: str, config: str = "") -> Iterator[None]:
     """Ledger entry plus a profiler range around one catalogue launch (none

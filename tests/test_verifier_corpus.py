@@ -14,6 +14,7 @@ GPU cases are marked gpu.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -29,7 +30,9 @@ from coda_agent.verifier.static import check_source
 
 CASES = corpus()
 FAMILIES = {"interpreter", "files", "patching", "env", "state", "shapes", "extreme", "dtype", "mutation",
-            "aliasing", "bias", "ragged", "load", "timing", "streams", "memory", "speed"}
+            "aliasing", "bias", "ragged", "load", "timing", "streams", "memory", "speed", "torch_compute",
+            "processes"}
+FORGED_SYSV_KEY = 0xC0DAF0  # files/leave_shared_memory's SysV segment
 RUNTIME = [c for c in CASES if c.stage != "static" and c.needs == "cpu" and c.family != "hang"]
 
 
@@ -75,6 +78,33 @@ def test_runtime_rejects(case, runtime_judge, private_caches):
     assert case.found_in(render_feedback(report, source))
     assert "written" not in bad.message, f"{case.id} wrote a file: {bad.message}"
     assert not list(private_caches.rglob("forged*")) and not Path("/tmp/coda-forged.txt").exists()
+    # Nothing of the program outlives its check: no file in the machine's /dev/shm, no SysV segment,
+    # no process (processes/child_outlives_the_check names its child coda-forged).
+    assert not list(Path("/dev/shm").glob("coda-forged*")), f"{case.id} left a file in /dev/shm"
+    assert not _sysv_segment(FORGED_SYSV_KEY), f"{case.id} left a SysV shared-memory segment"
+    deadline = time.monotonic() + 5
+    while _forged_processes() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _forged_processes(), f"{case.id} left a process running: {_forged_processes()}"
+
+
+def _sysv_segment(key: int) -> bool:
+    table = Path("/proc/sysvipc/shm")
+    lines = table.read_text().splitlines()[1:] if table.exists() else []
+    return any(int(line.split()[0]) & 0xFFFFFFFF == key for line in lines if line.split())
+
+
+def _forged_processes() -> list[int]:
+    """Live processes named coda-forged (zombies are dead: their parent has yet to reap them)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and (entry / "comm").read_text().strip() == "coda-forged" \
+                    and (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
 
 
 def test_the_expert_passes_the_same_judge(runtime_judge):

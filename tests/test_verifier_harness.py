@@ -74,12 +74,43 @@ def backward(saved, dy):
     return {}
 """
 
-# Its own judge only: the runner's parent is the zygote, whose parent is the judge.
+# Its own judge only: the runner's parent is the zygote, whose parent is the judge.  Behind the full
+# walls a CPU runner can name neither (its own PID namespace, sandbox.py): these run with none.
 KILL_JUDGE = KILL_SELF.replace("os.kill(os.getpid(), signal.SIGSEGV)", """zygote = os.getppid()
     judge = int(open(f"/proc/{zygote}/stat").read().rsplit(")", 1)[1].split()[1])
     os.kill(judge, signal.SIGKILL)
     while True:
         pass""")
+
+# Wrong, so rejected; it kills the judge once the judge closes its channel (the check is over, the
+# judge waits for the runner's exit), before the judge says the check is done.
+KILL_JUDGE_AFTER = """
+import os, signal, sys
+from coda_agent.primitives import zeros_like
+
+wire = sys.modules["coda_agent.verifier.wire"]
+recv = wire.Channel.recv
+
+
+def killing_recv(self, *args, **kwargs):
+    try:
+        return recv(self, *args, **kwargs)
+    except wire.PeerGone:
+        zygote = os.getppid()
+        os.kill(int(open(f"/proc/{zygote}/stat").read().rsplit(")", 1)[1].split()[1]), signal.SIGKILL)
+        raise
+
+
+wire.Channel.recv = killing_recv
+
+
+def forward(x, w, r):
+    return {"y": zeros_like(r)}
+
+
+def backward(saved, dy):
+    return {"dx": zeros_like(saved["x"]), "dw": zeros_like(saved["w"]), "dr": zeros_like(dy)}
+"""
 
 
 def test_a_crash_is_the_verdict_of_its_stage(task, runtime_judge):
@@ -89,11 +120,51 @@ def test_a_crash_is_the_verdict_of_its_stage(task, runtime_judge):
     assert "the program ended the runner process (killed by SIGSEGV)" in bad.message
 
 
-def test_a_program_that_kills_the_judge_is_rejected_not_an_error(task):
+def test_a_program_that_kills_the_judge_is_rejected_not_an_error(task, monkeypatch):
+    monkeypatch.setenv("CODA_SANDBOX", "none")
     report = Verifier(stages=["reference"], cache=False, timeout_s=20).check(task, KILL_JUDGE)
     bad = report.failed_stage
     assert report.outcome == "rejected" and bad.name == "reference", report.model_dump_json(indent=1)
     assert "the judge process was ended (killed by SIGKILL) while stage reference ran the program" in bad.message
+
+
+def test_a_judge_killed_after_the_verdict_leaves_the_verdict(task, monkeypatch):
+    """A judge that dies between its last result and its "done" (here killed by the program, whose
+    runner lives until the check ends) changes nothing: the rejection stands, it is no verifier error."""
+    monkeypatch.setenv("CODA_SANDBOX", "none")
+    report = Verifier(stages=["reference"], cache=False, timeout_s=20).check(task, KILL_JUDGE_AFTER)
+    assert report.outcome == "rejected" and [s.status for s in report.stages] == ["failed"], \
+        report.model_dump_json(indent=1)
+    assert "all zeros" in report.failed_stage.message
+
+
+def test_a_judge_killed_between_stages_fails_the_next_one(task):
+    """The harness's reading of a judge's end, stage by stage: before any stage it is the verifier's
+    error; after a passed stage, with the program's runner alive, the next stage fails."""
+
+    class Ended:
+        def __init__(self, events):
+            self.events = list(events)
+
+        def next_event(self, timeout):
+            if not self.events:
+                raise EOFError
+            return self.events.pop(0)
+
+        def returncode(self):
+            return "killed by SIGKILL"
+
+        def tail(self):
+            return ""
+
+    passed = StageResult(name="reference", status="passed", message="ok").model_dump()
+    v = Verifier(stages=["reference", "compile"], cache=False)
+    got = v._events(Ended([{"check": 1, "start": "reference"}, {"check": 1, "result": passed}]), 1,
+                    ["reference", "compile"], {})
+    assert [(s.name, s.status) for s in got] == [("reference", "passed"), ("compile", "failed")]
+    assert "after stage reference, while the program's runner was alive" in got[1].message
+    got = v._events(Ended([]), 1, ["reference", "compile"], {})
+    assert [(s.name, s.status) for s in got] == [("reference", "error")]
 
 
 def test_the_runner_sees_a_clean_environment(task, runtime_judge):
@@ -390,3 +461,40 @@ def test_expert_correct_on_gpu(task):
     assert report.correct, report.model_dump_json(indent=1)
     perf = report.stage("performance").details
     assert perf["ms"]["program"] > 0 and "vs_gemm" in perf and perf["wall_ms"]["program"] > 0
+
+
+def test_a_stopped_zygote_is_replaced_not_waited_for(monkeypatch, tmp_path):
+    """A runner behind lower walls (uid 0, no PID namespace) can stop the zygote that forks every
+    runner of its judge: the judge waits for each of its answers only so long, then ends it and
+    forks the next runner from a fresh one."""
+    import os
+    import signal
+    import socket
+
+    from coda_agent.verifier import sandbox, zygote
+    from coda_agent.verifier.wire import Channel
+
+    monkeypatch.setattr(zygote, "ANSWER_S", 1.0)
+    z = zygote.Zygote(compiles=False)
+    try:
+        z.start()
+        assert zygote.recv_reply(z.sock, zygote.START_S).get("ready")
+        z.ready = True
+        os.kill(z.proc.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        assert z.status(12345, 0.1) is None and time.monotonic() - t0 < 10
+        assert z.proc.poll() is not None  # ended, stopped as it was
+        mine, theirs = socket.socketpair()
+        log_r, log_w = os.pipe()
+        plan = sandbox.plan_for("print(1)", tmp_path / "scratch", cuda=False, cpu_seconds=60)
+        env = sandbox.runner_env(plan, sandbox.RUNNER_ENV)
+        pid = z.fork(plan, env, theirs.fileno(), log_w)  # from a fresh zygote
+        theirs.close()
+        os.close(log_w)
+        hello, _ = Channel(mine).recv(60)
+        assert pid > 0 and hello.get("ready"), hello
+        mine.close()
+        assert z.status(pid, 10) is not None
+        os.close(log_r)
+    finally:
+        z.close()

@@ -39,6 +39,7 @@ def _probe(plan: sandbox.Plan, targets: dict[str, str], env: dict[str, str] | No
     everything; the child's findings."""
     r, w = os.pipe()
     ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # the parent is non-dumpable, as the judge and harness are
+    judge = os.getpid()
     pid = os.fork()
     if pid == 0:
         os.close(r)
@@ -64,6 +65,12 @@ def _probe(plan: sandbox.Plan, targets: dict[str, str], env: dict[str, str] | No
             out["remount rw"] = "ok" if libc.mount(None, b"/", None, 32 | 4096, None) == 0 else \
                 os.strerror(ctypes.get_errno())
             out["signal parent"] = _try(lambda: os.kill(os.getppid(), 0))
+            out["signal judge"] = _try(lambda: os.kill(judge, 0))
+            out["processes"] = str(len([p for p in os.listdir("/proc") if p.isdigit()]))
+            out["escape the group"] = _try(lambda: os.kill(0, 0))
+            out["shm"] = _try(lambda: _write(f"/dev/shm/coda-sandbox-probe-{judge}"))
+            libc.shmget.restype = ctypes.c_int
+            out["sysv shm"] = str(libc.shmget(0x5EED0000 + judge % 0xFFFF, 4096, 0o1600))
         except Exception as e:  # noqa: BLE001 - the child reports, never raises into pytest
             out["error"] = f"{type(e).__name__}: {e}"
         os.write(w, json.dumps(out).encode())
@@ -72,6 +79,16 @@ def _probe(plan: sandbox.Plan, targets: dict[str, str], env: dict[str, str] | No
     with os.fdopen(r) as f:
         found = json.loads(f.read() or "{}")
     os.waitpid(pid, 0)
+    # What the child left on the machine (a child without namespaces leaves it: removed here).
+    shm = Path(f"/dev/shm/coda-sandbox-probe-{judge}")
+    found["shm left"] = str(shm.exists())
+    shm.unlink(missing_ok=True)
+    key = 0x5EED0000 + judge % 0xFFFF
+    found["sysv left"] = str(_sysv_segment(key))
+    libc = ctypes.CDLL(None)
+    libc.shmget.restype = ctypes.c_int
+    if (shmid := libc.shmget(key, 0, 0)) >= 0:
+        libc.shmctl(shmid, 0, None)  # IPC_RMID
     return found
 
 
@@ -95,13 +112,25 @@ def test_namespaces_and_no_capabilities(places):
     plan.uid = None  # the judge's uid without its capabilities: what the machine that runs CI gets
     found = _probe(plan, targets)
     assert "error" not in found, found
-    assert found["walls"] == "clean env, no network, read-only fs, the judge's uid, no capabilities"
+    assert found["walls"] == "clean env, no network, read-only fs, own processes, the judge's uid, no capabilities"
     assert found["scratch"] == found["kernels"] == "ok"
     assert found["tmp"] == found["repo"] == found["cache"] == found["proc sysctl"] == "Read-only file system"
     assert found["network"] == "Network is unreachable"
     assert found["remount rw"] == "Operation not permitted"  # no CAP_SYS_ADMIN: the walls stay up
     assert found["parent memory"] in ("Permission denied", "Operation not permitted")
     assert not Path(targets["tmp"]).exists() and not Path(targets["repo"]).exists()
+    # Its own PID namespace: no process outside it can be named (the judge, the zygote), and
+    # /proc lists its own; its own IPC namespace and /dev/shm: what it leaves there dies with it.
+    assert found["signal judge"] == "No such process"
+    assert int(found["processes"]) <= 3
+    assert found["shm"] == "ok" and found["shm left"] == "False"
+    assert int(found["sysv shm"]) >= 0 and found["sysv left"] == "False"
+
+
+def _sysv_segment(key: int) -> bool:
+    """Whether the machine's IPC namespace holds a SysV shared-memory segment with ``key``."""
+    rows = [line.split() for line in Path("/proc/sysvipc/shm").read_text().splitlines()[1:]]
+    return any(int(row[0]) & 0xFFFFFFFF == key for row in rows if row)
 
 
 @needs_root
@@ -116,7 +145,8 @@ def test_a_uid_of_its_own(places):
     assert found["user"] == "coda-runner"
     assert found["scratch"] == "ok"
     assert found["read secret"] == "Permission denied"
-    assert found["signal parent"] == "Operation not permitted"
+    assert found["signal parent"] == "Operation not permitted"  # its init is root
+    assert found["signal judge"] == "No such process"
 
 
 def test_each_program_has_its_own_uid_and_kernel_cache():
@@ -162,9 +192,35 @@ def test_walls_come_down_one_mode_at_a_time_and_the_report_says_why(monkeypatch)
         judge.lower_walls(True, "boom")
 
 
+def _descendants(top: int) -> set[int]:
+    """``top`` and every process below it, from the machine's /proc."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (ValueError, OSError):
+            continue
+    found, grew = {top}, True
+    while grew:
+        more = {p for p, pp in parents.items() if pp in found} - found
+        found |= more
+        grew = bool(more)
+    return found
+
+
+def _running(pid: int) -> bool:
+    try:
+        return "Z" not in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+
+
 def test_a_runner_dies_with_the_process_that_started_it(tmp_path):
     """A runner busy in a program never outlives its judge: once the walls are up, the end
-    of its parent kills it (PR_SET_PDEATHSIG, set after the uid change that would clear it)."""
+    of its parent kills it (PR_SET_PDEATHSIG, set after the uid change that would clear it).
+    Behind the full walls (root) nothing the program started does either, not even a child
+    that left the runner's session, which a kill of the runner's process group misses: the
+    runner's PID namespace ends with it."""
     import subprocess
     import sys
     import time
@@ -174,16 +230,28 @@ def test_a_runner_dies_with_the_process_that_started_it(tmp_path):
              f"plan = sandbox.Plan(**{vars(plan)!r}); "
              f"pid = os.fork()\n"
              f"if pid == 0:\n"
-             f"    sandbox.enter(plan, keep_fds=(1,)); print(os.getpid(), flush=True)\n"
-             f"    while True: pass\n"
+             f"    print(os.getpid(), flush=True); sandbox.enter(plan, keep_fds=(1,))\n"
+             f"    if os.fork() == 0:\n"
+             f"        os.setsid()\n"
+             f"    while True: time.sleep(0.05)\n"
              f"time.sleep(3); os._exit(0)")
-    parent = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=60)
-    runner = int(parent.stdout.split()[0])
+    parent = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, text=True)
+    top = int(parent.stdout.readline())
+    time.sleep(1.5)
+    started = _descendants(top)
+    assert len(started) >= (4 if ROOT else 2), started  # keeper, init, runner, the escapee (without: runner, escapee)
+    parent.wait(timeout=60)
     deadline = time.time() + 10
-    while time.time() < deadline and os.path.exists(f"/proc/{runner}") and \
-            "Z" not in open(f"/proc/{runner}/stat").read().split()[2]:
+    while time.time() < deadline and any(_running(p) for p in started):
         time.sleep(0.1)
-    assert not os.path.exists(f"/proc/{runner}") or "Z" in open(f"/proc/{runner}/stat").read().split()[2]
+    left = [p for p in started if _running(p)]
+    if not ROOT:  # without namespaces a child that left the session survives: only the runner is bound
+        left = [p for p in left if p != top]
+        assert top not in left
+        for p in left:
+            os.kill(p, 9)
+        return
+    assert not left, left
 
 
 def test_a_gpu_runner_reads_its_own_copy_of_the_tuned_configs(places, monkeypatch, tmp_path):

@@ -22,8 +22,11 @@ time limits itself (the runner's answering time and each load's own limit,
 :mod:`.judge`) and reports when it waits for the GPU lock; the harness keeps
 a backstop for a judge that stops answering, :data:`BACKSTOP_S` past those
 limits and extended by every lock wait, so that waiting for the GPU never
-counts.  A judge that dies or is killed while a stage runs fails that stage:
-only the candidate has reason to break it.
+counts.  A judge that dies or is killed once a stage has started fails the
+stage it was in or the next one (a runner lives from its stage's start to
+the check's end, and only the candidate has reason to break the judge); once
+a stage has failed, or every stage has its result, the verdict stands as it
+is.  Only a judge that ends before its first stage is the verifier's error.
 """
 
 from __future__ import annotations
@@ -296,13 +299,19 @@ class Verifier:
         except EOFError:
             why = judge.returncode()
             log = judge.tail()
-            if running is None:
-                return results + [StageResult(name=stages[min(len(results), len(stages) - 1)], status="error",
-                                              log=log, message=f"the verifier's judge process ended ({why}); "
-                                                               "see the log")]
-            return results + [StageResult(name=running, status="failed", log=log,
-                                          message=f"the judge process was ended ({why}) while stage {running} "
-                                                  "ran the program: nothing but the program has a reason to")]
+            if running is not None:
+                return results + [StageResult(name=running, status="failed", log=log,
+                                              message=f"the judge process was ended ({why}) while stage {running} "
+                                                      "ran the program: nothing but the program has a reason to")]
+            if len(results) == len(stages) or any(r.status in ("failed", "error") for r in results):
+                return results  # the verdict was complete: an end after it changes none of it
+            if results:  # between stages, the program's runner alive (it lives until the check ends)
+                return results + [StageResult(name=stages[len(results)], status="failed", log=log,
+                                              message=f"the judge process was ended ({why}) after stage "
+                                                      f"{results[-1].name}, while the program's runner was alive: "
+                                                      "nothing but the program has a reason to")]
+            return results + [StageResult(name=stages[0], status="error", log=log,
+                                          message=f"the verifier's judge process ended ({why}); see the log")]
 
     def _backstop(self, judge: _Judge, stage: str) -> StageResult:
         log = judge.tail()

@@ -166,28 +166,71 @@ def _basic_index(index: Any) -> bool:
     return all(i is None or i is Ellipsis or isinstance(i, (int, slice)) for i in items)
 
 
-class TorchAudit(TorchFunctionMode):
-    """Records PyTorch calls whose nearest Python caller is the program's own
-    forward/backward (not an @epilogue body the catalogue traces, not the
-    catalogue itself): tensor arithmetic an AST cannot tell from int math."""
+def _vocabulary_files() -> frozenset[str]:
+    """The catalogue's epilogue vocabulary (``exp``, ``silu``, ``fma``..., and ``Pair``'s lanes):
+    inside an epilogue fn it is the epilogue's math; handed whole tensors on the host it runs
+    PyTorch on them for whoever called it, so the audit looks through it to that caller."""
+    from coda_agent.primitives import math as vocabulary
+    from coda_agent.primitives import pair
 
-    def __init__(self, program_file: str, epilogue_names: set[str]):
+    return frozenset(m.__file__ for m in (vocabulary, pair))
+
+
+def epilogue_codes(mod: ModuleType) -> frozenset[Any]:
+    """The code objects of the @epilogue fns ``mod`` declares at module level: the only program
+    code the catalogue may run inside its own launches (the reference lowering's epilogue)."""
+    from coda_agent.primitives.epilogue import Epilogue
+
+    return frozenset(v.fn.__code__ for v in vars(mod).values() if isinstance(v, Epilogue))
+
+
+class TorchAudit(TorchFunctionMode):
+    """Records PyTorch calls the program's own code makes: tensor arithmetic an AST cannot tell
+    from int math.  Which code made a call is decided by code identity and by the catalogue's
+    launch state, never by a function's name (a helper named like an epilogue fn is a helper):
+
+    - the nearest Python frame outside PyTorch and outside the epilogue vocabulary
+      (:func:`_vocabulary_files`: ``silu(t)`` on the host is the caller's PyTorch) is the
+      program's, or the call is the catalogue's own (its checks and allocations);
+    - a program frame is exempt only inside a catalogue launch, and only when the program code
+      the catalogue entered there is a module-level @epilogue fn (:func:`epilogue_codes`, plus
+      whatever helpers it calls): the reference lowering evaluating the epilogue.  The same fn
+      run outside a launch (the dry run of an epilogue declared inside forward, whose body can
+      reach that call's tensors) and an epilogue declared inside forward and launched are the
+      program's compute."""
+
+    def __init__(self, program_file: str, epilogues: frozenset[Any]):
         super().__init__()
         self.program_file = program_file
-        self.epilogue_names = epilogue_names
+        self.epilogues = epilogues
         self.calls: list[tuple[int, str]] = []
-        self._torch_dir = torch.__file__.rsplit("/", 1)[0]
+        self._skip = _vocabulary_files()
+        from coda_agent.primitives.lowering import inside_launch
+
+        self._inside_launch = inside_launch
+        self._torch_dir = torch.__file__.rsplit("/", 1)[0] + "/"
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         name = getattr(func, "__name__", str(func))
         if name not in _TORCH_OK and not (name == "__getitem__" and _basic_index(args[1] if len(args) > 1 else None)):
-            f = sys._getframe(1)
-            while f is not None and f.f_code.co_filename.startswith(self._torch_dir):
-                f = f.f_back
-            if f is not None and f.f_code.co_filename == self.program_file \
-                    and f.f_code.co_name not in self.epilogue_names:
-                self.calls.append((f.f_lineno, name))
+            line = self._program_line(sys._getframe(1))
+            if line is not None:
+                self.calls.append((line, name))
         return func(*args, **(kwargs or {}))
+
+    def _program_line(self, f: Any) -> int | None:
+        """The program's line that made this PyTorch call (None: not the program's compute)."""
+        while f is not None and (f.f_code.co_filename.startswith(self._torch_dir)
+                                 or f.f_code.co_filename in self._skip):
+            f = f.f_back
+        if f is None or f.f_code.co_filename != self.program_file:
+            return None
+        entered = f  # the outermost of the program's frames the catalogue (or the contract) entered
+        while entered.f_back is not None and entered.f_back.f_code.co_filename == self.program_file:
+            entered = entered.f_back
+        if self._inside_launch() and entered.f_code in self.epilogues:
+            return None
+        return f.f_lineno
 
     def verdict(self) -> CandidateError | None:
         if not self.calls:
@@ -229,7 +272,7 @@ def busy_ms(spans: list[tuple[str, float, float]], kernels: list[tuple[float, fl
 
 
 def profile(contract: Contract, mod: ModuleType, inputs: dict[str, torch.Tensor],
-            grads: dict[str, torch.Tensor] | None, epilogue_names: set[str]) -> dict[str, Any]:
+            grads: dict[str, torch.Tensor] | None) -> dict[str, Any]:
     """One call under torch.profiler and the launch ledger: what ran, where, and for how long."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
@@ -238,7 +281,7 @@ def profile(contract: Contract, mod: ModuleType, inputs: dict[str, torch.Tensor]
 
     call(contract, mod, inputs, grads)  # warm-up: compile and autotune outside the profile
     torch.cuda.synchronize()
-    audit = TorchAudit(mod.__file__, epilogue_names)
+    audit = TorchAudit(mod.__file__, epilogue_codes(mod))
     with launch_ledger() as ledger, torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         call(contract, mod, inputs, grads, audit)
         torch.cuda.synchronize()

@@ -44,7 +44,7 @@ class State:
     def __init__(self, device: str):
         self.device = device
         self.contract: Contract | None = None
-        self.programs: dict[str, tuple[Any, str, set[str]]] = {}  # tag -> (module, lowering, epilogue fns)
+        self.programs: dict[str, tuple[Any, str]] = {}  # tag -> (module, lowering)
         self.buffers: dict[int, dict[str, torch.Tensor]] = {}
         self.slots: dict[int, dict[str, torch.Tensor]] = {}
         self.timer: Any = None  # a FlushedCall, made on the first timed call
@@ -54,20 +54,12 @@ class State:
 
 def _load(st: State, req: dict, blobs: list[bytes]) -> tuple[dict, list]:
     from coda_agent.primitives import lowering
-    from coda_agent.verifier.static import epilogue_function_names
 
     st.contract = Contract.from_json(req["contract"])
     with lowering(req["lowering"]):
         mod = prog.load(req["source"], req["tag"])
-    st.programs[req["tag"]] = (mod, req["lowering"], _epilogues(req["source"], epilogue_function_names))
+    st.programs[req["tag"]] = (mod, req["lowering"])
     return {"loaded": req["tag"]}, []
-
-
-def _epilogues(source: str, names: Callable[[str], set[str]]) -> set[str]:
-    try:
-        return names(source)
-    except SyntaxError:
-        return set()
 
 
 def _tensors(st: State, req: dict, blobs: list[bytes]) -> tuple[dict[str, torch.Tensor], dict | None]:
@@ -88,7 +80,7 @@ def _run(st: State, req: dict, inputs: dict, grads: dict | None, audit: Any = No
     from coda_agent.primitives import lowering
     from coda_agent.primitives.lowering import padded_lanes
 
-    mod, lowering_name, _ = st.programs[req["tag"]]
+    mod, lowering_name = st.programs[req["tag"]]
     # padded: the reference lowering folds a ragged tile's padded lanes as the kernel does
     with lowering(lowering_name), padded_lanes() if req.get("padded") else contextlib.nullcontext():
         results = prog.call(st.contract, mod, inputs, grads, audit)
@@ -106,8 +98,8 @@ def _call(st: State, req: dict, blobs: list[bytes]) -> tuple[dict, list]:
     inputs, grads = _tensors(st, req, blobs)
     if req.get("poison"):
         prog.poison_allocator()
-    mod, _, epilogues = st.programs[req["tag"]]
-    audit = prog.TorchAudit(mod.__file__, epilogues) if req.get("audit") else None
+    mod, _ = st.programs[req["tag"]]
+    audit = prog.TorchAudit(mod.__file__, prog.epilogue_codes(mod)) if req.get("audit") else None
     results = _run(st, req, inputs, grads, audit)
     if st.device == "cuda":
         torch.cuda.synchronize()
@@ -148,9 +140,9 @@ def _profile(st: State, req: dict, blobs: list[bytes]) -> tuple[dict, list]:
     from coda_agent.primitives import lowering
 
     inputs, grads = _tensors(st, req, blobs)
-    mod, lowering_name, epilogues = st.programs[req["tag"]]
+    mod, lowering_name = st.programs[req["tag"]]
     with lowering(lowering_name):
-        return prog.profile(st.contract, mod, inputs, grads, epilogues), []
+        return prog.profile(st.contract, mod, inputs, grads), []
 
 
 def _alloc(st: State, req: dict, blobs: list[bytes]) -> tuple[dict, list]:

@@ -10,7 +10,8 @@ each applied where the machine allows it and reported back
    fresh working directory that is also ``HOME`` and ``TMPDIR`` (empty, but
    for a GPU runner's copy of the tuned tile configurations); no file
    descriptor but its channel to the judge and its log pipe; a session of its
-   own (the judge kills the whole group); resource limits: no core files,
+   own (the judge kills the whole group, which a child that calls ``setsid``
+   leaves: layer 2 ends those); resource limits: no core files,
    caps on file size, open files and CPU seconds (a backstop behind the
    judge's wall-clock limits), and on the address space where no CUDA needs
    its large reservations.
@@ -18,9 +19,13 @@ each applied where the machine allows it and reported back
    (nothing but a down loopback) and a private mount namespace in which every
    file system is read-only, /proc and /dev included (device nodes, the GPU's,
    still open read-write), except the scratch directory and the program's own
-   kernel cache; /dev/shm, /dev/pts and /dev/mqueue stay as they are.  No PID
-   or IPC namespace: legacy CUDA IPC between judge and runner needs both
-   shared.
+   kernel cache.  A CPU runner also gets PID and IPC namespaces of its own
+   (:func:`_own_processes`: it can name no process outside, its /proc lists
+   its own, and every process it starts, SysV segment it makes, dies with it)
+   and a small private tmpfs on /dev/shm (the machine's is RAM that outlives
+   a runner).  A GPU runner gets neither, and its /dev/shm, /dev/pts and
+   /dev/mqueue stay as they are: legacy CUDA IPC between judge and runner
+   needs PIDs and IPC shared.
 3. **No privileges** (needs root to give them up): the bounding set emptied,
    root's special treatment locked off (securebits), every capability
    dropped, ``no_new_privs``, non-dumpable; and, where the GPU device nodes
@@ -36,13 +41,16 @@ and its kernel cache, and lie on its channel; the verdict depends on nothing
 it can reach.  If it keeps uid 0 (the Python installation is under a private
 home directory, as on the machine the tests run on) it can still read what
 root can read (and put it in an error message: keep secrets out of files on
-verifier machines) and signal root's processes: killing the judge mid-stage
-is a rejection (:mod:`.harness`), but it could kill other processes of the
-machine.  With layer 1 alone (``CODA_SANDBOX=none``, or a harness that does
-not run as root) the program runs as the judge's user, unconfined: it could
-overwrite files others read later (cached verdicts are signed, :mod:`.cache`,
-with a key that user can read) or interfere with other processes.  The
-judge's checks still decide the verdict of the program itself.
+verifier machines); from a GPU runner, or a CPU runner behind lower walls (a
+CPU runner's namespace hides them), it can also signal root's processes:
+killing the judge is a rejection, never the verifier's error (:mod:`.harness`), a
+stopped zygote is replaced (:mod:`.zygote`), but it could kill other
+processes of the machine, and a child it starts that leaves the runner's
+session outlives the check.  With layer 1 alone (``CODA_SANDBOX=none``, or a
+harness that does not run as root) the program runs as the judge's user,
+unconfined: it could overwrite files others read later (cached verdicts are
+signed, :mod:`.cache`, with a key that user can read) or interfere with other
+processes.  The judge's checks still decide the verdict of the program itself.
 
 ``CODA_SANDBOX``: ``auto`` (default: every layer the machine allows), ``uid``
 (layers 1 and 3: for a machine where CUDA misbehaves inside namespaces) or
@@ -60,6 +68,7 @@ import ctypes
 import hashlib
 import os
 import resource
+import select
 import shutil
 import signal
 import stat
@@ -90,12 +99,14 @@ _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 1, 2, 4, 8
 _MS_REMOUNT, _MS_BIND, _MS_REC, _MS_PRIVATE = 32, 4096, 16384, 1 << 18
 _OPTION_FLAGS = {"nosuid": _MS_NOSUID, "nodev": _MS_NODEV, "noexec": _MS_NOEXEC,
                  "noatime": 1024, "nodiratime": 2048, "relatime": 1 << 21}
-_CLONE_NEWNS, _CLONE_NEWNET = 0x00020000, 0x40000000
+_CLONE_NEWNS, _CLONE_NEWNET, _CLONE_NEWPID, _CLONE_NEWIPC = 0x00020000, 0x40000000, 0x20000000, 0x08000000
 _PR_SET_PDEATHSIG, _PR_SET_DUMPABLE, _PR_CAPBSET_DROP, _PR_SET_SECUREBITS = 1, 4, 24, 28
 _PR_SET_NO_NEW_PRIVS, _PR_CAP_AMBIENT = 38, 47
 _SECBITS_LOCKED_NOROOT = 0xEF  # noroot, no setuid fixup, no ambient raise, all locked (keep_caps off)
 _LINUX_CAPABILITY_VERSION_3 = 0x20080522
-_UNTOUCHED = ("/dev/shm", "/dev/pts", "/dev/mqueue")  # mounts left as they are
+_UNTOUCHED = ("/dev/shm", "/dev/pts", "/dev/mqueue")  # mounts a CUDA runner leaves as they are
+_UNTOUCHED_CPU = ("/dev/pts",)  # a CPU runner's: /dev/shm gets a tmpfs of its own, /dev/mqueue is read-only
+SHM_BYTES = 64 << 20  # a CPU runner's private /dev/shm
 
 
 class SandboxError(RuntimeError):
@@ -121,6 +132,7 @@ class Walls:
 
     network: bool = False
     read_only: bool = False
+    processes: bool = False  # its own PID and IPC namespaces (a CPU runner)
     uid: int | None = None
     capabilities: bool = True
     address_space: bool = False
@@ -128,6 +140,7 @@ class Walls:
     def describe(self) -> str:
         parts = ["clean env", "no network" if self.network else "network",
                  "read-only fs" if self.read_only else "writable fs",
+                 *(["own processes"] if self.processes else []),
                  f"uid {self.uid}" if self.uid is not None else "the judge's uid",
                  "capabilities" if self.capabilities else "no capabilities"]
         return ", ".join(parts)
@@ -244,7 +257,10 @@ def runner_env(plan: Plan, extra: dict[str, str]) -> dict[str, str]:
 
 def enter(plan: Plan, keep_fds: tuple[int, ...]) -> Walls:
     """Build the walls around the current process.  Raises :class:`SandboxError` when a
-    layer the plan asks for fails: a runner without its promised walls must not run."""
+    layer the plan asks for fails: a runner without its promised walls must not run.
+
+    A CPU runner with namespaces returns from this in a grandchild (:func:`_own_processes`):
+    the calling process stays outside as the keeper the judge knows, and ends as it ends."""
     parent = os.getppid()
     _close_except(keep_fds)
     if os.getsid(0) != os.getpid():
@@ -253,6 +269,9 @@ def enter(plan: Plan, keep_fds: tuple[int, ...]) -> Walls:
     if plan.namespaces:
         _namespaces(plan)
         walls.network = walls.read_only = True
+        if not plan.cuda:
+            parent = _own_processes(parent)
+            walls.processes = True
     os.chdir(plan.scratch)  # after the bind mounts: a directory entered before stays on the read-only mount
     if plan.drop_privileges:  # layer 3 (module docstring); mode none keeps layer 1 alone
         _drop_capabilities(plan.uid)
@@ -267,11 +286,96 @@ def enter(plan: Plan, keep_fds: tuple[int, ...]) -> Walls:
 
 def _die_with(parent: int) -> None:
     """SIGKILL when the process that started this one (the judge, or the zygote, each from its
-    only thread) ends, so a runner busy in a program never outlives its judge.  Set after the
-    uid change, which clears it; a parent already gone means exit now."""
+    only thread; in a PID namespace of its own, its init) ends, so a runner busy in a program
+    never outlives its judge.  Set after the uid change, which clears it; a parent already gone
+    means exit now."""
     _check(_libc().prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl(PR_SET_PDEATHSIG)")
     if os.getppid() != parent:
         os._exit(1)
+
+
+def _own_processes(parent: int) -> int:
+    """Split the runner in three (the PID and IPC namespaces are unshared, :func:`_namespaces`):
+    this process stays outside as the keeper, the pid the judge knows and kills; its child is
+    init of the new PID namespace, which mounts the namespace's own /proc and reaps; the
+    grandchild, pid 2 there, returns to run the program.  Returns the runner's parent (init).
+
+    Why: a program (one that escaped every Python rule) can fork, and a child that leaves
+    the runner's session (``setsid``) escapes the judge's kill of the process group, and
+    outlives the check; where the runner keeps uid 0 it could also signal the judge, the zygote
+    (a stopped zygote held up the next check) or any root process.  In a namespace of its own it
+    can name no process outside, and when init ends (the runner's end, or the keeper's:
+    init dies with it) the kernel kills everything inside.  The IPC namespace takes SysV
+    segments and queues, which outlive their process, with it.  The program is pid 2, not
+    init: init ignores the signals its own namespace sends it, a program's own kill included.
+
+    Exit statuses travel up: the keeper ends as the runner ended (code or signal), so the
+    judge's report of a runner's death holds."""
+    alive_r, alive_w = os.pipe()  # the keeper's end: init learns of its death (it has no ppid)
+    status_r, status_w = os.pipe()  # init tells the keeper how the runner ended
+    init = os.fork()
+    if init:  # the keeper holds nothing of the runner's: its channel must close when the runner ends
+        _close_except((alive_w, status_r))
+        _die_with(parent)  # the keeper dies with the judge or zygote; init with the keeper
+        _keep(init, status_r)
+    os.close(alive_w)
+    os.close(status_r)
+    libc = _libc()
+    _check(libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl(PR_SET_PDEATHSIG)")
+    if select.select([alive_r], [], [], 0)[0]:  # EOF: the keeper is gone already
+        os._exit(1)
+    os.setsid()  # a group of its own: a program's kill(0, ...) reaches nothing outside
+    # The namespace's own /proc: its processes only.  Best effort (a container may forbid a
+    # fresh proc): without it the program still sees the machine's /proc, read-only, and can
+    # signal no process it lists.
+    libc.mount(b"proc", b"/proc", b"proc", _MS_RDONLY | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None)
+    runner = os.fork()
+    if runner:
+        _close_except((alive_r, status_w))
+        _init(runner, status_w)
+    os.close(alive_r)
+    os.close(status_w)
+    return 1
+
+
+def _keep(child: int, status_r: int) -> None:
+    """The keeper: wait for init, then end as the runner ended (init's report; else as init did)."""
+    status = _waitpid(child)
+    told = os.read(status_r, 64).decode()
+    _end_as(int(told) if told.lstrip("-").isdigit() else os.waitstatus_to_exitcode(status))
+
+
+def _init(runner: int, status_w: int) -> None:
+    """Init of the runner's PID namespace: reap whatever the program leaves, until the runner ends;
+    report how it ended to the keeper and exit, which kills the namespace."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the one signal Python handles: a program's SIGINT is no exit
+    while True:
+        try:
+            pid, status = os.waitpid(-1, 0)
+        except ChildProcessError:
+            os._exit(1)
+        if pid == runner:
+            os.write(status_w, str(os.waitstatus_to_exitcode(status)).encode())
+            os._exit(0)
+
+
+def _waitpid(pid: int) -> int:
+    while True:
+        try:
+            return os.waitpid(pid, 0)[1]
+        except InterruptedError:
+            continue
+
+
+def _end_as(code: int) -> None:
+    """Exit with ``code`` (as :func:`os.waitstatus_to_exitcode` gives it: negative for a signal)."""
+    if code < 0:
+        try:
+            signal.signal(-code, signal.SIG_DFL)
+            os.kill(os.getpid(), -code)
+        except (OSError, ValueError):
+            pass
+    os._exit(code if code >= 0 else 1)
 
 
 class _CapHeader(ctypes.Structure):
@@ -332,17 +436,27 @@ def _check(rc: int, what: str) -> None:
 
 def _namespaces(plan: Plan) -> None:
     libc = _libc()
-    _check(libc.unshare(_CLONE_NEWNS | _CLONE_NEWNET), "unshare(network, mount)")
+    if plan.cuda:  # legacy CUDA IPC between judge and runner needs their PIDs and IPC shared
+        _check(libc.unshare(_CLONE_NEWNS | _CLONE_NEWNET), "unshare(network, mount)")
+    else:
+        _check(libc.unshare(_CLONE_NEWNS | _CLONE_NEWNET | _CLONE_NEWPID | _CLONE_NEWIPC),
+               "unshare(network, mount, PID, IPC)")
+    untouched = _UNTOUCHED if plan.cuda else _UNTOUCHED_CPU
     _check(libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None), "making the mount tree private")
     writable = [os.path.realpath(p) for p in [plan.scratch, *plan.writable]]
     for path in writable:  # each its own mount, so the read-only remounts below pass them by
         _check(libc.mount(path.encode(), path.encode(), None, _MS_BIND | _MS_REC, None), f"binding {path}")
     for point, options in _mounts():
-        if point in writable or any(point == u or point.startswith(u + "/") for u in _UNTOUCHED):
+        if point in writable or any(point == u or point.startswith(u + "/") for u in untouched):
             continue
         flags = _MS_REMOUNT | _MS_BIND | _MS_RDONLY | sum(f for o, f in _OPTION_FLAGS.items() if o in options)
         if libc.mount(None, point.encode(), None, flags, None) != 0 and "ro" not in options:
             raise SandboxError(f"remounting {point} read-only failed: {os.strerror(ctypes.get_errno())}")
+    if not plan.cuda and os.path.isdir("/dev/shm"):
+        # A tmpfs of its own over the machine's /dev/shm (read-only above if this fails): what a
+        # program writes there is bounded, and gone with the runner's mount namespace.
+        libc.mount(b"tmpfs", b"/dev/shm", b"tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC,
+                   f"size={SHM_BYTES},mode=1777".encode())
 
 
 def _mounts() -> list[tuple[str, set[str]]]:

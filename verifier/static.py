@@ -30,7 +30,8 @@ float, and a parameter or local named ``fr`` elsewhere is a local value.
 Also refused: imports other than the catalogue and ``math`` (and any import
 inside a function); the harness's own catalogue entry points (the table's
 ``HARNESS_ONLY``: ``load_program``, ``lowering``...); dunder
-names and attributes; classes, ``global``/``nonlocal``, ``try``, ``with``,
+names and attributes; epilogue fns declared inside a function (the catalogue dry-runs a
+declaration, and a nested one closes over the call's tensors); classes, ``global``/``nonlocal``, ``try``, ``with``,
 ``async``, ``yield``, ``match``; attribute assignment; item assignment except
 into a dict or list the same function created; module-level statements other
 than imports, function definitions and constants (numbers, strings, tuples of
@@ -130,26 +131,6 @@ def check_source(source: str, spec: TaskSpec) -> list[Violation]:
             seen.add((v.line, v.message))
             out.append(v)
     return out
-
-
-def epilogue_function_names(source: str) -> set[str]:
-    """Names of functions decorated with ``epilogue`` (and those nested in them):
-    code whose tensor arithmetic is traced by the catalogue, not PyTorch compute."""
-    names: set[str] = set()
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(
-                _decorator_name(d) == "epilogue" for d in node.decorator_list):
-            names |= {n.name for n in ast.walk(node) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
-            names |= {"<lambda>"} if any(isinstance(n, ast.Lambda) for n in ast.walk(node)) else set()
-    return names
-
-
-def _decorator_name(d: ast.expr) -> str:
-    if isinstance(d, ast.Call):
-        d = d.func
-    if isinstance(d, ast.Name):
-        return d.id
-    return d.attr if isinstance(d, ast.Attribute) else ""
 
 
 @dataclass(frozen=True)
@@ -344,6 +325,10 @@ class _Checker(ast.NodeVisitor):
             if not (isinstance(target, ast.Name) and self.resolve(target.id) is not None
                     and self.resolve(target.id).kind == "catalogue"):
                 self.bad(d, f"decorator of `{node.name}`: only catalogue decorators (`@epilogue(...)`) are allowed")
+            elif self.scopes:
+                self.bad(d, f"`{node.name}` is declared inside a function: declare epilogue fns at module level "
+                         "(one declared in forward is declared again on every call, and its body could read that "
+                         "call's tensors)")
         self._scoped(node)
 
     def _scoped(self, node: ast.AST) -> None:

@@ -44,6 +44,8 @@ import traceback
 from typing import Any
 
 _PR_SET_PDEATHSIG, _PR_SET_DUMPABLE = 1, 4
+START_S = 600.0  # the zygote's imports, at most (quack and CuTeDSL with ``compiles``, on a slow disk)
+ANSWER_S = 30.0  # a fork, or a status past the wait asked for: the zygote answers at once
 
 
 def _recv(sock: socket.socket) -> tuple[dict, list[int]]:
@@ -73,9 +75,14 @@ def send(sock: socket.socket, obj: dict, fds: tuple[int, ...] = ()) -> None:
         sock.sendall(body)
 
 
-def recv_reply(sock: socket.socket) -> dict:
-    (size,) = struct.unpack(">I", _exact(sock, 4))
-    return json.loads(_exact(sock, size))
+def recv_reply(sock: socket.socket, timeout: float | None = None) -> dict:
+    """One reply; ``socket.timeout`` (an OSError) when none is complete within ``timeout`` s."""
+    sock.settimeout(timeout)
+    try:
+        (size,) = struct.unpack(">I", _exact(sock, 4))
+        return json.loads(_exact(sock, size))
+    finally:
+        sock.settimeout(None)
 
 
 def _fork(control: socket.socket, req: dict, fds: list[int]) -> int:
@@ -151,22 +158,44 @@ class Zygote:
         self.sock, self.ready = mine, False
 
     def fork(self, plan: Any, env: dict[str, str], channel_fd: int, log_fd: int) -> int:
-        """A runner with ``plan`` (a :class:`sandbox.Plan`) and ``env``; returns its pid."""
-        self.start()
-        if not self.ready:
-            hello = recv_reply(self.sock)
-            if not hello.get("ready"):
-                raise RuntimeError(f"the runner zygote did not start: {hello.get('error')}")
-            self.ready = True
-        send(self.sock, {"op": "fork", "plan": vars(plan), "env": env}, (channel_fd, log_fd))
-        return recv_reply(self.sock)["pid"]
+        """A runner with ``plan`` (a :class:`sandbox.Plan`) and ``env``; returns its pid.  A zygote
+        that does not answer (an earlier program's runner stopped or killed it, where its walls
+        let it signal the zygote) is replaced once."""
+        for attempt in (1, 2):
+            self.start()
+            try:
+                if not self.ready:
+                    hello = recv_reply(self.sock, START_S)
+                    if not hello.get("ready"):
+                        raise RuntimeError(f"the runner zygote did not start: {hello.get('error')}")
+                    self.ready = True
+                send(self.sock, {"op": "fork", "plan": vars(plan), "env": env}, (channel_fd, log_fd))
+                return recv_reply(self.sock, ANSWER_S)["pid"]
+            except (EOFError, OSError) as e:  # socket.timeout is an OSError
+                self._end()
+                if attempt == 2:
+                    raise RuntimeError(f"the runner zygote does not answer ({type(e).__name__}: {e})") from None
+        raise AssertionError("unreachable")
 
     def status(self, pid: int, timeout: float) -> int | None:
+        """The runner's exit status, None while it runs; a zygote that does not answer within
+        ``timeout`` plus :data:`ANSWER_S` is ended (its runners with it) and answers None."""
         try:
             send(self.sock, {"op": "wait", "pid": pid, "timeout": timeout})
-            return recv_reply(self.sock)["status"]
-        except (EOFError, OSError):  # the zygote is gone (its children with it)
+            return recv_reply(self.sock, timeout + ANSWER_S)["status"]
+        except (EOFError, OSError):  # the zygote is gone (its children with it), or stopped
+            self._end()
             return None
+
+    def _end(self) -> None:
+        """Kill the zygote (stopped or not; its runners die with it) so that :meth:`start` makes a
+        fresh one."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        if self.sock is not None:
+            self.sock.close()
+        self.ready = False
 
     def close(self) -> None:
         if self.proc is not None:

@@ -1,6 +1,10 @@
 """Task specs, PyTorch references and expert programs.
 
-- ``spec.py``: the YAML schema (pydantic), loading a task or a folder of them.
+- ``spec.py``: the YAML schema (pydantic), loading a task or a folder of them;
+  ``expr.py``: the shape and init expressions it holds; ``messages.py``: how a
+  task file's problems are worded (the field, the problem, the fix).
+- ``dryrun.py``: the reference called once as a task loads, to check it takes
+  the spec's inputs and params and returns its declared outputs.
 - ``sources.py``: importing a reference (a file beside the YAML or a module) and
   the source of its dependency closure, which the prompt shows.
 - ``skeleton.py``: ``coda-agent tasks new``, a task file written from its reference.

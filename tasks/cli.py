@@ -81,11 +81,19 @@ def new(
     import yaml
 
     from .skeleton import parse_inputs, parse_params, parse_shapes, skeleton
-    from .spec import todo_fields
+    from .messages import task_name_problem, todo_fields
+    from .spec import reference_problem
 
+    problem = task_name_problem(name)
+    if problem:  # NAME is also the file's name: a path here would write somewhere else than --out
+        raise CodaError(f"NAME {problem}" if problem.startswith("is") else f"NAME: {problem}")
+    if out.exists() and not out.is_dir():
+        raise CodaError(f"--out {out} is a file; give the folder the task file goes into")
     path = out / f"{name}.yaml"
     if path.exists():
         raise CodaError(f"{path} exists; remove it or give another NAME or --out (nothing is overwritten)")
+    if reference_problem(reference):
+        raise CodaError(f"--reference {reference_problem(reference)}")
     where, _, fn = reference.rpartition(":")
     if where.endswith(".py"):  # given relative to here; the task file names it relative to itself
         file = Path(where).resolve()

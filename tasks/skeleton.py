@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import keyword
 import math
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -30,11 +31,11 @@ import yaml
 
 from coda_agent.errors import CodaError
 
+from .dryrun import TORCH_DTYPES
 from .sources import ReferenceImportError, import_reference
-from .spec import TODO, Scalar
+from .messages import DTYPE_ALIASES, TODO
+from .spec import Scalar
 
-TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
-                "int32": torch.int32, "int64": torch.int64}
 DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 FAMILIES = "elementwise, pairwise, vector, tile, reduction, stateful"
 MATMULS = {"matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "linear", "addmm"}
@@ -45,27 +46,46 @@ def parse_shapes(specs: list[str]) -> dict[str, dict[str, int]]:
     out: dict[str, dict[str, int]] = {}
     for spec in specs:
         name, sep, binding = spec.partition("=")
+        if name.strip() in out:
+            raise CodaError(f"--shapes {spec!r}: a shape set {name.strip()!r} is given already; give each set once")
         try:
-            pairs = [p.split(":") for p in binding.split(",")]
-            out[name.strip()] = {k.strip(): int(v) for k, v in pairs}
+            pairs = [[x.strip() for x in p.split(":")] for p in binding.split(",")]
+            out[name.strip()] = {k: int(v) for k, v in pairs}
+            if len(out[name.strip()]) != len(pairs) or not all(k.isidentifier() for k, _ in pairs):
+                raise ValueError("a symbol twice, or not a name")
         except ValueError:
             sep = ""
         if not sep or not name.strip() or not out.get(name.strip()):
-            raise CodaError(f"--shapes {spec!r}: write NAME=SYMBOL:INT,SYMBOL:INT..., e.g. --shapes small=T:256,H:128")
+            raise CodaError(f"--shapes {spec!r}: write NAME=SYMBOL:INT,SYMBOL:INT..., each symbol once, e.g. "
+                            "--shapes small=T:256,H:128")
+        negative = [f"{k}:{v}" for k, v in out[name.strip()].items() if v < 0]
+        if negative:
+            raise CodaError(f"--shapes {spec!r}: {', '.join(negative)}; sizes are integers >= 0")
     return out
 
 
 def parse_inputs(specs: list[str]) -> dict[str, tuple[list[str], str]]:
     """``["x=T,H", "w=H,4*H:bf16"]`` -> ``{"x": (["T", "H"], "bf16"), ...}`` (dtype bf16 by default)."""
-    out = {}
+    out: dict[str, tuple[list[str], str]] = {}
     for spec in specs:
         name, sep, rest = spec.partition("=")
-        shape, _, dtype = rest.rpartition(":") if rest.rsplit(":", 1)[-1] in TORCH_DTYPES else (rest, "", "bf16")
+        shape, colon, dtype = rest.rpartition(":")
+        if not colon:
+            shape, dtype = rest, "bf16"
+        dtype = dtype.strip()
+        if dtype not in TORCH_DTYPES:
+            alias = DTYPE_ALIASES.get(dtype.lower())
+            raise CodaError(f"--input {spec!r}: {dtype!r} is not a dtype here" +
+                            (f"; write {name}={shape}:{alias}" if alias else "") +
+                            f" (dtypes: {', '.join(TORCH_DTYPES)})")
         dims = [d.strip() for d in shape.split(",") if d.strip()]
-        if not sep or not name.strip().isidentifier() or not dims:
-            raise CodaError(f"--input {spec!r}: write NAME=DIM,DIM[:DTYPE], e.g. --input x=T,H or "
-                            f"--input target=T:int64 (dtypes: {', '.join(TORCH_DTYPES)})")
-        out[name.strip()] = (dims, dtype)
+        name = name.strip()
+        if not sep or not name.isidentifier() or keyword.iskeyword(name) or not dims:
+            raise CodaError(f"--input {spec!r}: write NAME=DIM,DIM[:DTYPE] with NAME a Python name, e.g. --input "
+                            f"x=T,H or --input target=T:int64 (dtypes: {', '.join(TORCH_DTYPES)})")
+        if name in out:
+            raise CodaError(f"--input {spec!r}: {name} is given already; give each input once")
+        out[name] = (dims, dtype)
     return out
 
 
@@ -74,10 +94,13 @@ def parse_params(specs: list[str]) -> dict[str, Scalar]:
     out: dict[str, Scalar] = {}
     for spec in specs:
         name, sep, value = spec.partition("=")
-        if not sep or not name.strip().isidentifier() or not value.strip():
+        name = name.strip()
+        if not sep or not name.isidentifier() or keyword.iskeyword(name) or not value.strip():
             raise CodaError(f"--param {spec!r}: write NAME=VALUE with a number, true/false or a word, "
                             "e.g. --param eps=1e-6")
-        out[name.strip()] = _scalar(value.strip())
+        if name in out:
+            raise CodaError(f"--param {spec!r}: {name} is given already; give each param once")
+        out[name] = _scalar(value.strip())
     return out
 
 
@@ -93,7 +116,8 @@ def _scalar(text: str) -> Scalar:
 
 
 def _check_dims(inputs: dict[str, tuple[list[str], str]], shapes: dict[str, dict[str, int]]) -> None:
-    from .spec import ExprError, expr_symbols
+    """Every dimension a size on every set: a symbol each set binds, a whole number >= 0."""
+    from .expr import ExprError, evaluate, expr_symbols, value_text
 
     for name, (dims, _) in inputs.items():
         for d in dims:
@@ -105,6 +129,14 @@ def _check_dims(inputs: dict[str, tuple[list[str], str]], shapes: dict[str, dict
                 if symbols - set(binding):
                     raise CodaError(f"--input {name}: {d} uses {', '.join(sorted(symbols - set(binding)))}, which "
                                     f"--shapes {set_name} does not bind (it binds {', '.join(binding)})")
+                try:
+                    v = evaluate(f"--input {name}", d, {k: float(x) for k, x in binding.items()}, set_name)
+                except ValueError as e:
+                    raise CodaError(str(e)) from None
+                if v != int(v) or v < 0:
+                    raise CodaError(f"--input {name}: {value_text(d, v, set_name)}, not a size; "
+                                    + ("use // (floor division) or sizes it divides" if v >= 0 else
+                                       "a size cannot be negative"))
 
 
 # --------------------------------------------------------------------------- symbolic shapes
@@ -126,7 +158,7 @@ def symbolic(values: dict[str, int], shapes: dict[str, dict[str, int]]) -> tuple
     """The simplest expression equal to ``values[set]`` in every shape set, and the others
     that fit as well (an ambiguity a further shape set would settle).  A constant when
     the dimension is the same everywhere and no expression gives it; ``TODO`` if nothing fits."""
-    from .spec import eval_expr
+    from .expr import eval_expr
 
     symbols = sorted(set.intersection(*(set(b) for b in shapes.values())), key=lambda s: (len(s), s))
     # ``S//k`` fits only where k divides S: compared through the true quotient.
@@ -167,7 +199,7 @@ META_SET_BYTES = 64 << 20
 
 
 def _shape(dims: list[str], binding: dict[str, int]) -> tuple[int, ...]:
-    from .spec import eval_expr
+    from .expr import eval_expr
 
     return tuple(int(eval_expr(d, binding)) for d in dims)
 
@@ -206,10 +238,19 @@ def _run(fn: Callable, inputs: dict[str, tuple[list[str], str]], params: dict[st
     recorder = _MatmulRecorder()
     with torch.no_grad(), recorder:
         outs = fn(**args, **params)
-    if not isinstance(outs, dict) or not all(isinstance(v, torch.Tensor) for v in outs.values()) or not outs:
-        raise CodaError(f"the reference returned {type(outs).__name__}; a task reference returns a dict of "
-                        "its outputs, {'name': tensor, ...}")
+    if not isinstance(outs, dict) or not outs:
+        got = "an empty dict" if isinstance(outs, dict) else f"a {type(outs).__name__}"
+        raise CodaError(f"the reference returned {got}; a task reference returns a dict of its outputs, "
+                        "{'name': tensor, ...}")
     for name, t in outs.items():
+        if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name):
+            raise CodaError(f"the reference's output {name!r} is not a Python name (a program returns and a "
+                            "backward takes d<output> by name); rename the key in the reference")
+        if name in inputs or name in params:
+            raise CodaError(f"the reference's output {name!r} is also an {'input' if name in inputs else 'param'}; "
+                            "rename the key in the reference (outputs, inputs and params are named apart)")
+        if not isinstance(t, torch.Tensor):
+            raise CodaError(f"the reference's output {name!r} is a {type(t).__name__}; return a tensor")
         if t.dtype not in DTYPE_NAMES:
             raise CodaError(f"the reference's output {name!r} is {t.dtype}; outputs are "
                             f"{', '.join(TORCH_DTYPES)} (cast it in the reference)")

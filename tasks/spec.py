@@ -2,9 +2,7 @@
 
 A task names its tensors with *symbolic* shapes (``[T, H]``, ``[H, 2*I]``) and
 binds the symbols per named shape set (``small``, ``ragged``, ``llama3-1b``,
-...).  Shape and init expressions are tiny arithmetic over those symbols,
-parsed with :mod:`ast` (never ``eval``): ``+ - * / // **``, parentheses,
-integers, floats and ``sqrt``/``ceil``.
+...); shape and init expressions are ``expr.py``'s tiny arithmetic.
 
 The PyTorch reference takes the inputs (and params) as keyword arguments and
 returns ``{output_name: tensor}``.  It is named either by a file relative to
@@ -23,115 +21,37 @@ pre-activation).  ``backward(saved, d<out>...)`` gets exactly those.
 anyone has a kernel for it.  A field whose value starts with ``TODO`` (what
 ``coda-agent tasks new`` leaves for a person to decide) is reported by name.
 
-Every validation error names the file, the field and the fix
-(:class:`TaskSpecError`), because task files are written by people in a hurry.
+A spec that loads is one the verifier can use: every size, GEMM and init
+expression evaluates on every shape set to what it must be (a whole size, a
+non-zero scale); tensor and param names are Python names, distinct from each
+other and from the gradients ``d<name>``; and the reference is called once
+(``dryrun.py``) to see that it takes those arguments and returns the declared
+outputs.  Every error names the file, the field and the fix
+(:class:`TaskSpecError`, worded by ``messages.py``), because task files are
+written by people in a hurry.
 """
 
 from __future__ import annotations
 
-import ast
-import math
-import operator
+import keyword
+import re
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Callable, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from coda_agent.errors import CodaError
 
+from .expr import (Expr, ExprError, eval_expr, evaluate, expr_symbols, parse_expr,  # noqa: F401 - the
+                   structural_symbols, value_text)  # verifier imports eval_expr and structural_symbols from here
+from .messages import TaskSpecError, read_yaml, task_name_problem, todo_fields, validation_messages
 from .sources import import_reference, reference_files, reference_source
 
 FLOAT_DTYPES = ("bf16", "fp16", "fp32")
-TODO = "TODO"  # a value a person still has to fill in (``coda-agent tasks new`` writes them)
-
-# --------------------------------------------------------------------------- expressions
-
-_BINOPS: dict[type, Callable[[Any, Any], Any]] = {
-    ast.Add: operator.add,
-    ast.Sub: operator.sub,
-    ast.Mult: operator.mul,
-    ast.Div: operator.truediv,
-    ast.FloorDiv: operator.floordiv,
-    ast.Pow: operator.pow,
-    ast.Mod: operator.mod,
-}
-_FUNCS = {"sqrt": math.sqrt, "ceil": math.ceil}
-
-
-class ExprError(ValueError):
-    pass
-
-
-def parse_expr(text: str | int | float) -> ast.expr:
-    """Parse and check a shape/scale expression; raises ExprError with the fix."""
-    if isinstance(text, (int, float)):
-        return ast.Constant(text)
-    try:
-        tree = ast.parse(str(text), mode="eval").body
-    except SyntaxError as e:
-        raise ExprError(f"cannot parse expression {text!r} ({e.msg})") from None
-    for node in ast.walk(tree):
-        ok = isinstance(node, (ast.BinOp, ast.UnaryOp, ast.Constant, ast.Name, ast.Call, ast.Load,
-                               ast.USub, ast.UAdd, *_BINOPS))
-        if not ok:
-            raise ExprError(f"expression {text!r}: {type(node).__name__} is not allowed "
-                            "(use + - * / // ** and sqrt/ceil over shape symbols)")
-        if isinstance(node, ast.Call):
-            if not (isinstance(node.func, ast.Name) and node.func.id in _FUNCS and len(node.args) == 1
-                    and not node.keywords):
-                raise ExprError(f"expression {text!r}: only sqrt(x) and ceil(x) calls are allowed")
-        if isinstance(node, ast.Constant) and not isinstance(node.value, (int, float)):
-            raise ExprError(f"expression {text!r}: constant {node.value!r} is not a number")
-    return tree
-
-
-def expr_symbols(text: str | int | float) -> set[str]:
-    return expr_symbols_of(parse_expr(text))
-
-
-def structural_symbols(text: str | int | float) -> set[str]:
-    """The symbols ``text`` multiplies by another symbol: in ``NQ*D`` or ``(NQ + 2*NKV)*D``
-    a head count and a head width, which together describe the layout of one tensor
-    dimension (``2*I`` scales a size by a constant and is not structural)."""
-    found: set[str] = set()
-    for node in ast.walk(parse_expr(text)):
-        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
-            left, right = expr_symbols_of(node.left), expr_symbols_of(node.right)
-            if left and right:
-                found |= left | right
-    return found
-
-
-def expr_symbols_of(node: ast.AST) -> set[str]:
-    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and n.id not in _FUNCS}
-
-
-def eval_expr(text: str | int | float, env: dict[str, float]) -> Any:
-    def ev(node: ast.expr) -> Any:
-        if isinstance(node, ast.Constant):
-            return node.value
-        if isinstance(node, ast.Name):
-            if node.id not in env:
-                raise ExprError(f"expression {text!r}: unknown symbol {node.id!r} "
-                                f"(this shape set binds {sorted(env)})")
-            return env[node.id]
-        if isinstance(node, ast.BinOp):
-            return _BINOPS[type(node.op)](ev(node.left), ev(node.right))
-        if isinstance(node, ast.UnaryOp):
-            v = ev(node.operand)
-            return -v if isinstance(node.op, ast.USub) else v
-        if isinstance(node, ast.Call):
-            return _FUNCS[node.func.id](ev(node.args[0]))  # type: ignore[union-attr]
-        raise ExprError(f"expression {text!r}: unsupported node")
-
-    return ev(parse_expr(text))
-
 
 # --------------------------------------------------------------------------- the model
 
-Expr = str | int | float
 Scalar = bool | int | float | str  # a param: any scalar a reference takes (eps, causal, activation name)
 
 
@@ -165,6 +85,9 @@ class Init(_Strict):
         if self.mean not in (0, 0.0, "0") and self.dist not in ("normal", "uniform"):
             raise ValueError(f"init.mean offsets only dist normal or uniform, not {self.dist}; remove it "
                              "(ones_plus_noise is already centred on 1)")
+        if self.high is not None and self.dist != "randint":
+            raise ValueError(f"init.high bounds only dist randint, not {self.dist}; remove it (scale sets the "
+                             "spread of the others)")
         return self
 
 
@@ -196,15 +119,17 @@ class Tolerance(_Strict):
     """
 
     rule: Literal["coda"] = "coda"
-    factor: float = 2.0
-    floor: float = 1e-6
-    rel_norm: float = 2e-2
-    bias: float = 2.0 ** -12
+    # Negative bounds would reject every program, whatever it computes.
+    factor: float = Field(2.0, ge=0)
+    floor: float = Field(1e-6, ge=0)
+    rel_norm: float = Field(2e-2, ge=0)
+    bias: float = Field(2.0 ** -12, ge=0)
 
 
 class Target(_Strict):
-    vs_gemm: float = 1.05  # fused time / plain GEMM time, at most
-    vs_compile: float = 1.2  # torch.compile time / fused time, at least
+    # Ratios of times: zero or below no program could meet (vs_gemm), or every program would (vs_compile).
+    vs_gemm: float = Field(1.05, gt=0)  # fused time / plain GEMM time, at most
+    vs_compile: float = Field(1.2, gt=0)  # torch.compile time / fused time, at least
 
 
 class TaskSpec(_Strict):
@@ -238,12 +163,42 @@ class TaskSpec(_Strict):
     def _check_ref(cls, v: str | None) -> str | None:
         if v is None:
             return v
-        where, sep, fn = v.rpartition(":")
-        module_like = bool(where) and all(p.isidentifier() for p in where.split("."))
-        if not (sep and fn.isidentifier() and (where.endswith(".py") or module_like)):
-            raise ValueError(f"{v!r} must be 'path/to/file.py:function' (relative to the task file, e.g. "
-                             "'ref.py:my_op') or 'package.module:function' (importable, e.g. "
-                             "'coda_agent.tasks.llama3.references:swiglu_fwd')")
+        problem = reference_problem(v)
+        if problem:
+            raise ValueError(problem)
+        return v
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, v: str) -> str:
+        problem = task_name_problem(v)
+        if problem:
+            raise ValueError(problem)
+        return v
+
+    @field_validator("gemms", mode="before")
+    @classmethod
+    def _check_gemms_form(cls, v: Any) -> Any:
+        # A flat [M, N, K] (one GEMM written without the outer list) would otherwise be three
+        # errors, one per symbol, none of which says what the field is.
+        if not isinstance(v, list) or any(not isinstance(g, list) for g in v):
+            raise ValueError(f"{v!r} is not a list of [M, N, K] entries; write e.g. [[T, 2*I, H]] (one GEMM) or "
+                             "[[T, N, K], [T, K, N]] (two)")
+        if not v:
+            raise ValueError("no GEMM given; list the GEMMs the program runs as [[M, N, K], ...]: a program's "
+                             "time is measured against them, so a task without one can never be accepted")
+        return v
+
+    @field_validator("params", mode="before")
+    @classmethod
+    def _check_params(cls, v: Any) -> Any:
+        # Without this a list or null param is four errors, one per member of the Scalar union.
+        if isinstance(v, dict):
+            for k, value in v.items():
+                if not isinstance(value, (bool, int, float, str)):
+                    what = "empty (null)" if value is None else f"a {type(value).__name__} ({value!r})"
+                    raise ValueError(f"{k} is {what}; a param is one number, true/false or string (give "
+                                     "a list's parts as separate params, or a tensor as an input)")
         return v
 
     @model_validator(mode="before")
@@ -267,7 +222,8 @@ class TaskSpec(_Strict):
                         users.setdefault(s, []).append(f"{kind}.{tname}")
         for i, g in enumerate(self.gemms):
             if len(g) != 3:
-                raise ValueError(f"gemms entry {g} must be [M, N, K]")
+                raise ValueError(f"gemms[{i}]: {g} has {len(g)} entries; a GEMM is [M, N, K] (C[M, N] = A[M, K] @ "
+                                 "B[K, N])")
             for e in g:
                 for s in expr_symbols(e):
                     users.setdefault(s, []).append(f"gemms[{i}]")
@@ -288,15 +244,80 @@ class TaskSpec(_Strict):
         for g in self.gradients:
             if g not in self.inputs:
                 raise ValueError(f"gradients: {g!r} is not an input (inputs: {sorted(self.inputs)})")
+            if self.inputs[g].dtype not in FLOAT_DTYPES:
+                raise ValueError(f"gradients: {g!r} is {self.inputs[g].dtype}; only {', '.join(FLOAT_DTYPES)} "
+                                 "inputs have gradients: remove it")
+        if len(set(self.gradients)) != len(self.gradients):
+            raise ValueError(f"gradients: {self.gradients} names an input twice; list each once")
         overlap = set(self.inputs) & set(self.params)
         if overlap:
             raise ValueError(f"{sorted(overlap)} are both inputs and params; rename one")
+        self._check_names()
+        self._check_sizes()
         compared = [*self.outputs, *(f"d{g}" for g in self.gradients)]
         for name in self.tolerances:
             if name not in compared:
                 raise ValueError(f"tolerances: {name!r} is neither an output nor a gradient of this task "
                                  f"(compared tensors: {', '.join(compared)})")
         return self
+
+    def _check_names(self) -> None:
+        """Names the reference, the program and the backward take as keyword arguments."""
+        for kind, names in (("inputs", self.inputs), ("outputs", self.outputs), ("params", self.params)):
+            if kind != "params" and not names:
+                raise ValueError(f"{kind}: none given; a task has at least one tensor {kind[:-1]}")
+            for n in names:
+                if not n.isidentifier() or keyword.iskeyword(n):
+                    better = re.sub(r"\W", "_", n)
+                    better = better if better.isidentifier() and not keyword.iskeyword(better) else f"{better}_"
+                    raise ValueError(f"{kind}: {n!r} is not a Python name (the reference and the program take "
+                                     f"and return it by name); rename it, e.g. {better!r}")
+        for out in self.outputs:
+            for kind, names in (("an input", self.inputs), ("a param", self.params)):
+                if out in names:
+                    raise ValueError(f"outputs: {out!r} is also {kind}; rename one (the reference takes inputs "
+                                     "and params by name and returns outputs by name)")
+        for g in self.gradients:
+            if f"d{g}" in self.outputs:
+                raise ValueError(f"outputs: {'d' + g!r} is also the name of input {g}'s gradient (gradients are "
+                                 "d<input>); rename the output")
+        for o in self.grad_outputs:
+            if f"d{o}" in self.inputs or f"d{o}" in self.params:
+                raise ValueError(f"{'d' + o!r} names an input or param and the upstream gradient of output {o} "
+                                 "(backward takes d<output>); rename one")
+
+    def _check_sizes(self) -> None:
+        """Every size, GEMM and init expression evaluated on every shape set: a size that is not a
+        whole number (``H/3``), negative or undefined (``H//(I-I)``), and an init the verifier
+        cannot draw, fail here, not in the middle of a verification."""
+        for set_name, binding in self.shapes.items():
+            for sym, v in binding.items():
+                if v < 0:
+                    raise ValueError(f"shapes.{set_name}.{sym} is {v}; sizes are integers >= 0")
+            env = {k: float(v) for k, v in binding.items()}
+            sizes = [(f"{kind}.{n}.shape[{i}]", e) for kind in ("inputs", "outputs")
+                     for n, t in getattr(self, kind).items() for i, e in enumerate(t.shape)]
+            sizes += [(f"gemms[{i}][{j}]", e) for i, g in enumerate(self.gemms) for j, e in enumerate(g)]
+            for where, e in sizes:
+                v = evaluate(where, e, env, set_name)
+                if v != int(v) or v < 0:
+                    fix = ("use // (floor division) or sizes it divides" if v >= 0 else "a size cannot be negative")
+                    raise ValueError(f"{where}: {value_text(e, v, set_name)}, not a size; {fix}")
+            for n, t in self.inputs.items():
+                init, where = t.init, f"inputs.{n}.init"
+                if t.dtype.startswith("int") and init.dist not in ("randint", "arange_rows"):
+                    raise ValueError(f"{where}.dist: {n} is {t.dtype}, which dist {init.dist} does not draw; write "
+                                     "init: {dist: randint, high: <exclusive bound>} or {dist: arange_rows}")
+                if init.dist in ("normal", "uniform", "ones_plus_noise"):
+                    evaluate(f"{where}.mean", init.mean, env, set_name)
+                    if evaluate(f"{where}.scale", init.scale, env, set_name) == 0:
+                        raise ValueError(f"{where}.scale: {value_text(init.scale, 0, set_name)}: every value of {n} "
+                                         "would be the same, which tests nothing; give a non-zero scale")
+                if init.dist == "randint" and init.high is not None:
+                    high = evaluate(f"{where}.high", init.high, env, set_name)
+                    if high != int(high) or high < 1:
+                        raise ValueError(f"{where}.high: {value_text(init.high, high, set_name)}; randint draws from "
+                                         "[0, high), so high is a whole number >= 1")
 
     # ------------------------------------------------------------------ derived
 
@@ -328,8 +349,14 @@ class TaskSpec(_Strict):
         return self.tolerances.get(tensor, self.tolerance)
 
 
-class TaskSpecError(CodaError, ValueError):
-    """A task file that cannot be used; the message names file, field and fix."""
+def reference_problem(v: str) -> str | None:
+    """Why ``v`` does not name a reference function (None when it does)."""
+    where, sep, fn = v.rpartition(":")
+    module_like = bool(where) and all(p.isidentifier() for p in where.split("."))
+    if not (sep and fn.isidentifier() and (where.endswith(".py") or module_like)):
+        return (f"{v!r} must be 'path/to/file.py:function' (relative to the task file, e.g. 'ref.py:my_op') or "
+                "'package.module:function' (importable, e.g. 'coda_agent.tasks.llama3.references:swiglu_fwd')")
+    return None
 
 
 class Task:
@@ -380,29 +407,24 @@ class Task:
         return f"Task({self.name!r}, {str(self.path)!r})"
 
 
-def todo_fields(raw: Any, where: str = "") -> list[tuple[str, str]]:
-    """(field, text) of every value still marked ``TODO ...``, in file order."""
-    if isinstance(raw, str):
-        return [(where or "(top level)", raw)] if raw.strip().startswith(TODO) else []
-    if isinstance(raw, dict):
-        return [f for k, v in raw.items() for f in todo_fields(v, f"{where}.{k}" if where else str(k))]
-    if isinstance(raw, list):
-        return [f for i, v in enumerate(raw) for f in todo_fields(v, f"{where}[{i}]")]
-    return []
-
-
 def load_task(path: str | Path) -> Task:
-    """Load and validate one task YAML; errors name the file, field and fix."""
+    """Load and validate one task YAML; errors name the file, field and fix.
+
+    The reference is imported and called (:mod:`.dryrun`: on meta tensors, which cost no
+    time), so a reference that fails, returns something else than the declared outputs, or
+    takes other arguments than the spec gives it is a broken spec here, not an error of the
+    verifier's halfway through judging a program."""
     path = Path(path)
     if not path.is_file():
-        raise TaskSpecError(f"{path}: no such task file (give a task YAML, e.g. "
-                            "tasks/llama3/swiglu_fwd.yaml)")
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise TaskSpecError(f"{path}: not valid YAML: {e}") from None
+        what = "a folder, not a task file" if path.is_dir() else "no such task file"
+        raise TaskSpecError(f"{path}: {what} (give a task YAML, e.g. tasks/llama3/swiglu_fwd.yaml)")
+    raw = read_yaml(path)
+    if raw is None:
+        raise TaskSpecError(f"{path}: the file is empty; a task file is a YAML mapping with name, summary, "
+                            "inputs, ... (coda-agent tasks new writes one from its reference)")
     if not isinstance(raw, dict):
-        raise TaskSpecError(f"{path}: a task file is a YAML mapping with name, summary, inputs, ...")
+        raise TaskSpecError(f"{path}: the file holds a YAML {type(raw).__name__}; a task file is a YAML mapping "
+                            "with name, summary, inputs, ... (each key at the start of its line, no '- ')")
     todos = todo_fields(raw)
     if todos:
         raise TaskSpecError("\n".join(f"{path}: {field}: still {text.strip()}; fill it in"
@@ -410,16 +432,7 @@ def load_task(path: str | Path) -> Task:
     try:
         spec = TaskSpec.model_validate(raw)
     except ValidationError as e:
-        lines = []
-        for err in e.errors():
-            loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
-            msg = err["msg"].removeprefix("Value error, ")
-            if err["type"] == "extra_forbidden":
-                msg = "unknown field; remove it or fix its spelling"
-            elif err["type"] == "missing":
-                msg = "required field is missing; add it"
-            lines.append(f"{path}: {loc}: {msg}")
-        raise TaskSpecError("\n".join(lines)) from None
+        raise TaskSpecError("\n".join(f"{path}: {line}" for line in validation_messages(e, TaskSpec))) from None
     except ExprError as e:
         raise TaskSpecError(f"{path}: {e}") from None
     task = Task(spec, path)
@@ -427,8 +440,12 @@ def load_task(path: str | Path) -> Task:
     task.backward_reference_fn
     expert = task.expert_path
     if expert is not None and not expert.is_file():
-        raise TaskSpecError(f"{path}: expert: {expert} does not exist; point it at the task's "
-                            "human-written program, or remove the field (a task needs no expert)")
+        what = "is a folder" if expert.is_dir() else "does not exist"
+        raise TaskSpecError(f"{path}: expert: {expert} {what}; point it at the task's human-written program "
+                            "(a .py file), or remove the field (a task needs no expert)")
+    from .dryrun import check_reference
+
+    check_reference(task)
     return task
 
 

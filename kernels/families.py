@@ -4,8 +4,8 @@ A model qualifies when every module whose forward the patch replaces (the decode
 RMSNorms, the MLP where ``swiglu`` replaces it, the causal LM's loss path) runs the instructions
 of its family's, compared as code objects together with the module-level helpers they call
 (:func:`same_code`: transformers' families copy LLaMA's modules under other class names, and a
-copy may call a helper of the same name that differs), and each module holds the submodules its
-family's does.
+copy may call a helper of the same name that differs, which the refusal names:
+:func:`differing_global`), and each module holds the submodules its family's does.
 RoPE runs in the QKV epilogue only where the attention's own rotation and the rotary tables
 agree with LLaMA's on a probe (:func:`rotation_is_llamas`, :func:`tables_are_llamas`); elsewhere
 it stays HF's, through the rotation the attention itself calls.  A family
@@ -14,7 +14,8 @@ the RMSNorms are LLaMA's (scale w) or Gemma's (scale 1 + w).  What a family does
 is one layer's :class:`AttentionPlan`, which the patched forwards read.  So a model with extra
 norms (Gemma-2, OLMo-2), softcapped logits or LayerNorms (Cohere) is refused by what differs,
 instead of training silently wrong; :func:`check_model` refuses what a known family may still
-hold that the kernels do not take (dtypes, MLP biases, residual dropout, RoPE scaling).
+hold that the kernels do not take (dtypes, MLP biases, residual dropout, RoPE scaling, parts of
+one fused weight frozen apart, an LM head with a bias).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer, Mi
 from transformers.models.phi3 import modeling_phi3 as phi3
 from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
+from transformers.models.seed_oss.modeling_seed_oss import SeedOssAttention, SeedOssMLP
 from transformers.models.smollm3.modeling_smollm3 import SmolLM3Attention
 
 from .kernel import KernelError
@@ -104,7 +106,9 @@ def _phi3_plan(attn: nn.Module) -> AttentionPlan:
 # Whose layer -> its family, told by the attention's code and then the decoder layer's.  Mistral,
 # Qwen2, Qwen3 and SmolLM3 (whose layers may skip RoPE) copy LLaMA's decoder layer, RMSNorm and
 # MLP; Granite copies LLaMA's attention and MLP and scales what each sublayer adds to the residual
-# stream; Phi-3 fuses the projections, keeps residual dropouts and may rotate part of each head.
+# stream; Phi-3 fuses the projections, keeps residual dropouts and may rotate part of each head;
+# Seed-OSS is LLaMA's with a residual dropout after its attention's and its MLP's output
+# projections (which :func:`check_model` requires off).
 # The decoder stack's own forward stays the model's (embeddings and their multiplier, masks, the
 # final norm).
 _FAMILIES = {
@@ -125,6 +129,8 @@ _FAMILIES = {
                       {"layer": _LLAMA_CHILDREN["layer"] | {"resid_attn_dropout", "resid_mlp_dropout"},
                        "self_attn": frozenset({"qkv_proj", "o_proj"}),
                        "mlp": frozenset({"gate_up_proj", "down_proj", "activation_fn"})}, _phi3_plan),
+    "Seed-OSS's": Family(SeedOssAttention.forward, LlamaDecoderLayer.forward, SeedOssMLP.forward, _LLAMA_CHILDREN,
+                         lambda attn: AttentionPlan()),
     # Mixtral: Mistral's attention, a decoder layer that computes LLaMA's (its arguments in another
     # order) around a mixture of experts.  Qwen3-MoE is Qwen3's family with such an MLP.
     "Mixtral's": Family(MistralAttention.forward, MixtralDecoderLayer.forward, None,
@@ -148,10 +154,19 @@ def same_code(fn: Any, want: Any) -> bool:
     globals matter because a copied forward may call a helper of the same name that differs
     (Ernie 4.5's attention is LLaMA's bytecode, its ``apply_rotary_pos_emb`` rotates interleaved
     pairs)."""
-    return _same(fn, want, frozenset())
+    return _differs(fn, want, frozenset()) is None
 
 
-def _same(fn: Any, want: Any, seen: frozenset) -> bool:
+def differing_global(fn: Any, want: Any) -> str:
+    """Where :func:`same_code` finds two functions different: the module-level name (a helper
+    such as ``apply_rotary_pos_emb``) whose binding differs while the instructions are alike, or ""
+    where the instructions themselves differ."""
+    return _differs(fn, want, frozenset()) or ""
+
+
+def _differs(fn: Any, want: Any, seen: frozenset) -> str | None:
+    """None where ``fn`` is ``want``'s code (see :func:`same_code`); else "" where the instructions
+    differ, or the name of the first global whose binding differs."""
     def consts(c: Any) -> tuple:
         # A docstring is the first constant, which no instruction loads.
         used = {i.arg for i in dis.get_instructions(c) if i.opname in ("LOAD_CONST", "RETURN_CONST")}
@@ -167,18 +182,18 @@ def _same(fn: Any, want: Any, seen: frozenset) -> bool:
     f, w = inspect.unwrap(fn), inspect.unwrap(want)
     a, b = getattr(f, "__code__", None), getattr(w, "__code__", None)
     if a is None or b is None or not same(a, b):
-        return False
+        return ""
     if f is w or (a, b) in seen:
-        return True
+        return None
     seen = seen | {(a, b)}
     ga, gb = getattr(f, "__globals__", {}), getattr(w, "__globals__", {})
-    for name in _global_names(a):
+    for name in sorted(_global_names(a)):
         x, y = ga.get(name, _MISSING), gb.get(name, _MISSING)
         if x is y:
             continue
-        if not (inspect.isfunction(x) and inspect.isfunction(y) and _same(x, y, seen)):
-            return False
-    return True
+        if not (inspect.isfunction(x) and inspect.isfunction(y) and _differs(x, y, seen) is None):
+            return name
+    return None
 
 
 _MISSING = object()
@@ -206,11 +221,21 @@ def llama_architecture(model: nn.Module, keep_mlp: bool = False) -> tuple[nn.Mod
                           "it: apply_to_llama(model); model = torch.compile(model)")
     causal_lm = hasattr(model, "lm_head") and isinstance(getattr(model, "model", None), nn.Module)
     base = model.model if causal_lm else model
-    if not all(isinstance(getattr(base, a, None), nn.Module) for a in ("embed_tokens", "layers", "norm",
-                                                                              "rotary_emb")):
+
+    def stack(m: Any) -> bool:
+        return all(isinstance(getattr(m, a, None), nn.Module) for a in ("embed_tokens", "layers", "norm", "rotary_emb"))
+
+    if not stack(base):
+        hint = ""
+        inner = next((n for n, m in model.named_children() if stack(m)), None)
+        if isinstance(getattr(model, "module", None), nn.Module):  # DataParallel, DistributedDataParallel
+            hint = "; it wraps the model (model.module): patch the model itself first, then wrap it"
+        elif inner is not None:  # a classification or QA head over a decoder stack
+            hint = (f"; its head is not a causal LM's lm_head: patch its decoder stack, "
+                    f"apply_to_llama(model.{inner}), and the head stays HF's")
         raise KernelError(f"apply_to_llama patches a transformers LlamaForCausalLM or LlamaModel (or a model "
                           f"family built from LLaMA's modules, such as Mistral or Qwen3); got "
-                          f"{type(model).__name__}")
+                          f"{type(model).__name__}{hint}")
     checks = []
     lm = ""
     if causal_lm:
@@ -229,6 +254,15 @@ def llama_architecture(model: nn.Module, keep_mlp: bool = False) -> tuple[nn.Mod
             firsts = {}  # families that share an attention are named once, by the first of them
             for k, f in _FAMILIES.items():
                 firsts.setdefault(f.attention, k)
+            # A copy of a family's attention that calls a helper of its own (Ernie 4.5's and Helium's
+            # interleaved rotations) is named by that helper: its forward reads as the family's.
+            helpers = ((k, differing_global(type(attn).forward, f)) for f, k in firsts.items())
+            kind, helper = next(((k, h) for k, h in helpers if h), ("", ""))
+            if helper:
+                home = inspect.unwrap(type(attn).forward).__globals__.get("__name__", "its module")
+                raise KernelError(f"{type(attn).__name__}.forward is the code of {kind} attention, but the {helper} "
+                                  f"it calls ({home}) differs from {kind}: the patched layer would compute {kind} "
+                                  "instead")
             known = list(firsts.values())
             raise KernelError(f"{type(attn).__name__}.forward is not {', '.join(known[:-1])} or {known[-1]} "
                               "attention; the patched layer would drop what it adds")
@@ -322,10 +356,12 @@ def tables_are_llamas(base: nn.Module) -> bool:
     return bool(torch.allclose(cos.double(), want_cos, atol=1e-5) and torch.allclose(sin.double(), want_sin, atol=1e-5))
 
 
-def check_model(model: nn.Module, base: nn.Module, cfg: Any, rope: bool, swiglu: bool) -> None:
+def check_model(model: nn.Module, base: nn.Module, cfg: Any, rope: bool, swiglu: bool, xent: bool = False) -> None:
     """Refuse, naming the fix, what a model of a known family may hold that the kernels chosen by
     the flags do not take: other dtypes, residual dropout, MLP biases, biases on some of q/k/v
-    only, an activation other than SwiGLU's, RoPE beyond a static frequency table."""
+    only, parts of one fused weight frozen apart, an activation other than SwiGLU's, RoPE beyond a
+    static frequency table, an LM head that is more than its weight (``xent``: the fused LM head
+    and loss runs)."""
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
     if dtypes != {torch.bfloat16}:
         raise KernelError(f"the model's parameters are {sorted(map(str, dtypes))}; the suite's kernels are "
@@ -345,6 +381,14 @@ def check_model(model: nn.Module, base: nn.Module, cfg: Any, rope: bool, swiglu:
             raise KernelError(f"layers.{i}.{dropped[0]} drops with p = {getattr(layer, dropped[0]).p}: the patched "
                               "layer adds each residual inside a GEMM epilogue, with no dropout; build the model "
                               "with resid_pdrop=0.0 (Phi-3's default)")
+        # Seed-OSS drops the attention's and the MLP's outputs (the MLP's only matters where the MLP
+        # kernel replaces it; HF's MLP keeps its own dropout).
+        for part in ("self_attn", "mlp") if swiglu else ("self_attn",):
+            p = getattr(getattr(layer, part), "residual_dropout", 0.0)
+            if isinstance(p, float) and p > 0:
+                raise KernelError(f"layers.{i}.{part}.residual_dropout = {p}: the patched layer adds each residual "
+                                  "inside a GEMM epilogue, with no dropout; build the model with "
+                                  "residual_dropout=0.0 (config.residual_dropout)")
         linears = [n for n in ("gate_proj", "up_proj", "down_proj", "gate_up_proj") if hasattr(layer.mlp, n)]
         mlp = [n for n in linears if getattr(layer.mlp, n).bias is not None]
         if mlp and swiglu:
@@ -355,6 +399,28 @@ def check_model(model: nn.Module, base: nn.Module, cfg: Any, rope: bool, swiglu:
         if any(qkv) and not all(qkv):
             raise KernelError(f"layers.{i}.self_attn: biases on some of q_proj, k_proj, v_proj ({qkv}); the fused "
                               "QKV GEMM adds one bias to all three or none")
+        # The fused weight is one Parameter with one requires_grad: parts frozen apart (q_proj alone,
+        # say) would all train or all freeze with the first part's flag.
+        for part, names in (("self_attn", ("q_proj", "k_proj", "v_proj")),
+                            *((("mlp", ("gate_proj", "up_proj")),) if swiglu else ())):
+            module = getattr(layer, part)
+            if not all(isinstance(getattr(module, n, None), nn.Linear) for n in names):
+                continue  # Phi-3's projections are fused already
+            for kind in ("weight", "bias"):
+                params = {n: getattr(getattr(module, n), kind) for n in names}
+                grads = {n: p.requires_grad for n, p in params.items() if p is not None}
+                if len(set(grads.values())) > 1:
+                    hint = " (or pass swiglu=False to keep HF's MLP)" if part == "mlp" else ""
+                    raise KernelError(
+                        f"layers.{i}.{part}: requires_grad differs across the {kind}s of {', '.join(names)} "
+                        f"({grads}); apply_to_llama fuses them into one parameter, which trains or freezes as a "
+                        f"whole: freeze or unfreeze them together before apply_to_llama{hint}")
+    head = getattr(model, "lm_head", None) if xent else None
+    if head is not None and (type(head) is not nn.Linear or head.bias is not None):
+        what = f"is {type(head).__name__}, not nn.Linear" if type(head) is not nn.Linear else "has a bias"
+        raise KernelError(f"lm_head {what}: the fused LM head and loss (lm_head_xent) reads lm_head.weight alone, "
+                          "so it would drop what the head adds; pass fused_linear_cross_entropy=False to keep HF's "
+                          "LM head and loss")
     if swiglu and cfg.hidden_act not in ("silu", "swish"):
         raise KernelError(f"hidden_act {cfg.hidden_act!r}: the MLP kernel is SwiGLU (silu); pass swiglu=False to "
                           "keep HF's MLP")

@@ -11,6 +11,8 @@ model of a family built from LLaMA's modules:
 - Gemma: RMSNorms that scale by 1 + w, folded into the QKV GEMM as such; its GeGLU MLP stays
   HF's (``swiglu=False``);
 - SmolLM3: the same, with some layers that skip RoPE;
+- Seed-OSS: LLaMA's modules with q, k and v biases and a dropout on what the attention and the
+  MLP add to the residual stream, which must be off (``residual_dropout=0.0``);
 - Granite: multipliers on what each sublayer adds to the residual stream (folded into the output
   and down projections' weights) and on the logits (the LM head's input divided instead);
 - mixtures of experts (Mixtral, Qwen3-MoE, Qwen2-MoE with its shared expert): the experts stay
@@ -70,14 +72,16 @@ The re-layout happens once, here; the fused weights are new Parameters
 (``self_attn.qkv_proj.weight``, ``mlp.gate_up_proj.weight``), so build the
 optimizer afterwards.  ``state_dict()`` still has exactly the HF keys and
 values (hooks split and un-permute on save; ``load_state_dict`` fuses HF
-weights back), so checkpoints stay interchangeable with unpatched models.
+weights back), so checkpoints stay interchangeable with unpatched models
+(``save_pretrained`` writes HF's checkpoint; ``torch.save`` of the whole
+patched model loads back patched).
 The kernels are verified for bf16: the model must be bf16.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 from pathlib import Path
 from typing import Any
 
@@ -170,7 +174,7 @@ def apply_to_llama(model: LlamaForCausalLM | LlamaModel, *, rope: bool = True, r
     if fp8_mlp and "mlp_block" in (kernels or {}):
         raise KernelError("fp8_mlp=True and kernels['mlp_block'] both choose the MLP block's kernel; give one")
     cfg = base.config
-    check_model(model, base, cfg, rope, swiglu)  # a scaled RoPE asks for rope=False, by name
+    check_model(model, base, cfg, rope, swiglu, xent=fused_linear_cross_entropy and bool(lm_kind))  # names the fix
     rope = rope and tables_are_llamas(base)
     for name in sorted(set(kernels or {}) - set(SWAPPABLE)):
         raise KernelError(f"kernels: {name!r} is not a task the drop-in runs; it takes {list(SWAPPABLE)}")
@@ -256,35 +260,81 @@ def _relayout(module: nn.Module, fused: str, parts: tuple[str, ...], fuse: Any, 
     linears = [getattr(module, p) for p in parts]
     weights, biases = [m.weight for m in linears], [m.bias for m in linears]
     with_bias = biases[0] is not None
-
-    def fuse_bias(*bs: torch.Tensor) -> torch.Tensor:
-        return fuse(*(b[:, None] for b in bs))[:, 0].contiguous()
-
-    def split_bias(b: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(t[:, 0].contiguous() for t in split(b[:, None]))
-
+    hooks = _FusedParts(fused, parts, fuse, split, with_bias)
     for p in parts:  # first: the fused module may take a part's name (Phi-3's qkv_proj, gate_up_proj)
         delattr(module, p)
     with torch.no_grad():
-        bias = fuse_bias(*(b.detach() for b in biases)) if with_bias else None
+        bias = hooks.fuse_bias(*(b.detach() for b in biases)) if with_bias else None
         setattr(module, fused, FusedWeight(fuse(*(w.detach() for w in weights)), weights[0].requires_grad, bias,
                                            with_bias and biases[0].requires_grad))
-    kinds = (("weight", fuse, split),) + ((("bias", fuse_bias, split_bias),) if with_bias else ())
+    module.register_state_dict_post_hook(_Hook(hooks.save))
+    module.register_load_state_dict_pre_hook(_Hook(hooks.load))
 
-    def save(mod: nn.Module, state: dict, prefix: str, meta: Any) -> None:
-        for kind, _, unfuse in kinds:
-            tensor = state.pop(f"{prefix}{fused}.{kind}")
-            for p, t in zip(parts, unfuse(tensor.detach())):
-                state[f"{prefix}{p}.{kind}"] = t
 
-    def load(mod: nn.Module, state: dict, prefix: str, *args: Any) -> None:
-        for kind, join, _ in kinds:
-            keys = [f"{prefix}{p}.{kind}" for p in parts]
+class _Hook:
+    """A bound method as a module hook: torch tags each hook with an attribute, which a bound
+    method does not take; pickle carries this object and its method alike."""
+
+    def __init__(self, fn: Any):
+        self.fn = fn
+
+    def __call__(self, *args: Any) -> Any:
+        return self.fn(*args)
+
+
+class _FusedParts:
+    """The state-dict hooks of one fused projection: ``save`` splits it into the parts' keys,
+    ``load`` fuses the parts' keys back.  An object whose ``fuse`` and ``split`` are module-level
+    functions (or partials of them), not closures, so that pickle (``torch.save(model)``) carries
+    the patched model as it carries the unpatched one."""
+
+    def __init__(self, fused: str, parts: tuple[str, ...], fuse: Any, split: Any, with_bias: bool):
+        self.fused, self.parts, self.fuse, self.split = fused, parts, fuse, split
+        self.kinds = ("weight", "bias") if with_bias else ("weight",)
+
+    def fuse_bias(self, *bs: torch.Tensor) -> torch.Tensor:
+        return self.fuse(*(b[:, None] for b in bs))[:, 0].contiguous()
+
+    def split_bias(self, b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(t[:, 0] for t in self.split(b[:, None]))
+
+    def save(self, mod: nn.Module, state: dict, prefix: str, meta: Any) -> None:
+        for kind in self.kinds:
+            tensor = state.pop(f"{prefix}{self.fused}.{kind}").detach()
+            unfused = self.split(tensor) if kind == "weight" else self.split_bias(tensor)
+            for p, t in zip(self.parts, unfused):
+                # Contiguous, as a Linear's own tensors are: save_pretrained's check for shared
+                # storage reads each tensor's end through view(-1), which a strided row view fails.
+                state[f"{prefix}{p}.{kind}"] = t.contiguous()
+
+    def load(self, mod: nn.Module, state: dict, prefix: str, *args: Any) -> None:
+        for kind in self.kinds:
+            keys = [f"{prefix}{p}.{kind}" for p in self.parts]
             if all(k in state for k in keys):
-                state[f"{prefix}{fused}.{kind}"] = join(*(state.pop(k) for k in keys))
+                join = self.fuse if kind == "weight" else self.fuse_bias
+                state[f"{prefix}{self.fused}.{kind}"] = join(*(state.pop(k) for k in keys))
 
-    module.register_state_dict_post_hook(save)
-    module.register_load_state_dict_pre_hook(load)
+
+# The fused projections' row maps (``_relayout``'s fuse and split), Phi-3's from its own fused
+# layouts: [q; k; v] and [gate; up] in halves.
+def _fuse_hf_qkv(w: torch.Tensor, plan: LayerPlan) -> torch.Tensor:
+    return _fuse_qkv(*_hf_qkv_rows(w, plan), plan)
+
+
+def _split_hf_qkv(w: torch.Tensor, plan: LayerPlan) -> tuple[torch.Tensor]:
+    return (torch.cat(_split_qkv(w, plan)),)
+
+
+def _interleave_halves(w: torch.Tensor) -> torch.Tensor:
+    return _interleave_rows(*w.chunk(2))
+
+
+def _halves_from_interleaved(w: torch.Tensor) -> tuple[torch.Tensor]:
+    return (torch.cat((w[0::2], w[1::2])),)
+
+
+def _split_interleaved(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return w[0::2], w[1::2]
 
 
 def _rope_lanes(base: LlamaModel, plan: LayerPlan) -> torch.Tensor:
@@ -297,19 +347,16 @@ def _rope_lanes(base: LlamaModel, plan: LayerPlan) -> torch.Tensor:
 def _patch_layer(layer: nn.Module, plan: LayerPlan, attention: AttentionPlan, freq: torch.Tensor | None) -> None:
     attn = layer.self_attn
     if attention.fused:  # Phi-3: one projection each, in HF's rows ([q; k; v], [gate; up])
-        _relayout(attn, "qkv_proj", ("qkv_proj",), lambda w: _fuse_qkv(*_hf_qkv_rows(w, plan), plan),
-                  lambda w: (torch.cat(_split_qkv(w, plan)),))
+        _relayout(attn, "qkv_proj", ("qkv_proj",), partial(_fuse_hf_qkv, plan=plan), partial(_split_hf_qkv, plan=plan))
     else:
-        _relayout(attn, "qkv_proj", ("q_proj", "k_proj", "v_proj"), lambda q, k, v: _fuse_qkv(q, k, v, plan),
-                  lambda w: _split_qkv(w, plan))
+        _relayout(attn, "qkv_proj", ("q_proj", "k_proj", "v_proj"), partial(_fuse_qkv, plan=plan),
+                  partial(_split_qkv, plan=plan))
     if freq is not None and attention.rotates:
         attn.register_buffer("coda_rope_freq", freq, persistent=False)
     if plan.swiglu and attention.fused:
-        _relayout(layer.mlp, "gate_up_proj", ("gate_up_proj",), lambda w: _interleave_rows(*w.chunk(2)),
-                  lambda w: (torch.cat((w[0::2], w[1::2])),))
+        _relayout(layer.mlp, "gate_up_proj", ("gate_up_proj",), _interleave_halves, _halves_from_interleaved)
     elif plan.swiglu:
-        _relayout(layer.mlp, "gate_up_proj", ("gate_proj", "up_proj"), _interleave_rows,
-                  lambda w: (w[0::2], w[1::2]))
+        _relayout(layer.mlp, "gate_up_proj", ("gate_proj", "up_proj"), _interleave_rows, _split_interleaved)
     layer.coda_plan, layer.coda_attention = plan, attention
     layer.forward = PatchedForward(layer, _layer_forward)
 

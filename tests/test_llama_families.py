@@ -13,7 +13,7 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-from test_llama import assert_like_hf, tiny, tiny_llama, train_and_eval, with_biases  # noqa: E402
+from test_llama import CONFIG, assert_like_hf, tiny, tiny_llama, train_and_eval, with_biases  # noqa: E402
 
 import coda_agent  # noqa: E402
 from coda_agent.kernels import KernelError  # noqa: E402
@@ -173,6 +173,22 @@ def test_a_granite_model_trains_like_hf(overrides, flags):
     assert_like_hf(got, hi, lo)
 
 
+@pytest.mark.parametrize(("overrides", "flags"), [({}, {}), ({"attention_out_bias": True}, {"rope": False})],
+                         ids=["plain", "out-bias-hf-rope"])
+def test_a_seed_oss_model_without_residual_dropout_trains_like_hf(overrides, flags):
+    """Seed-OSS is LLaMA's modules with q/k/v biases and a dropout on what its attention and its
+    MLP add to the residual stream: with that dropout off (``residual_dropout=0.0``) it is
+    patched and trains like the unpatched model; with it on, refused by name (above)."""
+    base = with_biases(tiny("SeedOss", residual_dropout=0.0, attention_dropout=0.0, attention_bias=True, **overrides))
+    hi, lo = train_and_eval(copy.deepcopy(base).float()), train_and_eval(copy.deepcopy(base).bfloat16())
+    model = coda_agent.apply_to_llama(copy.deepcopy(base).bfloat16(), **flags)
+    assert model.model.coda_flags["rope"] is ("rope" not in flags)
+    with launch_ledger() as launched:
+        got = train_and_eval(model)
+    assert {"row_dot_bias", "add_residual", "norm_swiglu", "logits_lse"} <= {launch.name for launch in launched}
+    assert_like_hf(got, hi, lo)
+
+
 def test_a_gemma_model_trains_like_hf_with_its_mlp_kept():
     """Gemma's RMSNorm scales by 1 + w (in fp32) and its MLP is GeGLU: the input norm folds into
     the QKV GEMM with that scale, RoPE and the output projection are the suite's, the MLP and
@@ -240,12 +256,17 @@ def test_heads_wider_than_the_model_train_like_hf(family):
 @pytest.mark.parametrize(("family", "overrides", "refusal"), [
     ("Gemma", {}, r"RMSNorms scale by \(1 \+ weight\) \(Gemma's\), which the MLP block kernel .* pass swiglu=False"),
     ("Cohere", {}, r"CohereAttention.forward is not LLaMA's, Mistral's"),
-    ("Olmo2", {}, r"Olmo2Attention.forward is not LLaMA's, Mistral's, Qwen3's, Qwen2's, SmolLM3's or Phi-3's attention"),
+    ("Olmo2", {}, r"Olmo2Attention.forward is not LLaMA's, Mistral's, Qwen3's, Qwen2's, SmolLM3's, Phi-3's or "
+                  r"Seed-OSS's attention"),
     ("Gemma2", {"hidden_act": "silu"}, r"Gemma2Attention.forward is not"),
     ("Phi3", {"resid_pdrop": 0.1}, r"layers.0.resid_attn_dropout drops with p = 0.1: .* resid_pdrop=0.0"),
     # LLaMA's attention bytecode, but the apply_rotary_pos_emb it calls rotates interleaved pairs
-    ("Ernie4_5", {}, r"Ernie4_5Attention.forward is not LLaMA's"),
-], ids=["Gemma", "Cohere", "Olmo2", "Gemma2", "Phi3-dropout", "Ernie4_5-helper"])
+    ("Ernie4_5", {}, r"Ernie4_5Attention.forward is the code of LLaMA's attention, but the apply_rotary_pos_emb it "
+                     r"calls \(transformers.models.ernie4_5.modeling_ernie4_5\) differs from LLaMA's"),
+    ("Helium", {}, r"HeliumAttention.forward is the code of LLaMA's attention, but the apply_rotary_pos_emb it calls "
+                   r"\(transformers.models.helium.modeling_helium\) differs"),
+    ("SeedOss", {"residual_dropout": 0.1}, r"layers.0.self_attn.residual_dropout = 0.1: .* residual_dropout=0.0"),
+], ids=["Gemma", "Cohere", "Olmo2", "Gemma2", "Phi3-dropout", "Ernie4_5-helper", "Helium-helper", "SeedOss-dropout"])
 def test_a_model_that_is_not_llama_s_modules_is_refused_by_what_differs(family, overrides, refusal):
     """Every module the patch replaces must compute what LLaMA's does, read from its code: a model
     with a (1 + w) RMSNorm, logit scaling, softcapped or post-normed attention would
@@ -275,6 +296,57 @@ def test_a_wrapped_projection_or_a_compiled_model_is_refused_with_the_fix():
     with pytest.raises(KernelError, match=r"wrapped by torch.compile; patch the model itself first"):
         coda_agent.apply_to_llama(torch.compile(tiny_llama().bfloat16()))
 
+
+
+def test_what_fusing_or_the_fused_head_would_change_is_refused_with_the_fix():
+    """Parts of one fused weight frozen apart (the fused Parameter has one requires_grad, so k and
+    v would freeze with q, or a frozen q train with k and v) and an LM head with a bias (the fused
+    loss reads its weight alone) are refused; a classification head or a DataParallel wrapper is
+    pointed at what to patch."""
+    import transformers
+
+    model = tiny_llama().bfloat16()
+    model.model.layers[1].self_attn.q_proj.weight.requires_grad_(False)
+    with pytest.raises(KernelError, match=r"layers.1.self_attn: requires_grad differs across the weights of q_proj, "
+                       r"k_proj, v_proj .* freeze or unfreeze them together"):
+        coda_agent.apply_to_llama(model)
+    model = tiny_llama().bfloat16()
+    model.model.layers[0].mlp.up_proj.weight.requires_grad_(False)
+    with pytest.raises(KernelError, match=r"layers.0.mlp: requires_grad differs .* pass swiglu=False"):
+        coda_agent.apply_to_llama(model)
+    assert coda_agent.apply_to_llama(model, swiglu=False).model.layers[0].mlp.up_proj.weight.requires_grad is False
+    model = tiny_llama().bfloat16()
+    model.lm_head = torch.nn.Linear(128, 512, bias=True).bfloat16()
+    with pytest.raises(KernelError, match=r"lm_head has a bias: .* pass fused_linear_cross_entropy=False"):
+        coda_agent.apply_to_llama(model)
+    coda_agent.apply_to_llama(model, fused_linear_cross_entropy=False)
+    torch.manual_seed(0)
+    classifier = transformers.LlamaForSequenceClassification(transformers.LlamaConfig(**CONFIG)).bfloat16()
+    with pytest.raises(KernelError, match=r"got LlamaForSequenceClassification; .* apply_to_llama\(model.model\)"):
+        coda_agent.apply_to_llama(classifier)
+    with pytest.raises(KernelError, match=r"got DataParallel; it wraps the model \(model.module\)"):
+        coda_agent.apply_to_llama(torch.nn.DataParallel(tiny_llama().bfloat16()))
+
+
+@pytest.mark.parametrize("family", ["Llama", "Phi3"])
+def test_a_patched_model_saves_with_save_pretrained_and_pickles(tmp_path, family):
+    """save_pretrained writes HF's checkpoint (the split gate/up rows as tensors of their own: its
+    shared-storage check reads each tensor through view(-1)), which an unpatched model loads;
+    torch.save of the whole patched model (its state-dict hooks included) loads back patched."""
+    import transformers
+
+    hf = (tiny_llama() if family == "Llama" else tiny(family)).bfloat16()
+    model = coda_agent.apply_to_llama(copy.deepcopy(hf))
+    model.save_pretrained(tmp_path / "hf")
+    loaded = getattr(transformers, f"{family}ForCausalLM").from_pretrained(tmp_path / "hf", dtype=torch.bfloat16)
+    want = hf.state_dict()
+    assert set(loaded.state_dict()) == set(want)
+    assert all(torch.equal(v, want[k]) for k, v in loaded.state_dict().items())
+    torch.save(model, tmp_path / "model.pt")
+    again = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert again.model.layers[0].forward.module is again.model.layers[0]
+    a, b = train_and_eval(model), train_and_eval(again)
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_same_code_compares_the_helpers_a_function_calls():

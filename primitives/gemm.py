@@ -256,7 +256,8 @@ def launch(epilogue: Epilogue | None, A: torch.Tensor, B: torch.Tensor, operands
         else:
             torch.ops.coda.gemm(*args)
     if poisoned is not None:  # one exit: every launch path leaves a dead ``out`` NaN
-        poisoned.fill_(float("nan"))
+        with profiler_range(f"coda::buffers::{name}"):
+            poisoned.fill_(float("nan"))
     return results
 
 

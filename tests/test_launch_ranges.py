@@ -1,0 +1,72 @@
+"""The launch audit's premise, on the CPU: every operation the catalogue runs for a program sits
+inside a ``coda::`` profiler range.
+
+On the GPU the verifier's launch audit (``verifier/program.py``, ``profile``) rejects a program
+when the profiler sees a device launch outside every catalogue range: that is how PyTorch compute
+of the program's own shows.  So the catalogue's own device work (a pass's zero operands, a
+``select``'s pre-fill, the poisoning of a dead ``out``) must run inside a range, or an honest
+expert fails the audit on the H200 (llama3_block did, run 22: the tile pass's per-call zeros).
+This test runs every suite's expert forward and backward on the CPU under the profiler and
+lists the ATen ops that ran outside every ``coda::`` range: only allocation, views and
+metadata, which launch nothing on a device, may.
+"""
+
+from __future__ import annotations
+
+import pytest
+from torch.profiler import ProfilerActivity, profile
+
+from coda_agent.tasks import SUITES, load_task
+
+from suite_checks import draw, load_expert, run_program
+
+# Ops that launch no device work: allocation without a fill, views, metadata.
+NO_LAUNCH = frozenset({
+    "aten::empty", "aten::empty_strided", "aten::empty_like", "aten::t", "aten::transpose", "aten::view",
+    "aten::reshape", "aten::_reshape_alias", "aten::slice", "aten::select", "aten::as_strided",
+    "aten::alias", "aten::detach", "aten::expand", "aten::unsqueeze", "aten::squeeze", "aten::permute",
+    "aten::lift_fresh", "aten::resolve_conj", "aten::resolve_neg", "aten::_unsafe_view",
+})
+
+FOLDERS = {**SUITES, "llama3_fp8": SUITES["llama3"].parent / "llama3_fp8"}
+EXPERTS = [(suite, path.stem) for suite, folder in sorted(FOLDERS.items())
+           for path in sorted(folder.glob("*.yaml"))]
+
+
+def launches_outside_ranges(events) -> set[str]:
+    """Top-level ATen ops (not called by another ATen op) that began outside every ``coda::``
+    range."""
+    ranges = [(e.time_range.start, e.time_range.end) for e in events if e.name.startswith("coda::")]
+    out = set()
+    for e in events:
+        if not e.name.startswith("aten::") or e.name in NO_LAUNCH:
+            continue
+        if e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::"):
+            continue
+        if not any(start <= e.time_range.start <= end for start, end in ranges):
+            out.add(e.name)
+    return out
+
+
+@pytest.mark.parametrize("suite,name", EXPERTS, ids=[f"{s}/{n}" for s, n in EXPERTS])
+def test_expert_runs_only_inside_catalogue_ranges(suite, name):
+    t = load_task(FOLDERS[suite] / f"{name}.yaml")
+    inputs, grads = draw(t, "small", seed=3)
+    mod = load_expert(t)
+    run_program(t, mod, inputs, grads)  # once outside the profile: first-call set-up
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run_program(t, mod, inputs, grads)
+    assert launches_outside_ranges(list(prof.events())) == set()
+
+
+def test_the_check_sees_work_outside_a_range():
+    # The check itself can fail: a program's own zeros, between two catalogue calls.
+    import torch
+
+    from coda_agent.primitives import gemm
+
+    a, b = torch.randn(64, 32, dtype=torch.bfloat16), torch.randn(48, 32, dtype=torch.bfloat16)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        d = gemm(a, b.t())["D"]
+        torch.zeros_like(d)
+    assert launches_outside_ranges(list(prof.events())) == {"aten::zeros_like"}

@@ -13,7 +13,8 @@ from coda_agent.verifier import timing
 from coda_agent.verifier.compare import compare, pattern_of
 from coda_agent.verifier.feedback import render_feedback
 from coda_agent.verifier.inputs import (LARGE, TINY, aligned_grads, beyond_set, checked_sets, edge_inputs,
-                                        make_inputs, result_dtypes, with_beyond_set)
+                                        make_inputs, result_dtypes, set_label,
+                                        with_beyond_set)
 from coda_agent.verifier.report import Report, StageResult
 
 
@@ -71,6 +72,35 @@ def test_the_beyond_set_crosses_the_last_256_multiple(task, rms):
     name, binding = beyond_set(heads)
     assert heads.shapes["ragged"]["D"] == 128 and binding["D"] == 128
     assert binding["T"] == heads.shapes["ragged"]["T"] + 256 and binding["H"] == heads.shapes["ragged"]["H"] + 256
+
+
+def test_the_judge_draws_the_beyond_sets_sizes(task):
+    """A fixed beyond set is one more size a program can list; the judge's draw never gives it,
+    keeps each size's alignment and equal sizes equal, and leaves structural sizes alone."""
+    import random
+
+    from coda_agent.tasks.spec import load_task as load
+
+    fixed = beyond_set(task.spec)[1]
+    seen = set()
+    for seed in range(200):
+        name, drawn = beyond_set(task.spec, random.Random(seed))
+        assert name == "ragged+256" and drawn["K"] == 64
+        for k in ("M", "N"):
+            grown = drawn[k] - fixed[k]
+            assert 0 < grown < 256 and grown % 8 == 0 and drawn[k] % 128, (k, drawn)
+        seen.add((drawn["M"], drawn["N"]))
+    assert len(seen) > 100
+    out_proj = load(SUITE_DIR / "out_proj_residual.yaml").spec  # ragged H = K = 200
+    for seed in range(20):
+        drawn = beyond_set(out_proj, random.Random(seed))[1]
+        assert drawn["H"] == drawn["K"] and drawn["T"] % 8 == 0
+    heads = load(SUITE_DIR / "qk_norm_rope.yaml").spec
+    assert beyond_set(heads, random.Random(1))[1]["D"] == heads.shapes["ragged"]["D"]
+    spec = with_beyond_set(task.spec, random.Random(3))
+    assert set_label(spec, "ragged+256") == "ragged+256 ({})".format(
+        ", ".join(f"{k}={v}" for k, v in spec.shapes["ragged+256"].items()))
+    assert set_label(spec, "ragged") == "ragged"
 
 
 def test_the_sets_checked_on_a_cpu_and_on_a_gpu(rms):
@@ -248,6 +278,25 @@ def _kernel(epilogue: str, kind: str, hgmma: int, sm90a: bool = True) -> dict:
     sass = {"sm90a": sm90a, "hgmma": hgmma, "spill_stores": 0, "spill_loads": 0, "registers": 64,
             "local_bytes": 0, "instructions": 900, "calls": 0}
     return {"epilogue": epilogue, "config": "128x128", "seconds": 0.1, "log": "", "sass": sass, "kind": kind}
+
+
+def test_the_runners_reports_are_checked_for_their_types_before_they_are_read():
+    """A compile or profile reply is the runner's word: a field of the wrong JSON type is the
+    program's failure (a CandidateError), never a TypeError in the judge (its own error)."""
+    from coda_agent.verifier.program import CandidateError
+    from coda_agent.verifier.stages import audit_result, kernel_reports
+
+    good = _kernel("bias_gelu", "gemm", 16)
+    assert kernel_reports({"kernels": [good, {**good, "sass": None}]})[0] is good
+    for bad in (7, None, "kernels", [3], [{**good, "sass": [1]}],
+                [{**good, "sass": {**good["sass"], "spill_stores": "none"}}],
+                [{**good, "sass": {**good["sass"], "calls": -1}}], [{**good, "sass": {**good["sass"], "hgmma": 1.5}}]):
+        with pytest.raises(CandidateError, match="reply to `compile`"):
+            kernel_reports({"kernels": bad})
+    for key in ("ledger", "kernels", "outside"):
+        with pytest.raises(CandidateError, match=f"as `{key}`"):
+            audit_result({key: 5})
+    assert audit_result({"ledger": ["gemm:plain"], "kernels": ["k"], "outside": []}).status == "passed"
 
 
 def test_the_sass_gate_wants_an_mma_in_every_gemm_and_none_in_a_streaming_pass():

@@ -11,11 +11,13 @@ import json
 import os
 import shutil
 import socket
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
 
-from coda_agent.verifier import sandbox
+from coda_agent.verifier import sandbox, trees
 
 ROOT = os.geteuid() == 0
 needs_root = pytest.mark.skipif(not ROOT, reason="namespaces and uid changes need root")
@@ -32,6 +34,11 @@ def _try(fn) -> str:
 def _write(path: str) -> None:
     with open(path, "w") as f:
         f.write("x")
+
+
+def _write_value(path: str, value: str) -> None:
+    with open(path, "w") as f:
+        f.write(value)
 
 
 def _probe(plan: sandbox.Plan, targets: dict[str, str], env: dict[str, str] | None = None) -> dict[str, str]:
@@ -67,6 +74,9 @@ def _probe(plan: sandbox.Plan, targets: dict[str, str], env: dict[str, str] | No
             out["signal parent"] = _try(lambda: os.kill(os.getppid(), 0))
             out["signal judge"] = _try(lambda: os.kill(judge, 0))
             out["processes"] = str(len([p for p in os.listdir("/proc") if p.isdigit()]))
+            with open("/proc/self/oom_score_adj") as f:
+                out["oom score"] = f.read().strip()
+            out["lower oom score"] = _try(lambda: _write_value("/proc/self/oom_score_adj", "0"))
             out["escape the group"] = _try(lambda: os.kill(0, 0))
             out["shm"] = _try(lambda: _write(f"/dev/shm/coda-sandbox-probe-{judge}"))
             libc.shmget.restype = ctypes.c_int
@@ -123,6 +133,9 @@ def test_namespaces_and_no_capabilities(places):
     # /proc lists its own; its own IPC namespace and /dev/shm: what it leaves there dies with it.
     assert found["signal judge"] == "No such process"
     assert int(found["processes"]) <= 3
+    # The OOM killer's first choice, for good: a runner whose children fill the host's memory
+    # loses them, not the judge or the harness.
+    assert found["oom score"] == "1000" and found["lower oom score"] != "ok"
     assert found["shm"] == "ok" and found["shm left"] == "False"
     assert int(found["sysv shm"]) >= 0 and found["sysv left"] == "False"
 
@@ -167,6 +180,7 @@ def test_no_walls_but_a_clean_environment(places, monkeypatch, tmp_path):
     assert env["HOME"] == env["TMPDIR"] == plan.scratch
     found = _probe(plan, targets)
     assert found["walls"].startswith("clean env, network, writable fs") and found["here"] == "ok"
+    assert found["oom score"] == "1000"  # layer 1: on every machine
 
 
 def test_an_unknown_sandbox_mode_names_the_choices(monkeypatch):
@@ -286,3 +300,37 @@ print(storage.cache_dir("tuning"), TuningCache().get({key!r}))
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == [str(folder), "128x128", "c2x1", "pingpong"]
     assert TuningCache().get(key) == TileConfig(128, 128, 2, 1, True)  # the judge's own entry is untouched
+
+
+def _deep_tree(top: Path, depth: int) -> None:
+    """``depth`` nested directories under ``top``, each with a file and a symlink out of the tree,
+    made as a program makes them (relative to a descriptor: the full path is far past PATH_MAX)."""
+    top.mkdir(parents=True, exist_ok=True)
+    fd = os.open(top, os.O_RDONLY)
+    for _ in range(depth):
+        os.mkdir("d", dir_fd=fd)
+        os.close(os.open("f", os.O_CREAT | os.O_WRONLY, dir_fd=fd))
+        os.symlink("/etc", "etc", dir_fd=fd)
+        inner = os.open("d", os.O_RDONLY, dir_fd=fd)
+        os.close(fd)
+        fd = inner
+    os.close(fd)
+
+
+def test_the_judge_removes_any_tree_a_program_leaves(tmp_path, monkeypatch):
+    """A runner's scratch and kernel cache are the program's to fill: 1500 nested directories
+    made shutil.rmtree raise RecursionError (ignore_errors does not cover it) in the judge, at
+    the end of the check and, from a kernel cache the program aged, at every judge's start."""
+    scratch = tmp_path / "scratch"
+    _deep_tree(scratch, 1500)
+    trees.remove_tree(scratch)
+    assert not scratch.exists() and Path("/etc/passwd").exists()  # symlinks removed, never followed
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # runners_root() under tmp_path
+    aged = sandbox.runners_root() / "kernels" / "0123456789abcdef01234567"
+    _deep_tree(aged, 1500)
+    os.utime(aged, (0, 0))
+    fresh = sandbox.runners_root() / "kernels" / "fresh"
+    fresh.mkdir()
+    sandbox.prune_kernel_caches(time.time())
+    assert not aged.exists() and fresh.exists()
+    trees.remove_tree(tmp_path / "missing")  # nothing there: nothing to do, nothing raised

@@ -34,9 +34,11 @@ What each stage guarantees, and what it does not:
   (the corpus runs its runtime families with it switched off).
 - **reference** (CPU, :mod:`.stages`): the catalogue's PyTorch lowering against
   the task's reference on every named shape set under a size budget (at least
-  small and ragged), one set beyond them (the ragged sizes grown by 256:
-  :mod:`.inputs`) and any the task names, each with two fresh draws and one of
-  edge rows (norms of 2^-12 and 2^5, gradients along the output).  Guaranteed
+  small and ragged), one set beyond them (the ragged sizes grown by 256 and
+  by a secret amount the judge draws per check, so that no checked size can
+  be read off the task file: :mod:`.inputs`) and any the task names, each with
+  two fresh draws and one of edge rows (norms of 2^-12 and 2^5, gradients
+  along the output).  Guaranteed
   by the judge: every declared result is present with its declared dtype and
   shape (gradients: the input's dtype or fp32), every value within the
   tolerance of the judge's own reference (CODA's max rule, a norm rule and a
@@ -44,7 +46,9 @@ What each stage guarantees, and what it does not:
   Not guaranteed: that inputs were left alone (on the CPU the runner reports
   digests; the reference never sees its copies, so a mutation can only hurt
   the program's own results); that no PyTorch compute ran (the runner's
-  ``TorchAudit``: advice for honest programs).
+  ``TorchAudit``: advice for honest programs); that the program is right at
+  sizes outside those checked (a program right on a whole range of sizes
+  around the checked ones and wrong past it passes).
 - **compile** (sm_90a, in the runner): the SASS gate (HGMMA in every GEMM, spills,
   slow-path calls).  The runner reports it, so it is a diagnostic: a program
   that took over its runner could fake its own compile stage, never its
@@ -77,7 +81,9 @@ What each stage guarantees, and what it does not:
 Time: the program's running time (``timeout_s``) and each load
 (``load_timeout_s``) are limited by the judge; time spent waiting for the GPU
 lock (:mod:`.gpu_lock`) never counts.  A crash, a hang, a killed judge: each
-is the verdict of the stage it happened in.  Verdicts are cached, signed, on a
+is the verdict of the stage it happened in, and so is a runner reply the
+judge cannot read (a field of the wrong type is the program's failure, never
+the judge's error).  Verdicts are cached, signed, on a
 fail-closed key that covers the verifier's code and the reference's files
 (:mod:`.cache`); passed compiles too (:mod:`.compile_cache`).  :mod:`.feedback`
 renders a report for the LLM, :mod:`.cli` for people.  Tests:

@@ -30,7 +30,7 @@ from coda_agent.tasks.spec import Task, TaskSpec
 from coda_agent.verifier.compare import compare
 from coda_agent.verifier.cuda_ipc import Imports
 from coda_agent.verifier.inputs import (aligned_grads, edge_inputs, make_grads, make_inputs, result_bytes,
-                                        result_dtypes, result_shapes, run_reference)
+                                        result_dtypes, result_shapes, run_reference, set_label)
 from coda_agent.verifier.program import CandidateError
 from coda_agent.verifier.report import Mismatch
 from coda_agent.verifier.wire import WireError, describe, nbytes, tensor_bytes, tensor_from_blob
@@ -87,7 +87,8 @@ def verdict(spec: TaskSpec, case: Case, got: dict[str, torch.Tensor], poisoned: 
         m = compare(name, case.shape_set, got[name], case.hi[name], case.lo[name], spec.tolerance_for(name),
                     poisoned=poisoned)
         if m is not None:
-            out.append(m.model_copy(update={"inputs": DRAWS[case.draw]}))
+            out.append(m.model_copy(update={"inputs": DRAWS[case.draw],
+                                            "shape_set": set_label(spec, case.shape_set)}))
     return out
 
 

@@ -13,7 +13,6 @@ error (``error``: not the candidate's fault).
 from __future__ import annotations
 
 import random
-import shutil
 import tempfile
 import time
 import traceback
@@ -29,6 +28,7 @@ from coda_agent.verifier.inputs import result_dtypes, with_beyond_set
 from coda_agent.verifier.program import CandidateError
 from coda_agent.verifier.remote import Remote, RunnerTimeout, WallsTooHigh
 from coda_agent.verifier.report import GPU_STAGES, StageResult
+from coda_agent.verifier.trees import remove_tree
 from coda_agent.verifier.zygote import Zygote
 
 
@@ -37,8 +37,9 @@ class Check:
 
     def __init__(self, judge: "Judge", req: dict[str, Any]):
         self.judge = judge
+        self.rng = random.SystemRandom()  # seeds, choices and sizes no process but the judge sees
         self.task: Task = load_task(req["task_path"])
-        self.spec = with_beyond_set(self.task.spec)
+        self.spec = with_beyond_set(self.task.spec, self.rng)
         self.source: str = req["source"]
         self.shape_sets: list[str] | None = req.get("shape_sets")
         self.reps: int = req["reps"]
@@ -49,7 +50,6 @@ class Check:
         self.remotes: dict[bool, Remote] = {}  # by cuda: a CPU runner, then a GPU one (on a GPU machine)
         self.walls: dict[str, str] = {}  # "cpu"/"cuda" -> the walls its runner reported
         self.gpu_stage = False  # set by the judge per stage: a GPU stage needs a CUDA runner
-        self.rng = random.SystemRandom()  # seeds and choices no process but the judge sees
         self.cuda = torch.cuda.is_available()
 
     def seed(self) -> int:
@@ -80,7 +80,7 @@ class Check:
                                     self.judge.sandbox_mode[cuda])
                     break
                 except WallsTooHigh as e:
-                    shutil.rmtree(scratch, ignore_errors=True)
+                    remove_tree(scratch)
                     self.judge.lower_walls(cuda, str(e))
             self.remotes[cuda] = remote
             self.walls["cuda" if cuda else "cpu"] = remote.walls

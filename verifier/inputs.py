@@ -24,7 +24,17 @@ checks by holding memory; on the CPU, by :data:`CPU_SET_BYTES`, plus any the
 task names in ``cpu_shape_sets``), and one set beyond them
 (:func:`beyond_set`): the ragged set with every size of at least 128 grown by
 256, so that some dimension has columns past the last multiple of 256 and
-past the largest tile (a program wrong only there passed every named set).
+past the largest tile (a program wrong only there passed every named set),
+and then by a secret amount (:func:`drawn_growth`): less than 256 more, in steps
+of the size's own alignment (its largest power-of-two factor, at most 16, so
+a ragged set valid for TMA and fp8 stays valid), never a multiple of 128.
+The named sets are in the task file, so a fixed beyond set is one more size a
+program can list (``if M in (64, 200, 456)``) to be right exactly where it is
+checked; drawn by the judge per check, the beyond set is a size the program
+cannot know, and its messages give its sizes.  What this does not guarantee:
+a program right on a whole range of sizes (every named size and every size
+the draw can reach) and wrong outside it passes; no finite set of checks
+rules that out, and only the GPU's named sets reach the sizes models train at.
 Sizes a shape multiplies by another symbol (the head width ``D`` of
 ``NQ*D``) keep their value: they are the layout of a dimension, not its
 extent, and a head 384 wide is a model nobody trains (the head statistics
@@ -34,6 +44,7 @@ need whole heads in one tile, which quack's tiles cap at 256 columns).
 from __future__ import annotations
 
 import math
+import random
 
 import torch
 
@@ -45,6 +56,8 @@ TINY, LARGE = 2.0 ** -12, 2.0 ** 5
 CPU_SET_BYTES = 64 << 20  # inputs + outputs a CPU check draws per shape set, at most
 GPU_MEMORY_FACTOR = 10  # a set fits when 10x its tensors in fp32 fit in the device's total memory
 BEYOND = 256  # the beyond set adds one 256-wide chunk to every size of at least 128
+DRAWN = 256  # and then a secret growth below this (drawn_growth)
+ALIGN = 16  # the largest alignment step a drawn growth keeps (bytes of TMA rows of fp8 / 2-byte types)
 
 
 def _draw(spec: TaskSpec, t: TensorSpec, shape_set: str, gen: torch.Generator,
@@ -199,21 +212,44 @@ def set_bytes(spec: TaskSpec, shape_set: str, itemsize: int | None = None) -> in
     return sum(math.prod(spec.shape_of(t, shape_set)) * (itemsize or TORCH_DTYPES[t.dtype].itemsize) for t in tensors)
 
 
-def beyond_set(spec: TaskSpec) -> tuple[str, dict[str, int]]:
+def drawn_growth(size: int, rng: random.Random) -> int:
+    """A secret growth of ``size`` (already past :data:`BEYOND`): a positive multiple of the
+    size's own alignment step below :data:`DRAWN` (never 0: the fixed beyond set's sizes, which
+    a program can compute from the task file, are never the ones checked), such that the grown
+    size is no multiple of 128 (a ragged edge in every tile)."""
+    step = min(size & -size, ALIGN)
+    while True:
+        extra = step * rng.randrange(1, DRAWN // step)
+        if (size + extra) % 128:
+            return extra
+
+
+def beyond_set(spec: TaskSpec, rng: random.Random | None = None) -> tuple[str, dict[str, int]]:
     """The set past the named ones: the ragged set (else the CPU set) with each size >= 128
-    grown by 256, but the structural ones (module docstring)."""
+    grown by 256, but the structural ones (module docstring), and with ``rng`` (the judge's)
+    each grown further by :func:`drawn_growth`."""
     base = "ragged" if "ragged" in spec.shapes else spec.cpu_shape_set
     exprs = [e for t in (*spec.inputs.values(), *spec.outputs.values()) for e in t.shape]
     exprs += [e for g in spec.gemms for e in g]
     kept = set().union(*(structural_symbols(e) for e in exprs))
     binding = {k: v + BEYOND if v >= 128 and k not in kept else v for k, v in spec.shapes[base].items()}
+    if rng is not None:  # one growth per distinct size: sizes a task binds equal stay equal
+        growth = {v: drawn_growth(v, rng) for k, v in sorted(binding.items()) if v != spec.shapes[base][k]}
+        binding = {k: v + growth.get(v, 0) if v != spec.shapes[base][k] else v for k, v in binding.items()}
     return f"{base}+{BEYOND}", binding
 
 
-def with_beyond_set(spec: TaskSpec) -> TaskSpec:
-    """``spec`` with :func:`beyond_set` among its shape sets."""
-    name, binding = beyond_set(spec)
+def with_beyond_set(spec: TaskSpec, rng: random.Random | None = None) -> TaskSpec:
+    """``spec`` with :func:`beyond_set` among its shape sets (drawn with ``rng``: the judge's)."""
+    name, binding = beyond_set(spec, rng)
     return spec.model_copy(update={"shapes": {**spec.shapes, name: binding}})
+
+
+def set_label(spec: TaskSpec, shape_set: str) -> str:
+    """How a message names a set: the beyond set with its sizes (drawn per check, no file has them)."""
+    if shape_set != beyond_set(spec)[0]:
+        return shape_set
+    return f"{shape_set} ({', '.join(f'{k}={v}' for k, v in spec.shapes[shape_set].items())})"
 
 
 def checked_sets(spec: TaskSpec, named: list[str] | None, device_bytes: int | None) -> tuple[list[str], list[str]]:

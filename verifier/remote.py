@@ -17,7 +17,6 @@ from __future__ import annotations
 import collections
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -30,6 +29,7 @@ from coda_agent import storage
 from coda_agent.verifier import cache as verdict_cache
 from coda_agent.verifier import sandbox
 from coda_agent.verifier.program import CandidateError
+from coda_agent.verifier.trees import remove_tree
 from coda_agent.verifier.wire import Channel, PeerGone, Timeout, WireError
 from coda_agent.verifier.zygote import Zygote
 
@@ -214,4 +214,4 @@ class Remote:
         self.channel.close()
         if self._status(10.0) is None:
             self.kill()
-        shutil.rmtree(self.plan.scratch, ignore_errors=True)
+        remove_tree(self.plan.scratch)

@@ -14,7 +14,8 @@ each applied where the machine allows it and reported back
    leaves: layer 2 ends those); resource limits: no core files,
    caps on file size, open files and CPU seconds (a backstop behind the
    judge's wall-clock limits), and on the address space where no CUDA needs
-   its large reservations.
+   its large reservations; the OOM killer's first choice (``oom_score_adj``
+   1000: children that fill the host's memory together end, not the judge).
 2. **Namespaces** (``unshare(2)``; needs root): a private network namespace
    (nothing but a down loopback) and a private mount namespace in which every
    file system is read-only, /proc and /dev included (device nodes, the GPU's,
@@ -69,13 +70,14 @@ import hashlib
 import os
 import resource
 import select
-import shutil
 import signal
 import stat
 import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from coda_agent.verifier.trees import remove_tree
 
 MODES = ("auto", "uid", "none")
 
@@ -182,11 +184,12 @@ def kernel_cache_dir(source: str) -> Path:
 
 def prune_kernel_caches(now: float) -> None:
     """Remove the kernel caches of programs not verified for :data:`KERNEL_CACHE_DAYS` (every
-    candidate an LLM writes leaves one)."""
+    candidate an LLM writes leaves one).  A program sets its own cache's times and fills it, so
+    this must survive any tree (:func:`remove_tree`): every judge prunes as it starts."""
     for d in (runners_root() / "kernels").glob("*"):
         try:
             if now - d.stat().st_mtime > KERNEL_CACHE_DAYS * 86400:
-                shutil.rmtree(d, ignore_errors=True)
+                remove_tree(d)
         except FileNotFoundError:
             pass
 
@@ -413,7 +416,20 @@ def _close_except(keep: tuple[int, ...]) -> None:
     os.closerange(lo, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
 
 
+def _oom_first() -> None:
+    """Make this process (and every process it starts) the first the kernel's OOM killer ends:
+    a program that forks children which fill the host's memory must lose them, not the judge,
+    the harness or a neighbour's work.  Raising one's own score needs no privilege, lowering it
+    needs CAP_SYS_RESOURCE, which layer 3 drops; a kernel without the file keeps its default."""
+    try:
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("1000")
+    except OSError:
+        pass
+
+
 def _limits(plan: Plan) -> bool:
+    _oom_first()
     limits = [(resource.RLIMIT_CORE, 0), (resource.RLIMIT_FSIZE, FILE_SIZE_LIMIT),
               (resource.RLIMIT_NOFILE, OPEN_FILES_LIMIT), (resource.RLIMIT_CPU, plan.cpu_seconds)]
     if not plan.cuda:  # CUDA reserves terabytes of address space up front

@@ -15,8 +15,9 @@ from typing import Any, Callable
 import torch
 
 from coda_agent.verifier.calls import Case, CpuCalls, GpuCalls, draw_case, verdict
-from coda_agent.verifier.inputs import checked_sets
+from coda_agent.verifier.inputs import beyond_set, checked_sets, set_label
 from coda_agent.verifier.check import Check
+from coda_agent.verifier.program import CandidateError
 from coda_agent.verifier.report import Mismatch, StageResult
 
 SEEDS_PER_SET = 2  # and one draw of edge rows
@@ -66,7 +67,8 @@ def _check_sets(check: Check, sets: list[str], device: str, call: Callable[[Case
             got = call(case)
             if seen and (same := _identical(seen[-1][1], got, seen[-1][0], case)):
                 return StageResult(name="reference", status="failed",
-                                   message=f"`{same}` is identical for two different inputs ({shape_set}): "
+                                   message=f"`{same}` is identical for two different inputs "
+                                           f"({set_label(spec, shape_set)}): "
                                            "results must be computed from the inputs of the call")
             ms = verdict(spec, case, got, poisoned=poisoned)
             if ms:
@@ -77,11 +79,16 @@ def _check_sets(check: Check, sets: list[str], device: str, call: Callable[[Case
                 if diff:
                     return StageResult(name="reference", status="failed",
                                        message=f"not deterministic: `{diff[0]}` differs between two runs on "
-                                               f"the same inputs ({shape_set})")
+                                               f"the same inputs ({set_label(spec, shape_set)})")
             seen.append((case, got))
         if seconds is not None:
             seconds[shape_set] = round(time.perf_counter() - t0, 2)
     return None
+
+
+def _beyond_sizes(check: Check) -> dict[str, int]:
+    """The sizes the judge drew for this check's beyond set (:func:`~.inputs.beyond_set`)."""
+    return dict(check.spec.shapes[beyond_set(check.spec)[0]])
 
 
 def _what(check: Check) -> str:
@@ -102,7 +109,8 @@ def reference(check: Check) -> StageResult:
     return StageResult(name="reference", status="passed",
                        message=f"matches the PyTorch reference on {', '.join(sets)} ({SEEDS_PER_SET} fresh draws "
                                f"and edge rows each, and whole tiles, {_what(check)})",
-                       details={"shape_sets": sets, "tensors": sorted(check.spec.outputs)})
+                       details={"shape_sets": sets, "tensors": sorted(check.spec.outputs),
+                                "beyond_set": _beyond_sizes(check)})
 
 
 # --------------------------------------------------------------------------- 3. compile
@@ -116,8 +124,36 @@ def _compile(check: Check) -> StageResult:
                   "shape": list(spec.shape_of(spec.outputs[o], shape_set))} for o in spec.grad_outputs]
     reply = check.request({"op": "compile", "source": check.source, "contract": check.contract(),
                            "tensors": carriers, "backward": spec.has_backward})
-    kernels = [k for k in reply.get("kernels", []) if isinstance(k, dict)]
-    return compile_result(kernels, shape_set)
+    return compile_result(kernel_reports(reply), shape_set)
+
+
+SASS_COUNTS = ("hgmma", "spill_stores", "spill_loads", "calls")  # the SASS report's numbers the gate adds
+
+
+def kernel_reports(reply: dict[str, Any]) -> list[dict[str, Any]]:
+    """The kernels of the runner's reply to ``compile``, each a dict whose SASS report (if any)
+    holds counts where the gate adds counts: the reply is the runner's word, and a field of
+    another JSON type would raise in the judge, which reports its own error, not the program's
+    failure."""
+    kernels = reply.get("kernels")
+    if not isinstance(kernels, list) or not all(isinstance(k, dict) and _sass_ok(k.get("sass")) for k in kernels):
+        raise CandidateError("the runner's reply to `compile` is not a list of kernel reports with their SASS "
+                             "counts: the program tampered with its runner")
+    return kernels
+
+
+def _sass_ok(sass: Any) -> bool:
+    return sass is None or (isinstance(sass, dict) and all(
+        isinstance(sass.get(f, 0), int) and sass.get(f, 0) >= 0 for f in SASS_COUNTS))
+
+
+def _runner_list(prof: dict[str, Any], key: str) -> list[Any]:
+    """``prof[key]`` (default empty), which must be a list (see :func:`kernel_reports`)."""
+    value = prof.get(key, [])
+    if not isinstance(value, list):
+        raise CandidateError(f"the runner's `profile` reply holds a {type(value).__name__} as `{key}`, not a "
+                             "list: the program tampered with its runner")
+    return value
 
 
 def compile_result(kernels: list[dict[str, Any]], shape_set: str) -> StageResult:
@@ -206,7 +242,8 @@ def correctness(check: Check) -> StageResult:
                                "edge rows each, NaN-poisoned outputs, inputs unmodified, deterministic)"
                                + (f"; NOT checked, too large for this GPU's {total / 2**30:.0f} GiB: "
                                   f"{', '.join(skipped)}" if skipped else ""),
-                       details={"shape_sets": sets, "skipped_shape_sets": skipped, "seconds_by_set": seconds})
+                       details={"shape_sets": sets, "skipped_shape_sets": skipped, "seconds_by_set": seconds,
+                                "beyond_set": _beyond_sizes(check)})
 
 
 # --------------------------------------------------------------------------- 5. launch audit
@@ -227,8 +264,8 @@ def launch_audit(check: Check) -> StageResult:
 
 
 def audit_result(prof: dict[str, Any]) -> StageResult:
-    ledger = [str(x) for x in prof.get("ledger", [])][:200]
-    kernels = [str(x) for x in prof.get("kernels", [])][:50]
+    ledger = [str(x) for x in _runner_list(prof, "ledger")][:200]
+    kernels = [str(x) for x in _runner_list(prof, "kernels")][:50]
     n_kernels = prof.get("n_kernels") if type(prof.get("n_kernels")) is int else len(kernels)
     details = {"ledger": ledger, "kernels": kernels, "n_kernels": n_kernels, "n_ledger": len(ledger)}
     err = prof.get("torch_compute")
@@ -236,7 +273,7 @@ def audit_result(prof: dict[str, Any]) -> StageResult:
         return StageResult(name="launch_audit", status="failed", details=details,
                            message="launch audit: " + str(err.get("message"))[:2000],
                            line=err.get("line") if type(err.get("line")) is int else None)
-    outside = [str(x) for x in prof.get("outside", [])]
+    outside = [str(x) for x in _runner_list(prof, "outside")]
     if outside:
         return StageResult(name="launch_audit", status="failed", details=details,
                            message=f"{len(outside)} device launch(es) outside any catalogue call "

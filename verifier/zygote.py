@@ -32,7 +32,6 @@ from __future__ import annotations
 import ctypes
 import json
 import os
-import shutil
 import signal
 import socket
 import struct
@@ -198,6 +197,8 @@ class Zygote:
         self.ready = False
 
     def close(self) -> None:
+        from coda_agent.verifier.trees import remove_tree
+
         if self.proc is not None:
             self.sock.close()
             try:
@@ -205,7 +206,7 @@ class Zygote:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        shutil.rmtree(self.cwd, ignore_errors=True)
+        remove_tree(self.cwd)
 
 
 def main(control_fd: int, compiles: bool) -> int:

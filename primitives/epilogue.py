@@ -8,7 +8,9 @@ Contract, as one signature::
 
 - ``acc`` is the fp32 accumulator element of C = A @ B; every other parameter
   is an operand whose kind (``Tile``, ``RowVec``, ``ColVec``, ``Scalar``,
-  ``PairedTile``) is *declared* by its annotation.
+  ``PairedTile``) is *declared* by its annotation.  Operands, outputs and
+  reductions have distinct names, none of them ``acc``, ``D`` or ``c`` (``c``
+  is quack's name for its C operand, which a PairedTile is passed as).
 - A fn without ``acc`` (every parameter an operand) is a *pass*: it runs over
   tiles without a GEMM (``tile_pass``: the dGELU of an incoming gradient, the
   row statistics of an input) or over per-row / per-column vectors
@@ -59,6 +61,9 @@ from .pair import Pair
 from .reductions import HeadRms, Reduction
 
 RESERVED = {"acc", "D", "c"}
+# Why: what the error says and the @epilogue contract documents.
+RESERVED_WHY = ("acc is the accumulator, D the main output, c quack's name for its C operand, which a "
+                "PairedTile is passed as")
 
 _BANNED_NODES: dict[type, str] = {
     ast.If: "an `if` statement",
@@ -267,11 +272,15 @@ def epilogue(outputs: dict[str, str] | None = None,
             raise CatalogueError(f"epilogue {fn.__name__!r}: at most one head statistic per epilogue",
                                  line=line)
         names = [*operands, *outputs, *reductions]
-        clash = sorted({n for n in names if names.count(n) > 1} | (set(names) & RESERVED))
-        if clash:
-            raise CatalogueError(f"epilogue {fn.__name__!r}: names {clash} are reserved or used twice "
-                                 "(operands, outputs and reductions need distinct names; acc, D and "
-                                 "c are reserved)", line=line)
+        reserved = sorted(set(names) & RESERVED)
+        if reserved:
+            raise CatalogueError(f"epilogue {fn.__name__!r}: {', '.join(map(repr, reserved))} "
+                                 f"{'is a reserved name' if len(reserved) == 1 else 'are reserved names'} "
+                                 f"({RESERVED_WHY}); rename it, e.g. {reserved[0] + '_'!r}", line=line)
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise CatalogueError(f"epilogue {fn.__name__!r}: {', '.join(map(repr, twice))} used twice; operands, "
+                                 "outputs and reductions need distinct names", line=line)
         paired = [n for n, k in operands.items() if k is PairedTile]
         if len(paired) > 1:
             raise CatalogueError(f"epilogue {fn.__name__!r}: at most one PairedTile operand "

@@ -9,6 +9,13 @@ names, dtypes, and symbolic shapes (each dimension is matched against
 expressions of the symbols, ``T``, ``4*H``, ``T*H``, ``H//2``..., that fit
 *every* shape set, so two sets that differ tell ``T`` from ``2*H``).
 Params are the reference's keyword defaults, or ``--param name=value``.
+Inputs are drawn from N(0, 1), except a matmul's right operand (a weight:
+``x @ w``, ``F.linear(x, w)``, views of it included), drawn at
+``1 / sqrt(K)``: products of the order of the inputs, so that what the
+reference adds to them (a residual, a bias) is larger than their rounding and a
+program that leaves it out fails.  A reference with a kink (``relu``,
+``clamp``, ``abs``, ...) and gradients gets a comment on the tolerance of the
+gradients through it.
 
 What a call cannot tell is left as a ``TODO ...`` value for a person:
 ``families``, ``gemms`` (with the reference's own matmuls as a hint),
@@ -39,6 +46,10 @@ from .spec import Scalar
 DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 FAMILIES = "elementwise, pairwise, vector, tile, reduction, stateful"
 MATMULS = {"matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "linear", "addmm"}
+# Functions whose derivative jumps (ReLU and its kin): a gradient through one depends on which side
+# of the kink a rounding puts each value, so it is noisier than the reference's own rounding shows.
+KINKS = {"relu", "relu_", "relu6", "threshold", "leaky_relu", "hardtanh", "clamp", "clamp_min", "clamp_max",
+         "clip", "abs", "maximum", "minimum", "max", "min", "hardshrink", "softshrink"}
 
 
 def parse_shapes(specs: list[str]) -> dict[str, dict[str, int]]:
@@ -174,22 +185,45 @@ def symbolic(values: dict[str, int], shapes: dict[str, dict[str, int]]) -> tuple
 # --------------------------------------------------------------------------- calling the reference
 
 class _MatmulRecorder(torch.overrides.TorchFunctionMode):
-    """The (M, N, K) of every matmul the reference runs (batch dims folded into M)."""
+    """The (M, N, K) of every matmul the reference runs (batch dims folded into M), and the
+    inputs that are a matmul's right operand (a weight) with that matmul's K (its fan-in).
 
-    def __init__(self) -> None:
+    An input is recognised by its storage, so a view (``w.t()``, ``w[0::2]``) or a detached
+    copy of it counts as the input."""
+
+    def __init__(self, storages: dict[int, str]) -> None:
         super().__init__()
         self.mnk: list[tuple[int, int, int]] = []
+        self.storages = storages
+        self.weights: dict[str, int] = {}
+        self.kinks: list[str] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         name = getattr(func, "__name__", "")
+        if name in KINKS and name not in self.kinks:
+            self.kinks.append(name)
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         if name in MATMULS and len(tensors) >= 2:
             a, b = tensors[-2:] if name == "addmm" else tensors[:2]
+            if name == "__rmatmul__":  # w.__rmatmul__(x) is x @ w
+                a, b = b, a
             if name == "linear":  # (.., K) x (N, K)
                 self.mnk.append((math.prod(a.shape[:-1]), b.shape[0], b.shape[1]))
+                self._weight(b, b.shape[1])
             elif a.dim() >= 2 and b.dim() >= 2:
                 self.mnk.append((math.prod(a.shape[:-1]), b.shape[-1], a.shape[-1]))
+                self._weight(b, a.shape[-1])
         return func(*args, **(kwargs or {}))
+
+    def _weight(self, b: torch.Tensor, k: int) -> None:
+        name = self.storages.get(_storage(b))
+        if name is not None:
+            self.weights.setdefault(name, k)
+
+
+def _storage(t: torch.Tensor) -> int:
+    """One number per storage (a view shares its base's), meta tensors included."""
+    return t.untyped_storage()._cdata
 
 
 # A set whose inputs pass this many bytes (a GPU-sized set: the one performance is measured on)
@@ -214,8 +248,12 @@ def _draw(dims: list[str], dtype: str, binding: dict[str, int], gen: torch.Gener
     return torch.randn(shape, generator=gen).to(TORCH_DTYPES[dtype])
 
 
+# outputs, matmuls, weights (input -> K), kinks (functions called whose derivative jumps)
+Call = tuple[dict[str, torch.Tensor], list[tuple[int, int, int]], dict[str, int], list[str]]
+
+
 def _call(fn: Callable, inputs: dict[str, tuple[list[str], str]], params: dict[str, Scalar],
-          binding: dict[str, int], set_name: str) -> tuple[dict[str, torch.Tensor], list[tuple[int, int, int]]]:
+          binding: dict[str, int], set_name: str) -> Call:
     size = sum(math.prod(_shape(dims, binding)) * TORCH_DTYPES[dtype].itemsize for dims, dtype in inputs.values())
     if size > META_SET_BYTES:
         try:
@@ -232,10 +270,9 @@ def _call(fn: Callable, inputs: dict[str, tuple[list[str], str]], params: dict[s
 
 
 def _run(fn: Callable, inputs: dict[str, tuple[list[str], str]], params: dict[str, Scalar],
-         binding: dict[str, int], gen: torch.Generator | None) -> tuple[dict[str, torch.Tensor],
-                                                                        list[tuple[int, int, int]]]:
+         binding: dict[str, int], gen: torch.Generator | None) -> Call:
     args = {k: _draw(dims, dtype, binding, gen) for k, (dims, dtype) in inputs.items()}
-    recorder = _MatmulRecorder()
+    recorder = _MatmulRecorder({_storage(t): k for k, t in args.items() if t.is_floating_point()})
     with torch.no_grad(), recorder:
         outs = fn(**args, **params)
     if not isinstance(outs, dict) or not outs:
@@ -254,7 +291,7 @@ def _run(fn: Callable, inputs: dict[str, tuple[list[str], str]], params: dict[st
         if t.dtype not in DTYPE_NAMES:
             raise CodaError(f"the reference's output {name!r} is {t.dtype}; outputs are "
                             f"{', '.join(TORCH_DTYPES)} (cast it in the reference)")
-    return outs, recorder.mnk
+    return outs, recorder.mnk, recorder.weights, recorder.kinks
 
 
 def _signature_inputs(fn: Callable, inputs: dict, params: dict) -> dict[str, Scalar]:
@@ -277,6 +314,18 @@ def _signature_inputs(fn: Callable, inputs: dict, params: dict) -> dict[str, Sca
 
 
 # --------------------------------------------------------------------------- the file
+
+def _fan_in(calls: dict[str, Call], shapes: dict[str, dict[str, int]]) -> dict[str, str]:
+    """The inputs that are a matmul's right operand on every shape set, with that matmul's K
+    as an expression of the symbols (inputs whose K no expression gives are left out)."""
+    names = set.intersection(*(set(c[2]) for c in calls.values()))
+    out = {}
+    for name in sorted(names, key=list(next(iter(calls.values()))[2]).index):
+        expr, _ = symbolic({s: c[2][name] for s, c in calls.items()}, shapes)
+        if not str(expr).startswith(TODO):
+            out[name] = str(expr)
+    return out
+
 
 def _flow(value: Any) -> str:
     return yaml.safe_dump(value, default_flow_style=True, width=10_000, sort_keys=False).strip().removesuffix("...").strip()
@@ -303,11 +352,19 @@ def skeleton(name: str, reference: str, folder: Path, shapes: dict[str, dict[str
     doc = inspect.getdoc(fn)
     summary = " ".join(doc.split("\n\n")[0].split()) if doc else f"{TODO} what the task computes, in a sentence"
     lines += [f"summary: {_flow(summary)}", f"families: {_flow(f'{TODO} pick from [{FAMILIES}]')}", "inputs:"]
+    fan_in = _fan_in(calls, shapes)
+    if fan_in:
+        lines.append(f"  # {', '.join(fan_in)}: a matmul's right operand, drawn at 1/sqrt(its K) so that the "
+                     "products are of the order of the other inputs (at scale 1 a term such as a residual "
+                     "hides under their rounding, and a program that drops it passes)")
     for k, (dims, dtype) in inputs.items():
         init: dict[str, Any] = {"dist": "normal", "scale": 1.0}
+        entry: dict[str, Any] = {"shape": dims, "dtype": dtype}
+        if k in fan_in:
+            entry["role"], init["scale"] = "weight", f"1 / sqrt({fan_in[k]})"
         if dtype.startswith("int"):
             init = {"dist": "randint", "high": f"{TODO} the exclusive upper bound of {k}'s values (an expression)"}
-        lines.append(f"  {k}: {_flow({'shape': dims, 'dtype': dtype, 'init': init})}")
+        lines.append(f"  {k}: {_flow({**entry, 'init': init})}")
     if params:
         lines.append(f"params: {_flow(params)}")
     lines.append("outputs:")
@@ -327,7 +384,16 @@ def skeleton(name: str, reference: str, folder: Path, shapes: dict[str, dict[str
     lines.append(f"reference: {_flow(reference)}")
     if gradients:
         lines.append(f"gradients: {_flow(gradients)}")
-    count = min(len(mnk) for _, mnk in calls.values())
+        kinks = next(iter(calls.values()))[3]
+        if kinks:
+            lines += [f"# The reference calls {', '.join(kinks)}, whose derivative jumps: a gradient through it "
+                      "differs from the fp64 reference",
+                      "# wherever a rounding moves a value across the kink, more than the bf16 reference's own "
+                      "error shows. If a correct",
+                      "# program fails on such a gradient (a weight's or a bias's, summed over many rows), "
+                      "widen that gradient's rule alone,",
+                      "# tolerances: {d<input>: {factor: 3}}, and keep the others tight."]
+    count = min(len(c[1]) for c in calls.values())
     matmuls = [[symbolic({s: calls[s][1][i][j] for s in calls}, shapes)[0] for j in range(3)] for i in range(count)]
     hint = f"; the reference's forward runs {_flow(matmuls)}" if matmuls else ""
     lines.append(f"gemms: {_flow(f'{TODO} the GEMMs the fused program needs, as [[M, N, K], ...]' + hint)}")

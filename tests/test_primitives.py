@@ -296,6 +296,11 @@ BAD_EPILOGUES = [
     ("@epilogue()\ndef f(acc):\n    g, u = unpack(acc)\n    return {'D': g}\n", r"not a Pair"),
     ("@epilogue(pairs='acc', reductions={'r': row_sum()})\ndef f(acc):\n    return {'D': acc, 'r': acc}\n",
      r"not available in a paired epilogue"),
+    # c (logits, a cosine) is a name people give an operand; the error says it is reserved, why, and the rename
+    ("@epilogue()\ndef f(c: Tile, lse: ColVec):\n    return {'D': c - lse}\n",
+     r"'c' is a reserved name \(.*quack's name for its C operand.*\); rename it, e.g. 'c_'"),
+    ("@epilogue(outputs={'s': 'bf16'}, reductions={'s': col_sum()})\ndef f(acc):\n    return {'D': acc, 's': acc}\n",
+     r"'s' used twice; operands, outputs and reductions need distinct names"),
 ]
 
 

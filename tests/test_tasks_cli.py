@@ -148,3 +148,66 @@ def test_the_tasks_table_follows_the_terminal_width(columns):
     assert r.exit_code == 0 and "swiglu_fwd" in r.output, r.output
     widths = [len(line) for line in r.output.splitlines() if line.strip()]
     assert max(widths) <= columns and max(widths) > columns - 10
+
+
+GEGLU_RESIDUAL = '''import torch.nn.functional as F
+
+
+def geglu_mlp(x, w_gu, w_down):
+    """y = x + (gelu(g) * u) @ w_down^T with (g, u) = x @ w_gu^T, gate and up rows interleaved."""
+    pre = F.linear(x, w_gu)
+    return {"y": x + (F.gelu(pre[:, 0::2], approximate="tanh") * pre[:, 1::2]) @ w_down.t()}
+'''
+
+NO_RESIDUAL = '''from coda_agent.primitives import epilogue, gelu_tanh, gemm, unpack
+
+
+@epilogue(outputs={"act": "bf16"}, pairs="acc")
+def geglu(acc):
+    g, u = unpack(acc)
+    return {"D": acc, "act": gelu_tanh(g) * u}
+
+
+def forward(x, w_gu, w_down):
+    return {"y": gemm(gemm(x, w_gu.t(), geglu)["act"], w_down.t())["D"]}   # the residual x left out
+'''
+
+
+def test_new_draws_weights_at_their_fan_in_so_a_dropped_residual_fails(tmp_path, monkeypatch):
+    """A matmul's right operand (views such as w.t() and F.linear's weight included) is drawn at
+    1/sqrt(K): at scale 1 the MLP's output is ~1000 and the residual x (~1) hides under its bf16
+    rounding, so the task `tasks new` wrote passed a program that leaves the residual out."""
+    monkeypatch.chdir(tmp_path)
+    Path("ref.py").write_text(GEGLU_RESIDUAL)
+    Path("prog.py").write_text(NO_RESIDUAL)
+    r = cli("tasks", "new", "mlp", "--reference", "ref.py:geglu_mlp", "--input", "x=T,H", "--input", "w_gu=2*I,H",
+            "--input", "w_down=H,I", "--shapes", "small=T:256,H:128,I:192", "--shapes", "ragged=T:200,H:136,I:264",
+            "--shapes", "big=T:16384,H:2048,I:8192")  # the big set on meta tensors: views are still recognised
+    assert r.exit_code == 0, r.output
+    raw = yaml.safe_load(Path("mlp.yaml").read_text())
+    assert raw["inputs"]["x"] == {"shape": ["T", "H"], "dtype": "bf16", "init": {"dist": "normal", "scale": 1.0}}
+    assert raw["inputs"]["w_gu"]["init"]["scale"] == "1 / sqrt(H)" and raw["inputs"]["w_gu"]["role"] == "weight"
+    assert raw["inputs"]["w_down"]["init"]["scale"] == "1 / sqrt(I)"
+    text = Path("mlp.yaml").read_text().replace(raw["families"], "[pairwise, tile]")
+    text = text.replace(f"'{raw['target']}'", "{vs_gemm: 1.1}").replace(raw["gemms"], "[[T, 2*I, H], [T, H, I]]")
+    Path("mlp.yaml").write_text(text)
+    r = cli("verify", "mlp.yaml", "prog.py", "--stages", "static,reference", "--no-save", "--no-cache")
+    assert r.exit_code == 1 and "`y` differs from the reference" in r.output, r.output
+
+
+def test_new_says_when_gradients_pass_through_a_kink(tmp_path, monkeypatch):
+    """ReLU's derivative jumps: a correct program's bias gradient can miss the default rule there
+    (OPT's MLP did), so the file says which rule to widen; a smooth reference gets no such note."""
+    monkeypatch.chdir(tmp_path)
+    Path("ref.py").write_text("import torch.nn.functional as F\n\n\ndef mlp(x, w1, b1):\n"
+                              "    return {'y': F.relu(F.linear(x, w1, b1))}\n\n\ndef smooth(x, w1, b1):\n"
+                              "    return {'y': F.gelu(F.linear(x, w1, b1))}\n")
+    args = ["--input", "x=T,H", "--input", "w1=I,H", "--input", "b1=I", "--shapes", "small=T:64,H:32,I:48",
+            "--gradients", "x,w1,b1"]
+    assert cli("tasks", "new", "mlp", "--reference", "ref.py:mlp", *args).exit_code == 0
+    text = Path("mlp.yaml").read_text()
+    assert "# The reference calls relu, whose derivative jumps" in text
+    assert "# tolerances: {d<input>: {factor: 3}}" in text
+    assert cli("tasks", "new", "smooth", "--reference", "ref.py:smooth", *args).exit_code == 0
+    assert cli("tasks", "new", "fwd", "--reference", "ref.py:mlp", *args[:-2]).exit_code == 0
+    assert "derivative jumps" not in Path("smooth.yaml").read_text() + Path("fwd.yaml").read_text()

@@ -9,7 +9,8 @@ The package is the repository's top level (see pyproject's ``package-dir``):
 - ``coda_agent.verifier``: the staged judge that turns a program into a Report.
 - ``coda_agent.agent``: the LLM loop, model clients, budgets, run directories.
 - ``coda_agent.kernels``: accepted programs as PyTorch ops (``Kernel``,
-  ``load_kernel``) and the Hugging Face drop-in ``coda_agent.apply_to_llama``.
+  ``load_kernel``) and the Hugging Face drop-ins ``coda_agent.apply_to_llama``
+  and ``coda_agent.apply_to_gpt2``.
 - ``coda_agent.eval``: batch evaluation, reports, review and export.
 - ``coda_agent.cli``: the ``coda-agent`` command.
 - two leaf modules any folder may use (they import nothing from the package):
@@ -17,8 +18,8 @@ The package is the repository's top level (see pyproject's ``package-dir``):
   handler) and ``coda_agent.program_rules`` (the rules of a program, which the
   catalogue text renders and the static stage enforces).
 
-Importing the package imports nothing else: ``apply_to_llama`` loads the
-kernels (and transformers) on first use.
+Importing the package imports nothing else: ``apply_to_llama`` and
+``apply_to_gpt2`` load the kernels (and transformers) on first use.
 """
 
 __version__ = "0.1.0"
@@ -29,4 +30,8 @@ def __getattr__(name: str):  # noqa: ANN202
         from .kernels.llama import apply_to_llama
 
         return apply_to_llama
+    if name == "apply_to_gpt2":
+        from .kernels.gpt2 import apply_to_gpt2
+
+        return apply_to_gpt2
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

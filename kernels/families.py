@@ -41,6 +41,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 from transformers.models.seed_oss.modeling_seed_oss import SeedOssAttention, SeedOssMLP
 from transformers.models.smollm3.modeling_smollm3 import SmolLM3Attention
 
+from .dropin import refuse_wrapped, require_bf16
 from .kernel import KernelError
 
 STATIC_ROPE = ("default", "linear", "llama3")
@@ -216,9 +217,7 @@ def llama_architecture(model: nn.Module, keep_mlp: bool = False) -> tuple[nn.Mod
     (``swiglu=False``): the MLPs stay HF's, so they may be anything a layer calls as ``mlp``, a
     mixture of experts included.  Anything else (extra norms, logit caps, LayerNorms) is refused by
     name, since the patched forwards would silently drop it."""
-    if isinstance(getattr(model, "_orig_mod", None), nn.Module):  # torch.compile's wrapper
-        raise KernelError("this model is wrapped by torch.compile; patch the model itself first, then compile "
-                          "it: apply_to_llama(model); model = torch.compile(model)")
+    refuse_wrapped(model, "apply_to_llama")
     causal_lm = hasattr(model, "lm_head") and isinstance(getattr(model, "model", None), nn.Module)
     base = model.model if causal_lm else model
 
@@ -362,10 +361,7 @@ def check_model(model: nn.Module, base: nn.Module, cfg: Any, rope: bool, swiglu:
     only, parts of one fused weight frozen apart, an activation other than SwiGLU's, RoPE beyond a
     static frequency table, an LM head that is more than its weight (``xent``: the fused LM head
     and loss runs)."""
-    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
-    if dtypes != {torch.bfloat16}:
-        raise KernelError(f"the model's parameters are {sorted(map(str, dtypes))}; the suite's kernels are "
-                          "verified for bf16: call model.to(torch.bfloat16) before apply_to_llama")
+    require_bf16(model, "apply_to_llama")
     for i, layer in enumerate(base.layers):
         for part in ("self_attn", "mlp") if swiglu else ("self_attn",):  # swiglu=False: the MLP stays HF's
             for name, m in getattr(layer, part).named_children():

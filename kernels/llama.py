@@ -81,12 +81,11 @@ The kernels are verified for bf16: the model must be bf16.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache, partial
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -94,25 +93,18 @@ from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_fun
 from transformers.models.llama.modeling_llama import LlamaForCausalLM, LlamaModel, eager_attention_forward
 from transformers.utils import can_return_tuple
 
-from coda_agent.tasks import SUITE_DIR, load_task
+from coda_agent.tasks import SUITE_DIR
 
+from .dropin import PatchedForward, check_slots, refuse_patched, slot_kernel, suite_kernel
 from .families import (AttentionPlan, check_model, head_dim, llama_architecture, rotation_is_llamas,
                        tables_are_llamas)
 from .kernel import Kernel, KernelError
-from .llama_ops import IGNORE_INDEX, attention_input, linear_cross_entropy
-from .source import load_kernel
+from .llama_ops import attention_input, causal_lm_loss
 
 SWAPPABLE = ("out_proj_residual", "mlp_block", "lm_head_xent")
 
 
 FP8_SUITE = SUITE_DIR.parent / "llama3_fp8"
-
-
-@lru_cache(maxsize=None)
-def suite_kernel(name: str, suite: Path = SUITE_DIR) -> Kernel:
-    """The expert program of a suite's task (LLaMA-3's by default), as a Kernel."""
-    task = load_task(suite / f"{name}.yaml")
-    return Kernel.from_files(task.expert_path, task.path)
 
 
 @dataclass(frozen=True)
@@ -127,17 +119,6 @@ class LayerPlan:
     kv_heads: int
     head_dim: int
     norm_offset: float = 0.0  # Gemma's RMSNorm scales by 1 + w
-
-
-class PatchedForward:
-    """A module's replacement forward, bound to it.  An object rather than a bound method,
-    so that copy.deepcopy and pickle carry it over to the copy's own module."""
-
-    def __init__(self, module: nn.Module, fn: Any):
-        self.module, self.fn = module, fn
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.fn(self.module, *args, **kwargs)
 
 
 class FusedWeight(nn.Module):
@@ -155,9 +136,7 @@ def apply_to_llama(model: LlamaForCausalLM | LlamaModel, *, rope: bool = True, r
                    swiglu: bool = True, fused_linear_cross_entropy: bool = True, fp8_mlp: bool = False,
                    kernels: dict[str, Kernel | str | Path] | None = None) -> LlamaForCausalLM | LlamaModel:
     """Patch ``model`` in place (see the module docstring) and return it."""
-    flags = getattr(getattr(model, "model", model), "coda_flags", None)
-    if flags is not None:
-        raise KernelError(f"this model is already patched ({flags}); patch a fresh one")
+    refuse_patched(getattr(model, "model", model))
     base, lm_kind, attentions, norm_offset = llama_architecture(model, keep_mlp=not swiglu)
     # RoPE rides in the QKV GEMM's epilogue only where nothing sits between the projection and
     # the rotation and the rotation is LLaMA's: after Qwen3's q/k norms, where it turns part of
@@ -176,10 +155,9 @@ def apply_to_llama(model: LlamaForCausalLM | LlamaModel, *, rope: bool = True, r
     cfg = base.config
     check_model(model, base, cfg, rope, swiglu, xent=fused_linear_cross_entropy and bool(lm_kind))  # names the fix
     rope = rope and tables_are_llamas(base)
-    for name in sorted(set(kernels or {}) - set(SWAPPABLE)):
-        raise KernelError(f"kernels: {name!r} is not a task the drop-in runs; it takes {list(SWAPPABLE)}")
+    check_slots(kernels, SWAPPABLE)
     given = {**(kernels or {}), **({"mlp_block": suite_kernel("mlp_block_fp8", FP8_SUITE)} if fp8_mlp else {})}
-    chosen = {name: _kernel(name, given.get(name)) for name in SWAPPABLE}
+    chosen = {name: slot_kernel(name, given.get(name), suite_kernel(name)) for name in SWAPPABLE}
     if rms_norm or rope or swiglu:
         plan = LayerPlan(rms_norm, rope, swiglu, chosen["out_proj_residual"], chosen["mlp_block"],
                          cfg.rms_norm_eps, cfg.num_attention_heads, cfg.num_key_value_heads, head_dim(cfg),
@@ -195,26 +173,6 @@ def apply_to_llama(model: LlamaForCausalLM | LlamaModel, *, rope: bool = True, r
     base.coda_flags = {"rope": rope, "rms_norm": rms_norm, "swiglu": swiglu,
                        "fused_linear_cross_entropy": fused_linear_cross_entropy, "fp8_mlp": fp8_mlp}
     return model
-
-
-def _kernel(name: str, given: Kernel | str | Path | None) -> Kernel:
-    """The kernel for the drop-in's slot ``name``: the suite's, or one of that task or its contract."""
-    if given is None:
-        return suite_kernel(name)
-    kernel = given if isinstance(given, Kernel) else load_kernel(given)
-    if kernel.name != name and (differs := _contract_differs(kernel, suite_kernel(name))):
-        raise KernelError(f"kernels[{name!r}] solves task {kernel.name!r}, whose contract is not that of "
-                          f"{name!r}: {differs}")
-    return kernel
-
-
-def _contract_differs(kernel: Kernel, slot: Kernel) -> str:
-    for what in ("inputs", "outputs", "gradients"):
-        if getattr(kernel, what) != getattr(slot, what):
-            return f"{what} {list(getattr(kernel, what))} against {list(getattr(slot, what))}"
-    if set(kernel.params) != set(slot.params):
-        return f"params {sorted(kernel.params)} against {sorted(slot.params)}"
-    return ""
 
 
 # --------------------------------------------------------------------------- weights
@@ -441,11 +399,8 @@ def _causal_lm_forward(self: LlamaForCausalLM, input_ids: torch.Tensor | None = 
     hidden = outputs.last_hidden_state
     if self.coda_logits_scale != 1.0:  # Granite divides the logits: the same as dividing h
         hidden = hidden / self.coda_logits_scale
-    if shift_labels is None:
-        shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
-    loss = linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), self.lm_head.weight,
-                                shift_labels.reshape(-1).to(hidden.device), self.coda_xent,
-                                kwargs.get("num_items_in_batch"))
+    loss = causal_lm_loss(hidden, self.lm_head.weight, labels, shift_labels, self.coda_xent,
+                          kwargs.get("num_items_in_batch"))
     if not router:
         return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=outputs.past_key_values,
                                       hidden_states=outputs.hidden_states, attentions=outputs.attentions)

@@ -1,5 +1,6 @@
-"""The drop-in's ops that no single suite task covers: the attention input and
-the fused LM-head cross-entropy (``llama.py`` uses them).
+"""The drop-ins' ops that no single suite task covers: the attention input and
+the fused LM-head cross-entropy (``llama.py`` uses both, ``gpt2.py`` the
+cross-entropy).
 
 **Attention input** (:func:`attention_input`): ``qkv = RoPE(RMSNorm(h) @ W_qkv^T)``
 as one GEMM.  RMSNorm commutes with the GEMM that consumes it (one scalar per
@@ -42,6 +43,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from coda_agent.primitives import (ColVec, PairedTile, RowVec, Scalar, Tile, col_sum, cos, epilogue, gemm, pack,
                                    rms_prepare, row_sum, sin, tile_pass, unpack)
@@ -195,3 +197,15 @@ def linear_cross_entropy(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor,
     else:
         denominator = torch.as_tensor(num_items_in_batch, dtype=torch.float32, device=x.device)
     return LinearCrossEntropy.apply(x, w, target, kernel, denominator)
+
+
+def causal_lm_loss(hidden: torch.Tensor, w: torch.Tensor, labels: torch.Tensor | None,
+                   shift_labels: torch.Tensor | None, kernel: Kernel,
+                   num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
+    """HF's causal-LM loss (``ForCausalLMLoss``) of the LM head ``w`` over ``hidden`` (batch,
+    tokens, H), by the fused kernel: ``labels`` shifted one token left (the last one ignored),
+    or ``shift_labels`` as given."""
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+    return linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), w, shift_labels.reshape(-1).to(hidden.device),
+                                kernel, num_items_in_batch)

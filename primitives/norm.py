@@ -46,8 +46,6 @@ vectors along the rows and along the columns)::
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import torch
 
 from .aux import composite, need
@@ -72,7 +70,6 @@ def normalize(x: Tile, mean: ColVec, rstd: ColVec, gamma: RowVec, beta: RowVec):
 _ROUNDING = {torch.bfloat16: round_bf16, torch.float16: round_fp16}
 
 
-@lru_cache(maxsize=None)
 def _fold(dtype: torch.dtype, over_rows: bool) -> Epilogue:
     """The fold as one pass over the weight as it is stored: over the rows of a weight stored
     (N, K) (``B = W.t()``; gamma and beta one per column of the pass, the sums down its
@@ -87,6 +84,10 @@ def _fold(dtype: torch.dtype, over_rows: bool) -> Epilogue:
     layernorm_fold.__annotations__ = {"w": Tile, "gamma": vec, "beta": vec}
     return epilogue(reductions={"gw": total(), "bw": total()})(layernorm_fold)
 
+
+# Built once, at import: torch.compile traces through a call that builds an epilogue (its dry
+# run) and fails there, while a lookup in a constant table traces.
+_FOLDS = {(dtype, over_rows): _fold(dtype, over_rows) for dtype in _ROUNDING for over_rows in (True, False)}
 
 
 def _mean_rstd(sums: torch.Tensor, sumsq: torch.Tensor, dim: int, eps: float) -> dict[str, torch.Tensor]:
@@ -147,10 +148,10 @@ def layernorm_fold(B: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor,
     if B.dtype not in _ROUNDING:
         raise CatalogueError(f"layernorm_fold: B has dtype {B.dtype}; the mainloop takes bf16 or fp16")
     if B.stride(0) == 1:  # a transposed view of a weight stored (N, K)
-        out = tile_pass(_fold(B.dtype, over_rows=True), w=B.t(), gamma=gamma, beta=beta)
+        out = tile_pass(_FOLDS[B.dtype, True], w=B.t(), gamma=gamma, beta=beta)
         folded = out["D"].t()
     elif B.stride(1) == 1:
-        out = tile_pass(_fold(B.dtype, over_rows=False), w=B, gamma=gamma, beta=beta)
+        out = tile_pass(_FOLDS[B.dtype, False], w=B, gamma=gamma, beta=beta)
         folded = out["D"]
     else:
         raise CatalogueError(f"layernorm_fold: B has strides {B.stride()}; give a weight stored row-major "

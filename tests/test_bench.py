@@ -71,7 +71,7 @@ def test_dry_run_of_the_gpt2_suite(tmp_path, bench_main):
     assert results["suite"] == "gpt2"
     rows = {r["task"]: r for r in results["rows"]}
     assert set(rows) == {"gelu_bwd", "gelu_fwd", "gpt2_block", "layernorm_bwd", "linear_gelu", "lm_head_xent",
-                         "ln_qkv", "mlp_block", "out_proj_residual", "residual_layernorm"}
+                         "ln_qkv", "mlp_block", "mlp_block_tanh", "out_proj_residual", "residual_layernorm"}
     for r in rows.values():
         assert "error" not in r, r
         assert r["fused"]["median_ms"] > 0 and r["fused_over_gemm"] > 0

@@ -25,7 +25,7 @@ def task(name: str):
 
 def test_the_suite_covers_every_non_attention_op_of_the_block():
     assert TASKS == ["gelu_bwd", "gelu_fwd", "gpt2_block", "layernorm_bwd", "linear_gelu", "lm_head_xent",
-                     "ln_qkv", "mlp_block", "out_proj_residual", "residual_layernorm"]
+                     "ln_qkv", "mlp_block", "mlp_block_tanh", "out_proj_residual", "residual_layernorm"]
 
 
 
@@ -52,6 +52,9 @@ MUTANTS = [
     ("lm_head_xent", '"s2": gg * (h - mean) * rstd', '"s2": gg * h * rstd'),
     ("mlp_block", '"s2": dpre * (pre - shift)', '"s2": dpre * pre'),
     ("mlp_block", '"db_res": dy}', '"db_res": acc}'),
+    # the tanh GELU's derivative: the cubic term's factor 3a dropped, the cubic dropped from the angle
+    ("mlp_block_tanh", "(HALF_K + HALF_K_3A * pre * pre)", "(HALF_K + HALF_K * pre * pre)"),
+    ("mlp_block_tanh", "t = tanh(K * (pre + A * pre * pre * pre))", "t = tanh(K * pre)"),
     ("gpt2_block", '"db_res": dy}', '"db_res": acc}'),
     ("gpt2_block", 'mean=st2["mean"], rstd=st2["rstd"]', 'mean=st1["mean"], rstd=st2["rstd"]'),
 ]

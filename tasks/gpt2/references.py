@@ -10,7 +10,8 @@ A pre-LN GPT-2 layer, every linear with a bias (weights stored
 
 GELU is the exact one, ``0.5 x (1 + erf(x / sqrt(2)))`` (``nn.GELU()``'s
 default; Hugging Face's GPT-2 checkpoint uses the tanh approximation
-``gelu_new``, which the catalogue has as ``gelu_tanh``).
+``gelu_new``, which the catalogue has as ``gelu_tanh``; the mlp_block_tanh task,
+references_blocks.py, is the MLP sub-block with it).
 
 Contract (tasks/spec.py): ``fn(**inputs, **params) -> {output: tensor}``,
 computed in the dtype of the inputs it is given; the verifier calls it with

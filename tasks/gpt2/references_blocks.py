@@ -1,7 +1,9 @@
 """PyTorch references of the GPT-2 suite's composed tasks: the final LayerNorm
 with the tied LM head and cross-entropy, the MLP sub-block, and the
 non-attention part of a layer.  Conventions as in references.py (weights
-(out, in), exact GELU, LayerNorm statistics in at least fp32)."""
+(out, in), exact GELU, LayerNorm statistics in at least fp32); mlp_block_tanh is the
+MLP sub-block with GELU's tanh approximation, the activation of Hugging Face's GPT-2
+(``gelu_new``)."""
 
 from __future__ import annotations
 
@@ -31,15 +33,25 @@ def lm_head_xent(h, gamma, beta, wte, target, dloss, eps):
 # --------------------------------------------------------------------------- mlp_block
 
 
-def mlp(h, gamma, beta, w_fc, b_fc, w_proj, b_proj, eps):
-    """gelu(LN(h) @ w_fc^T + b_fc) @ w_proj^T + b_proj, in h's dtype."""
+def mlp(h, gamma, beta, w_fc, b_fc, w_proj, b_proj, eps, approximate="none"):
+    """gelu(LN(h) @ w_fc^T + b_fc) @ w_proj^T + b_proj, in h's dtype (``approximate``:
+    F.gelu's, "none" for the exact GELU, "tanh" for its tanh approximation)."""
     pre = F.linear(layer_norm(h, gamma, beta, eps), w_fc, b_fc)
-    return F.linear(F.gelu(pre), w_proj, b_proj)
+    return F.linear(F.gelu(pre, approximate=approximate), w_proj, b_proj)
 
 
 def mlp_block(h, gamma, beta, w_fc, b_fc, w_proj, b_proj, eps):
     """y = h + MLP(LN(h)): GPT-2's MLP sub-block with its residual."""
     return {"y": (h + mlp(h, gamma, beta, w_fc, b_fc, w_proj, b_proj, eps)).to(h.dtype)}
+
+
+# --------------------------------------------------------------------------- mlp_block_tanh
+
+
+def mlp_block_tanh(h, gamma, beta, w_fc, b_fc, w_proj, b_proj, eps):
+    """y = h + MLP(LN(h)) with GELU's tanh approximation, 0.5 x (1 + tanh(sqrt(2/pi)
+    (x + 0.044715 x^3))): Hugging Face's GPT-2 (``gelu_new``, ``gelu_pytorch_tanh``)."""
+    return {"y": (h + mlp(h, gamma, beta, w_fc, b_fc, w_proj, b_proj, eps, approximate="tanh")).to(h.dtype)}
 
 
 # --------------------------------------------------------------------------- gpt2_block

@@ -1,0 +1,330 @@
+"""``apply_to_gpt2``: the GPT-2 suite's kernels inside a transformers ``GPT2LMHeadModel`` (or a
+``GPT2Model``, the decoder stack alone).
+
+Like :func:`apply_to_llama` (``llama.py``), with one flag per op, it patches a model *instance*
+in place::
+
+    model = GPT2LMHeadModel(config).to(torch.bfloat16)        # or from_pretrained("gpt2", resid_pdrop=0.0)
+    coda_agent.apply_to_gpt2(model)
+    loss = model(input_ids, labels=labels).loss                # CODA kernels, forward and backward
+
+What each flag swaps (every block, ``tasks/gpt2/``; for a patched block the attention output
+projection adds its bias and the residual in its GEMM's epilogue, the out_proj_residual kernel):
+
+- ``layer_norm``: ln_1 and the fused QKV projection with its bias (``attn.c_attn``) as the
+  ln_qkv kernel: LayerNorm commutes with the GEMM that consumes it in its rank-1 form, so the
+  GEMM reads the residual stream itself.  ``layer_norm=False`` keeps HF's ln_1 and c_attn.
+- ``mlp``: ln_2 + the MLP (c_fc, GELU, c_proj, biases) + the residual add as the mlp_block
+  kernel.  It owns ln_2, so it needs ``layer_norm``.  The GELU is read from the model: its
+  activation module is probed against both forms, and the kernel follows it: GELU's tanh
+  approximation (``gelu_new``, GPT-2's; ``gelu_pytorch_tanh``, ``gelu_fast``) runs the
+  ``mlp_block_tanh`` task's expert, the exact one (``gelu``) ``mlp_block``'s.
+- ``fused_linear_cross_entropy``: in training with labels, the tied LM head + loss as the
+  LLaMA-3 suite's lm_head_xent kernel (no full logits; ``logits`` is None, as with
+  apply_to_llama).  ln_f stays PyTorch's: HF's ``GPT2Model`` applies it inside its own forward,
+  which the patch keeps, so the kernel takes the normalized hidden state.  (The GPT-2 suite's
+  lm_head_xent also folds the final LayerNorm; it needs the stream before ln_f, which the
+  stack's forward does not give.)  The head's weight *is* ``transformer.wte.weight`` (HF ties
+  them), so the kernel's dW lands on the embedding's parameter and adds to the embedding's own
+  gradient, as in HF.
+- Attention stays HF's: the implementation the config selects (``eager``, ``sdpa``, flash) with
+  the module's own scaling (``scale_attn_weights``, ``scale_attn_by_inverse_layer_idx``), the
+  eager path's ``reorder_and_upcast_attn``, ``attn_pdrop`` in training, and the KV cache.
+
+**Weights.**  GPT-2's projections are ``Conv1D``s, which keep the weight (in, out); the kernels
+take nn.Linear's (out, in).  The patched forwards pass ``weight.t()``, a transposed *view* of the
+same Parameter (the catalogue's GEMMs take either major order), so nothing is re-laid out:
+``state_dict``, ``save_pretrained``, the head's tie to the embedding and an optimizer built before
+the patch all see the same Parameters, and autograd carries each gradient back through the view.
+
+``kernels={"mlp_block": "runs/...", ...}`` swaps a slot's expert (``ln_qkv``,
+``out_proj_residual``, ``mlp_block``, ``lm_head_xent``) for an accepted program of that task or of
+one with its contract (``dropin.py``).  The ``mlp_block`` slot's task is ``mlp_block_tanh`` for a
+tanh-GELU model; a kernel of the other GELU's task is refused by name, and one of another task
+with the same contract must compute this model's GELU (its contract cannot say).
+
+**Refused** (a :class:`KernelError` naming what differs and the fix), since the patched block
+would otherwise train something other than the model:
+
+- a model that is not GPT-2's code: GPT-Neo, GPT-J, OPT, BLOOM, a LLaMA (``apply_to_llama``), a
+  GPT-2 variant whose block, attention or MLP computes something else (compared as code,
+  ``families.same_code``), a head other than the causal LM's (patch ``model.transformer``);
+- GPTBigCode (SantaCoder, StarCoder): its multi-query ``c_attn`` is (H + 2 * head_dim, H), while
+  the ln_qkv task declares (3H, H);
+- cross-attention (``add_cross_attention``), which the patched block does not run;
+- residual dropout (``resid_pdrop > 0``, GPT-2's config defaults to 0.1): the residual adds sit
+  in GEMM epilogues, with no dropout (``embd_pdrop`` and ``attn_pdrop`` stay HF's and are fine);
+- an activation that is neither GELU (``mlp=False`` keeps HF's MLP);
+- projections that are not plain ``Conv1D`` (a LoRA adapter, a quantized weight), LayerNorms
+  without their affine weight and bias, an LM head with a bias;
+- a vocabulary that is not a multiple of 8 (GPT-2's 50257) with the fused loss: the logits
+  chunk's rows must be 16 bytes apart (pad it as nanoGPT does, to 50304);
+- parameters that are not bf16, a model wrapped by torch.compile, a model already patched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.modeling_outputs import CausalLMOutputWithCrossAttentions
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.gpt2.modeling_gpt2 import (GPT2MLP, GPT2Attention, GPT2Block, GPT2LMHeadModel, GPT2Model,
+                                                    eager_attention_forward)
+from transformers.models.gpt_bigcode.modeling_gpt_bigcode import GPTBigCodeBlock
+from transformers.pytorch_utils import Conv1D
+from transformers.utils import can_return_tuple
+
+from coda_agent.tasks import SUITES
+
+from .dropin import (PatchedForward, check_slots, refuse_patched, refuse_wrapped, require_bf16, slot_kernel,
+                     suite_kernel)
+from .families import same_code
+from .kernel import Kernel, KernelError
+from .llama_ops import causal_lm_loss
+
+SWAPPABLE = ("ln_qkv", "out_proj_residual", "mlp_block", "lm_head_xent")
+GPT2_SUITE = SUITES["gpt2"]
+# The MLP block's task by the GELU the model runs.
+MLP_TASKS = {"exact": "mlp_block", "tanh": "mlp_block_tanh"}
+
+_STACK = ("wte", "wpe", "h", "ln_f")
+_CHILDREN = {"block": frozenset({"ln_1", "attn", "ln_2", "mlp"}),
+             "attn": frozenset({"c_attn", "c_proj", "attn_dropout", "resid_dropout"}),
+             "mlp": frozenset({"c_fc", "c_proj", "act", "dropout"})}
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    layer_norm: bool
+    mlp: bool
+    ln_qkv: Kernel
+    out_proj: Kernel
+    mlp_block: Kernel
+
+
+def apply_to_gpt2(model: GPT2LMHeadModel | GPT2Model, *, layer_norm: bool = True, mlp: bool = True,
+                  fused_linear_cross_entropy: bool = True,
+                  kernels: dict[str, Kernel | str | Path] | None = None) -> GPT2LMHeadModel | GPT2Model:
+    """Patch ``model`` in place (see the module docstring) and return it."""
+    refuse_patched(getattr(model, "transformer", model))
+    if mlp and not layer_norm:
+        raise KernelError("mlp=True runs ln_2, the MLP and the residual add as one kernel (mlp_block), so it "
+                          "needs layer_norm=True")
+    base, causal_lm = gpt2_architecture(model, keep_mlp=not mlp)
+    xent = fused_linear_cross_entropy and causal_lm
+    gelu = check_gpt2(model, base, mlp, xent)  # names the fix
+    check_slots(kernels, SWAPPABLE)
+    given = kernels or {}
+    mlp_default = suite_kernel(MLP_TASKS[gelu or "exact"], GPT2_SUITE)
+    plan = BlockPlan(layer_norm, mlp, slot_kernel("ln_qkv", given.get("ln_qkv"), suite_kernel("ln_qkv", GPT2_SUITE)),
+                     slot_kernel("out_proj_residual", given.get("out_proj_residual"),
+                                 suite_kernel("out_proj_residual", GPT2_SUITE)),
+                     slot_kernel("mlp_block", given.get("mlp_block"), mlp_default))
+    # The two GELUs' tasks share a contract, so the contract check lets either through: the task's
+    # name tells them apart.
+    if mlp and plan.mlp_block.name in MLP_TASKS.values() and plan.mlp_block.name != mlp_default.name:
+        raise KernelError(f"kernels['mlp_block'] solves {plan.mlp_block.name!r}, whose GELU is not this model's "
+                          f"({gelu}, task {mlp_default.name!r}): give a kernel of {mlp_default.name!r}")
+    for block in base.h:
+        block.coda_plan = plan
+        block.forward = PatchedForward(block, _block_forward)
+    if xent:
+        model.coda_xent = slot_kernel("lm_head_xent", given.get("lm_head_xent"), suite_kernel("lm_head_xent"))
+        model.forward = PatchedForward(model, _lm_forward)
+    base.coda_flags = {"layer_norm": layer_norm, "mlp": mlp, "gelu": gelu,
+                       "fused_linear_cross_entropy": fused_linear_cross_entropy}
+    return model
+
+
+# --------------------------------------------------------------------------- which models
+
+
+def gpt2_architecture(model: nn.Module, keep_mlp: bool = False) -> tuple[nn.Module, bool]:
+    """(the decoder stack, whether ``model`` is its causal LM) for a model whose every module the
+    patch replaces computes what GPT-2's does (compared as code, ``families.same_code``);
+    ``keep_mlp`` (``mlp=False``): the MLPs stay HF's, so they may be anything a block calls as
+    ``mlp``.  Anything else is refused by what differs."""
+    refuse_wrapped(model, "apply_to_gpt2")
+    causal_lm = isinstance(getattr(model, "transformer", None), nn.Module) and hasattr(model, "lm_head")
+    base = model.transformer if causal_lm else model
+
+    def missing(m: Any) -> list[str]:
+        return [a for a in _STACK if not isinstance(getattr(m, a, None), nn.Module)]
+
+    if missing(base):
+        hint = f"; its decoder stack has no {', '.join(missing(base))} (GPT-2's {', '.join(_STACK)})"
+        inner = getattr(model, "transformer", None)
+        if isinstance(getattr(model, "module", None), nn.Module):  # DataParallel, DistributedDataParallel
+            hint = "; it wraps the model (model.module): patch the model itself first, then wrap it"
+        elif hasattr(getattr(model, "model", model), "layers"):
+            hint = "; it is built like LLaMA: coda_agent.apply_to_llama(model) patches those"
+        elif isinstance(inner, nn.Module) and not missing(inner):  # a classification or QA head
+            hint = ("; its head is not a causal LM's lm_head: patch its decoder stack, "
+                    "apply_to_gpt2(model.transformer), and the head stays HF's")
+        raise KernelError(f"apply_to_gpt2 patches a transformers GPT2LMHeadModel or GPT2Model; got "
+                          f"{type(model).__name__}{hint}")
+    name = type(model).__name__
+    for i, block in enumerate(base.h):
+        if same_code(type(block).forward, GPTBigCodeBlock.forward):
+            if getattr(block.attn, "multi_query", True):
+                raise KernelError(f"{name} is GPTBigCode (SantaCoder, StarCoder): its multi-query c_attn is "
+                                  "(H + 2 * head_dim, H), and the ln_qkv kernel's task declares (3H, H) for GPT-2's "
+                                  "q, k and v of equal widths; keep this model unpatched")
+            raise KernelError(f"{name} is GPTBigCode with multi_query=False: GPT-2's widths, but its own attention "
+                              "and nn.Linear projections, which apply_to_gpt2 does not read; keep this model "
+                              "unpatched")
+        if hasattr(block, "crossattention"):
+            raise KernelError(f"h.{i} has cross-attention (add_cross_attention=True), which the patched block does "
+                              "not run; build the model without it")
+        for what, module, want in (("block", block, GPT2Block.forward),
+                                   ("attention", getattr(block, "attn", None), GPT2Attention.forward),
+                                   *(() if keep_mlp else (("MLP", getattr(block, "mlp", None), GPT2MLP.forward),))):
+            if not isinstance(module, nn.Module) or not same_code(type(module).forward, want):
+                raise KernelError(f"{type(module).__name__}.forward computes something other than GPT-2's {what} "
+                                  f"({name} is not GPT-2); apply_to_gpt2 would replace it with GPT-2's")
+        for part, want in _CHILDREN.items():
+            if part == "mlp" and keep_mlp:
+                continue
+            module = block if part == "block" else getattr(block, part)
+            if set(dict(module.named_children())) != want:
+                extra = sorted(set(dict(module.named_children())) ^ want)
+                raise KernelError(f"h.{i}: {type(module).__name__} differs from GPT-2's {part} in {extra}: the "
+                                  "patched block computes GPT-2's, so this model would lose that part")
+        mlps = () if keep_mlp else (("mlp", "c_fc"), ("mlp", "c_proj"))
+        for part, proj in (("attn", "c_attn"), ("attn", "c_proj"), *mlps):
+            m = getattr(getattr(block, part), proj)
+            if type(m) is not Conv1D or m.bias is None:
+                raise KernelError(f"h.{i}.{part}.{proj} is {type(m).__name__}, not GPT-2's Conv1D with a bias: the "
+                                  "kernels read its weight and bias, which would drop what the module adds (a LoRA "
+                                  "adapter, a quantized weight); merge adapters into the weights first (peft's "
+                                  "merge_and_unload) or patch the unwrapped bf16 model")
+        for norm in ("ln_1", *(() if keep_mlp else ("ln_2",))):
+            ln = getattr(block, norm)
+            if type(ln) is not nn.LayerNorm or ln.weight is None or ln.bias is None:
+                raise KernelError(f"h.{i}.{norm} is not an nn.LayerNorm with a weight and a bias, which the kernels "
+                                  "fold into their GEMMs")
+    if causal_lm and not same_code(type(model).forward, GPT2LMHeadModel.forward):
+        raise KernelError(f"{name}.forward is not GPT2LMHeadModel's (its head computes something else); patch its "
+                          "decoder stack, apply_to_gpt2(model.transformer), and the head stays HF's")
+    return base, causal_lm
+
+
+_PROBE = torch.linspace(-6.0, 6.0, 241, dtype=torch.float64)
+_GELUS = {"exact": F.gelu(_PROBE), "tanh": F.gelu(_PROBE, approximate="tanh")}
+
+
+def gelu_form(act: nn.Module) -> str | None:
+    """Which GELU an activation module computes, "exact" or "tanh", probed in fp64 (HF writes
+    the tanh form three ways: gelu_new, gelu_pytorch_tanh, gelu_fast); None: neither."""
+    with torch.no_grad():
+        got = act(_PROBE.clone())
+    return next((k for k, want in _GELUS.items() if torch.allclose(got, want, rtol=0, atol=1e-9)), None)
+
+
+def check_gpt2(model: nn.Module, base: nn.Module, mlp: bool, xent: bool) -> str | None:
+    """Refuse, naming the fix, what a GPT-2 model may hold that the kernels the flags choose do not
+    take (see the module docstring); return the GELU the MLP kernel must compute (None: mlp=False)."""
+    require_bf16(model, "apply_to_gpt2")
+    cfg = base.config
+    gelu = None
+    for i, block in enumerate(base.h):
+        drops = [("attn.resid_dropout", block.attn.resid_dropout.p), *((("mlp.dropout", block.mlp.dropout.p),)
+                                                                        if mlp else ())]
+        for what, p in drops:
+            if p > 0:
+                raise KernelError(f"h.{i}.{what} drops with p = {p} (resid_pdrop; GPT-2's config defaults to 0.1): "
+                                  "the patched block adds each residual inside a GEMM epilogue, with no dropout; "
+                                  "build the model with resid_pdrop=0.0 (from_pretrained(..., resid_pdrop=0.0))")
+        if mlp:
+            form = gelu_form(block.mlp.act)
+            if form is None:
+                raise KernelError(f"h.{i}.mlp.act ({type(block.mlp.act).__name__}, activation_function "
+                                  f"{cfg.activation_function!r}) is neither the exact GELU nor its tanh "
+                                  "approximation, the MLP kernels' two activations; pass mlp=False to keep HF's MLP")
+            if gelu not in (None, form):
+                raise KernelError("the blocks mix the exact GELU and its tanh approximation; apply_to_gpt2 runs one "
+                                  "MLP kernel; pass mlp=False to keep HF's MLPs")
+            gelu = form
+    head = getattr(model, "lm_head", None) if xent else None
+    if head is not None:
+        if type(head) is not nn.Linear or head.bias is not None:
+            what = f"is {type(head).__name__}, not nn.Linear" if type(head) is not nn.Linear else "has a bias"
+            raise KernelError(f"lm_head {what}: the fused LM head and loss (lm_head_xent) reads lm_head.weight alone; "
+                              "pass fused_linear_cross_entropy=False to keep HF's LM head and loss")
+        if head.weight.shape[0] % 8:
+            raise KernelError(f"the vocabulary has {head.weight.shape[0]} tokens, not a multiple of 8: the fused LM "
+                              "head's logits chunk needs rows of a multiple of 16 bytes. Pad it as nanoGPT pads "
+                              "GPT-2's 50257 to 50304 (model.resize_token_embeddings(pad_to_multiple_of=64); the "
+                              "new tokens join the softmax) or pass fused_linear_cross_entropy=False")
+    return gelu
+
+
+# --------------------------------------------------------------------------- forwards
+
+
+def _block_forward(self: GPT2Block, hidden_states: torch.Tensor, past_key_values: Any = None,
+                   attention_mask: torch.Tensor | None = None, encoder_hidden_states: torch.Tensor | None = None,
+                   encoder_attention_mask: torch.Tensor | None = None, use_cache: bool | None = False,
+                   **kwargs: Any) -> torch.Tensor:
+    """GPT2Block.forward with the non-attention work in the suite's kernels."""
+    if encoder_hidden_states is not None:
+        raise KernelError("encoder_hidden_states: the patched GPT-2 block has no cross-attention")
+    plan: BlockPlan = self.coda_plan
+    attn = self.attn
+    b, t, dim = hidden_states.shape
+    h = hidden_states.reshape(b * t, dim)
+    # Conv1D keeps its weight (in, out): .t() is the (out, in) view the kernels take, of the same Parameter.
+    if plan.layer_norm:
+        qkv = plan.ln_qkv(h, self.ln_1.weight, self.ln_1.bias, attn.c_attn.weight.t(), attn.c_attn.bias,
+                          eps=self.ln_1.eps)["qkv"]
+    else:
+        qkv = attn.c_attn(self.ln_1(h))
+    q, k, v = (part.view(b, t, -1, attn.head_dim).transpose(1, 2) for part in qkv.split(dim, dim=1))
+    if past_key_values is not None:
+        k, v = past_key_values.update(k, v, attn.layer_idx)
+    implementation = attn.config._attn_implementation
+    if implementation == "eager" and attn.reorder_and_upcast_attn:
+        out, _ = attn._upcast_and_reordered_attn(q, k, v, attention_mask)
+    else:
+        interface = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
+        out, _ = interface(attn, q, k, v, attention_mask, dropout=attn.attn_dropout.p if attn.training else 0.0,
+                           scaling=attn.scaling, **kwargs)
+    h1 = plan.out_proj(out.reshape(b * t, dim), h, attn.c_proj.weight.t(), attn.c_proj.bias)["h"]
+    if plan.mlp:
+        mlp = self.mlp
+        h2 = plan.mlp_block(h1, self.ln_2.weight, self.ln_2.bias, mlp.c_fc.weight.t(), mlp.c_fc.bias,
+                            mlp.c_proj.weight.t(), mlp.c_proj.bias, eps=self.ln_2.eps)["y"]
+    else:  # HF's MLP, on (batch, tokens, hidden) as HF calls it
+        h1 = h1.view(b, t, dim)
+        h2 = h1 + self.mlp(self.ln_2(h1))
+    return h2.view(b, t, dim)
+
+
+@can_return_tuple
+def _lm_forward(self: GPT2LMHeadModel, input_ids: torch.Tensor | None = None, past_key_values: Any = None,
+                attention_mask: torch.Tensor | None = None, token_type_ids: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
+                encoder_hidden_states: torch.Tensor | None = None,
+                encoder_attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                use_cache: bool | None = None, logits_to_keep: int | torch.Tensor = 0,
+                **kwargs: Any) -> CausalLMOutputWithCrossAttentions:
+    """GPT2LMHeadModel.forward; in training with labels, the tied LM head + loss is the fused kernel."""
+    shift_labels = kwargs.pop("shift_labels", None)
+    inputs = dict(past_key_values=past_key_values, attention_mask=attention_mask, token_type_ids=token_type_ids,
+                  position_ids=position_ids, inputs_embeds=inputs_embeds, encoder_hidden_states=encoder_hidden_states,
+                  encoder_attention_mask=encoder_attention_mask, use_cache=use_cache)
+    if not (self.training and (labels is not None or shift_labels is not None)):
+        if shift_labels is not None:
+            kwargs["shift_labels"] = shift_labels
+        return type(self).forward(self, input_ids, **inputs, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
+    outputs = self.transformer(input_ids, **inputs, **kwargs)
+    loss = causal_lm_loss(outputs.last_hidden_state, self.lm_head.weight, labels, shift_labels, self.coda_xent,
+                          kwargs.get("num_items_in_batch"))
+    return CausalLMOutputWithCrossAttentions(loss=loss, logits=None, past_key_values=outputs.past_key_values,
+                                             hidden_states=outputs.hidden_states, attentions=outputs.attentions,
+                                             cross_attentions=outputs.cross_attentions)

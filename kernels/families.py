@@ -232,6 +232,9 @@ def llama_architecture(model: nn.Module, keep_mlp: bool = False) -> tuple[nn.Mod
         elif inner is not None:  # a classification or QA head over a decoder stack
             hint = (f"; its head is not a causal LM's lm_head: patch its decoder stack, "
                     f"apply_to_llama(model.{inner}), and the head stays HF's")
+        elif all(isinstance(getattr(getattr(model, "transformer", model), a, None), nn.Module)
+                 for a in ("wte", "wpe", "h", "ln_f")):  # GPT-2's stack
+            hint = "; it is built like GPT-2: coda_agent.apply_to_gpt2(model) patches those"
         raise KernelError(f"apply_to_llama patches a transformers LlamaForCausalLM or LlamaModel (or a model "
                           f"family built from LLaMA's modules, such as Mistral or Qwen3); got "
                           f"{type(model).__name__}{hint}")

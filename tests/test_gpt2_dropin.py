@@ -322,3 +322,10 @@ def test_patched_gpt2_trains_like_hf_on_gpu(monkeypatch, activation):
     assert_like_hf(got, hi, lo)
     assert {"ln_rank1", "ln_grad_stats", "bias_grad", "ln_fc_gelu", "dgelu_stats", "logits_lse"} <= {
         launch.name for launch in launched}
+
+
+def test_apply_to_llama_points_a_gpt2_at_apply_to_gpt2():
+    for model in (tiny_gpt2().bfloat16(), tiny_gpt2().bfloat16().transformer):
+        with pytest.raises(KernelError, match=r"got GPT2(LMHead)?Model; it is built like GPT-2: "
+                           r"coda_agent.apply_to_gpt2\(model\)"):
+            coda_agent.apply_to_llama(model)

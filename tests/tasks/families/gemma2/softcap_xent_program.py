@@ -1,0 +1,49 @@
+"""Soft-capped LM-head cross-entropy, one step, chunked over tokens.
+
+Per chunk: the logits GEMM writes the capped logits c = cap * tanh(acc / cap) in fp32 (the
+softmax of bf16-rounded logits near the cap would be off by a bf16 ulp of 30 in the exponent)
+with online_lse and the target logit; a tile pass writes
+dlogits = (exp(lg - lse) - onehot(target)) * dloss * (1 - (c / cap)^2) in bf16; then
+dx[chunk] = dlogits @ w and dw += dlogits^T @ x[chunk]."""
+from coda_agent.primitives import (ColVec, RowVec, Scalar, Tile, column_index, concat_rows, epilogue, exp,
+                                   gemm, online_lse, select_col, tanh, tile_pass, to_fp32, where, xent_loss,
+                                   zeros_like)
+
+LOGITS_BYTES = 256 * 2**20
+
+
+@epilogue(reductions={"lse": online_lse(), "target_logit": select_col("target")})
+def capped_logits(acc, cap: Scalar, inv_cap: Scalar):
+    c = cap * tanh(acc * inv_cap)
+    return {"D": c, "lse": c, "target_logit": c}
+
+
+@epilogue()
+def dcapped(lg: Tile, lse: ColVec, tgt: ColVec, dloss: ColVec, col: RowVec, inv_cap: Scalar):
+    t = lg * inv_cap
+    p = exp(lg - lse) - where(col == tgt, 1.0, 0.0)
+    return {"D": p * dloss * (1.0 - t * t)}
+
+
+def forward(x, w, target, dloss, cap):
+    t, v = x.shape[0], w.shape[0]
+    chunk = min(t, max(128, LOGITS_BYTES // (4 * v) // 128 * 128))
+    col = column_index(v, x.device)
+    tgt = to_fp32(target)
+    dx = zeros_like(x)
+    dw = None
+    losses = []
+    for r0 in range(0, t, chunk):
+        r1 = min(r0 + chunk, t)
+        x_c, t_c = x[r0:r1], target[r0:r1]
+        res = gemm(x_c, w.t(), capped_logits, out_dtype="fp32", target=t_c, cap=cap, inv_cap=1.0 / cap)
+        losses.append(xent_loss(res["lse"], res["target_logit"], t_c))
+        dl = tile_pass(dcapped, lg=res["D"], lse=res["lse"], tgt=tgt[r0:r1], dloss=dloss[r0:r1], col=col,
+                       inv_cap=1.0 / cap, out_dtype="bf16")["D"]
+        gemm(dl, w, accumulate_into=dx[r0:r1])
+        if dw is None:
+            dw = gemm(dl.t(), x_c)["D"]
+        else:
+            gemm(dl.t(), x_c, accumulate_into=dw)
+        del res, dl
+    return {"loss": concat_rows(losses), "dx": dx, "dw": dw}

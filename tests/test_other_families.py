@@ -1,0 +1,53 @@
+"""Tasks of Transformer blocks outside the packaged suites, written as a user writes them (`coda-agent
+tasks new`, then a program from the catalogue), verified through the CLI on every CPU stage.
+
+``tests/tasks/families/`` holds one block each of BERT (post-LN: the normed sum is the output),
+Gemma (GeGLU MLP with the (1 + w) RMSNorm), Gemma-2 (the soft-capped LM-head cross-entropy),
+OPT (LayerNorm with bias, ReLU MLP, biases; a kinked gradient with its own tolerance) and Primer
+(squared-ReLU MLP), each with its reference and a program; beside some, slips of that program
+(``*_mutant_*.py``: the residual dropped, the soft-cap or its derivative left out) that the
+verifier must reject.  They hold the spec, the catalogue and the verifier to classes of blocks
+the suites do not cover: a change that makes one of them inexpressible, or lets a slip through,
+fails here.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+FAMILIES = Path(__file__).parent / "tasks" / "families"
+TASKS = sorted(FAMILIES.glob("*/*.yaml"))
+MUTANTS = sorted(FAMILIES.glob("*/*_mutant_*.py"))
+
+
+def verify(task: Path, program: Path, tmp_path: Path, stages: str) -> dict:
+    out = subprocess.run([sys.executable, "-m", "coda_agent.cli", "verify", str(task), str(program), "--json",
+                          "--no-save", "--no-cache", "--stages", stages], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=900)
+    assert out.stdout.strip(), out.stderr[-3000:]
+    return json.loads(out.stdout)
+
+
+def test_every_family_is_here():
+    assert {t.parent.name for t in TASKS} == {"bert", "gemma", "gemma2", "opt", "primer"}
+    assert len(MUTANTS) == 3
+
+
+@pytest.mark.parametrize("task", TASKS, ids=[t.parent.name for t in TASKS])
+def test_the_block_is_cpu_passed(task, tmp_path):
+    program = task.with_name(f"{task.stem}_program.py")
+    report = verify(task, program, tmp_path, "static,reference,compile")
+    assert report["outcome"] == "cpu_passed", [(s["name"], s["status"], s["message"]) for s in report["stages"]]
+
+
+@pytest.mark.parametrize("mutant", MUTANTS, ids=[m.stem for m in MUTANTS])
+def test_a_slip_is_rejected_at_the_reference_stage(mutant, tmp_path):
+    task = mutant.with_name(mutant.stem.split("_mutant_")[0] + ".yaml")
+    report = verify(task, mutant, tmp_path, "static,reference")
+    stages = {s["name"]: s["status"] for s in report["stages"]}
+    assert report["outcome"] == "rejected" and stages == {"static": "passed", "reference": "failed"}, report

@@ -80,8 +80,7 @@ def scale_to_fp8(acc, a_scale: ColVec, w_scale: RowVec, q_scale: ColVec):
     "tile pass": '''
 @epilogue(reductions={"db": row_sum()})
 def dgelu(dy: Tile, pre: Tile):   # no acc: run by tile_pass(dgelu, dy=dy, pre=pre), no GEMM
-    cdf = 0.5 * (1.0 + erf(pre * 0.7071067811865476))
-    dpre = dy * (cdf + pre * exp(-0.5 * pre * pre) * 0.3989422804014327)
+    dpre = dy * gelu_grad(pre)
     return {"D": dpre, "db": dpre}   # dGELU of an incoming gradient, and its bias gradient
 ''',
     "layernorm": '''
@@ -231,7 +230,9 @@ def render() -> str:
     for m in VOCABULARY:
         args = ", ".join("xyz"[i] for i in range(m.arity)) if m.name != "where" else "cond, a, b"
         out += [f"- `{m.name}({args})`: {m.__doc__} Example: `{m.example}`"]
-    out += ["- `unpack(pair) -> (a, b)`, `pack(a, b) -> pair`: lanes of adjacent columns.", ""]
+    out += ["- `unpack(pair) -> (a, b)`, `pack(a, b) -> pair`: lanes of adjacent columns.", "",
+            "The `*_grad` functions are the activations' derivatives, for backward epilogues: "
+            "`dpre = dy * gelu_grad(pre)` rather than a derivative written out by hand.", ""]
     out += ["## Auxiliary kernels and layout helpers (in forward/backward)", ""]
     for fn in aux.AUX_KERNELS:
         out += [f"- `{_sig(fn)}`: {_doc(fn)}"]

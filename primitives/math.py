@@ -29,6 +29,12 @@ exactly the values a 16-bit output keeps;
 ``sin``/``cos`` reduce the angle by 2*pi first (RoPE angles reach 1e5 rad)
 and then use the fast versions, avoiding the precise versions' local-memory
 slow path.
+
+The activations' derivatives (``sigmoid_grad``, ``silu_grad``, ``tanh_grad``,
+``gelu_tanh_grad``, ``gelu_grad``) are composites (:func:`_composite`): one
+Python function of the vocabulary above, run by both lowerings as it is, so
+each is exactly as precise as its parts and has no lowering of its own.
+tests/test_primitives_grads.py holds them to ``torch.autograd``.
 """
 
 from __future__ import annotations
@@ -43,7 +49,9 @@ from .pair import Pair
 from .version import CATALOGUE_VERSION
 
 _GELU_C = _m.sqrt(2.0 / _m.pi)
+_GELU_CUBIC = 0.044715  # the tanh approximation's cubic coefficient
 _SQRT_HALF = _m.sqrt(0.5)
+_INV_SQRT_2PI = 1.0 / _m.sqrt(2.0 * _m.pi)  # the standard normal density at 0
 
 
 def _is_tensor(args: tuple) -> bool:
@@ -136,11 +144,11 @@ def _binary_torch(fn: Callable) -> Callable:
 
 
 def _gelu_torch(x: torch.Tensor) -> torch.Tensor:
-    return 0.5 * x * (1.0 + torch.tanh(_GELU_C * (x + 0.044715 * x * x * x)))
+    return 0.5 * x * (1.0 + torch.tanh(_GELU_C * (x + _GELU_CUBIC * x * x * x)))
 
 
 def _gelu_cute(x: Any) -> Any:
-    return 0.5 * x * (1.0 + _cm().math.tanh(_GELU_C * (x + 0.044715 * x * x * x), fastmath=True))
+    return 0.5 * x * (1.0 + _cm().math.tanh(_GELU_C * (x + _GELU_CUBIC * x * x * x), fastmath=True))
 
 
 def _erf_cute(x: Any) -> Any:
@@ -226,5 +234,62 @@ where = MathFn("where", 3, _where_torch, _where_cute,
 fma = MathFn("fma", 3, lambda a, b, c: a * b + c, lambda a, b, c: _f32(a) * b + c,
              "a * b + c.", "fma(acc, scale, bias)")
 
+
+def _composite(name: str, fn: Callable, doc: str, example: str) -> MathFn:
+    """A function written once in the vocabulary above: both lowerings run ``fn`` itself, and
+    each call in it dispatches on its arguments as usual, so it lowers to what its parts lower
+    to (on the GPU, the parts the GPU tier already holds to the reference) and needs no lowering
+    of its own."""
+    return MathFn(name, 1, fn, fn, doc, example)
+
+
+# The activations' derivatives, for backward epilogues (dx = dy * f_grad(x)).  Each is written
+# here once because a derivative derived by hand in every program is where wrong backward
+# passes come from.  Each form stays finite at large |x|: a factor that vanishes there (1 - s,
+# 1 - t, exp(-x*x/2)) multiplies only finite terms (up to |x| ~ 1e19, where gelu_tanh_grad's
+# x*x overflows fp32, as in PyTorch's own backward).  1 - t*t is written (1 - t) * (1 + t):
+# 1 - t is exact for t near 1, so the product carries only t's own rounding, not t*t's too.
+
+def _sigmoid_grad(x: Any) -> Any:
+    s = sigmoid(x)
+    return s * (1.0 - s)
+
+
+def _silu_grad(x: Any) -> Any:
+    s = sigmoid(x)
+    return s * (1.0 + x * (1.0 - s))
+
+
+def _tanh_grad(x: Any) -> Any:
+    t = tanh(x)
+    return (1.0 - t) * (1.0 + t)
+
+
+def _gelu_tanh_grad(x: Any) -> Any:
+    t = tanh(_GELU_C * (x + _GELU_CUBIC * x * x * x))
+    du = _GELU_C * (1.0 + 3.0 * _GELU_CUBIC * x * x)  # d/dx of tanh's argument
+    return 0.5 * (1.0 + t) + 0.5 * x * ((1.0 - t) * (1.0 + t)) * du
+
+
+def _gelu_grad(x: Any) -> Any:
+    return 0.5 * (1.0 + erf(x * _SQRT_HALF)) + x * exp(-0.5 * x * x) * _INV_SQRT_2PI
+
+
+sigmoid_grad = _composite("sigmoid_grad", _sigmoid_grad,
+                          "d/dx sigmoid(x) = s * (1 - s), s = sigmoid(x).", "dy * sigmoid_grad(pre)")
+silu_grad = _composite("silu_grad", _silu_grad,
+                       "d/dx silu(x) = s * (1 + x * (1 - s)), s = sigmoid(x) (dSwiGLU's gate: "
+                       "dg = dy * u * silu_grad(g)).", "dy * u * silu_grad(g)")
+tanh_grad = _composite("tanh_grad", _tanh_grad,
+                       "d/dx tanh(x) = 1 - tanh(x)**2.", "dy * tanh_grad(pre)")
+gelu_tanh_grad = _composite("gelu_tanh_grad", _gelu_tanh_grad,
+                            "d/dx gelu_tanh(x) = 0.5 * (1 + t) + 0.5 * x * (1 - t**2) * c * (1 + 3 * 0.044715 "
+                            "* x**2), t = tanh(c * (x + 0.044715 * x**3)), c = sqrt(2 / pi) "
+                            "(the backward of F.gelu(approximate='tanh')).", "dy * gelu_tanh_grad(pre)")
+gelu_grad = _composite("gelu_grad", _gelu_grad,
+                       "d/dx gelu(x) = Phi(x) + x * phi(x): 0.5 * (1 + erf(x / sqrt(2))) + x * exp(-x**2 / 2) "
+                       "/ sqrt(2 * pi) (the backward of exact F.gelu; GeGLU's gate).", "dy * gelu_grad(pre)")
+
 VOCABULARY: tuple[MathFn, ...] = (exp, exp2, log, rsqrt, sqrt, reciprocal, tanh, sin, cos, sigmoid, silu,
-                                  gelu_tanh, erf, gelu, round_bf16, round_fp16, maximum, minimum, where, fma)
+                                  gelu_tanh, erf, gelu, sigmoid_grad, silu_grad, tanh_grad, gelu_tanh_grad,
+                                  gelu_grad, round_bf16, round_fp16, maximum, minimum, where, fma)

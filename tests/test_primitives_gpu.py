@@ -31,6 +31,13 @@ def vocab(acc):
             "d": maximum(x, 0.25) + minimum(x, -0.25) + where(x > 0.0, x, 0.1 * x),
             "e": sin(x * 100.0) + cos(x * 100.0) + reciprocal(x * x + 1.0)}
 ''',
+    "derivatives": '''
+@epilogue(outputs={"a": "fp32", "b": "fp32"})
+def derivatives(acc, dy: Tile):
+    x = acc * 2.0
+    return {"D": dy * (sigmoid_grad(x) + silu_grad(x)), "a": dy * (tanh_grad(x) + gelu_tanh_grad(x)),
+            "b": dy * gelu_grad(x)}
+''',
     "partials": '''
 @epilogue(reductions={"part": col_sum(partials=True), "mx": col_max()})
 def partials(acc, rstd: ColVec, alpha: Scalar):

@@ -9,7 +9,7 @@ pool) runs back to back for ``--seconds`` after the clock settles (``measure_ste
 SM clock and power sampled meanwhile (``clocks.ClockSampler``).  Per contender: ms per call,
 TFLOPS, median MHz and W, and the energy per call (W x ms) as TFLOP per joule.
 
-The shapes are the 1B step's (``train_step.CONFIGS``: T = 16384 tokens, the LM head in chunks of
+The shapes are the 1B step's (``train_models.CONFIGS``: T = 16384 tokens, the LM head in chunks of
 1024 rows) with the operand layouts the step gives them: forward ``x @ W^T`` (both operands
 K-major), the input gradients ``dY @ W`` (B N-major) and the weight gradients ``dY^T @ X`` (A
 M-major).  Fresh random inputs (never zeros), the same tensors for every contender of a shape.

@@ -1,15 +1,16 @@
-"""A LLaMA-3-style training step (forward, backward, AdamW) for every contender, on the H200.
+"""A training step (forward, backward, AdamW) of a LLaMA-3 or GPT-2 model for every contender, on the H200.
 
 The question a training team asks: does the step get shorter, and does it fit
-in memory?  Each contender trains the same transformers ``LlamaForCausalLM``
-(built from a config, no download; bf16 master weights; attention through
-SDPA's flash kernel, see :func:`register_causal_sdpa`) on the same tokens:
+in memory?  Each contender trains the same transformers model of a config
+(``bench/train_models.py``: ``LlamaForCausalLM`` or ``GPT2LMHeadModel``, built from
+a config, no download; bf16 master weights; attention through SDPA's flash
+kernel, see ``train_models.register_causal_sdpa``) on the same tokens:
 
 - ``eager``: plain PyTorch;  ``compile``: ``torch.compile(model)``;
 - ``liger``: Liger's kernels (``apply_liger_kernel_to_llama``: RoPE, RMSNorm,
   SwiGLU, fused linear cross-entropy), eager;  ``compile_liger``: the same, compiled;
-- ``coda``: ``coda_agent.apply_to_llama(model)``, compiled around the custom
-  ops;  ``coda_eager``: the same, not compiled;
+- ``coda``: ``coda_agent.apply_to_llama(model)`` (``apply_to_gpt2`` for GPT-2),
+  compiled around the custom ops;  ``coda_eager``: the same, not compiled;
 - ``coda_fp8``: ``apply_to_llama(model, fp8_mlp=True)`` (the MLP blocks' six
   GEMMs in fp8), compiled;  ``compile_torchao_fp8``: torchao's float8 training
   (rowwise scales, every linear but the LM head), compiled: the fp8 anchor.
@@ -20,9 +21,12 @@ graph), the configuration a user picks when the host's launches show in a step; 
 records how many graphs inductor could not capture (``cudagraph_skips``).  Every row records
 ``host_ms``, the host's time to issue a step, beside the step's device time.
 
-Configs: ``1b`` (LLaMA-3.2-1B widths: H 2048, I 8192, 32/8 heads of 64,
-V 128256, 4 layers) and ``8b`` (LLaMA-3-8B widths: H 4096, I 14336, 32/8 heads
-of 128, 2 layers), both 4 x 4096 tokens a step.  Per contender: tokens/s and
+Configs (``train_models.CONFIGS``, where the sizes are argued): ``1b`` (LLaMA-3.2-1B
+widths, 4 layers) and ``8b`` (LLaMA-3-8B widths, 2 layers), 4 x 4096 tokens a step;
+``gpt2-xl`` (GPT-2 XL widths, 6 layers) and ``gpt2-7b`` (H 4096, I 16384, 2 layers),
+16 x 1024 tokens a step.  A contender a family cannot run (Liger and torchao's float8
+on GPT-2: no patch, Conv1D projections; CODA fp8 on GPT-2: no fp8 MLP) is not run
+and is recorded as skipped, with the reason.  Per contender: tokens/s and
 ms/step (median of the timed steps, CUDA events), peak memory, the compile
 (first-step) time, the SM clock, and one profiled step split by kernel into
 GEMM / attention / other, with the time inside CODA's catalogue launches (the
@@ -45,7 +49,7 @@ nothing else (``forkserver``: the imports are some seconds of every
 measurement otherwise).  The driver runs them in priority order within
 ``--budget-s`` (default 360 s, compile warm-ups included), skips what no longer
 fits (recorded as skipped), and rewrites ``OUT/train_step.json`` after each.
-``--dry-run`` runs the plumbing on CPU at a tiny config (reference lowering;
+``--dry-run`` runs the plumbing on CPU at its family's tiny config (reference lowering;
 "compiled" contenders through AOTAutograd without code generation; Liger
 skipped), which CI tests.
 
@@ -76,21 +80,10 @@ from coda_agent.storage import write_atomic
 sys.path.insert(0, str(Path(__file__).parent))
 import loss_curve  # noqa: E402
 from step_profile import split_step  # noqa: E402
+from train_models import build, family_of, refusal  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
-CONFIGS: dict[str, dict[str, Any]] = {
-    "1b": dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=8,
-               head_dim=64, vocab_size=128256, num_hidden_layers=4, batch=4, seq=4096),
-    "8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
-               head_dim=128, vocab_size=128256, num_hidden_layers=2, batch=4, seq=4096),
-    "curve": dict(hidden_size=512, intermediate_size=1408, num_attention_heads=8, num_key_value_heads=4,
-                  head_dim=64, vocab_size=256, num_hidden_layers=4, batch=8, seq=256),
-    "mini": dict(hidden_size=128, intermediate_size=384, num_attention_heads=4, num_key_value_heads=2,
-                 head_dim=32, vocab_size=256, num_hidden_layers=2, batch=8, seq=128),  # a CPU's curve
-    "tiny": dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
-                 head_dim=32, vocab_size=512, num_hidden_layers=2, batch=2, seq=32),
-}
 CONTENDERS = ("eager", "compile", "liger", "compile_liger", "coda", "coda_eager", "coda_fp8", "compile_torchao_fp8")
 COMPILED = ("compile", "compile_liger", "coda", "coda_fp8", "compile_torchao_fp8")
 CUDA_ONLY = ("liger", "torchao")  # Liger's kernels are Triton, torchao's float8 GEMMs are _scaled_mm
@@ -100,45 +93,22 @@ CUDA_ONLY = ("liger", "torchao")  # Liger's kernels are Triton, torchao's float8
 PLAN = [("1b", "compile"), ("1b", "coda"), ("8b", "compile"), ("8b", "coda"), ("1b", "compile_liger"),
         ("8b", "compile_liger"), ("1b", "eager"), ("8b", "eager"), ("curve", "curve"),
         ("8b", "compile_torchao_fp8"), ("8b", "coda_fp8"), ("1b", "compile_torchao_fp8"), ("1b", "coda_fp8"),
-        ("1b", "liger"), ("8b", "liger"), ("1b", "coda_eager"), ("8b", "coda_eager")]
+        ("1b", "liger"), ("8b", "liger"), ("1b", "coda_eager"), ("8b", "coda_eager"),
+        # GPT-2's rows in the same order (the contenders its family refuses are never planned)
+        ("gpt2-xl", "compile"), ("gpt2-xl", "coda"), ("gpt2-7b", "compile"), ("gpt2-7b", "coda"),
+        ("gpt2-xl", "eager"), ("gpt2-7b", "eager"), ("gpt2-xl", "coda_eager"), ("gpt2-7b", "coda_eager")]
+MEASURED = tuple(dict.fromkeys(c for c, k in PLAN if k != "curve"))
 
 
-CAUSAL_SDPA = "sdpa_causal"
-
-
-def register_causal_sdpa() -> str:
-    """An attention implementation for unpadded causal training: transformers' SDPA
-    attention with no mask, so SDPA's ``is_causal`` picks the flash kernel.  Under
-    ``torch.compile`` transformers' own "sdpa" materializes the causal mask (it cannot
-    prove, while tracing, that no token is padded), and with an explicit mask SDPA runs
-    its memory-efficient kernel instead: a 1B step's attention took 34.7 ms compiled
-    against 10.8 ms eager (bench/results/h200-2026-12-01/train).  Every contender of this
-    benchmark uses it, so they differ only in what the comparison is about."""
-    from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.masking_utils import AttentionMaskInterface
-
-    AttentionInterface.register(CAUSAL_SDPA, sdpa_attention_forward)
-    AttentionMaskInterface.register(CAUSAL_SDPA, lambda *args, **kwargs: None)
-    return CAUSAL_SDPA
-
-
-def build(name: str, device: str, dtype: torch.dtype, seed: int = 0) -> tuple[Any, int, int]:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    c = dict(CONFIGS[name])
-    batch, seq = c.pop("batch"), c.pop("seq")
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(**c, max_position_embeddings=max(seq, 8192), rope_theta=500000.0, rms_norm_eps=1e-5,
-                      tie_word_embeddings=False, attn_implementation=register_causal_sdpa())
-    return LlamaForCausalLM(cfg).to(device=device, dtype=dtype), batch, seq
-
-
-def prepare(model: Any, contender: str, device: str, xent_mib: int = 0, compile_mode: str = "default") -> Any:
-    """Patch and/or compile ``model`` for one contender (the optimizer is built afterwards);
+def prepare(model: Any, config: str, contender: str, device: str, xent_mib: int = 0,
+            compile_mode: str = "default") -> Any:
+    """Patch and/or compile ``model`` (of ``config``) for one contender (the optimizer is built afterwards);
     ``xent_mib``: the LM-head kernel's logits chunk, if not the expert's (:func:`xent_variant`);
     ``compile_mode``: torch.compile's mode for the compiled contenders (``reduce-overhead``
     replays each compiled graph as a CUDA graph, so the host launches nothing inside it)."""
+    why = refusal(config, contender)
+    if why:  # the driver never plans it; a direct call must not time something else under its name
+        raise SystemExit(why)
     if "liger" in contender:
         from liger_kernel.transformers import apply_liger_kernel_to_llama
 
@@ -150,10 +120,8 @@ def prepare(model: Any, contender: str, device: str, xent_mib: int = 0, compile_
         convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("rowwise"),
                                    module_filter_fn=lambda module, fqn: fqn != "lm_head")
     if contender.startswith("coda"):
-        import coda_agent
-
         kernels = {"lm_head_xent": xent_variant(xent_mib)} if xent_mib else None
-        coda_agent.apply_to_llama(model, fp8_mlp=contender == "coda_fp8", kernels=kernels)
+        family_of(config).patch(model, contender == "coda_fp8", kernels)
     if contender in COMPILED:
         mode = None if compile_mode == "default" or device != "cuda" else compile_mode
         model = torch.compile(model, backend="inductor" if device == "cuda" else "aot_eager", mode=mode)
@@ -185,7 +153,7 @@ def measure(config: str, contender: str, steps: int, warmup: int, device: str, t
     ``host_ms`` is the median time the host spends issuing a timed step: a step whose host time
     reaches its device time is bound by the host, and faster kernels do not shorten it."""
     model, batch, seq = build(config, device, torch.bfloat16)
-    model = prepare(model, contender, device, xent_mib, compile_mode)
+    model = prepare(model, config, contender, device, xent_mib, compile_mode)
     graphs = compile_mode == "reduce-overhead" and device == "cuda" and contender in COMPILED
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
     gen = torch.Generator(device=device).manual_seed(1)
@@ -281,7 +249,7 @@ def child(args: argparse.Namespace, device: str, name: str) -> None:
     if tune is not None:  # this run's winners only: a cache from an earlier run (another pool) would answer
         os.environ["CODA_CACHE_DIR"] = str(out / "cache")
     with plain_gemms(args.plain_gemms):
-        row = measure("tiny" if args.dry_run else config, contender, args.steps, args.warmup, device, tune,
+        row = measure(family_of(config).tiny if args.dry_run else config, contender, args.steps, args.warmup, device, tune,
                       args.xent_mib, args.tune_pool, args.compile_mode)
     if contender.startswith("coda"):
         row.update({"xent_mib": args.xent_mib or None, "plain_gemms": args.plain_gemms})
@@ -320,10 +288,13 @@ def drive(args: argparse.Namespace, device: str) -> int:
     wanted = set(filter(None, args.contenders.split(","))) or set(CONTENDERS) | {"curve"}
     configs = set(filter(None, args.configs.split(",")))
     plan = [(c, k) for c, k in PLAN if k in wanted and (c in configs or k == "curve")]
+    # What a config's family cannot run is said, not silently dropped (PLAN never lists it).
+    refused = [{"run": f"{c}:{k}", "why": why} for c in MEASURED if c in configs for k in CONTENDERS
+               if k in wanted and (why := refusal(c, k))]
     if device != "cuda":
         plan = [(c, k) for c, k in plan if not any(lib in k for lib in CUDA_ONLY)]
     results: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "device": device, "budget_s": args.budget_s,
-                               "steps": args.steps, "warmup": args.warmup, "rows": [], "skipped": []}
+                               "steps": args.steps, "warmup": args.warmup, "rows": [], "skipped": refused}
     if device == "cuda":
         results["gpu"] = torch.cuda.get_device_name(0)
     deadline = time.time() + args.budget_s
@@ -332,7 +303,7 @@ def drive(args: argparse.Namespace, device: str) -> int:
     # process whose imports touched CUDA cannot initialise CUDA again.
     ctx = multiprocessing.get_context("spawn" if device == "cuda" else "forkserver")
     if device != "cuda":
-        ctx.set_forkserver_preload(["torch", "transformers", "coda_agent.kernels.llama"])
+        ctx.set_forkserver_preload(["torch", "transformers", "coda_agent.kernels.llama", "coda_agent.kernels.gpt2"])
     from clocks import ClockSampler
 
     with ClockSampler() if device == "cuda" else contextlib.nullcontext() as sampler:
@@ -366,7 +337,7 @@ def drive(args: argparse.Namespace, device: str) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "train-step"))
-    ap.add_argument("--configs", default="1b,8b", help="of 1b, 8b")
+    ap.add_argument("--configs", default="1b,8b", help=f"comma-separated of {', '.join(MEASURED)}")
     ap.add_argument("--contenders", default="", help=f"comma-separated of {', '.join(CONTENDERS)}, curve "
                                                        "(default: all)")
     ap.add_argument("--budget-s", type=float, default=360.0, help="wall-clock budget of the whole run")
@@ -391,6 +362,9 @@ def main() -> int:
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny config, reference lowering: the plumbing")
     ap.add_argument("--plot", metavar="DIR", help="draw DIR/loss_curve.json to DIR/loss_curve.png and exit")
     args = ap.parse_args()
+    unknown = sorted(set(filter(None, args.configs.split(","))) - set(MEASURED))
+    if unknown:  # a misspelt config would otherwise measure nothing and say so only by an empty table
+        ap.error(f"--configs: no config {', '.join(unknown)}; the step measures {', '.join(MEASURED)}")
     if args.tune_steady < 0 or args.xent_mib < 0:
         ap.error("--tune-steady and --xent-mib take positive numbers (0: off)")
     if args.plot:

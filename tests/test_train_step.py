@@ -18,6 +18,7 @@ sys.path.insert(0, str(SCRIPT.parent))
 
 import loss_curve  # noqa: E402
 import step_profile  # noqa: E402
+import train_models  # noqa: E402
 import train_step  # noqa: E402
 
 
@@ -106,10 +107,11 @@ def test_the_curves_data_is_fixed_text():
     assert sum(ch.isascii() for ch in text) > 0.9 * len(text)  # Python source, not noise
 
 
-def test_compiled_contenders_reach_sdpa_without_a_mask(monkeypatch):
+@pytest.mark.parametrize("config", ["tiny", "gpt2-tiny"])
+def test_compiled_contenders_reach_sdpa_without_a_mask(monkeypatch, config):
     """Under torch.compile, transformers' "sdpa" passes an explicit causal mask (which rules
     out the flash kernel); the benchmark's attention passes none and asks for is_causal,
-    with the same logits."""
+    with the same logits, in both families."""
     import torch
     import torch.nn.functional as F
 
@@ -120,7 +122,7 @@ def test_compiled_contenders_reach_sdpa_without_a_mask(monkeypatch):
         seen.append((kwargs.get("attn_mask") is None, kwargs.get("is_causal")))
         return sdpa(*args, **kwargs)
 
-    model, _, _ = train_step.build("tiny", "cpu", torch.float32)
+    model, _, _ = train_models.build(config, "cpu", torch.float32)
     ids = torch.randint(0, model.config.vocab_size, (2, 16))
     eager = model(input_ids=ids).logits
     monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
@@ -128,8 +130,8 @@ def test_compiled_contenders_reach_sdpa_without_a_mask(monkeypatch):
     assert seen and all(s == (True, True) for s in seen), seen
     torch.testing.assert_close(compiled, eager)
     monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa)
-    monkeypatch.setattr(train_step, "register_causal_sdpa", lambda: "sdpa")
-    masked = train_step.build("tiny", "cpu", torch.float32)[0]  # the same seed: the same weights
+    monkeypatch.setattr(train_models, "register_causal_sdpa", lambda: "sdpa")
+    masked = train_models.build(config, "cpu", torch.float32)[0]  # the same seed: the same weights
     assert masked.config._attn_implementation == "sdpa"
     torch.testing.assert_close(masked(input_ids=ids).logits, eager)
 
@@ -142,3 +144,78 @@ def test_idle_gaps_are_what_no_kernel_covers():
     assert idle["ms"] == 1.105 and idle["gaps"] == 2 and idle["ms_in_gaps"] == 1.1
     assert idle["longest"] == [{"us": 1000.0, "after": "d", "before": "e"}]
     assert step_profile.idle_gaps([])["ms"] == 0.0
+
+
+# --------------------------------------------------------------------------- GPT-2
+
+
+GPT2_REFUSED = {"liger", "compile_liger", "coda_fp8", "compile_torchao_fp8"}
+
+
+@pytest.mark.parametrize("config, width, inner, heads, layers", [("gpt2-xl", 1600, 6400, 25, 6),
+                                                                 ("gpt2-7b", 4096, 16384, 32, 2)])
+def test_the_gpt2_configs_build_and_coda_patches_them(config, width, inner, heads, layers):
+    """Each GPT-2 config builds the suite's shape (on the meta device: no memory, no init) as a
+    model apply_to_gpt2 takes: the CODA contender patches it, with the tanh GELU's MLP kernel,
+    and the compile contender leaves it HF's."""
+    from transformers import GPT2LMHeadModel
+
+    with torch.device("meta"):
+        model, batch, seq = train_models.build(config, "meta", torch.bfloat16)
+    cfg = model.config
+    assert type(model) is GPT2LMHeadModel and batch * seq == 16384 and seq <= cfg.n_positions
+    assert (cfg.n_embd, cfg.n_inner, cfg.n_head, cfg.n_layer, cfg.vocab_size) == (width, inner, heads, layers, 50304)
+    assert (cfg.activation_function, cfg.resid_pdrop, cfg._attn_implementation) == ("gelu_new", 0.0, "sdpa_causal")
+    assert model.lm_head.weight is model.transformer.wte.weight
+    compiled = train_step.prepare(model, config, "compile", "cpu")
+    assert not hasattr(compiled._orig_mod.transformer, "coda_flags")
+    with torch.device("meta"):
+        model = train_models.build(config, "meta", torch.bfloat16)[0]
+    patched = train_step.prepare(model, config, "coda", "cpu")
+    assert patched._orig_mod.transformer.coda_flags == {"layer_norm": True, "mlp": True, "gelu": "tanh",
+                                                        "fused_linear_cross_entropy": True}
+    for contender in train_step.CONTENDERS:
+        assert (train_models.refusal(config, contender) is None) == (contender not in GPT2_REFUSED), contender
+        assert train_models.refusal("8b", contender) is None
+
+
+def test_prepare_refuses_liger_on_gpt2_by_name():
+    """A Liger row on GPT-2 would time HF's GPT-2 under Liger's name: prepare stops instead."""
+    model, _, _ = train_models.build("gpt2-tiny", "cpu", torch.bfloat16)
+    with pytest.raises(SystemExit, match="compile_liger does not run at gpt2-tiny: Liger has no GPT-2 patch"):
+        train_step.prepare(model, "gpt2-tiny", "compile_liger", "cpu")
+    with pytest.raises(SystemExit, match="apply_to_gpt2 has no fp8 MLP"):
+        train_step.prepare(model, "gpt2-tiny", "coda_fp8", "cpu")
+    assert not hasattr(model.transformer, "coda_flags")
+
+
+def test_gpt2_dry_run_times_each_contender_and_says_what_it_refuses(tmp_path):
+    """One step of each GPT-2 contender at the family's tiny config, as the H200 runs them; the
+    contenders GPT-2 cannot run are skipped with the reason, on the CPU too (where Liger's rows
+    would otherwise drop out as CUDA-only without a word)."""
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(tmp_path), "--configs", "gpt2-7b",
+                           "--contenders", ",".join(train_step.CONTENDERS), "--steps", "1", "--warmup", "0"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads((tmp_path / "train_step.json").read_text())
+    rows = {r["contender"]: r for r in result["rows"]}
+    assert list(rows) == ["compile", "coda", "eager", "coda_eager"], result["rows"]
+    assert all("error" not in r and r["config"] == "gpt2-7b" and r["ms"] > 0 for r in rows.values()), rows
+    assert rows["compile"]["graph_breaks"] == 0 and rows["coda"]["graph_breaks"] == 0
+    # the GPT-2 suite's kernels ran, once a layer (two layers), in both CODA rows and in no other
+    for name in ("coda", "coda_eager"):
+        launches = rows[name]["where"]["coda_launches"]
+        assert launches["coda::gemm::ln_fc_gelu"]["calls"] == 2 and launches["coda::gemm::ln_rank1"]["calls"] == 2
+        assert launches["coda::gemm::logits_lse"]["calls"] >= 1, launches
+    assert rows["compile"]["where"]["coda_launches"] == rows["eager"]["where"]["coda_launches"] == {}
+    skipped = {s["run"]: s["why"] for s in result["skipped"]}
+    assert set(skipped) == {f"gpt2-7b:{k}" for k in GPT2_REFUSED}, skipped
+    assert "Liger has no GPT-2 patch" in skipped["gpt2-7b:compile_liger"]
+    assert "Conv1D" in skipped["gpt2-7b:compile_torchao_fp8"]
+
+
+def test_an_unknown_config_is_refused_by_name(bench_main, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        bench_main("train_step", "--dry-run", "--out", tmp_path, "--configs", "gpt2-xl,gpt2-8b")
+    err = capsys.readouterr().err
+    assert "--configs: no config gpt2-8b; the step measures 1b, 8b, gpt2-xl, gpt2-7b" in err, err

@@ -6,8 +6,8 @@ when the profiler sees a device launch outside every catalogue range: that is ho
 of the program's own shows.  So the catalogue's own device work (a pass's zero operands, a
 ``select``'s pre-fill, the poisoning of a dead ``out``) must run inside a range, or an honest
 expert fails the audit on the H200 (llama3_block did, run 22: the tile pass's per-call zeros).
-This test runs every suite's expert forward and backward on the CPU under the profiler and
-lists the ATen ops that ran outside every ``coda::`` range: only allocation, views and
+This test runs every suite's expert (and the user-written blocks of ``tests/tasks/families``)
+forward and backward on the CPU under the profiler and lists the ATen ops that ran outside every ``coda::`` range: only allocation, views and
 metadata, which launch nothing on a device, may.
 """
 
@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import pytest
 from torch.profiler import ProfilerActivity, profile
+
+from pathlib import Path
 
 from coda_agent.tasks import SUITES, load_task
 
@@ -48,11 +50,18 @@ def launches_outside_ranges(events) -> set[str]:
     return out
 
 
-@pytest.mark.parametrize("suite,name", EXPERTS, ids=[f"{s}/{n}" for s, n in EXPERTS])
-def test_expert_runs_only_inside_catalogue_ranges(suite, name):
-    t = load_task(FOLDERS[suite] / f"{name}.yaml")
+# Blocks of other models, written as a user writes them (tests/test_other_families.py): programs
+# that reach parts of the catalogue the experts do not (layernorm_stats, normalize_rows, select).
+USER_TASKS = sorted((Path(__file__).parent / "tasks" / "families").glob("*/*.yaml"))
+
+
+@pytest.mark.parametrize("task", [*(FOLDERS[s] / f"{n}.yaml" for s, n in EXPERTS), *USER_TASKS],
+                         ids=[*(f"{s}/{n}" for s, n in EXPERTS), *(f"user/{t.stem}" for t in USER_TASKS)])
+def test_program_runs_only_inside_catalogue_ranges(task):
+    t = load_task(task)
     inputs, grads = draw(t, "small", seed=3)
-    mod = load_expert(t)
+    program = task.with_name(f"{task.stem}_program.py")
+    mod = load_expert(t, program.read_text() if program.is_file() else None)
     run_program(t, mod, inputs, grads)  # once outside the profile: first-call set-up
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         run_program(t, mod, inputs, grads)

@@ -5,10 +5,10 @@ On the GPU the verifier's launch audit (``verifier/program.py``, ``profile``) re
 when the profiler sees a device launch outside every catalogue range: that is how PyTorch compute
 of the program's own shows.  So the catalogue's own device work (a pass's zero operands, a
 ``select``'s pre-fill, the poisoning of a dead ``out``) must run inside a range, or an honest
-expert fails the audit on the H200 (llama3_block did, run 22: the tile pass's per-call zeros).
+expert fails the audit on the H200 (BENCHMARKS run 22: a tile pass's zero operands did).
 This test runs every suite's expert (and the user-written blocks of ``tests/tasks/families``)
-forward and backward on the CPU under the profiler and lists the ATen ops that ran outside every ``coda::`` range: only allocation, views and
-metadata, which launch nothing on a device, may.
+forward and backward on the CPU under the profiler and lists the ATen ops that ran outside every
+``coda::`` range: only allocation, views and metadata, which launch nothing on a device, may.
 """
 
 from __future__ import annotations

@@ -214,16 +214,15 @@ def gpt2_architecture(model: nn.Module, keep_mlp: bool = False) -> tuple[nn.Modu
     return base, causal_lm
 
 
-_PROBE = torch.linspace(-6.0, 6.0, 241, dtype=torch.float64)
-_GELUS = {"exact": F.gelu(_PROBE), "tanh": F.gelu(_PROBE, approximate="tanh")}
-
-
 def gelu_form(act: nn.Module) -> str | None:
     """Which GELU an activation module computes, "exact" or "tanh", probed in fp64 (HF writes
-    the tanh form three ways: gelu_new, gelu_pytorch_tanh, gelu_fast); None: neither."""
+    the tanh form three ways: gelu_new, gelu_pytorch_tanh, gelu_fast); None: neither.  The probe
+    is made per call: the package keeps no tensor between calls (tests/test_cuda_graphs.py)."""
+    probe = torch.linspace(-6.0, 6.0, 241, dtype=torch.float64)
+    gelus = {"exact": F.gelu(probe), "tanh": F.gelu(probe, approximate="tanh")}
     with torch.no_grad():
-        got = act(_PROBE.clone())
-    return next((k for k, want in _GELUS.items() if torch.allclose(got, want, rtol=0, atol=1e-9)), None)
+        got = act(probe.clone())
+    return next((k for k, want in gelus.items() if torch.allclose(got, want, rtol=0, atol=1e-9)), None)
 
 
 def check_gpt2(model: nn.Module, base: nn.Module, mlp: bool, xent: bool) -> str | None:

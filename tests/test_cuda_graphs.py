@@ -108,9 +108,20 @@ def test_the_catalogue_keeps_no_tensor_between_calls():
     that is the graphs' pool, whose every live block must be a graph output (the GPU test
     below runs that case).  The experts run here on the CPU, through every shared code path
     but the cute lowering's launch."""
+    import importlib
+    import pkgutil
+
     from suite_checks import run_program
 
+    import coda_agent.kernels
+    import coda_agent.primitives
     from coda_agent.primitives import lowering
+
+    # Every module of the folders a training step imports, whether or not an earlier test did:
+    # a module-level tensor anywhere there (the drop-ins' included) lives across calls.
+    for package in (coda_agent.primitives, coda_agent.kernels):
+        for info in pkgutil.iter_modules(package.__path__, package.__name__ + "."):
+            importlib.import_module(info.name)
 
     for suite, name in [*BLOCKS, ("gpt2", "ln_qkv"), ("gpt2", "gelu_bwd")]:
         t = _task(suite, name)

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from coda_agent.agent.protocols import CodaError
 from coda_agent.kernels import Kernel
+from coda_agent.kernels.source import why_not_final
 from coda_agent.storage import write_atomic, write_json
 
 from .review import CPU_ONLY_BANNER, candidate
@@ -71,6 +72,8 @@ def module_name(task: str) -> str:
 
 def export(run: Path, to: Path, allow_cpu_only: bool = False) -> Path:
     c = candidate(run)
+    if c is None and (why := why_not_final(run)):
+        raise CodaError(f"{run}: nothing to export: {why}; verify the program again (coda-agent verify)")
     if c is None:
         raise CodaError(f"{run}: nothing to export: no accepted/ program (nor a cpu_passed best/) in this "
                         "trajectory directory (give runs/.../ or runs/batch-.../<task>/sample-<i>/)")

@@ -8,16 +8,28 @@ beside it (one level up for ``sample-i/``), and the catalogue version the
 program was verified against is in its attempt's ``report.json``
 (``versions.catalogue``).  ``eval/review.py`` reads the same files through
 :func:`final_program` and :func:`task_file`.
+
+``result.json`` only points at the final attempt; what backs a final program is
+that attempt's ``report.json`` (:func:`unbacked`): the program's sha256, the
+outcome its folder claims, the task, and for ``best/`` the CPU stages that ran.
+A verdict of a ``--stages`` subset (``verify --stages static`` is
+``cpu_passed``: every stage that ran passed) and a program edited after its
+verdict are then nothing to review, export or load.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
 from .kernel import Kernel, KernelError
 
 CPU_ONLY = "NOT ACCEPTED: CPU stages only (no GPU ran correctness, launch audit or performance)"
+# The stages a final program's report must show passed: the reference stage is the only check of
+# correctness a cpu_passed verdict has, and the static stage's rules are all that holds the program
+# in the process that loads the kernel (a training run has no runner around it).
+CPU_CHECKS = ("static", "reference")
 
 
 def final_program(trajectory: Path) -> tuple[str, dict] | None:
@@ -27,15 +39,68 @@ def final_program(trajectory: Path) -> tuple[str, dict] | None:
         return None
     result = json.loads(rf.read_text())
     if result.get("accepted") and (trajectory / "accepted" / "program.py").is_file():
-        return "accepted", result
-    if result.get("best_outcome") == "cpu_passed" and (trajectory / "best" / "program.py").is_file():
-        return "best", result
+        found = "accepted", result
+    elif result.get("best_outcome") == "cpu_passed" and (trajectory / "best" / "program.py").is_file():
+        found = "best", result
+    else:
+        return None
+    return None if unbacked(trajectory, *found) else found
+
+
+def unbacked(trajectory: Path, kind: str, result: dict) -> str | None:
+    """Why the final attempt's report does not back ``<kind>/program.py``, or None when it does.
+
+    Files a run directory holds are trusted only as far as they agree: the report is what the
+    verifier said about one program (its sha256) of one task, so a program edited after its
+    verdict, a result.json pointing at another attempt, or a verdict that skipped the checks of
+    correctness (a ``--stages`` subset) backs nothing."""
+    attempt = result.get("best_attempt")
+    try:
+        report = json.loads((trajectory / "attempts" / f"{int(attempt):02d}" / "report.json").read_text())
+        program = (trajectory / kind / "program.py").read_text()
+        stages = {s["name"]: s["status"] for s in report["stages"]}
+        outcome, sha, task_name = report["outcome"], report["program_sha256"], report["task"]
+    except (OSError, ValueError, TypeError, KeyError):
+        return f"the report of attempt {attempt} is missing or unreadable"
+    want = "accepted" if kind == "accepted" else "cpu_passed"
+    if outcome != want:
+        return f"{kind}/ holds a program, but the report of attempt {attempt} says {outcome}, not {want}"
+    if sha != hashlib.sha256(program.encode()).hexdigest():
+        return f"{kind}/program.py is not the program attempt {attempt} judged (it changed since its verdict)"
+    skipped = [s for s in CPU_CHECKS if stages.get(s) != "passed"]
+    if skipped:
+        return (f"the verdict of attempt {attempt} never passed the {', '.join(skipped)} stage "
+                f"({', '.join(f'{k} {v}' for k, v in stages.items())}): a check of a stage subset backs no kernel")
+    task = task_file(trajectory)
+    named = _task_name(task) if task is not None else None
+    if named != task_name:
+        return f"the report judged task {task_name!r}, but the run's task.yaml is {named!r}"
     return None
+
+
+def _task_name(path: Path) -> str | None:
+    import yaml
+
+    try:
+        spec = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+    return spec.get("name") if isinstance(spec, dict) else None
 
 
 def task_file(trajectory: Path) -> Path | None:
     """The run's copy of the task YAML: beside the trajectory, or one level up for sample-i/."""
     return next((d / "task.yaml" for d in (trajectory, trajectory.parent) if (d / "task.yaml").is_file()), None)
+
+
+def why_not_final(trajectory: Path) -> str | None:
+    """Why a trajectory that has a final program by its result.json is not backed by its report."""
+    rf = trajectory / "result.json"
+    result = json.loads(rf.read_text()) if rf.is_file() else {}
+    for kind, claimed in (("accepted", result.get("accepted")), ("best", result.get("best_outcome") == "cpu_passed")):
+        if claimed and (trajectory / kind / "program.py").is_file():
+            return unbacked(trajectory, kind, result)
+    return None
 
 
 def _trajectory(path: Path) -> Path:
@@ -60,7 +125,9 @@ def load_kernel(path: str | Path, *, allow_cpu_only: bool = False) -> Kernel:
     traj = _trajectory(Path(path))
     found = final_program(traj)
     if found is None:
-        raise KernelError(f"{traj}: no accepted program (nor a cpu_passed best/) in this trajectory")
+        why = why_not_final(traj)
+        raise KernelError(f"{traj}: " + (f"{why}; verify the program again (coda-agent verify)" if why else
+                                         "no accepted program (nor a cpu_passed best/) in this trajectory"))
     kind, result = found
     if kind == "best" and not allow_cpu_only:
         raise KernelError(f"{traj}: {CPU_ONLY}; loading it needs allow_cpu_only=True (better: verify it on a "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -142,6 +143,40 @@ def test_load_kernel_from_a_run_directory(tmp_path, agent_env):
         load_kernel(run, allow_cpu_only=True)
     with pytest.raises(KernelError, match="no accepted program here"):
         load_kernel(tmp_path)
+    data["versions"]["catalogue"] = CATALOGUE_VERSION
+    report.write_text(json.dumps(data))
+    program = run / "sample-0" / "best" / "program.py"
+    program.write_text(program.read_text() + "# edited after its verdict\n")
+    with pytest.raises(KernelError, match="no accepted program here"):  # the one sample is no final program
+        load_kernel(run, allow_cpu_only=True)
+    with pytest.raises(KernelError, match="not the program attempt 1 judged"):
+        load_kernel(run / "sample-0", allow_cpu_only=True)
+
+
+def test_a_verdict_of_a_stage_subset_backs_no_kernel(tmp_path):
+    """`verify --stages static` is cpu_passed (every stage that ran passed) and writes best/: a
+    program that never met the reference stage must not load, list for review or export."""
+    from verifier_helpers import TASK_PATH
+
+    from coda_agent.agent.verdict import record_verdict
+    from coda_agent.eval.export import export
+    from coda_agent.eval.review import find_candidates
+    from coda_agent.tasks.spec import load_task
+    from coda_agent.verifier import Verifier
+
+    wrong = tmp_path / "zeros.py"
+    wrong.write_text((Path(__file__).parent / "bad_programs" / "wrong" / "returns_zeros.py").read_text())
+    t = load_task(TASK_PATH)
+    verifier = Verifier(stages=["static"], cache=False)
+    report = verifier.check(t, wrong.read_text())
+    assert report.outcome == "cpu_passed"  # the report itself is honest: only static ran
+    run = record_verdict(tmp_path / "runs", t, wrong, wrong.read_text(), report, verifier.config())
+    assert (run / "best" / "program.py").is_file()
+    with pytest.raises(KernelError, match="never passed the reference stage"):
+        load_kernel(run, allow_cpu_only=True)
+    assert find_candidates(tmp_path / "runs") == []
+    with pytest.raises(Exception, match="never passed the reference stage"):
+        export(run, tmp_path / "out", allow_cpu_only=True)
 
 
 @pytest.mark.parametrize("name,kept", [("mlp_block", {"pre", "rstd"}), ("llama3_block", {"h1", "pre", "r1", "r2"})])

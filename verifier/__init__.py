@@ -78,6 +78,22 @@ What each stage guarantees, and what it does not:
   after it answers is caught only by the result checks that race it (CUDA
   gives no cross-process view of another context's queue).
 
+Not guaranteed by any stage, because every check is a finite run of the
+program inside its runner: that it computes the same outside the runner (a
+program can tell its walls, its modules or the judge's call pattern apart and
+be honest only there; the static stage's rules, which an accepted program
+passed, and human review are what hold it in a training run); that state it
+keeps across calls (a counter in a helper's default, a closure cell, an
+attribute on a catalogue object) changes nothing after more calls than a check
+makes; that it is right on inputs unlike the judge's draws (they follow the
+task's declared distributions plus the edge rows, in code its author has read:
+a program that reads its inputs past the ``TorchAudit``, which runs in its own
+runner, can be right only on them).  A Report covers the stages it lists:
+``cpu_passed`` of a ``stages`` subset means every stage that ran passed, so
+what a run directory's verdict backs (``coda_agent.kernels.source.unbacked``:
+the program's sha256, the outcome, the task, the static and reference stages
+passed) is checked before ``review``, ``export`` or ``load_kernel`` trusts it.
+
 Time: the program's running time (``timeout_s``) and each load
 (``load_timeout_s``) are limited by the judge; time spent waiting for the GPU
 lock (:mod:`.gpu_lock`) never counts.  A crash, a hang, a killed judge: each

@@ -86,6 +86,10 @@ def refuse_wrapped(model: Any, patch: str) -> None:
                           f"it: {patch}(model); model = torch.compile(model)")
 
 
+# The modules of GPT-2's decoder stack (``GPT2Model``): how a drop-in tells a GPT-2 from other models.
+GPT2_STACK = ("wte", "wpe", "h", "ln_f")
+
+
 def require_bf16(model: nn.Module, patch: str) -> None:
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
     if dtypes != {torch.bfloat16}:

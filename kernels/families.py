@@ -41,7 +41,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 from transformers.models.seed_oss.modeling_seed_oss import SeedOssAttention, SeedOssMLP
 from transformers.models.smollm3.modeling_smollm3 import SmolLM3Attention
 
-from .dropin import refuse_wrapped, require_bf16
+from .dropin import GPT2_STACK, refuse_wrapped, require_bf16
 from .kernel import KernelError
 
 STATIC_ROPE = ("default", "linear", "llama3")
@@ -233,7 +233,7 @@ def llama_architecture(model: nn.Module, keep_mlp: bool = False) -> tuple[nn.Mod
             hint = (f"; its head is not a causal LM's lm_head: patch its decoder stack, "
                     f"apply_to_llama(model.{inner}), and the head stays HF's")
         elif all(isinstance(getattr(getattr(model, "transformer", model), a, None), nn.Module)
-                 for a in ("wte", "wpe", "h", "ln_f")):  # GPT-2's stack
+                 for a in GPT2_STACK):
             hint = "; it is built like GPT-2: coda_agent.apply_to_gpt2(model) patches those"
         raise KernelError(f"apply_to_llama patches a transformers LlamaForCausalLM or LlamaModel (or a model "
                           f"family built from LLaMA's modules, such as Mistral or Qwen3); got "

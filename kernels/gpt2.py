@@ -81,8 +81,8 @@ from transformers.utils import can_return_tuple
 
 from coda_agent.tasks import SUITES
 
-from .dropin import (PatchedForward, check_slots, refuse_patched, refuse_wrapped, require_bf16, slot_kernel,
-                     suite_kernel)
+from .dropin import (GPT2_STACK, PatchedForward, check_slots, refuse_patched, refuse_wrapped, require_bf16,
+                     slot_kernel, suite_kernel)
 from .families import same_code
 from .kernel import Kernel, KernelError
 from .llama_ops import causal_lm_loss
@@ -92,7 +92,6 @@ GPT2_SUITE = SUITES["gpt2"]
 # The MLP block's task by the GELU the model runs.
 MLP_TASKS = {"exact": "mlp_block", "tanh": "mlp_block_tanh"}
 
-_STACK = ("wte", "wpe", "h", "ln_f")
 _CHILDREN = {"block": frozenset({"ln_1", "attn", "ln_2", "mlp"}),
              "attn": frozenset({"c_attn", "c_proj", "attn_dropout", "resid_dropout"}),
              "mlp": frozenset({"c_fc", "c_proj", "act", "dropout"})}
@@ -154,10 +153,10 @@ def gpt2_architecture(model: nn.Module, keep_mlp: bool = False) -> tuple[nn.Modu
     base = model.transformer if causal_lm else model
 
     def missing(m: Any) -> list[str]:
-        return [a for a in _STACK if not isinstance(getattr(m, a, None), nn.Module)]
+        return [a for a in GPT2_STACK if not isinstance(getattr(m, a, None), nn.Module)]
 
     if missing(base):
-        hint = f"; its decoder stack has no {', '.join(missing(base))} (GPT-2's {', '.join(_STACK)})"
+        hint = f"; its decoder stack has no {', '.join(missing(base))} (GPT-2's {', '.join(GPT2_STACK)})"
         inner = getattr(model, "transformer", None)
         if isinstance(getattr(model, "module", None), nn.Module):  # DataParallel, DistributedDataParallel
             hint = "; it wraps the model (model.module): patch the model itself first, then wrap it"

@@ -32,19 +32,25 @@ CPU_ONLY = "NOT ACCEPTED: CPU stages only (no GPU ran correctness, launch audit 
 CPU_CHECKS = ("static", "reference")
 
 
-def final_program(trajectory: Path) -> tuple[str, dict] | None:
-    """("accepted" | "best", result.json) of a trajectory directory, or None when it has neither."""
+def _claimed(trajectory: Path) -> tuple[str, dict] | None:
+    """("accepted" | "best", result.json) that a trajectory's result.json claims a program for, or
+    None when it claims neither (whether the claim is backed: :func:`unbacked`)."""
     rf = trajectory / "result.json"
     if not rf.is_file():
         return None
     result = json.loads(rf.read_text())
     if result.get("accepted") and (trajectory / "accepted" / "program.py").is_file():
-        found = "accepted", result
-    elif result.get("best_outcome") == "cpu_passed" and (trajectory / "best" / "program.py").is_file():
-        found = "best", result
-    else:
-        return None
-    return None if unbacked(trajectory, *found) else found
+        return "accepted", result
+    if result.get("best_outcome") == "cpu_passed" and (trajectory / "best" / "program.py").is_file():
+        return "best", result
+    return None
+
+
+def final_program(trajectory: Path) -> tuple[str, dict] | None:
+    """("accepted" | "best", result.json) of a trajectory directory, or None when it has neither
+    or its report does not back it."""
+    found = _claimed(trajectory)
+    return None if found is None or unbacked(trajectory, *found) else found
 
 
 def unbacked(trajectory: Path, kind: str, result: dict) -> str | None:
@@ -95,12 +101,8 @@ def task_file(trajectory: Path) -> Path | None:
 
 def why_not_final(trajectory: Path) -> str | None:
     """Why a trajectory that has a final program by its result.json is not backed by its report."""
-    rf = trajectory / "result.json"
-    result = json.loads(rf.read_text()) if rf.is_file() else {}
-    for kind, claimed in (("accepted", result.get("accepted")), ("best", result.get("best_outcome") == "cpu_passed")):
-        if claimed and (trajectory / kind / "program.py").is_file():
-            return unbacked(trajectory, kind, result)
-    return None
+    found = _claimed(trajectory)
+    return None if found is None else unbacked(trajectory, *found)
 
 
 def _trajectory(path: Path) -> Path:

@@ -18,7 +18,7 @@ import torch
 
 pytest.importorskip("transformers")
 import transformers  # noqa: E402
-from test_llama import assert_like_hf, hf_layout  # noqa: E402
+from test_llama import assert_compiles_like_eager, assert_like_hf, hf_layout  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel, GPT2Model  # noqa: E402
 
 import coda_agent  # noqa: E402
@@ -213,20 +213,7 @@ def test_kv_cache_decoding_copies_and_checkpointing():
 def test_a_patched_gpt2_compiles_whole():
     """No graph break: torch.compile(fullgraph=True) traces the patched blocks and the fused loss
     (AOTAutograd, as tests/test_primitives_ops.py compiles a patched LLaMA)."""
-    model = coda_agent.apply_to_gpt2(tiny_gpt2().bfloat16())
-    ids, labels = batch()
-    model.train()
-    eager = model(ids, labels=labels).loss
-    eager.backward()
-    want = hf_layout(model)
-    model.zero_grad()
-    torch._dynamo.reset()
-    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")(ids, labels=labels).loss
-    compiled.backward()
-    got = hf_layout(model)
-    assert torch.equal(compiled, eager)
-    for k in want:  # AOTAutograd decomposes HF's own ops (SDPA, LayerNorm): bf16 rounding differs there
-        assert (got[k].float() - want[k].float()).abs().max() <= 2e-2 * want[k].float().abs().max() + 1e-3, k
+    assert_compiles_like_eager(coda_agent.apply_to_gpt2(tiny_gpt2().bfloat16()), *batch())
 
 
 def test_swapping_in_another_program_for_a_task():

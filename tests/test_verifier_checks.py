@@ -13,8 +13,7 @@ from coda_agent.verifier import timing
 from coda_agent.verifier.compare import compare, pattern_of
 from coda_agent.verifier.feedback import render_feedback
 from coda_agent.verifier.inputs import (LARGE, TINY, aligned_grads, beyond_set, checked_sets, edge_inputs,
-                                        make_inputs, result_dtypes, set_label,
-                                        with_beyond_set)
+                                        make_inputs, result_dtypes, set_label, with_beyond_set)
 from coda_agent.verifier.report import Report, StageResult
 
 

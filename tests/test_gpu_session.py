@@ -26,7 +26,9 @@ def _session(tmp_path: Path, parts: list[str], **env: str) -> tuple[subprocess.C
 
 
 def test_check_part_verifies_experts_side_by_side_and_everything_comes_back(tmp_path):
-    proc, back = _session(tmp_path, ["nothing:5", "check:300"], CHECK_TASKS="llama3/swiglu_fwd llama3/no_such_task",
+    family = "tests/tasks/families/opt/opt_mlp.yaml=tests/tasks/families/opt/opt_mlp_program.py"
+    proc, back = _session(tmp_path, ["nothing:5", "check:300"],
+                          CHECK_TASKS=f"llama3/swiglu_fwd llama3/no_such_task {family}",
                           CHECK_ARGS="--stages static,reference --sets small")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     parts = (back / "parts.txt").read_text()
@@ -35,6 +37,8 @@ def test_check_part_verifies_experts_side_by_side_and_everything_comes_back(tmp_
     assert report["task"] == "swiglu_fwd" and report["outcome"] == "cpu_passed", report["outcome"]
     assert [s["name"] for s in report["stages"]][:2] == ["static", "reference"]
     assert "no_such_task" in (back / "check" / "llama3-no_such_task.log").read_text()
+    own = json.loads((back / "check" / "opt-opt_mlp.json").read_text())  # a task outside the suites, by path
+    assert own["task"] == "opt_mlp" and own["outcome"] == "cpu_passed", own["outcome"]
     assert (back / "machine.txt").exists()
     assert not (tmp_path / "out" / "r").exists()  # only the tarball is left to come back
 

@@ -6,7 +6,8 @@ Gemma (GeGLU MLP with the (1 + w) RMSNorm), Gemma-2 (the soft-capped LM-head cro
 OPT (LayerNorm with bias, ReLU MLP, biases; a kinked gradient with its own tolerance) and Primer
 (squared-ReLU MLP), each with its reference and a program; and slips of some of the programs
 (:data:`SLIPS`: the residual dropped, the soft-cap or its derivative left out) that the verifier
-must reject.  They hold the spec, the catalogue and the verifier to classes of blocks
+must reject.  On a GPU (marker ``gpu``) each block goes through the judge's GPU stages on every
+shape set, its largest at a real model's width.  They hold the spec, the catalogue and the verifier to classes of blocks
 the suites do not cover: a change that makes one of them inexpressible, or lets a slip through,
 fails here.
 """
@@ -19,6 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 FAMILIES = Path(__file__).parent / "tasks" / "families"
 TASKS = sorted(FAMILIES.glob("*/*.yaml"))
@@ -66,3 +68,15 @@ def test_a_slip_is_rejected_at_the_reference_stage(family, edits, tmp_path):
     report = verify(task, slip, tmp_path, "static,reference")
     stages = {s["name"]: s["status"] for s in report["stages"]}
     assert report["outcome"] == "rejected" and stages == {"static": "passed", "reference": "failed"}, report
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Hopper)")
+@pytest.mark.parametrize("task", TASKS, ids=[t.parent.name for t in TASKS])
+def test_the_block_is_correct_on_the_gpu(task, tmp_path):
+    """Every shape set correct on the GPU and the launches audited; the speed verdict is the
+    benchmark's to record, so the performance stage is left out."""
+    report = verify(task, program_of(task), tmp_path, "static,reference,compile,correctness,launch_audit")
+    stages = {s["name"]: s["status"] for s in report["stages"]}
+    assert stages == dict.fromkeys(("static", "reference", "compile", "correctness", "launch_audit"), "passed"), \
+        [(s["name"], s["status"], s["message"]) for s in report["stages"]]

@@ -9,8 +9,8 @@ The package is the repository's top level (see pyproject's ``package-dir``):
 - ``coda_agent.verifier``: the staged judge that turns a program into a Report.
 - ``coda_agent.agent``: the LLM loop, model clients, budgets, run directories.
 - ``coda_agent.kernels``: accepted programs as PyTorch ops (``Kernel``,
-  ``load_kernel``) and the Hugging Face drop-ins ``coda_agent.apply_to_llama``
-  and ``coda_agent.apply_to_gpt2``.
+  ``load_kernel``) and the Hugging Face drop-ins ``coda_agent.apply_to_llama``,
+  ``coda_agent.apply_to_gpt2`` and ``coda_agent.apply_to_gpt_neox``.
 - ``coda_agent.eval``: batch evaluation, reports, review and export.
 - ``coda_agent.cli``: the ``coda-agent`` command.
 - two leaf modules any folder may use (they import nothing from the package):
@@ -18,8 +18,8 @@ The package is the repository's top level (see pyproject's ``package-dir``):
   handler) and ``coda_agent.program_rules`` (the rules of a program, which the
   catalogue text renders and the static stage enforces).
 
-Importing the package imports nothing else: ``apply_to_llama`` and
-``apply_to_gpt2`` load the kernels (and transformers) on first use.
+Importing the package imports nothing else: ``apply_to_llama``,
+``apply_to_gpt2`` and ``apply_to_gpt_neox`` load the kernels (and transformers) on first use.
 """
 
 __version__ = "0.1.0"
@@ -34,4 +34,8 @@ def __getattr__(name: str):  # noqa: ANN202
         from .kernels.gpt2 import apply_to_gpt2
 
         return apply_to_gpt2
+    if name == "apply_to_gpt_neox":
+        from .kernels.gpt_neox import apply_to_gpt_neox
+
+        return apply_to_gpt_neox
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

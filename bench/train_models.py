@@ -18,6 +18,13 @@ LLaMA config and a GPT-2 config go through the same timing, profile, memory and 
   for the drop-in; the other two are 0 so that no contender times dropout's RNG kernels, as the
   LLaMA configs have none).
 
+- **gpt_neox** (``GPTNeoXForCausalLM``, ``apply_to_gpt_neox``): ``pythia-1.4b`` (Pythia-1.4B widths:
+  H 2048, I 8192, 16 heads of 128, 6 of its 24 layers) and ``pythia-6.9b`` (Pythia-6.9B widths: H
+  4096, I 16384, 32 heads of 128, 2 layers), 8 x 2048 tokens a step (Pythia's context); the
+  parallel residual, RoPE on a quarter of each head, the exact GELU and the untied head of 50304
+  tokens, as Pythia's; ``pythia-tiny`` for the dry run.  pythia-6.9b has gpt2-7b's widths, so
+  their rows compare the two block layouts (and the two GELUs) on the same kernels.
+
 Layers: a few of each model's, so a compiled row's first step (inductor compiles every layer it
 traces) and the whole run fit the budget.  The counts put most of a step's GEMM work in the layers,
 where the fused kernels are: 6 layers of GPT-2 XL hold 70% of the GEMM FLOPs against the LM head's
@@ -105,6 +112,28 @@ def _patch_gpt2(model: Any, fp8_mlp: bool, kernels: dict[str, Any] | None) -> No
     coda_agent.apply_to_gpt2(model, kernels=kernels)
 
 
+def _gpt_neox(widths: dict[str, Any], seq: int) -> Any:
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    cfg = GPTNeoXConfig(**widths, max_position_embeddings=max(seq, 2048), hidden_act="gelu",
+                        use_parallel_residual=True, partial_rotary_factor=0.25, hidden_dropout=0.0,
+                        attention_dropout=0.0, layer_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=None,
+                        eos_token_id=None, attn_implementation=register_causal_sdpa())
+    model = GPTNeoXForCausalLM(cfg)
+    model.loss_type = "ForCausalLM"  # as for GPT-2: no logger call (a graph break) at the loss
+    return model
+
+
+def _patch_gpt_neox(model: Any, fp8_mlp: bool, kernels: dict[str, Any] | None) -> None:
+    import coda_agent
+
+    if fp8_mlp:
+        raise SystemExit("apply_to_gpt_neox has no fp8 MLP")
+    coda_agent.apply_to_gpt_neox(model, kernels=kernels)
+
+
+_NO_LIGER = ("Liger has no GPT-NeoX patch (its apply_liger_kernel_to_* patch RMSNorm, RoPE and SwiGLU models): "
+             "the row would time HF's GPT-NeoX, the {} row again")
 _LIGER = ("Liger has no GPT-2 patch (its apply_liger_kernel_to_* patch RMSNorm, RoPE and SwiGLU models; GPT-2 "
           "has LayerNorm, learned positions and a GELU MLP): the row would time HF's GPT-2, the {} row again")
 FAMILIES: dict[str, Family] = {
@@ -114,7 +143,13 @@ FAMILIES: dict[str, Family] = {
         "compile_liger": _LIGER.format("compile"),
         "coda_fp8": "apply_to_gpt2 has no fp8 MLP (fp8_mlp is apply_to_llama's)",
         "compile_torchao_fp8": "torchao's float8 training converts nn.Linear modules and GPT-2's projections are "
-                               "Conv1D: it would convert none and time the bf16 step under an fp8 name"})}
+                               "Conv1D: it would convert none and time the bf16 step under an fp8 name"}),
+    "gpt_neox": Family(_gpt_neox, _patch_gpt_neox, tiny="pythia-tiny", refused={
+        "liger": _NO_LIGER.format("eager"),
+        "compile_liger": _NO_LIGER.format("compile"),
+        "coda_fp8": "apply_to_gpt_neox has no fp8 MLP (fp8_mlp is apply_to_llama's)",
+        "compile_torchao_fp8": "no CODA fp8 row to set it against (apply_to_gpt_neox has no fp8 MLP); the fp8 "
+                               "comparison is the LLaMA configs'"})}
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "1b": dict(family="llama", hidden_size=2048, intermediate_size=8192, num_attention_heads=32,
@@ -132,6 +167,12 @@ CONFIGS: dict[str, dict[str, Any]] = {
                     seq=1024),
     "gpt2-7b": dict(family="gpt2", n_embd=4096, n_inner=16384, n_head=32, n_layer=2, vocab_size=50304, batch=16,
                     seq=1024),
+    "pythia-1.4b": dict(family="gpt_neox", hidden_size=2048, intermediate_size=8192, num_attention_heads=16,
+                        num_hidden_layers=6, vocab_size=50304, batch=8, seq=2048),
+    "pythia-6.9b": dict(family="gpt_neox", hidden_size=4096, intermediate_size=16384, num_attention_heads=32,
+                        num_hidden_layers=2, vocab_size=50304, batch=8, seq=2048),
+    "pythia-tiny": dict(family="gpt_neox", hidden_size=128, intermediate_size=512, num_attention_heads=4,
+                        num_hidden_layers=2, vocab_size=512, batch=2, seq=32),
     "gpt2-tiny": dict(family="gpt2", n_embd=128, n_inner=512, n_head=4, n_layer=2, vocab_size=512, batch=2, seq=32),
 }
 

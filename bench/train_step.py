@@ -1,15 +1,15 @@
-"""A training step (forward, backward, AdamW) of a LLaMA-3 or GPT-2 model for every contender, on the H200.
+"""A training step (forward, backward, AdamW) of a LLaMA-3, GPT-2 or GPT-NeoX model for every contender, on the H200.
 
 The question a training team asks: does the step get shorter, and does it fit
 in memory?  Each contender trains the same transformers model of a config
-(``bench/train_models.py``: ``LlamaForCausalLM`` or ``GPT2LMHeadModel``, built from
+(``bench/train_models.py``: ``LlamaForCausalLM``, ``GPT2LMHeadModel`` or ``GPTNeoXForCausalLM``, built from
 a config, no download; bf16 master weights; attention through SDPA's flash
 kernel, see ``train_models.register_causal_sdpa``) on the same tokens:
 
 - ``eager``: plain PyTorch;  ``compile``: ``torch.compile(model)``;
 - ``liger``: Liger's kernels (``apply_liger_kernel_to_llama``: RoPE, RMSNorm,
   SwiGLU, fused linear cross-entropy), eager;  ``compile_liger``: the same, compiled;
-- ``coda``: ``coda_agent.apply_to_llama(model)`` (``apply_to_gpt2`` for GPT-2),
+- ``coda``: ``coda_agent.apply_to_llama(model)`` (``apply_to_gpt2`` for GPT-2, ``apply_to_gpt_neox`` for GPT-NeoX),
   compiled around the custom ops;  ``coda_eager``: the same, not compiled;
 - ``coda_fp8``: ``apply_to_llama(model, fp8_mlp=True)`` (the MLP blocks' six
   GEMMs in fp8), compiled;  ``compile_torchao_fp8``: torchao's float8 training
@@ -24,8 +24,9 @@ records how many graphs inductor could not capture (``cudagraph_skips``).  Every
 Configs (``train_models.CONFIGS``, where the sizes are argued): ``1b`` (LLaMA-3.2-1B
 widths, 4 layers) and ``8b`` (LLaMA-3-8B widths, 2 layers), 4 x 4096 tokens a step;
 ``gpt2-xl`` (GPT-2 XL widths, 6 layers) and ``gpt2-7b`` (H 4096, I 16384, 2 layers),
-16 x 1024 tokens a step.  A contender a family cannot run (Liger and torchao's float8
-on GPT-2: no patch, Conv1D projections; CODA fp8 on GPT-2: no fp8 MLP) is not run
+16 x 1024 tokens a step; ``pythia-1.4b`` (6 layers) and ``pythia-6.9b`` (2 layers), 8 x 2048.
+A contender a family cannot run (Liger on GPT-2 and GPT-NeoX: no patch; torchao's float8 on
+GPT-2: Conv1D projections; CODA fp8 on either: no fp8 MLP) is not run
 and is recorded as skipped, with the reason.  Per contender: tokens/s and
 ms/step (median of the timed steps, CUDA events), peak memory, the compile
 (first-step) time, the SM clock, and one profiled step split by kernel into
@@ -96,7 +97,11 @@ PLAN = [("1b", "compile"), ("1b", "coda"), ("8b", "compile"), ("8b", "coda"), ("
         ("1b", "liger"), ("8b", "liger"), ("1b", "coda_eager"), ("8b", "coda_eager"),
         # GPT-2's rows in the same order (the contenders its family refuses are never planned)
         ("gpt2-xl", "compile"), ("gpt2-xl", "coda"), ("gpt2-7b", "compile"), ("gpt2-7b", "coda"),
-        ("gpt2-xl", "eager"), ("gpt2-7b", "eager"), ("gpt2-xl", "coda_eager"), ("gpt2-7b", "coda_eager")]
+        ("gpt2-xl", "eager"), ("gpt2-7b", "eager"), ("gpt2-xl", "coda_eager"), ("gpt2-7b", "coda_eager"),
+        # GPT-NeoX's (Pythia's)
+        ("pythia-1.4b", "compile"), ("pythia-1.4b", "coda"), ("pythia-6.9b", "compile"), ("pythia-6.9b", "coda"),
+        ("pythia-1.4b", "eager"), ("pythia-6.9b", "eager"), ("pythia-1.4b", "coda_eager"),
+        ("pythia-6.9b", "coda_eager")]
 MEASURED = tuple(dict.fromkeys(c for c, k in PLAN if k != "curve"))
 
 
@@ -303,7 +308,8 @@ def drive(args: argparse.Namespace, device: str) -> int:
     # process whose imports touched CUDA cannot initialise CUDA again.
     ctx = multiprocessing.get_context("spawn" if device == "cuda" else "forkserver")
     if device != "cuda":
-        ctx.set_forkserver_preload(["torch", "transformers", "coda_agent.kernels.llama", "coda_agent.kernels.gpt2"])
+        ctx.set_forkserver_preload(["torch", "transformers", "coda_agent.kernels.llama", "coda_agent.kernels.gpt2",
+                                    "coda_agent.kernels.gpt_neox"])
     from clocks import ClockSampler
 
     with ClockSampler() if device == "cuda" else contextlib.nullcontext() as sampler:

@@ -1,5 +1,6 @@
-"""What the transformers drop-ins share: ``llama.py`` (:func:`apply_to_llama`) and ``gpt2.py``
-(:func:`apply_to_gpt2`) patch a model *instance* the same way.
+"""What the transformers drop-ins share: ``llama.py`` (:func:`apply_to_llama`), ``gpt2.py``
+(:func:`apply_to_gpt2`) and ``gpt_neox.py`` (:func:`apply_to_gpt_neox`) patch a model *instance*
+the same way.
 
 - A patched module's forward is a :class:`PatchedForward`, an object bound to the module rather
   than a closure or a bound method, so that ``copy.deepcopy`` and pickle carry it to the copy's
@@ -10,18 +11,26 @@
   same inputs, params, outputs and gradients; :func:`slot_kernel`).
 - The refusals every drop-in makes before it changes anything: a model already patched, a model
   wrapped by torch.compile, parameters that are not bf16 (the kernels are verified for bf16).
+- The two drop-ins built from the GPT-2 suite's kernels (``gpt2.py``, ``gpt_neox.py``: pre-LN
+  blocks with LayerNorms, biases and a GELU MLP) share their block's plan (:class:`BlockPlan`, its
+  kernels by slot: :func:`block_plan`), the GELU probe that picks the MLP kernel
+  (:func:`gelu_form`, :func:`gelu_of`) and the refusals of what those kernels do not take
+  (:func:`require_code`, :func:`require_children`, :func:`require_layer_norm`,
+  :func:`check_lm_head`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from coda_agent.tasks import SUITE_DIR, load_task
+from coda_agent.tasks import SUITE_DIR, SUITES, load_task
 
 from .kernel import Kernel, KernelError
 from .source import load_kernel
@@ -86,8 +95,15 @@ def refuse_wrapped(model: Any, patch: str) -> None:
                           f"it: {patch}(model); model = torch.compile(model)")
 
 
-# The modules of GPT-2's decoder stack (``GPT2Model``): how a drop-in tells a GPT-2 from other models.
+# The modules of GPT-2's decoder stack (``GPT2Model``) and of GPT-NeoX's (``GPTNeoXModel``): how a
+# drop-in tells those models from others (and points to the drop-in that patches them).
 GPT2_STACK = ("wte", "wpe", "h", "ln_f")
+GPT_NEOX_STACK = ("embed_in", "layers", "final_layer_norm")
+
+
+def has_modules(model: Any, names: tuple[str, ...]) -> bool:
+    """Whether ``model`` holds a module under each of ``names`` (a decoder stack's)."""
+    return all(isinstance(getattr(model, a, None), nn.Module) for a in names)
 
 
 def require_bf16(model: nn.Module, patch: str) -> None:
@@ -95,3 +111,106 @@ def require_bf16(model: nn.Module, patch: str) -> None:
     if dtypes != {torch.bfloat16}:
         raise KernelError(f"the model's parameters are {sorted(map(str, dtypes))}; the suite's kernels are "
                           f"verified for bf16: call model.to(torch.bfloat16) before {patch}")
+
+
+# --------------------------------------------------------------------------- the GPT-2 suite's blocks
+
+GPT2_SUITE = SUITES["gpt2"]
+# The MLP block's task by the GELU the model runs.
+MLP_TASKS = {"exact": "mlp_block", "tanh": "mlp_block_tanh"}
+# The slots of a block built from the GPT-2 suite's kernels, and the fused LM head's.
+GPT2_SLOTS = ("ln_qkv", "out_proj_residual", "mlp_block", "lm_head_xent")
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """A pre-LN block's kernels, as its patched forward reads them: ``layer_norm`` (the first
+    LayerNorm and the QKV projection as ln_qkv), ``mlp`` (the second LayerNorm, the MLP and its
+    residual add as mlp_block); the attention output projection is always out_proj_residual."""
+
+    layer_norm: bool
+    mlp: bool
+    ln_qkv: Kernel
+    out_proj: Kernel
+    mlp_block: Kernel
+
+
+def block_plan(layer_norm: bool, mlp: bool, gelu: str | None, given: dict[str, Any]) -> BlockPlan:
+    """The plan of every block: each slot's kernel, the GPT-2 suite's or the one ``given``; the MLP
+    slot's task is the model's GELU's (``gelu``; None: mlp=False)."""
+    mlp_default = suite_kernel(MLP_TASKS[gelu or "exact"], GPT2_SUITE)
+    plan = BlockPlan(layer_norm, mlp,
+                     slot_kernel("ln_qkv", given.get("ln_qkv"), suite_kernel("ln_qkv", GPT2_SUITE)),
+                     slot_kernel("out_proj_residual", given.get("out_proj_residual"),
+                                 suite_kernel("out_proj_residual", GPT2_SUITE)),
+                     slot_kernel("mlp_block", given.get("mlp_block"), mlp_default))
+    # The two GELUs' tasks share a contract, so the contract check lets either through: the task's
+    # name tells them apart.
+    if mlp and plan.mlp_block.name in MLP_TASKS.values() and plan.mlp_block.name != mlp_default.name:
+        raise KernelError(f"kernels['mlp_block'] solves {plan.mlp_block.name!r}, whose GELU is not this model's "
+                          f"({gelu}, task {mlp_default.name!r}): give a kernel of {mlp_default.name!r}")
+    return plan
+
+
+def gelu_form(act: nn.Module) -> str | None:
+    """Which GELU an activation module computes, "exact" or "tanh", probed in fp64 (HF writes
+    the tanh form three ways: gelu_new, gelu_pytorch_tanh, gelu_fast); None: neither.  The probe
+    is made per call: the package keeps no tensor between calls (tests/test_cuda_graphs.py)."""
+    probe = torch.linspace(-6.0, 6.0, 241, dtype=torch.float64)
+    gelus = {"exact": F.gelu(probe), "tanh": F.gelu(probe, approximate="tanh")}
+    with torch.no_grad():
+        got = act(probe.clone())
+    return next((k for k, want in gelus.items() if torch.allclose(got, want, rtol=0, atol=1e-9)), None)
+
+
+def gelu_of(act: nn.Module, where: str, setting: str, patch: str, units: str, so_far: str | None) -> str:
+    """The GELU the activation module ``act`` (at ``where``; the config's ``setting``) computes,
+    which the MLP kernel follows; refused where it is neither form, or not the one the earlier
+    ``units`` (blocks, layers) run (``so_far``)."""
+    form = gelu_form(act)
+    if form is None:
+        raise KernelError(f"{where} ({type(act).__name__}, {setting}) is neither the exact GELU nor its tanh "
+                          "approximation, the MLP kernels' two activations; pass mlp=False to keep HF's MLP")
+    if so_far not in (None, form):
+        raise KernelError(f"the {units} mix the exact GELU and its tanh approximation; {patch} runs one MLP "
+                          "kernel; pass mlp=False to keep HF's MLPs")
+    return form
+
+
+def require_code(module: Any, want: Any, what: str, family: str, model: str, patch: str) -> None:
+    """Refuse a ``module`` whose forward is not ``family``'s ``what`` (``want``), compared as code
+    (``families.same_code``): the patch would replace it with that one."""
+    from .families import same_code  # here, not at the top: families imports this module
+
+    if not isinstance(module, nn.Module) or not same_code(type(module).forward, want):
+        raise KernelError(f"{type(module).__name__}.forward computes something other than {family}'s {what} "
+                          f"({model} is not {family}); {patch} would replace it with {family}'s")
+
+
+def require_children(module: nn.Module, want: frozenset[str], where: str, family: str, part: str,
+                     unit: str) -> None:
+    """Refuse a ``module`` whose submodules are not ``family``'s ``part``'s: the patched ``unit``
+    computes that one's, so the model would lose what differs."""
+    if set(dict(module.named_children())) != want:
+        extra = sorted(set(dict(module.named_children())) ^ want)
+        raise KernelError(f"{where}: {type(module).__name__} differs from {family}'s {part} in {extra}: the "
+                          f"patched {unit} computes {family}'s, so this model would lose that part")
+
+
+def require_layer_norm(ln: Any, where: str) -> None:
+    if type(ln) is not nn.LayerNorm or ln.weight is None or ln.bias is None:
+        raise KernelError(f"{where} is not an nn.LayerNorm with a weight and a bias, which the kernels fold into "
+                          "their GEMMs")
+
+
+def check_lm_head(head: Any) -> None:
+    """Refuse an LM head the fused LM head and loss (lm_head_xent) does not take, naming the fix."""
+    if type(head) is not nn.Linear or head.bias is not None:
+        what = f"is {type(head).__name__}, not nn.Linear" if type(head) is not nn.Linear else "has a bias"
+        raise KernelError(f"lm_head {what}: the fused LM head and loss (lm_head_xent) reads lm_head.weight alone; "
+                          "pass fused_linear_cross_entropy=False to keep HF's LM head and loss")
+    if head.weight.shape[0] % 8:
+        raise KernelError(f"the vocabulary has {head.weight.shape[0]} tokens, not a multiple of 8: the fused LM "
+                          "head's logits chunk needs rows of a multiple of 16 bytes. Pad it as nanoGPT pads "
+                          "GPT-2's 50257 to 50304 (model.resize_token_embeddings(pad_to_multiple_of=64); the "
+                          "new tokens join the softmax) or pass fused_linear_cross_entropy=False")

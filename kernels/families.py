@@ -41,7 +41,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 from transformers.models.seed_oss.modeling_seed_oss import SeedOssAttention, SeedOssMLP
 from transformers.models.smollm3.modeling_smollm3 import SmolLM3Attention
 
-from .dropin import GPT2_STACK, refuse_wrapped, require_bf16
+from .dropin import GPT2_STACK, GPT_NEOX_STACK, has_modules, refuse_wrapped, require_bf16
 from .kernel import KernelError
 
 STATIC_ROPE = ("default", "linear", "llama3")
@@ -235,6 +235,8 @@ def llama_architecture(model: nn.Module, keep_mlp: bool = False) -> tuple[nn.Mod
         elif all(isinstance(getattr(getattr(model, "transformer", model), a, None), nn.Module)
                  for a in GPT2_STACK):
             hint = "; it is built like GPT-2: coda_agent.apply_to_gpt2(model) patches those"
+        elif has_modules(getattr(model, "gpt_neox", model), GPT_NEOX_STACK):
+            hint = "; it is built like GPT-NeoX: coda_agent.apply_to_gpt_neox(model) patches those"
         raise KernelError(f"apply_to_llama patches a transformers LlamaForCausalLM or LlamaModel (or a model "
                           f"family built from LLaMA's modules, such as Mistral or Qwen3); got "
                           f"{type(model).__name__}{hint}")

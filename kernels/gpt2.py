@@ -47,8 +47,9 @@ with the same contract must compute this model's GELU (its contract cannot say).
 would otherwise train something other than the model:
 
 - a model that is not GPT-2's code: GPT-Neo, GPT-J, OPT, BLOOM, a LLaMA (``apply_to_llama``), a
-  GPT-2 variant whose block, attention or MLP computes something else (compared as code,
-  ``families.same_code``), a head other than the causal LM's (patch ``model.transformer``);
+  GPT-NeoX (``apply_to_gpt_neox``), a GPT-2 variant whose block, attention or MLP computes
+  something else (compared as code, ``families.same_code``), a head other than the causal LM's
+  (patch ``model.transformer``);
 - GPTBigCode (SantaCoder, StarCoder): its multi-query ``c_attn`` is (H + 2 * head_dim, H), while
   the ln_qkv task declares (3H, H);
 - cross-attention (``add_cross_attention``), which the patched block does not run;
@@ -64,12 +65,10 @@ would otherwise train something other than the model:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithCrossAttentions
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -79,31 +78,18 @@ from transformers.models.gpt_bigcode.modeling_gpt_bigcode import GPTBigCodeBlock
 from transformers.pytorch_utils import Conv1D
 from transformers.utils import can_return_tuple
 
-from coda_agent.tasks import SUITES
-
-from .dropin import (GPT2_STACK, PatchedForward, check_slots, refuse_patched, refuse_wrapped, require_bf16,
-                     slot_kernel, suite_kernel)
+from .dropin import (GPT2_SLOTS, GPT2_STACK, GPT_NEOX_STACK, BlockPlan, PatchedForward, block_plan, check_lm_head,
+                     check_slots, gelu_of, has_modules, refuse_patched, refuse_wrapped, require_bf16,
+                     require_children, require_code, require_layer_norm, slot_kernel, suite_kernel)
 from .families import same_code
 from .kernel import Kernel, KernelError
 from .llama_ops import causal_lm_loss
 
-SWAPPABLE = ("ln_qkv", "out_proj_residual", "mlp_block", "lm_head_xent")
-GPT2_SUITE = SUITES["gpt2"]
-# The MLP block's task by the GELU the model runs.
-MLP_TASKS = {"exact": "mlp_block", "tanh": "mlp_block_tanh"}
+SWAPPABLE = GPT2_SLOTS
 
 _CHILDREN = {"block": frozenset({"ln_1", "attn", "ln_2", "mlp"}),
              "attn": frozenset({"c_attn", "c_proj", "attn_dropout", "resid_dropout"}),
              "mlp": frozenset({"c_fc", "c_proj", "act", "dropout"})}
-
-
-@dataclass(frozen=True)
-class BlockPlan:
-    layer_norm: bool
-    mlp: bool
-    ln_qkv: Kernel
-    out_proj: Kernel
-    mlp_block: Kernel
 
 
 def apply_to_gpt2(model: GPT2LMHeadModel | GPT2Model, *, layer_norm: bool = True, mlp: bool = True,
@@ -119,16 +105,7 @@ def apply_to_gpt2(model: GPT2LMHeadModel | GPT2Model, *, layer_norm: bool = True
     gelu = check_gpt2(model, base, mlp, xent)  # names the fix
     check_slots(kernels, SWAPPABLE)
     given = kernels or {}
-    mlp_default = suite_kernel(MLP_TASKS[gelu or "exact"], GPT2_SUITE)
-    plan = BlockPlan(layer_norm, mlp, slot_kernel("ln_qkv", given.get("ln_qkv"), suite_kernel("ln_qkv", GPT2_SUITE)),
-                     slot_kernel("out_proj_residual", given.get("out_proj_residual"),
-                                 suite_kernel("out_proj_residual", GPT2_SUITE)),
-                     slot_kernel("mlp_block", given.get("mlp_block"), mlp_default))
-    # The two GELUs' tasks share a contract, so the contract check lets either through: the task's
-    # name tells them apart.
-    if mlp and plan.mlp_block.name in MLP_TASKS.values() and plan.mlp_block.name != mlp_default.name:
-        raise KernelError(f"kernels['mlp_block'] solves {plan.mlp_block.name!r}, whose GELU is not this model's "
-                          f"({gelu}, task {mlp_default.name!r}): give a kernel of {mlp_default.name!r}")
+    plan = block_plan(layer_norm, mlp, gelu, given)
     for block in base.h:
         block.coda_plan = plan
         block.forward = PatchedForward(block, _block_forward)
@@ -160,6 +137,8 @@ def gpt2_architecture(model: nn.Module, keep_mlp: bool = False) -> tuple[nn.Modu
         inner = getattr(model, "transformer", None)
         if isinstance(getattr(model, "module", None), nn.Module):  # DataParallel, DistributedDataParallel
             hint = "; it wraps the model (model.module): patch the model itself first, then wrap it"
+        elif has_modules(getattr(model, "gpt_neox", model), GPT_NEOX_STACK):
+            hint = "; it is built like GPT-NeoX: coda_agent.apply_to_gpt_neox(model) patches those"
         elif hasattr(getattr(model, "model", model), "layers"):
             hint = "; it is built like LLaMA: coda_agent.apply_to_llama(model) patches those"
         elif isinstance(inner, nn.Module) and not missing(inner):  # a classification or QA head
@@ -183,17 +162,12 @@ def gpt2_architecture(model: nn.Module, keep_mlp: bool = False) -> tuple[nn.Modu
         for what, module, want in (("block", block, GPT2Block.forward),
                                    ("attention", getattr(block, "attn", None), GPT2Attention.forward),
                                    *(() if keep_mlp else (("MLP", getattr(block, "mlp", None), GPT2MLP.forward),))):
-            if not isinstance(module, nn.Module) or not same_code(type(module).forward, want):
-                raise KernelError(f"{type(module).__name__}.forward computes something other than GPT-2's {what} "
-                                  f"({name} is not GPT-2); apply_to_gpt2 would replace it with GPT-2's")
+            require_code(module, want, what, "GPT-2", name, "apply_to_gpt2")
         for part, want in _CHILDREN.items():
             if part == "mlp" and keep_mlp:
                 continue
-            module = block if part == "block" else getattr(block, part)
-            if set(dict(module.named_children())) != want:
-                extra = sorted(set(dict(module.named_children())) ^ want)
-                raise KernelError(f"h.{i}: {type(module).__name__} differs from GPT-2's {part} in {extra}: the "
-                                  "patched block computes GPT-2's, so this model would lose that part")
+            require_children(block if part == "block" else getattr(block, part), want, f"h.{i}", "GPT-2", part,
+                             "block")
         mlps = () if keep_mlp else (("mlp", "c_fc"), ("mlp", "c_proj"))
         for part, proj in (("attn", "c_attn"), ("attn", "c_proj"), *mlps):
             m = getattr(getattr(block, part), proj)
@@ -203,25 +177,11 @@ def gpt2_architecture(model: nn.Module, keep_mlp: bool = False) -> tuple[nn.Modu
                                   "adapter, a quantized weight); merge adapters into the weights first (peft's "
                                   "merge_and_unload) or patch the unwrapped bf16 model")
         for norm in ("ln_1", *(() if keep_mlp else ("ln_2",))):
-            ln = getattr(block, norm)
-            if type(ln) is not nn.LayerNorm or ln.weight is None or ln.bias is None:
-                raise KernelError(f"h.{i}.{norm} is not an nn.LayerNorm with a weight and a bias, which the kernels "
-                                  "fold into their GEMMs")
+            require_layer_norm(getattr(block, norm), f"h.{i}.{norm}")
     if causal_lm and not same_code(type(model).forward, GPT2LMHeadModel.forward):
         raise KernelError(f"{name}.forward is not GPT2LMHeadModel's (its head computes something else); patch its "
                           "decoder stack, apply_to_gpt2(model.transformer), and the head stays HF's")
     return base, causal_lm
-
-
-def gelu_form(act: nn.Module) -> str | None:
-    """Which GELU an activation module computes, "exact" or "tanh", probed in fp64 (HF writes
-    the tanh form three ways: gelu_new, gelu_pytorch_tanh, gelu_fast); None: neither.  The probe
-    is made per call: the package keeps no tensor between calls (tests/test_cuda_graphs.py)."""
-    probe = torch.linspace(-6.0, 6.0, 241, dtype=torch.float64)
-    gelus = {"exact": F.gelu(probe), "tanh": F.gelu(probe, approximate="tanh")}
-    with torch.no_grad():
-        got = act(probe.clone())
-    return next((k for k, want in gelus.items() if torch.allclose(got, want, rtol=0, atol=1e-9)), None)
 
 
 def check_gpt2(model: nn.Module, base: nn.Module, mlp: bool, xent: bool) -> str | None:
@@ -239,26 +199,11 @@ def check_gpt2(model: nn.Module, base: nn.Module, mlp: bool, xent: bool) -> str 
                                   "the patched block adds each residual inside a GEMM epilogue, with no dropout; "
                                   "build the model with resid_pdrop=0.0 (from_pretrained(..., resid_pdrop=0.0))")
         if mlp:
-            form = gelu_form(block.mlp.act)
-            if form is None:
-                raise KernelError(f"h.{i}.mlp.act ({type(block.mlp.act).__name__}, activation_function "
-                                  f"{cfg.activation_function!r}) is neither the exact GELU nor its tanh "
-                                  "approximation, the MLP kernels' two activations; pass mlp=False to keep HF's MLP")
-            if gelu not in (None, form):
-                raise KernelError("the blocks mix the exact GELU and its tanh approximation; apply_to_gpt2 runs one "
-                                  "MLP kernel; pass mlp=False to keep HF's MLPs")
-            gelu = form
+            gelu = gelu_of(block.mlp.act, f"h.{i}.mlp.act", f"activation_function {cfg.activation_function!r}",
+                           "apply_to_gpt2", "blocks", gelu)
     head = getattr(model, "lm_head", None) if xent else None
     if head is not None:
-        if type(head) is not nn.Linear or head.bias is not None:
-            what = f"is {type(head).__name__}, not nn.Linear" if type(head) is not nn.Linear else "has a bias"
-            raise KernelError(f"lm_head {what}: the fused LM head and loss (lm_head_xent) reads lm_head.weight alone; "
-                              "pass fused_linear_cross_entropy=False to keep HF's LM head and loss")
-        if head.weight.shape[0] % 8:
-            raise KernelError(f"the vocabulary has {head.weight.shape[0]} tokens, not a multiple of 8: the fused LM "
-                              "head's logits chunk needs rows of a multiple of 16 bytes. Pad it as nanoGPT pads "
-                              "GPT-2's 50257 to 50304 (model.resize_token_embeddings(pad_to_multiple_of=64); the "
-                              "new tokens join the softmax) or pass fused_linear_cross_entropy=False")
+        check_lm_head(head)
     return gelu
 
 

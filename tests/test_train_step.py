@@ -146,76 +146,91 @@ def test_idle_gaps_are_what_no_kernel_covers():
     assert step_profile.idle_gaps([])["ms"] == 0.0
 
 
-# --------------------------------------------------------------------------- GPT-2
+# --------------------------------------------------------------------------- GPT-2 and GPT-NeoX
 
 
 GPT2_REFUSED = {"liger", "compile_liger", "coda_fp8", "compile_torchao_fp8"}
+FLAGS = {"layer_norm": True, "mlp": True, "fused_linear_cross_entropy": True}
 
 
-@pytest.mark.parametrize("config, width, inner, heads, layers", [("gpt2-xl", 1600, 6400, 25, 6),
-                                                                 ("gpt2-7b", 4096, 16384, 32, 2)])
-def test_the_gpt2_configs_build_and_coda_patches_them(config, width, inner, heads, layers):
-    """Each GPT-2 config builds the suite's shape (on the meta device: no memory, no init) as a
-    model apply_to_gpt2 takes: the CODA contender patches it, with the tanh GELU's MLP kernel,
-    and the compile contender leaves it HF's."""
-    from transformers import GPT2LMHeadModel
+def _stack(model):
+    return getattr(model, "transformer", None) or model.gpt_neox
+
+
+@pytest.mark.parametrize("config, widths, tokens, gelu", [
+    ("gpt2-xl", (1600, 6400, 25, 6), 16384, "tanh"), ("gpt2-7b", (4096, 16384, 32, 2), 16384, "tanh"),
+    ("pythia-1.4b", (2048, 8192, 16, 6), 16384, "exact"), ("pythia-6.9b", (4096, 16384, 32, 2), 16384, "exact")])
+def test_the_layernorm_configs_build_and_coda_patches_them(config, widths, tokens, gelu):
+    """Each GPT-2 and GPT-NeoX config builds its widths (on the meta device: no memory, no init)
+    as a model its drop-in takes: the CODA contender patches it, with the MLP kernel of the model's
+    GELU, and the compile contender leaves it HF's."""
+    from transformers import GPT2LMHeadModel, GPTNeoXForCausalLM
 
     with torch.device("meta"):
         model, batch, seq = train_models.build(config, "meta", torch.bfloat16)
     cfg = model.config
-    assert type(model) is GPT2LMHeadModel and batch * seq == 16384 and seq <= cfg.n_positions
-    assert (cfg.n_embd, cfg.n_inner, cfg.n_head, cfg.n_layer, cfg.vocab_size) == (width, inner, heads, layers, 50304)
-    assert (cfg.activation_function, cfg.resid_pdrop, cfg._attn_implementation) == ("gelu_new", 0.0, "sdpa_causal")
-    assert model.lm_head.weight is model.transformer.wte.weight
+    assert batch * seq == tokens and seq <= cfg.max_position_embeddings and cfg._attn_implementation == "sdpa_causal"
+    assert (cfg.hidden_size, cfg.intermediate_size if config.startswith("pythia") else cfg.n_inner,
+            cfg.num_attention_heads, cfg.num_hidden_layers, cfg.vocab_size) == (*widths, 50304)
+    if config.startswith("gpt2"):
+        assert type(model) is GPT2LMHeadModel and (cfg.activation_function, cfg.resid_pdrop) == ("gelu_new", 0.0)
+        assert model.lm_head.weight is model.transformer.wte.weight
+    else:  # Pythia's layer: the parallel residual, RoPE on a quarter of each head, an untied head
+        assert type(model) is GPTNeoXForCausalLM and cfg.use_parallel_residual and cfg.hidden_dropout == 0.0
+        assert model.gpt_neox.rotary_emb.inv_freq.shape[0] * 2 == cfg.hidden_size // cfg.num_attention_heads // 4
+        assert model.lm_head.weight is not model.gpt_neox.embed_in.weight
     compiled = train_step.prepare(model, config, "compile", "cpu")
-    assert not hasattr(compiled._orig_mod.transformer, "coda_flags")
+    assert not hasattr(_stack(compiled._orig_mod), "coda_flags")
     with torch.device("meta"):
         model = train_models.build(config, "meta", torch.bfloat16)[0]
     patched = train_step.prepare(model, config, "coda", "cpu")
-    assert patched._orig_mod.transformer.coda_flags == {"layer_norm": True, "mlp": True, "gelu": "tanh",
-                                                        "fused_linear_cross_entropy": True}
+    assert _stack(patched._orig_mod).coda_flags == {**FLAGS, "gelu": gelu}
+    refused = GPT2_REFUSED  # the same four on both families, each for its own reason
     for contender in train_step.CONTENDERS:
-        assert (train_models.refusal(config, contender) is None) == (contender not in GPT2_REFUSED), contender
+        assert (train_models.refusal(config, contender) is None) == (contender not in refused), contender
         assert train_models.refusal("8b", contender) is None
 
 
-def test_prepare_refuses_liger_on_gpt2_by_name():
-    """A Liger row on GPT-2 would time HF's GPT-2 under Liger's name: prepare stops instead."""
-    model, _, _ = train_models.build("gpt2-tiny", "cpu", torch.bfloat16)
-    with pytest.raises(SystemExit, match="compile_liger does not run at gpt2-tiny: Liger has no GPT-2 patch"):
-        train_step.prepare(model, "gpt2-tiny", "compile_liger", "cpu")
-    with pytest.raises(SystemExit, match="apply_to_gpt2 has no fp8 MLP"):
-        train_step.prepare(model, "gpt2-tiny", "coda_fp8", "cpu")
-    assert not hasattr(model.transformer, "coda_flags")
+@pytest.mark.parametrize("config, patch", [("gpt2-tiny", "apply_to_gpt2"), ("pythia-tiny", "apply_to_gpt_neox")])
+def test_prepare_refuses_liger_and_fp8_by_name(config, patch):
+    """A Liger row on GPT-2 or GPT-NeoX would time HF's model under Liger's name: prepare stops instead."""
+    model, _, _ = train_models.build(config, "cpu", torch.bfloat16)
+    with pytest.raises(SystemExit, match=f"compile_liger does not run at {config}: Liger has no GPT-"):
+        train_step.prepare(model, config, "compile_liger", "cpu")
+    with pytest.raises(SystemExit, match=f"{patch} has no fp8 MLP"):
+        train_step.prepare(model, config, "coda_fp8", "cpu")
+    assert not hasattr(_stack(model), "coda_flags")
 
 
-def test_gpt2_dry_run_times_each_contender_and_says_what_it_refuses(tmp_path):
-    """One step of each GPT-2 contender at the family's tiny config, as the H200 runs them; the
-    contenders GPT-2 cannot run are skipped with the reason, on the CPU too (where Liger's rows
+@pytest.mark.parametrize("config, mlp_launch, fp8_why", [("gpt2-7b", "ln_fc_gelu", "Conv1D"),
+                                                         ("pythia-6.9b", "ln_fc_gelu", "no CODA fp8 row")])
+def test_the_dry_run_times_each_contender_and_says_what_it_refuses(tmp_path, config, mlp_launch, fp8_why):
+    """One step of each contender at the family's tiny config, as the H200 runs them; the
+    contenders the family cannot run are skipped with the reason, on the CPU too (where Liger's rows
     would otherwise drop out as CUDA-only without a word)."""
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(tmp_path), "--configs", "gpt2-7b",
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(tmp_path), "--configs", config,
                            "--contenders", ",".join(train_step.CONTENDERS), "--steps", "1", "--warmup", "0"],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads((tmp_path / "train_step.json").read_text())
     rows = {r["contender"]: r for r in result["rows"]}
     assert list(rows) == ["compile", "coda", "eager", "coda_eager"], result["rows"]
-    assert all("error" not in r and r["config"] == "gpt2-7b" and r["ms"] > 0 for r in rows.values()), rows
+    assert all("error" not in r and r["config"] == config and r["ms"] > 0 for r in rows.values()), rows
     assert rows["compile"]["graph_breaks"] == 0 and rows["coda"]["graph_breaks"] == 0
     # the GPT-2 suite's kernels ran, once a layer (two layers), in both CODA rows and in no other
     for name in ("coda", "coda_eager"):
         launches = rows[name]["where"]["coda_launches"]
-        assert launches["coda::gemm::ln_fc_gelu"]["calls"] == 2 and launches["coda::gemm::ln_rank1"]["calls"] == 2
+        assert launches[f"coda::gemm::{mlp_launch}"]["calls"] == 2 and launches["coda::gemm::ln_rank1"]["calls"] == 2
         assert launches["coda::gemm::logits_lse"]["calls"] >= 1, launches
     assert rows["compile"]["where"]["coda_launches"] == rows["eager"]["where"]["coda_launches"] == {}
     skipped = {s["run"]: s["why"] for s in result["skipped"]}
-    assert set(skipped) == {f"gpt2-7b:{k}" for k in GPT2_REFUSED}, skipped
-    assert "Liger has no GPT-2 patch" in skipped["gpt2-7b:compile_liger"]
-    assert "Conv1D" in skipped["gpt2-7b:compile_torchao_fp8"]
+    assert set(skipped) == {f"{config}:{k}" for k in GPT2_REFUSED}, skipped
+    assert "Liger has no GPT-" in skipped[f"{config}:compile_liger"]
+    assert fp8_why in skipped[f"{config}:compile_torchao_fp8"]
 
 
 def test_an_unknown_config_is_refused_by_name(bench_main, tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench_main("train_step", "--dry-run", "--out", tmp_path, "--configs", "gpt2-xl,gpt2-8b")
     err = capsys.readouterr().err
-    assert "--configs: no config gpt2-8b; the step measures 1b, 8b, gpt2-xl, gpt2-7b" in err, err
+    assert "--configs: no config gpt2-8b; the step measures 1b, 8b, gpt2-xl, gpt2-7b, pythia-1.4b, pythia-6.9b" in err, err

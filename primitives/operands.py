@@ -265,7 +265,10 @@ class Scalar(Kind):
 class PairedTile(Kind):
     """A 16-bit (M, 2N) tensor whose adjacent columns form one Pair per output
     element: the saved (gate, up) pre-activation read by the SwiGLU backward.
-    At most one per epilogue; the epilogue's D then has this tensor's shape."""
+    At most one per epilogue; the epilogue's D then has this tensor's shape.
+    The epilogue's N is the number of pairs: its other operands hold one value
+    per pair (a RowVec N values, a Tile (M, N)), read as they are, without
+    ``unpack`` (under ``pairs="acc"`` a RowVec has one per column, 2N, and is unpacked)."""
 
     hint = "A PairedTile is twice as wide as the GEMM output (interleaved pairs)."
 

@@ -64,7 +64,9 @@ def unpack(value: Any) -> tuple[Any, Any]:
     if not isinstance(value, Pair):
         raise CatalogueError(
             "unpack() got a value that is not a Pair. Pairs exist only with "
-            "@epilogue(pairs='acc') (adjacent accumulator columns) or for a PairedTile operand.")
+            "@epilogue(pairs='acc') (adjacent accumulator columns) or for a PairedTile operand; beside a "
+            "PairedTile the other operands hold one value per pair (a RowVec N values, not 2N): use them as they "
+            "are, without unpack().")
     return value.a, value.b
 
 

@@ -3,13 +3,18 @@ tasks new`, then a program from the catalogue), verified through the CLI on ever
 
 ``tests/tasks/families/`` holds one block each of BERT (post-LN: the normed sum is the output),
 Gemma (GeGLU MLP with the (1 + w) RMSNorm), Gemma-2 (the soft-capped LM-head cross-entropy),
-OPT (LayerNorm with bias, ReLU MLP, biases; a kinked gradient with its own tolerance) and Primer
-(squared-ReLU MLP), each with its reference and a program; and slips of some of the programs
-(:data:`SLIPS`: the residual dropped, the soft-cap or its derivative left out) that the verifier
-must reject.  On a GPU (marker ``gpu``) each block goes through the judge's GPU stages on every
-shape set, its largest at a real model's width.  They hold the spec, the catalogue and the verifier to classes of blocks
-the suites do not cover: a change that makes one of them inexpressible, or lets a slip through,
-fails here.
+GPT-NeoX / GPT-J / Phi-2 (``neox``: the parallel-residual block around attention, one LayerNorm
+shared by both branches, forward and backward), OPT (LayerNorm with bias, ReLU MLP, biases; a
+kinked gradient with its own tolerance), partial RoPE (``partial_rope``: the QKV projection with
+biases, the first R of each head's columns rotated, forward and backward), Primer (squared-ReLU
+MLP) and the z-loss (``zloss``: the LM-head cross-entropy with label smoothing, PaLM's z-loss and
+ignored targets), each with its reference and a program; and slips of some of the programs
+(:data:`SLIPS`: the residual dropped, the soft-cap or its derivative left out, the z-loss left
+out, ignored rows counted, the shared LayerNorm's second gradient dropped, the inverse rotation
+turned the wrong way) that the verifier must reject.  On a GPU (marker ``gpu``) each block goes
+through the judge's GPU stages on every shape set, its largest at a real model's width.  They hold
+the spec, the catalogue and the verifier to classes of blocks the suites do not cover: a change that
+makes one of them inexpressible, or lets a slip through, fails here.
 """
 
 from __future__ import annotations
@@ -30,6 +35,12 @@ SLIPS = [
     ("gemma2", "no_cap_derivative", [('return {"D": p * dloss * (1.0 - t * t)}', 'return {"D": p * dloss}')]),
     ("gemma2", "no_cap", [("c = cap * tanh(acc * inv_cap)", "c = acc"),
                           ('return {"D": p * dloss * (1.0 - t * t)}', 'return {"D": p * dloss}')]),
+    ("neox", "ln_not_shared", [("g = acc + dln", "g = acc + 0.0 * dln")]),
+    ("partial_rope", "unrope_forward_way", [("pack(e * c + o * s, o * c - e * s)",
+                                             "pack(e * c - o * s, e * s + o * c)")]),
+    ("zloss", "no_zloss", [(" + z_weight * lse * lse", ""), ("g * (1.0 + 2.0 * z_weight * lse)", "g")]),
+    ("zloss", "ignored_rows_count", [("keep = where(tgt >= 0.0, where(tgt < vocab, 1.0, 0.0), 0.0)",
+                                      "keep = 1.0 + 0.0 * tgt")]),
 ]
 
 
@@ -46,7 +57,8 @@ def verify(task: Path, program: Path, tmp_path: Path, stages: str) -> dict:
 
 
 def test_every_family_is_here():
-    assert {t.parent.name for t in TASKS} == {"bert", "gemma", "gemma2", "opt", "primer"}
+    assert {t.parent.name for t in TASKS} == {"bert", "gemma", "gemma2", "neox", "opt", "partial_rope", "primer",
+                                                 "zloss"}
     assert {family for family, _, _ in SLIPS} <= {t.parent.name for t in TASKS}
 
 

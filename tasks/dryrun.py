@@ -37,7 +37,8 @@ from typing import Any, Callable
 
 import torch
 
-from .spec import FLOAT_DTYPES, Task, TaskSpec, TaskSpecError, eval_expr
+from .inits import draw
+from .spec import FLOAT_DTYPES, Task, TaskSpec, TaskSpecError
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
                 "int32": torch.int32, "int64": torch.int64,
@@ -138,20 +139,9 @@ def _mapping(task: Task, field: str, fn: Callable, out: Any) -> Mapping:
 
 
 def _draw(spec: TaskSpec, t: Any, set_name: str, gen: torch.Generator) -> torch.Tensor:
-    """Values drawn as the spec's init says, near enough for a call that only has to run."""
+    """Values drawn as the spec's init says (``inits.draw``, as the verifier draws them)."""
     env = {k: float(v) for k, v in spec.shapes[set_name].items()}
-    shape, dtype, init = spec.shape_of(t, set_name), TORCH_DTYPES[t.dtype], t.init
-    if init.dist == "randint":
-        high = int(eval_expr(init.high, env)) if init.high is not None else (shape[-1] if shape else 1)
-        return torch.randint(0, max(high, 1), shape, generator=gen).to(dtype)
-    if init.dist == "arange_rows":
-        rows = torch.arange(shape[0] if shape else 1).reshape(-1, *([1] * (len(shape) - 1)))
-        return rows.expand(shape).to(dtype).contiguous()
-    scale, mean = float(eval_expr(init.scale, env)), float(eval_expr(init.mean, env))
-    if init.dist == "uniform":
-        return (mean + (torch.rand(shape, generator=gen) * 2 - 1) * scale).to(dtype)
-    base = 1.0 if init.dist == "ones_plus_noise" else mean
-    return (base + torch.randn(shape, generator=gen) * scale).to(dtype)
+    return draw(t.init, spec.shape_of(t, set_name), TORCH_DTYPES[t.dtype], env, gen)
 
 
 def _upstream(spec: TaskSpec, set_name: str, args: dict[str, torch.Tensor], gen: torch.Generator | None

@@ -363,7 +363,9 @@ def skeleton(name: str, reference: str, folder: Path, shapes: dict[str, dict[str
         if k in fan_in:
             entry["role"], init["scale"] = "weight", f"1 / sqrt({fan_in[k]})"
         if dtype.startswith("int"):
-            init = {"dist": "randint", "high": f"{TODO} the exclusive upper bound of {k}'s values (an expression)"}
+            # a loss's targets usually hold padding: ignore: {value: -100, fraction: 0.125} draws it
+            init = {"dist": "randint", "high": f"{TODO} the exclusive upper bound of {k}'s values (an expression; "
+                                               "targets with padding add ignore: {value: -100})"}
         lines.append(f"  {k}: {_flow({**entry, 'init': init})}")
     if params:
         lines.append(f"params: {_flow(params)}")

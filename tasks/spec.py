@@ -2,7 +2,8 @@
 
 A task names its tensors with *symbolic* shapes (``[T, H]``, ``[H, 2*I]``) and
 binds the symbols per named shape set (``small``, ``ragged``, ``llama3-1b``,
-...); shape and init expressions are ``expr.py``'s tiny arithmetic.
+...); shape and init expressions are ``expr.py``'s tiny arithmetic, and how an
+input is drawn (its ``init``) is ``inits.py``'s.
 
 The PyTorch reference takes the inputs (and params) as keyword arguments and
 returns ``{output_name: tensor}``.  It is named either by a file relative to
@@ -45,6 +46,7 @@ from coda_agent.errors import CodaError
 
 from .expr import (Expr, ExprError, eval_expr, evaluate, expr_symbols, parse_expr,  # noqa: F401 - the
                    structural_symbols, value_text)  # verifier imports eval_expr and structural_symbols from here
+from .inits import Init
 from .messages import TaskSpecError, read_yaml, task_name_problem, todo_fields, validation_messages
 from .sources import import_reference, reference_files, reference_source
 
@@ -57,38 +59,6 @@ Scalar = bool | int | float | str  # a param: any scalar a reference takes (eps,
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class Init(_Strict):
-    """How the verifier draws a fresh input (never zeros).
-
-    ``normal``: ``mean + scale * N(0, 1)``; ``uniform``: ``mean + U(-scale, scale)``;
-    ``ones_plus_noise``: ``1 + scale * N(0, 1)`` (a norm weight); ``randint``:
-    integers in ``[0, high)`` (``high`` defaults to the last dimension);
-    ``arange_rows``: the row index.  ``mean`` offsets the two that take it: a
-    LayerNorm's centring is only tested by inputs whose mean is not zero."""
-
-    dist: Literal["normal", "uniform", "randint", "arange_rows", "ones_plus_noise"] = "normal"
-    scale: Expr = 1.0  # std for normal, half-width for uniform, noise std for ones_plus_noise
-    mean: Expr = 0.0  # offset of normal and uniform
-    high: Expr | None = None  # exclusive upper bound for randint
-
-    @field_validator("scale", "mean", "high")
-    @classmethod
-    def _check_expr(cls, v: Expr | None) -> Expr | None:
-        if v is not None:
-            parse_expr(v)
-        return v
-
-    @model_validator(mode="after")
-    def _check_mean(self) -> "Init":
-        if self.mean not in (0, 0.0, "0") and self.dist not in ("normal", "uniform"):
-            raise ValueError(f"init.mean offsets only dist normal or uniform, not {self.dist}; remove it "
-                             "(ones_plus_noise is already centred on 1)")
-        if self.high is not None and self.dist != "randint":
-            raise ValueError(f"init.high bounds only dist randint, not {self.dist}; remove it (scale sets the "
-                             "spread of the others)")
-        return self
 
 
 class TensorSpec(_Strict):
@@ -304,20 +274,7 @@ class TaskSpec(_Strict):
                     fix = ("use // (floor division) or sizes it divides" if v >= 0 else "a size cannot be negative")
                     raise ValueError(f"{where}: {value_text(e, v, set_name)}, not a size; {fix}")
             for n, t in self.inputs.items():
-                init, where = t.init, f"inputs.{n}.init"
-                if t.dtype.startswith("int") and init.dist not in ("randint", "arange_rows"):
-                    raise ValueError(f"{where}.dist: {n} is {t.dtype}, which dist {init.dist} does not draw; write "
-                                     "init: {dist: randint, high: <exclusive bound>} or {dist: arange_rows}")
-                if init.dist in ("normal", "uniform", "ones_plus_noise"):
-                    evaluate(f"{where}.mean", init.mean, env, set_name)
-                    if evaluate(f"{where}.scale", init.scale, env, set_name) == 0:
-                        raise ValueError(f"{where}.scale: {value_text(init.scale, 0, set_name)}: every value of {n} "
-                                         "would be the same, which tests nothing; give a non-zero scale")
-                if init.dist == "randint" and init.high is not None:
-                    high = evaluate(f"{where}.high", init.high, env, set_name)
-                    if high != int(high) or high < 1:
-                        raise ValueError(f"{where}.high: {value_text(init.high, high, set_name)}; randint draws from "
-                                         "[0, high), so high is a whole number >= 1")
+                t.init.check(f"inputs.{n}.init", n, t.dtype, self.shape_of(t, set_name), env, set_name)
 
     # ------------------------------------------------------------------ derived
 

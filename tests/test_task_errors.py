@@ -97,6 +97,17 @@ BAD = {
                      r"inputs.x.init.scale: 0: every value of x would be the same"),
     "high without randint": ([("scale: 1.0}}\n  w_gu", "scale: 1.0, high: 4}}\n  w_gu")], [],
                              r"init.high bounds only dist randint, not normal; remove it"),
+    "ignore without randint": ([("scale: 1.0}}\n  w_gu", "scale: 1.0, ignore: {value: -100}}}\n  w_gu")], [],
+                               r"init.ignore sets entries of only dist randint, not normal; remove it"),
+    "ignore among the values": ([("x: {shape: [T, H], dtype: bf16, init: {dist: normal, scale: 1.0}}",
+                                  "x: {shape: [T, H], dtype: int64, init: {dist: randint, high: 4, "
+                                  "ignore: {value: 2}}}")], [],
+                                r"inputs.x.init.ignore.value: 2 lies in \[0, 4\) on shape set small, among the "
+                                r"values randint draws.*use a value outside it \(-100"),
+    "ignore fraction 1": ([("x: {shape: [T, H], dtype: bf16, init: {dist: normal, scale: 1.0}}",
+                            "x: {shape: [T, H], dtype: int64, init: {dist: randint, high: 4, "
+                            "ignore: {fraction: 1.0}}}")], [],
+                          r"fraction is 1.0; it is the share of entries ignored, strictly between 0 and 1"),
     "param is a list": ([("{approximate: tanh}", "{approximate: tanh, dims: [1, 2]}")], [],
                         r"params: dims is a list \(\[1, 2\]\); a param is one number, true/false or string"),
     "param the reference lacks": ([("{approximate: tanh}", "{approximate: tanh, eps: 1.0e-6}")], [],

@@ -174,6 +174,30 @@ def test_params_of_any_scalar_type_and_init_offsets(tmp_path):
         load_task(path)
 
 
+def test_ignored_targets_are_drawn_as_the_spec_says_everywhere(tmp_path):
+    """``ignore`` sets about its fraction of a randint input to the ignore_index, at positions that
+    differ per seed; the verifier's draw and the reference's dry run are the same function."""
+    path = write(tmp_path)
+    path.write_text(path.read_text().replace(
+        "  r: {shape: [T, N], role: residual}",
+        "  r: {shape: [T, N], role: residual}\n  t: {shape: [T], dtype: int64, role: index, "
+        "init: {dist: randint, high: N, ignore: {value: -100, fraction: 0.25}}}"))
+    (tmp_path / "ref.py").write_text(REFERENCE.replace("def proj_residual(x, w, r):", "def proj_residual(x, w, r, t):"))
+    spec = load_task(path).spec
+    from coda_agent.tasks import dryrun
+    from coda_agent.verifier.inputs import make_inputs
+
+    draws = [make_inputs(spec, "small", seed=s)["t"] for s in range(40)]
+    ignored = torch.stack([d == -100 for d in draws]).float()
+    assert 0.2 < ignored.mean().item() < 0.3  # a quarter of 40 x 64 entries
+    assert not torch.equal(ignored[0], ignored[1])  # the positions follow the seed
+    kept = torch.cat([d[d != -100] for d in draws])
+    assert kept.min().item() >= 0 and kept.max().item() < 48 and kept.unique().numel() > 40
+    gen = torch.Generator().manual_seed(7)
+    t = dryrun._draw(spec, spec.inputs["t"], "small", gen)
+    assert t.dtype == torch.int64 and set(t.unique().tolist()) - set(range(48)) <= {-100}
+
+
 def test_per_output_tolerances_override_the_task_wide_rule(tmp_path):
     path = write(tmp_path, extra="tolerance: {factor: 3.0, rel_norm: 0.01}\ntolerances: {h: {factor: 8.0}, "
                                  "dw: {rel_norm: 0.05}}\n")

@@ -48,7 +48,8 @@ import random
 
 import torch
 
-from coda_agent.tasks.spec import FLOAT_DTYPES, TaskSpec, TensorSpec, eval_expr, structural_symbols
+from coda_agent.tasks.inits import draw
+from coda_agent.tasks.spec import FLOAT_DTYPES, TaskSpec, TensorSpec, structural_symbols
 from coda_agent.verifier.wire import TORCH_DTYPES, nbytes
 
 EDGE_ROLES = ("activation", "residual", "saved", "grad")
@@ -63,25 +64,7 @@ ALIGN = 16  # the largest alignment step a drawn growth keeps (bytes of TMA rows
 def _draw(spec: TaskSpec, t: TensorSpec, shape_set: str, gen: torch.Generator,
           device: str) -> torch.Tensor:
     env = {k: float(v) for k, v in spec.shapes[shape_set].items()}
-    shape = spec.shape_of(t, shape_set)
-    dtype = TORCH_DTYPES[t.dtype]
-    scale = float(eval_expr(t.init.scale, env))
-    mean = float(eval_expr(t.init.mean, env))
-    dist = t.init.dist
-    kw = dict(generator=gen, device=device)
-    if dist == "randint":
-        high = int(eval_expr(t.init.high if t.init.high is not None else shape[-1], env))
-        return torch.randint(0, high, shape, **kw).to(dtype)
-    if dist == "arange_rows":
-        rows = torch.arange(shape[0], device=device).reshape(-1, *([1] * (len(shape) - 1)))
-        return rows.expand(shape).to(dtype).contiguous()
-    if dist == "normal":
-        x = mean + torch.randn(shape, **kw) * scale
-    elif dist == "uniform":
-        x = mean + (torch.rand(shape, **kw) * 2 - 1) * scale
-    else:  # ones_plus_noise
-        x = 1 + torch.randn(shape, **kw) * scale
-    return x.to(dtype)
+    return draw(t.init, spec.shape_of(t, shape_set), TORCH_DTYPES[t.dtype], env, gen, device)
 
 
 def make_inputs(spec: TaskSpec, shape_set: str, seed: int, device: str = "cpu") -> dict[str, torch.Tensor]:

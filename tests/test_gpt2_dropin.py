@@ -162,6 +162,14 @@ def test_state_dict_save_pretrained_and_parameters_stay_hfs(tmp_path):
     before = list(hf.parameters())
     model = coda_agent.apply_to_gpt2(hf)
     assert all(a is b for a, b in zip(model.parameters(), before))  # an optimizer built before still trains it
+    convs = [m for m in model.modules() if type(m).__name__ == "Conv1D"]
+    # each weight the kernels read is column-major, its gradient lands in that layout, no copy between
+    assert len(convs) == 8 and all(c.weight.t().is_contiguous() for c in convs)
+    ids, labels = batch()
+    model.train()
+    model(ids, labels=labels).loss.backward()
+    assert all(c.weight.grad.stride() == c.weight.stride() for c in convs)
+    model.zero_grad(set_to_none=True)
     want = tiny_gpt2().bfloat16().state_dict()
     got = model.state_dict()
     assert list(got) == list(want)

@@ -31,7 +31,7 @@ from coda_agent.verifier.compare import compare
 from coda_agent.verifier.cuda_ipc import Imports
 from coda_agent.verifier.inputs import (aligned_grads, edge_inputs, make_grads, make_inputs, result_bytes,
                                         result_dtypes, result_shapes, run_reference, set_label)
-from coda_agent.verifier.program import CandidateError
+from coda_agent.verifier.program import CandidateError, shares_memory
 from coda_agent.verifier.report import Mismatch
 from coda_agent.verifier.wire import WireError, describe, nbytes, tensor_bytes, tensor_from_blob
 
@@ -231,8 +231,7 @@ class GpuCalls:
                         continue
                     if span[2] and other[2] and span[0] == other[0] \
                             and span[1] < other[1] + other[2] and other[1] < span[1] + span[2]:
-                        raise CandidateError(f"`{name}` shares memory with {who}: every result must be a tensor "
-                                             "of its own (only an upstream gradient may be returned as it is)")
+                        raise CandidateError(shares_memory(name, who))
                 seen.append((f"the result `{name}`", span, False))
                 got[name] = view.clone()
         self.remote.request({"op": "release", "slots": [slot]})

@@ -140,10 +140,18 @@ def check_results(contract: Contract, results: dict[str, Any], shapes: dict[str,
             if id(t) in passthrough and other is t:
                 continue
             if _overlap(t, other):
-                raise CandidateError(f"`{name}` shares memory with {who}: every result must be a tensor of "
-                                     "its own (only an upstream gradient may be returned as it is)")
+                raise CandidateError(shares_memory(name, who))
         seen.append((f"the result `{name}`", t))
     return results
+
+
+def shares_memory(name: str, who: str) -> str:
+    """The refusal of a result ``name`` whose memory is ``who``'s (an input or another result)."""
+    fix = "every result must be a tensor of its own (only an upstream gradient may be returned as it is)"
+    if who.startswith("the result"):  # two results of the same values: each needs its own tensor
+        fix += ("; where two results hold the same values (two biases' gradients), compute the second "
+                "one too, e.g. a second reduction of the same value in the epilogue")
+    return f"`{name}` shares memory with {who}: {fix}"
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:

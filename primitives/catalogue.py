@@ -231,6 +231,11 @@ def render() -> str:
         args = ", ".join("xyz"[i] for i in range(m.arity)) if m.name != "where" else "cond, a, b"
         out += [f"- `{m.name}({args})`: {m.__doc__} Example: `{m.example}`"]
     out += ["- `unpack(pair) -> (a, b)`, `pack(a, b) -> pair`: lanes of adjacent columns.", "",
+            "RoPE rotates adjacent pairs (2j, 2j+1). A model that rotates halves (transformers' "
+            "`rotate_half`: LLaMA's checkpoints, GPT-NeoX, Phi) pairs column j with j + R/2 of each head's "
+            "R rotated columns: permute each head's rows of the q and k weights (and biases) once, "
+            "`[0, R/2, 1, R/2 + 1, ..., R - 1, then R..D - 1]`, and it is the same rotation; q . k per head, "
+            "and so attention, is unchanged (`apply_to_llama` does this at patch time).", "",
             "The `*_grad` functions are the activations' derivatives, for backward epilogues: "
             "`dpre = dy * gelu_grad(pre)` rather than a derivative written out by hand.", ""]
     out += ["## Auxiliary kernels and layout helpers (in forward/backward)", ""]

@@ -48,6 +48,10 @@ FAMILIES = "elementwise, pairwise, vector, tile, reduction, stateful"
 MATMULS = {"matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "linear", "addmm"}
 # Functions whose derivative jumps (ReLU and its kin): a gradient through one depends on which side
 # of the kink a rounding puts each value, so it is noisier than the reference's own rounding shows.
+# Normalisations -> whether they centre their input (a LayerNorm's centring is tested only by an
+# input whose mean is not 0); their weight is args[2], their bias args[3] (F.layer_norm, F.rms_norm,
+# F.group_norm).
+NORMS = {"layer_norm": True, "group_norm": True, "rms_norm": False}
 KINKS = {"relu", "relu_", "relu6", "threshold", "leaky_relu", "hardtanh", "clamp", "clamp_min", "clamp_max",
          "clip", "abs", "maximum", "minimum", "max", "min", "hardshrink", "softshrink"}
 
@@ -185,8 +189,10 @@ def symbolic(values: dict[str, int], shapes: dict[str, dict[str, int]]) -> tuple
 # --------------------------------------------------------------------------- calling the reference
 
 class _MatmulRecorder(torch.overrides.TorchFunctionMode):
-    """The (M, N, K) of every matmul the reference runs (batch dims folded into M), and the
-    inputs that are a matmul's right operand (a weight) with that matmul's K (its fan-in).
+    """The (M, N, K) of every matmul the reference runs (batch dims folded into M), the
+    inputs that are a matmul's right operand (a weight) with that matmul's K (its fan-in), and
+    the inputs a normalisation reads (``norms``: its weight, its bias, the input a LayerNorm
+    centres).
 
     An input is recognised by its storage, so a view (``w.t()``, ``w[0::2]``) or a detached
     copy of it counts as the input."""
@@ -197,12 +203,22 @@ class _MatmulRecorder(torch.overrides.TorchFunctionMode):
         self.storages = storages
         self.weights: dict[str, int] = {}
         self.kinks: list[str] = []
+        self.norms: dict[str, str] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         name = getattr(func, "__name__", "")
         if name in KINKS and name not in self.kinks:
             self.kinks.append(name)
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if name in NORMS and args and isinstance(args[0], torch.Tensor):
+            kw = kwargs or {}
+            parts = {"centred" if NORMS[name] else "": args[0],
+                     "norm_weight": kw.get("weight", args[2] if len(args) > 2 else None),
+                     "norm_bias": kw.get("bias", args[3] if len(args) > 3 and name != "rms_norm" else None)}
+            for what, t in parts.items():
+                named = self.storages.get(_storage(t)) if what and isinstance(t, torch.Tensor) else None
+                if named is not None:
+                    self.norms.setdefault(named, what)
         if name in MATMULS and len(tensors) >= 2:
             a, b = tensors[-2:] if name == "addmm" else tensors[:2]
             if name == "__rmatmul__":  # w.__rmatmul__(x) is x @ w
@@ -248,8 +264,9 @@ def _draw(dims: list[str], dtype: str, binding: dict[str, int], gen: torch.Gener
     return torch.randn(shape, generator=gen).to(TORCH_DTYPES[dtype])
 
 
-# outputs, matmuls, weights (input -> K), kinks (functions called whose derivative jumps)
-Call = tuple[dict[str, torch.Tensor], list[tuple[int, int, int]], dict[str, int], list[str]]
+# outputs, matmuls, weights (input -> K), kinks (functions called whose derivative jumps), norms
+# (input -> what a normalisation reads it as)
+Call = tuple[dict[str, torch.Tensor], list[tuple[int, int, int]], dict[str, int], list[str], dict[str, str]]
 
 
 def _call(fn: Callable, inputs: dict[str, tuple[list[str], str]], params: dict[str, Scalar],
@@ -291,7 +308,7 @@ def _run(fn: Callable, inputs: dict[str, tuple[list[str], str]], params: dict[st
         if t.dtype not in DTYPE_NAMES:
             raise CodaError(f"the reference's output {name!r} is {t.dtype}; outputs are "
                             f"{', '.join(TORCH_DTYPES)} (cast it in the reference)")
-    return outs, recorder.mnk, recorder.weights, recorder.kinks
+    return outs, recorder.mnk, recorder.weights, recorder.kinks, recorder.norms
 
 
 def _signature_inputs(fn: Callable, inputs: dict, params: dict) -> dict[str, Scalar]:
@@ -327,6 +344,15 @@ def _fan_in(calls: dict[str, Call], shapes: dict[str, dict[str, int]]) -> dict[s
     return out
 
 
+# What a normalisation reads an input as -> (its role, its init), and why, for the file's comment.
+NORM_INITS = {"norm_weight": ("norm_weight", {"dist": "ones_plus_noise", "scale": 0.1}),
+              "norm_bias": ("norm_weight", {"dist": "normal", "scale": 0.5}),
+              "centred": ("", {"dist": "normal", "mean": 1.0, "scale": 1.0})}
+NORM_NOTES = {"norm_weight": "a norm's weight, drawn near 1 as a trained one is",
+              "norm_bias": "a norm's bias, drawn at 0.5 (a bias the program drops then shows)",
+              "centred": "a LayerNorm's input, drawn with mean 1 (at mean 0 its centring is barely tested)"}
+
+
 def _flow(value: Any) -> str:
     return yaml.safe_dump(value, default_flow_style=True, width=10_000, sort_keys=False).strip().removesuffix("...").strip()
 
@@ -357,11 +383,18 @@ def skeleton(name: str, reference: str, folder: Path, shapes: dict[str, dict[str
         lines.append(f"  # {', '.join(fan_in)}: a matmul's right operand, drawn at 1/sqrt(its K) so that the "
                      "products are of the order of the other inputs (at scale 1 a term such as a residual "
                      "hides under their rounding, and a program that drops it passes)")
+    norms = {k: v for k, v in next(iter(calls.values()))[4].items() if k not in fan_in}
+    if norms:
+        named = {what: [k for k, v in norms.items() if v == what] for what in NORM_INITS}
+        lines.append("  # " + "; ".join(f"{', '.join(ks)}: {NORM_NOTES[what]}" for what, ks in named.items() if ks))
     for k, (dims, dtype) in inputs.items():
         init: dict[str, Any] = {"dist": "normal", "scale": 1.0}
         entry: dict[str, Any] = {"shape": dims, "dtype": dtype}
         if k in fan_in:
             entry["role"], init["scale"] = "weight", f"1 / sqrt({fan_in[k]})"
+        elif k in norms:
+            role, init = NORM_INITS[norms[k]]
+            entry.update({"role": role} if role else {})
         if dtype.startswith("int"):
             # a loss's targets usually hold padding: ignore: {value: -100, fraction: 0.125} draws it
             init = {"dist": "randint", "high": f"{TODO} the exclusive upper bound of {k}'s values (an expression; "

@@ -211,3 +211,66 @@ def test_new_says_when_gradients_pass_through_a_kink(tmp_path, monkeypatch):
     assert cli("tasks", "new", "smooth", "--reference", "ref.py:smooth", *args).exit_code == 0
     assert cli("tasks", "new", "fwd", "--reference", "ref.py:mlp", *args[:-2]).exit_code == 0
     assert "derivative jumps" not in Path("smooth.yaml").read_text() + Path("fwd.yaml").read_text()
+
+
+LAYERNORM = '''import torch.nn as nn
+import torch.nn.functional as F
+
+
+def ln_linear(x, gamma, beta, w, eps=1e-5):
+    """y = LayerNorm(x) @ w^T."""
+    return {"y": F.layer_norm(x, (x.shape[-1],), gamma, beta, eps) @ w.t()}
+
+
+def rms(x, g):
+    """y = RMSNorm(x) * g, through the module."""
+    norm = nn.RMSNorm(x.shape[-1], eps=1e-6, device=x.device, dtype=x.dtype)
+    norm.weight = nn.Parameter(g)
+    return {"y": norm(x)}
+
+
+def no_centring(x, gamma, beta):
+    """y = LayerNorm(x) without the mean taken out: a slip the task must catch."""
+    xf = x.float()
+    y = xf * (xf.pow(2).mean(-1, keepdim=True) + 1e-5).rsqrt()
+    return {"y": (y * gamma.float() + beta.float()).to(x.dtype)}
+'''
+
+
+def test_new_draws_a_norms_parameters_and_a_layernorms_input_as_trained_ones_are(tmp_path, monkeypatch):
+    """A normalisation's weight is drawn near 1 and its bias at 0.5 (role norm_weight), and the
+    input a LayerNorm centres with mean 1: at N(0, 1) a row's mean is small and a LayerNorm without
+    its centring is off by 17%, at mean 1 by 80%.  An RMSNorm's input keeps mean 0."""
+    monkeypatch.chdir(tmp_path)
+    Path("ref.py").write_text(LAYERNORM)
+    sets = ["--shapes", "small=T:64,H:32,N:48", "--shapes", "ragged=T:50,H:40,N:56",
+            "--shapes", "big=T:16384,H:4096,N:4096"]  # the big set runs on meta tensors
+    r = cli("tasks", "new", "ln", "--reference", "ref.py:ln_linear", "--input", "x=T,H", "--input", "gamma=H",
+            "--input", "beta=H", "--input", "w=N,H", *sets)
+    assert r.exit_code == 0, r.output
+    inputs = yaml.safe_load(Path("ln.yaml").read_text())["inputs"]
+    assert inputs["x"]["init"] == {"dist": "normal", "mean": 1.0, "scale": 1.0}
+    assert inputs["gamma"] == {"shape": ["H"], "dtype": "bf16", "role": "norm_weight",
+                               "init": {"dist": "ones_plus_noise", "scale": 0.1}}
+    assert inputs["beta"]["role"] == "norm_weight" and inputs["beta"]["init"] == {"dist": "normal", "scale": 0.5}
+    assert inputs["w"]["role"] == "weight"  # a matmul's operand stays one
+    assert "x: a LayerNorm's input, drawn with mean 1" in Path("ln.yaml").read_text()
+    r = cli("tasks", "new", "rms", "--reference", "ref.py:rms", "--input", "x=T,H", "--input", "g=H", *sets[:4])
+    assert r.exit_code == 0, r.output
+    inputs = yaml.safe_load(Path("rms.yaml").read_text())["inputs"]
+    assert inputs["x"]["init"] == {"dist": "normal", "scale": 1.0}
+    assert inputs["g"]["role"] == "norm_weight"
+    # drawn as the file says, the inputs tell a LayerNorm from one without its centring
+    import torch
+
+    from coda_agent.tasks.inits import Init, draw
+
+    raw = yaml.safe_load(Path("ln.yaml").read_text())["inputs"]
+    env, gen = {"T": 64, "H": 32, "N": 48}, torch.Generator().manual_seed(3)
+    args = {k: draw(Init(**v["init"]), tuple(env[d] for d in v["shape"]), torch.bfloat16, env, gen)
+            for k, v in raw.items()}
+    ns = {}
+    exec(LAYERNORM, ns)
+    want = ns["ln_linear"](**args)["y"].float()
+    slip = ns["no_centring"](args["x"], args["gamma"], args["beta"])["y"].float() @ args["w"].float().t()
+    assert (slip - want).norm() > 0.5 * want.norm()

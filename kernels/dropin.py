@@ -11,6 +11,7 @@ the same way.
   same inputs, params, outputs and gradients; :func:`slot_kernel`).
 - The refusals every drop-in makes before it changes anything: a model already patched, a model
   wrapped by torch.compile, parameters that are not bf16 (the kernels are verified for bf16).
+- What a patched layer owes HF's output capture: the attention weights (:func:`record_attention`).
 - The two drop-ins built from the GPT-2 suite's kernels (``gpt2.py``, ``gpt_neox.py``: pre-LN
   blocks with LayerNorms, biases and a GELU MLP) share their block's plan (:class:`BlockPlan`, its
   kernels by slot: :func:`block_plan`), the GELU probe that picks the MLP kernel
@@ -104,6 +105,22 @@ GPT_NEOX_STACK = ("embed_in", "layers", "final_layer_norm")
 def has_modules(model: Any, names: tuple[str, ...]) -> bool:
     """Whether ``model`` holds a module under each of ``names`` (a decoder stack's)."""
     return all(isinstance(getattr(model, a, None), nn.Module) for a in names)
+
+
+def record_attention(weights: torch.Tensor | None) -> None:
+    """Hand a patched layer's attention weights to transformers' output capture
+    (``output_attentions=True``).  HF records them with a forward hook on the attention module,
+    whose forward a patched layer does not call, so without this they would come back empty.  As
+    HF's hook does, nothing is recorded where the implementation returns none (SDPA, flash)."""
+    if weights is None:
+        return
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:  # a transformers without output capture: it records nothing either
+        return
+    collected = _active_collector.get()
+    if collected is not None and "attentions" in collected:
+        collected["attentions"].append(weights)
 
 
 def require_bf16(model: nn.Module, patch: str) -> None:

@@ -85,8 +85,8 @@ from transformers.pytorch_utils import Conv1D
 from transformers.utils import can_return_tuple
 
 from .dropin import (GPT2_SLOTS, GPT2_STACK, GPT_NEOX_STACK, BlockPlan, PatchedForward, block_plan, check_lm_head,
-                     check_slots, gelu_of, has_modules, refuse_patched, refuse_wrapped, require_bf16,
-                     require_children, require_code, require_layer_norm, slot_kernel, suite_kernel)
+                     check_slots, gelu_of, has_modules, record_attention, refuse_patched, refuse_wrapped,
+                     require_bf16, require_children, require_code, require_layer_norm, slot_kernel, suite_kernel)
 from .families import same_code
 from .kernel import Kernel, KernelError
 from .llama_ops import causal_lm_loss
@@ -251,11 +251,12 @@ def _block_forward(self: GPT2Block, hidden_states: torch.Tensor, past_key_values
         k, v = past_key_values.update(k, v, attn.layer_idx)
     implementation = attn.config._attn_implementation
     if implementation == "eager" and attn.reorder_and_upcast_attn:
-        out, _ = attn._upcast_and_reordered_attn(q, k, v, attention_mask)
+        out, weights = attn._upcast_and_reordered_attn(q, k, v, attention_mask)
     else:
         interface = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
-        out, _ = interface(attn, q, k, v, attention_mask, dropout=attn.attn_dropout.p if attn.training else 0.0,
-                           scaling=attn.scaling, **kwargs)
+        out, weights = interface(attn, q, k, v, attention_mask,
+                                 dropout=attn.attn_dropout.p if attn.training else 0.0, scaling=attn.scaling, **kwargs)
+    record_attention(weights)
     h1 = plan.out_proj(out.reshape(b * t, dim), h, attn.c_proj.weight.t(), attn.c_proj.bias)["h"]
     if plan.mlp:
         mlp = self.mlp

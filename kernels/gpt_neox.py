@@ -86,8 +86,8 @@ from transformers.models.gpt_neox.modeling_gpt_neox import (GPTNeoXAttention, GP
 from transformers.utils import can_return_tuple
 
 from .dropin import (GPT2_SLOTS, GPT2_STACK, GPT_NEOX_STACK, BlockPlan, PatchedForward, block_plan, check_lm_head,
-                     check_slots, gelu_of, has_modules, refuse_patched, refuse_wrapped, require_bf16,
-                     require_children, require_code, require_layer_norm, slot_kernel, suite_kernel)
+                     check_slots, gelu_of, has_modules, record_attention, refuse_patched, refuse_wrapped,
+                     require_bf16, require_children, require_code, require_layer_norm, slot_kernel, suite_kernel)
 from .families import same_code
 from .kernel import Kernel, KernelError
 from .llama_ops import causal_lm_loss
@@ -242,9 +242,10 @@ def _layer_forward(self: GPTNeoXLayer, hidden_states: torch.Tensor, attention_ma
     interface = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, eager_attention_forward)
     # position_ids and use_cache reach the interface as HF's attention passes them on (flash
     # attention reads position_ids for packed sequences).
-    out, _ = interface(attn, q, k, v, attention_mask, scaling=attn.scaling,
-                       dropout=attn.attention_dropout if attn.training else 0.0, position_ids=position_ids,
-                       use_cache=use_cache, **kwargs)
+    out, weights = interface(attn, q, k, v, attention_mask, scaling=attn.scaling,
+                             dropout=attn.attention_dropout if attn.training else 0.0, position_ids=position_ids,
+                             use_cache=use_cache, **kwargs)
+    record_attention(weights)
     out = out.reshape(b * t, dim)
     dense = attn.dense
     if self.use_parallel_residual:  # x + attn(ln1(x)) + mlp(ln2(x)): the MLP's residual sum first

@@ -95,7 +95,7 @@ from transformers.utils import can_return_tuple
 
 from coda_agent.tasks import SUITE_DIR
 
-from .dropin import PatchedForward, check_slots, refuse_patched, slot_kernel, suite_kernel
+from .dropin import PatchedForward, check_slots, record_attention, refuse_patched, slot_kernel, suite_kernel
 from .families import (AttentionPlan, check_model, head_dim, llama_architecture, rotation_is_llamas,
                        tables_are_llamas)
 from .kernel import Kernel, KernelError
@@ -354,8 +354,9 @@ def _layer_forward(self: nn.Module, hidden_states: torch.Tensor, attention_mask:
     interface = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, eager_attention_forward)
     if extra.window is not None:
         kwargs["sliding_window"] = extra.window
-    out, _ = interface(attn, q, k, v, attention_mask, dropout=attn.attention_dropout if attn.training else 0.0,
-                       scaling=attn.scaling, **kwargs)
+    out, weights = interface(attn, q, k, v, attention_mask, dropout=attn.attention_dropout if attn.training else 0.0,
+                             scaling=attn.scaling, **kwargs)
+    record_attention(weights)
     # An output-projection bias joins the residual the epilogue adds (autograd sums its gradient);
     # a residual scale (Granite's) multiplies the weights whose products the epilogues add, once a
     # call (a weight-sized product; autograd carries the scale to their gradients).

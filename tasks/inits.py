@@ -69,10 +69,12 @@ class Init(_Strict):
         if self.mean not in (0, 0.0, "0") and self.dist not in ("normal", "uniform"):
             raise ValueError(f"init.mean offsets only dist normal or uniform, not {self.dist}; remove it "
                              "(ones_plus_noise is already centred on 1)")
-        for field, what in (("high", "high bounds"), ("ignore", "ignore sets entries of")):
-            if getattr(self, field) is not None and self.dist != "randint":
-                raise ValueError(f"init.{what} only dist randint, not {self.dist}; remove it (scale sets the "
-                                 "spread of the others)")
+        if self.high is not None and self.dist != "randint":
+            raise ValueError(f"init.high bounds only dist randint, not {self.dist}; remove it (scale sets the "
+                             "spread of the others)")
+        if self.ignore is not None and self.dist != "randint":
+            raise ValueError(f"init.ignore marks entries of an index input (dist randint), not of dist "
+                             f"{self.dist}; remove it, or draw the input with dist randint")
         return self
 
     def check(self, where: str, name: str, dtype: str, shape: tuple[int, ...], env: dict[str, float],

@@ -98,7 +98,7 @@ BAD = {
     "high without randint": ([("scale: 1.0}}\n  w_gu", "scale: 1.0, high: 4}}\n  w_gu")], [],
                              r"init.high bounds only dist randint, not normal; remove it"),
     "ignore without randint": ([("scale: 1.0}}\n  w_gu", "scale: 1.0, ignore: {value: -100}}}\n  w_gu")], [],
-                               r"init.ignore sets entries of only dist randint, not normal; remove it"),
+                               r"init.ignore marks entries of an index input \(dist randint\), not of dist normal; remove it"),
     "ignore among the values": ([("x: {shape: [T, H], dtype: bf16, init: {dist: normal, scale: 1.0}}",
                                   "x: {shape: [T, H], dtype: int64, init: {dist: randint, high: 4, "
                                   "ignore: {value: 2}}}")], [],

@@ -37,8 +37,9 @@ same Parameter, and the patch stores each weight the kernels read column-major (
 an (in, out) tensor whose columns are contiguous: the same shape, values and Parameter object).
 The kernels write a weight's gradient as nn.Linear's (out, in) rows, which autograd carries back
 through the view as an (in, out) tensor with the Parameter's own strides, so it lands in ``.grad``
-as it is; over a row-major weight autograd copied every weight gradient of every step into the
-Parameter's layout (24 copy kernels, 1.3 ms of a GPT-2 XL step of 6 layers on the H200, run 23).
+as it is.  Over a row-major weight, autograd would copy every weight gradient of every step into
+the Parameter's layout (24 copy kernels, 1.3 ms of a 6-layer GPT-2 XL step on the H200:
+BENCHMARKS run 23).
 ``state_dict``, ``save_pretrained`` (values and shapes), the head's tie to the embedding and an
 optimizer built before the patch all see the same Parameters; patch before the optimizer's first
 step, whose moments take the weights' layout then.

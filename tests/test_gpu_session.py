@@ -10,6 +10,8 @@ import sys
 import tarfile
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -41,6 +43,39 @@ def test_check_part_verifies_experts_side_by_side_and_everything_comes_back(tmp_
     assert own["task"] == "opt_mlp" and own["outcome"] == "cpu_passed", own["outcome"]
     assert (back / "machine.txt").exists()
     assert not (tmp_path / "out" / "r").exists()  # only the tarball is left to come back
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_check_part_runs_at_most_check_jobs_verifies_at_a_time(tmp_path, jobs):
+    """CHECK_JOBS=N: at most N verifies run at once, in the order given (a python3 on the PATH logs
+    when each of the part's interpreters starts and ends, then runs the real one)."""
+    log, bin_dir = tmp_path / "calls.log", tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(f"#!/usr/bin/env bash\necho \"start $$ $(date +%s%N) $*\" >> {log}\n"
+                                     f"{sys.executable} \"$@\"\nrc=$?\necho \"end $$ $(date +%s%N)\" >> {log}\n"
+                                     "exit $rc\n")
+    (bin_dir / "python3").chmod(0o755)
+    names = ["swiglu_fwd", "rope_fwd", "rope_bwd"]
+    proc, back = _session(tmp_path, ["check:300"], CHECK_TASKS=" ".join(f"llama3/{n}" for n in names),
+                          CHECK_ARGS="--stages static,reference --sets small", CHECK_JOBS=str(jobs),
+                          PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert all(json.loads((back / "check" / f"llama3-{n}.json").read_text())["outcome"] == "cpu_passed"
+               for n in names)
+    events, order = [], []
+    for line in log.read_text().splitlines():
+        kind, pid, ns, *args = line.split()
+        if kind == "start" and "verify" in args:
+            order.append(next(n for n in names if f"tasks/llama3/{n}.yaml" in args))
+        if "verify" in args or kind == "end":
+            events.append((int(ns), kind, pid))
+    verifies = {pid for _, kind, pid in events if kind == "start"}
+    running, most = 0, 0
+    for _, kind, pid in sorted(events):
+        if pid in verifies:
+            running += 1 if kind == "start" else -1
+            most = max(most, running)
+    assert order == names and most == jobs, (order, most)
 
 
 def test_a_part_past_its_limit_is_stopped_and_the_next_one_runs(tmp_path):

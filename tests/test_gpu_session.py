@@ -75,7 +75,9 @@ def test_check_part_runs_at_most_check_jobs_verifies_at_a_time(tmp_path, jobs):
         if pid in verifies:
             running += 1 if kind == "start" else -1
             most = max(most, running)
-    assert order == names and most == jobs, (order, most)
+    # the first `jobs` start together (their log lines may interleave), the rest in the order given
+    assert most == jobs and sorted(order[:jobs]) == sorted(names[:jobs]) and order[jobs:] == names[jobs:], \
+        (order, most)
 
 
 def test_a_part_past_its_limit_is_stopped_and_the_next_one_runs(tmp_path):

@@ -85,8 +85,9 @@ class Tolerance(_Strict):
     mean signed error allowed beyond the reference's own (coda_agent.verifier.compare), as a fraction
     of the reference's RMS: a systematic offset hides under the max rule.  A gradient through a kink
     (relu, clamp, abs) may need a wider rule of its own: values within a rounding of the kink fall on
-    either side in program and reference, and a bias gradient sums those flips over every row
-    (``tolerances: {db1: {factor: 3}}``; ``tasks new`` says so)."""
+    either side in program and reference, a bias gradient sums those flips over every row, and the
+    gradients they feed carry them (``tolerances: {db1: {factor: 3, rel_norm: 0.06}}``; ``tasks new``
+    says so)."""
 
     rule: Literal["coda"] = "coda"
     # Negative bounds would reject every program, whatever it computes.

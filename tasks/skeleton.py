@@ -52,6 +52,8 @@ MATMULS = {"matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "linear", "addmm"
 # input whose mean is not 0); their weight is args[2], their bias args[3] (F.layer_norm, F.rms_norm,
 # F.group_norm).
 NORMS = {"layer_norm": True, "group_norm": True, "rms_norm": False}
+# Losses whose second argument is a target index into the first's classes (dim 1, or 0 unbatched).
+LOSSES = {"cross_entropy", "nll_loss"}
 KINKS = {"relu", "relu_", "relu6", "threshold", "leaky_relu", "hardtanh", "clamp", "clamp_min", "clamp_max",
          "clip", "abs", "maximum", "minimum", "max", "min", "hardshrink", "softshrink"}
 
@@ -188,11 +190,13 @@ def symbolic(values: dict[str, int], shapes: dict[str, dict[str, int]]) -> tuple
 
 # --------------------------------------------------------------------------- calling the reference
 
-class _MatmulRecorder(torch.overrides.TorchFunctionMode):
-    """The (M, N, K) of every matmul the reference runs (batch dims folded into M), the
-    inputs that are a matmul's right operand (a weight) with that matmul's K (its fan-in), and
-    the inputs a normalisation reads (``norms``: its weight, its bias, the input a LayerNorm
-    centres).
+class Call(torch.overrides.TorchFunctionMode):
+    """What one call of the reference shows, recorded while it runs: its outputs (``outs``), the
+    (M, N, K) of every matmul (``mnk``, batch dims folded into M), the inputs that are a matmul's
+    right operand (a weight) with that matmul's K (``weights``: its fan-in), the functions called
+    whose derivative jumps (``kinks``), the inputs a normalisation reads (``norms``: its weight,
+    its bias, the input a LayerNorm centres) and the targets of a cross-entropy (``targets``: the
+    number of classes and the ignore_index).
 
     An input is recognised by its storage, so a view (``w.t()``, ``w[0::2]``) or a detached
     copy of it counts as the input."""
@@ -204,6 +208,8 @@ class _MatmulRecorder(torch.overrides.TorchFunctionMode):
         self.weights: dict[str, int] = {}
         self.kinks: list[str] = []
         self.norms: dict[str, str] = {}
+        self.targets: dict[str, tuple[int, int]] = {}
+        self.outs: dict[str, torch.Tensor] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         name = getattr(func, "__name__", "")
@@ -219,6 +225,11 @@ class _MatmulRecorder(torch.overrides.TorchFunctionMode):
                 named = self.storages.get(_storage(t)) if what and isinstance(t, torch.Tensor) else None
                 if named is not None:
                     self.norms.setdefault(named, what)
+        if name in LOSSES and len(args) > 1 and isinstance(args[0], torch.Tensor):
+            target = self.storages.get(_storage(args[1])) if isinstance(args[1], torch.Tensor) else None
+            if target is not None:
+                classes = args[0].shape[1] if args[0].dim() > 1 else args[0].shape[0]
+                self.targets.setdefault(target, (classes, (kwargs or {}).get("ignore_index", -100)))
         if name in MATMULS and len(tensors) >= 2:
             a, b = tensors[-2:] if name == "addmm" else tensors[:2]
             if name == "__rmatmul__":  # w.__rmatmul__(x) is x @ w
@@ -264,11 +275,6 @@ def _draw(dims: list[str], dtype: str, binding: dict[str, int], gen: torch.Gener
     return torch.randn(shape, generator=gen).to(TORCH_DTYPES[dtype])
 
 
-# outputs, matmuls, weights (input -> K), kinks (functions called whose derivative jumps), norms
-# (input -> what a normalisation reads it as)
-Call = tuple[dict[str, torch.Tensor], list[tuple[int, int, int]], dict[str, int], list[str], dict[str, str]]
-
-
 def _call(fn: Callable, inputs: dict[str, tuple[list[str], str]], params: dict[str, Scalar],
           binding: dict[str, int], set_name: str) -> Call:
     size = sum(math.prod(_shape(dims, binding)) * TORCH_DTYPES[dtype].itemsize for dims, dtype in inputs.values())
@@ -289,7 +295,7 @@ def _call(fn: Callable, inputs: dict[str, tuple[list[str], str]], params: dict[s
 def _run(fn: Callable, inputs: dict[str, tuple[list[str], str]], params: dict[str, Scalar],
          binding: dict[str, int], gen: torch.Generator | None) -> Call:
     args = {k: _draw(dims, dtype, binding, gen) for k, (dims, dtype) in inputs.items()}
-    recorder = _MatmulRecorder({_storage(t): k for k, t in args.items() if t.is_floating_point()})
+    recorder = Call({_storage(t): k for k, t in args.items()})
     with torch.no_grad(), recorder:
         outs = fn(**args, **params)
     if not isinstance(outs, dict) or not outs:
@@ -308,7 +314,8 @@ def _run(fn: Callable, inputs: dict[str, tuple[list[str], str]], params: dict[st
         if t.dtype not in DTYPE_NAMES:
             raise CodaError(f"the reference's output {name!r} is {t.dtype}; outputs are "
                             f"{', '.join(TORCH_DTYPES)} (cast it in the reference)")
-    return outs, recorder.mnk, recorder.weights, recorder.kinks, recorder.norms
+    recorder.outs = outs
+    return recorder
 
 
 def _signature_inputs(fn: Callable, inputs: dict, params: dict) -> dict[str, Scalar]:
@@ -335,10 +342,10 @@ def _signature_inputs(fn: Callable, inputs: dict, params: dict) -> dict[str, Sca
 def _fan_in(calls: dict[str, Call], shapes: dict[str, dict[str, int]]) -> dict[str, str]:
     """The inputs that are a matmul's right operand on every shape set, with that matmul's K
     as an expression of the symbols (inputs whose K no expression gives are left out)."""
-    names = set.intersection(*(set(c[2]) for c in calls.values()))
+    names = set.intersection(*(set(c.weights) for c in calls.values()))
     out = {}
-    for name in sorted(names, key=list(next(iter(calls.values()))[2]).index):
-        expr, _ = symbolic({s: c[2][name] for s, c in calls.items()}, shapes)
+    for name in sorted(names, key=list(next(iter(calls.values())).weights).index):
+        expr, _ = symbolic({s: c.weights[name] for s, c in calls.items()}, shapes)
         if not str(expr).startswith(TODO):
             out[name] = str(expr)
     return out
@@ -351,6 +358,19 @@ NORM_INITS = {"norm_weight": ("norm_weight", {"dist": "ones_plus_noise", "scale"
 NORM_NOTES = {"norm_weight": "a norm's weight, drawn near 1 as a trained one is",
               "norm_bias": "a norm's bias, drawn at 0.5 (a bias the program drops then shows)",
               "centred": "a LayerNorm's input, drawn with mean 1 (at mean 0 its centring is barely tested)"}
+
+
+def _targets(calls: dict[str, Call], shapes: dict[str, dict[str, int]]) -> dict[str, tuple[str, int]]:
+    """The inputs a cross-entropy takes as its target on every shape set, with its number of classes
+    as an expression of the symbols and its ignore_index (inputs whose classes no expression gives
+    are left out)."""
+    names = set.intersection(*(set(c.targets) for c in calls.values()))
+    out = {}
+    for name in sorted(names):
+        expr, _ = symbolic({s: c.targets[name][0] for s, c in calls.items()}, shapes)
+        if not str(expr).startswith(TODO):
+            out[name] = (str(expr), next(iter(calls.values())).targets[name][1])
+    return out
 
 
 def _flow(value: Any) -> str:
@@ -371,7 +391,7 @@ def skeleton(name: str, reference: str, folder: Path, shapes: dict[str, dict[str
         if g not in inputs or inputs[g][1].startswith("int"):
             raise CodaError(f"--gradients: {g!r} is not a float --input")
     calls = {s: _call(fn, inputs, params, binding, s) for s, binding in shapes.items()}
-    first = next(iter(calls.values()))[0]
+    first = next(iter(calls.values())).outs
     lines = ["# Written by `coda-agent tasks new` from the reference's outputs on each shape set.",
              "# Every TODO is for you to fill in; `coda-agent tasks check` lists what is left.",
              f"name: {_flow(name)}"]
@@ -383,7 +403,12 @@ def skeleton(name: str, reference: str, folder: Path, shapes: dict[str, dict[str
         lines.append(f"  # {', '.join(fan_in)}: a matmul's right operand, drawn at 1/sqrt(its K) so that the "
                      "products are of the order of the other inputs (at scale 1 a term such as a residual "
                      "hides under their rounding, and a program that drops it passes)")
-    norms = {k: v for k, v in next(iter(calls.values()))[4].items() if k not in fan_in}
+    norms = {k: v for k, v in next(iter(calls.values())).norms.items() if k not in fan_in}
+    targets = _targets(calls, shapes)
+    if targets:
+        lines.append(f"  # {', '.join(targets)}: a cross-entropy's target, drawn among its classes with one in "
+                     "eight set to its ignore_index (padding: a program must give those rows no loss and no "
+                     "gradient)")
     if norms:
         named = {what: [k for k, v in norms.items() if v == what] for what in NORM_INITS}
         lines.append("  # " + "; ".join(f"{', '.join(ks)}: {NORM_NOTES[what]}" for what, ks in named.items() if ks))
@@ -395,7 +420,10 @@ def skeleton(name: str, reference: str, folder: Path, shapes: dict[str, dict[str
         elif k in norms:
             role, init = NORM_INITS[norms[k]]
             entry.update({"role": role} if role else {})
-        if dtype.startswith("int"):
+        if dtype.startswith("int") and k in targets:  # a cross-entropy's target: its classes and padding
+            entry["role"], init = "index", {"dist": "randint", "high": targets[k][0],
+                                            "ignore": {"value": targets[k][1], "fraction": 0.125}}
+        elif dtype.startswith("int"):
             # a loss's targets usually hold padding: ignore: {value: -100, fraction: 0.125} draws it
             init = {"dist": "randint", "high": f"{TODO} the exclusive upper bound of {k}'s values (an expression; "
                                                "targets with padding add ignore: {value: -100})"}
@@ -406,7 +434,7 @@ def skeleton(name: str, reference: str, folder: Path, shapes: dict[str, dict[str
     for out, t in first.items():
         dims, notes = [], []
         for d in range(t.dim()):
-            expr, others = symbolic({s: calls[s][0][out].shape[d] for s in calls}, shapes)
+            expr, others = symbolic({s: calls[s].outs[out].shape[d] for s in calls}, shapes)
             dims.append(expr)
             if others:
                 notes.append(f"{expr} could also be {', '.join(others[:3])}")
@@ -419,7 +447,7 @@ def skeleton(name: str, reference: str, folder: Path, shapes: dict[str, dict[str
     lines.append(f"reference: {_flow(reference)}")
     if gradients:
         lines.append(f"gradients: {_flow(gradients)}")
-        kinks = next(iter(calls.values()))[3]
+        kinks = next(iter(calls.values())).kinks
         if kinks:
             lines += [f"# The reference calls {', '.join(kinks)}, whose derivative jumps: a gradient through it "
                       "differs from the fp64 reference",
@@ -429,8 +457,8 @@ def skeleton(name: str, reference: str, folder: Path, shapes: dict[str, dict[str
                       "rows, and what they feed),",
                       "# widen those gradients' rules alone, tolerances: {d<input>: {factor: 3, rel_norm: 0.06}}, "
                       "and keep the others tight."]
-    count = min(len(c[1]) for c in calls.values())
-    matmuls = [[symbolic({s: calls[s][1][i][j] for s in calls}, shapes)[0] for j in range(3)] for i in range(count)]
+    count = min(len(c.mnk) for c in calls.values())
+    matmuls = [[symbolic({s: calls[s].mnk[i][j] for s in calls}, shapes)[0] for j in range(3)] for i in range(count)]
     hint = f"; the reference's forward runs {_flow(matmuls)}" if matmuls else ""
     lines.append(f"gemms: {_flow(f'{TODO} the GEMMs the fused program needs, as [[M, N, K], ...]' + hint)}")
     target = (f"{TODO} {{vs_gemm: 1.05, vs_compile: 1.2}} (fused / plain GEMM time at most, "

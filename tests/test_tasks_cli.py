@@ -274,3 +274,39 @@ def test_new_draws_a_norms_parameters_and_a_layernorms_input_as_trained_ones_are
     want = ns["ln_linear"](**args)["y"].float()
     slip = ns["no_centring"](args["x"], args["gamma"], args["beta"])["y"].float() @ args["w"].float().t()
     assert (slip - want).norm() > 0.5 * want.norm()
+
+
+CROSS_ENTROPY = '''import torch.nn.functional as F
+
+
+def xent(x, w, t):
+    """loss = cross_entropy(x @ w^T, t) per row, padding (-100) ignored."""
+    return {"loss": F.cross_entropy((x @ w.t()).float(), t, reduction="none")}
+
+
+def xent_own_index(x, w, t):
+    """The same with ignore_index -1."""
+    return {"loss": F.cross_entropy((x @ w.t()).float(), t, reduction="none", ignore_index=-1)}
+'''
+
+
+@pytest.mark.parametrize(("fn", "ignore"), [("xent", -100), ("xent_own_index", -1)])
+def test_new_draws_a_cross_entropys_target_among_its_classes_with_padding(tmp_path, monkeypatch, fn, ignore):
+    """The target of F.cross_entropy is drawn below the number of classes (an expression of the
+    symbols) with one in eight set to the loss's ignore_index, so the task holds a program to the
+    padding every batch has; the file then loads once its other TODOs are filled in."""
+    monkeypatch.chdir(tmp_path)
+    Path("ref.py").write_text(CROSS_ENTROPY)
+    r = cli("tasks", "new", "xent", "--reference", f"ref.py:{fn}", "--input", "x=T,H", "--input", "w=V,H",
+            "--input", "t=T:int64", "--shapes", "small=T:64,H:32,V:40", "--shapes", "ragged=T:50,H:24,V:56")
+    assert r.exit_code == 0, r.output
+    raw = yaml.safe_load(Path("xent.yaml").read_text())
+    assert raw["inputs"]["t"] == {"shape": ["T"], "dtype": "int64", "role": "index",
+                                  "init": {"dist": "randint", "high": "V",
+                                           "ignore": {"value": ignore, "fraction": 0.125}}}
+    assert "t: a cross-entropy's target" in Path("xent.yaml").read_text()
+    text = Path("xent.yaml").read_text().replace(raw["families"], "[reduction, stateful]")
+    text = text.replace(f"'{raw['target']}'", "{vs_gemm: 1.1}").replace(raw["gemms"], "[[T, V, H]]")
+    Path("xent.yaml").write_text(text)
+    r = cli("tasks", "check", "xent.yaml")
+    assert r.exit_code == 0, r.output

@@ -90,7 +90,7 @@ from .dropin import (GPT2_SLOTS, GPT2_STACK, GPT_NEOX_STACK, BlockPlan, PatchedF
                      require_bf16, require_children, require_code, require_layer_norm, slot_kernel, suite_kernel)
 from .families import same_code
 from .kernel import Kernel, KernelError
-from .llama_ops import causal_lm_loss
+from .llama_ops import fused_lm_forward
 
 SWAPPABLE = GPT2_SLOTS
 
@@ -278,17 +278,8 @@ def _lm_forward(self: GPT2LMHeadModel, input_ids: torch.Tensor | None = None, pa
                 use_cache: bool | None = None, logits_to_keep: int | torch.Tensor = 0,
                 **kwargs: Any) -> CausalLMOutputWithCrossAttentions:
     """GPT2LMHeadModel.forward; in training with labels, the tied LM head + loss is the fused kernel."""
-    shift_labels = kwargs.pop("shift_labels", None)
     inputs = dict(past_key_values=past_key_values, attention_mask=attention_mask, token_type_ids=token_type_ids,
                   position_ids=position_ids, inputs_embeds=inputs_embeds, encoder_hidden_states=encoder_hidden_states,
                   encoder_attention_mask=encoder_attention_mask, use_cache=use_cache)
-    if not (self.training and (labels is not None or shift_labels is not None)):
-        if shift_labels is not None:
-            kwargs["shift_labels"] = shift_labels
-        return type(self).forward(self, input_ids, **inputs, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
-    outputs = self.transformer(input_ids, **inputs, **kwargs)
-    loss = causal_lm_loss(outputs.last_hidden_state, self.lm_head.weight, labels, shift_labels, self.coda_xent,
-                          kwargs.get("num_items_in_batch"))
-    return CausalLMOutputWithCrossAttentions(loss=loss, logits=None, past_key_values=outputs.past_key_values,
-                                             hidden_states=outputs.hidden_states, attentions=outputs.attentions,
-                                             cross_attentions=outputs.cross_attentions)
+    return fused_lm_forward(self, self.transformer, CausalLMOutputWithCrossAttentions, input_ids, inputs, labels,
+                            logits_to_keep, kwargs)

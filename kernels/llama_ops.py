@@ -199,6 +199,24 @@ def linear_cross_entropy(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor,
     return LinearCrossEntropy.apply(x, w, target, kernel, denominator)
 
 
+def fused_lm_forward(model: Any, stack: Any, output: type, input_ids: torch.Tensor | None, inputs: dict[str, Any],
+                     labels: torch.Tensor | None, logits_to_keep: int | torch.Tensor, kwargs: dict[str, Any]) -> Any:
+    """A causal LM's forward whose LM head + loss is the fused kernel (``model.coda_xent``) in
+    training with labels: ``stack`` (its decoder stack) on ``inputs``, then :func:`causal_lm_loss`
+    over its last hidden state and ``model.lm_head``, returned as ``output`` with no logits and the
+    stack's other outputs.  Anything else is HF's own forward (``type(model).forward``)."""
+    shift_labels = kwargs.pop("shift_labels", None)
+    if not (model.training and (labels is not None or shift_labels is not None)):
+        if shift_labels is not None:
+            kwargs["shift_labels"] = shift_labels
+        return type(model).forward(model, input_ids, **inputs, labels=labels, logits_to_keep=logits_to_keep,
+                                   **kwargs)
+    outputs = stack(input_ids, **inputs, **kwargs)
+    loss = causal_lm_loss(outputs.last_hidden_state, model.lm_head.weight, labels, shift_labels, model.coda_xent,
+                          kwargs.get("num_items_in_batch"))
+    return output(loss=loss, logits=None, **{k: v for k, v in outputs.items() if k != "last_hidden_state"})
+
+
 def causal_lm_loss(hidden: torch.Tensor, w: torch.Tensor, labels: torch.Tensor | None,
                    shift_labels: torch.Tensor | None, kernel: Kernel,
                    num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:

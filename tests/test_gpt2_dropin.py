@@ -18,7 +18,8 @@ import torch
 
 pytest.importorskip("transformers")
 import transformers  # noqa: E402
-from test_llama import assert_compiles_like_eager, assert_like_hf, hf_layout  # noqa: E402
+import test_llama as llama_tests  # noqa: E402
+from test_llama import assert_compiles_like_eager, assert_like_hf  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel, GPT2Model  # noqa: E402
 
 import coda_agent  # noqa: E402
@@ -58,20 +59,11 @@ def batch():
 
 
 def train_and_eval(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    ids, labels = batch()
-    model.train()
-    model.zero_grad()
-    out = model(ids, labels=labels)
-    out.loss.backward()
-    grads = hf_layout(model)
-    model.eval()
-    with torch.no_grad():
-        logits = model(ids).logits
-    return {"loss": out.loss.detach(), "logits": logits, **{f"d {k}": v for k, v in grads.items()}}
+    return llama_tests.train_and_eval(model, batch())
 
 
 def truth_of(base: torch.nn.Module) -> tuple[dict, dict]:
-    return train_and_eval(copy.deepcopy(base).float()), train_and_eval(copy.deepcopy(base).bfloat16())
+    return llama_tests.truth_of(base, batch())
 
 
 @pytest.fixture(scope="module")
@@ -202,20 +194,7 @@ def test_the_decoder_stack_alone_is_patched():
 
 def test_kv_cache_decoding_copies_and_checkpointing():
     model = coda_agent.apply_to_gpt2(tiny_gpt2().bfloat16())
-    ids, _ = batch()
-    model.eval()
-    with torch.no_grad():  # one decoding step on the cache = the last row of a full forward
-        full = model(ids[:, :9]).logits[:, -1].float()
-        past = model(ids[:, :8], use_cache=True).past_key_values
-        step = model(ids[:, 8:9], past_key_values=past, use_cache=True).logits[:, -1].float()
-    assert (step - full).abs().max() < 0.05 * full.abs().max()
-    twin = copy.deepcopy(model)  # an EMA / reference copy is patched too, with its own weights
-    assert twin.transformer.h[0].forward.module is twin.transformer.h[0]
-    assert twin.transformer.h[0].coda_plan.mlp_block is model.transformer.h[0].coda_plan.mlp_block
-    a = train_and_eval(model)
-    twin.gradient_checkpointing_enable()
-    b = train_and_eval(twin)
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    llama_tests.assert_decodes_copies_and_checkpoints(model, lambda m: m.transformer.h, "mlp_block", batch())
 
 
 def test_a_patched_gpt2_compiles_whole():

@@ -14,6 +14,7 @@ and its relative norm error within 1.5x HF's plus 1e-3.  A kernel wired wrong
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -69,8 +70,11 @@ def hf_layout(model: torch.nn.Module) -> dict[str, torch.Tensor]:
                 p.data = data[n]
 
 
-def train_and_eval(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
-    ids, labels = batch()
+def train_and_eval(model: torch.nn.Module, data: tuple[torch.Tensor, torch.Tensor] | None = None
+                   ) -> dict[str, torch.Tensor]:
+    """The loss, the eval logits and every gradient (HF's layout) of one training step of ``model``
+    on ``data`` (ids, labels; this file's :func:`batch` by default)."""
+    ids, labels = data or batch()
     model.train()
     model.zero_grad()
     out = model(ids, labels=labels)
@@ -82,10 +86,37 @@ def train_and_eval(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
     return {"loss": out.loss.detach(), "logits": logits, **{f"d {k}": v for k, v in grads.items()}}
 
 
+def truth_of(base: torch.nn.Module, data: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[dict, dict]:
+    """:func:`train_and_eval` of the unpatched ``base`` in fp32 (the truth) and in bf16 (the noise floor)."""
+    return train_and_eval(copy.deepcopy(base).float(), data), train_and_eval(copy.deepcopy(base).bfloat16(), data)
+
+
 @pytest.fixture(scope="module")
 def truth():
     base = tiny_llama()
-    return base, train_and_eval(copy.deepcopy(base).float()), train_and_eval(copy.deepcopy(base).bfloat16())
+    return (base, *truth_of(base))
+
+
+def assert_decodes_copies_and_checkpoints(model: torch.nn.Module, layers: Any, slot: str,
+                                          data: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """A patched ``model`` (its decoder layers: ``layers(model)``): one decoding step on the KV cache
+    equals the last row of a full forward; a deep copy (an EMA or reference model) is patched too,
+    its layers' forwards bound to its own layers and the plan's kernel ``slot`` shared; and gradient
+    checkpointing changes nothing of a training step on ``data``."""
+    ids, _ = data or batch()
+    model.eval()
+    with torch.no_grad():  # one decoding step on the cache = the last row of a full forward
+        full = model(ids[:, :9]).logits[:, -1].float()
+        past = model(ids[:, :8], use_cache=True).past_key_values
+        step = model(ids[:, 8:9], past_key_values=past, use_cache=True).logits[:, -1].float()
+    assert (step - full).abs().max() < 0.05 * full.abs().max()
+    twin = copy.deepcopy(model)  # an EMA / reference copy is patched too, with its own weights
+    assert layers(twin)[0].forward.module is layers(twin)[0]
+    assert getattr(layers(twin)[0].coda_plan, slot) is getattr(layers(model)[0].coda_plan, slot)
+    a = train_and_eval(model, data)
+    twin.gradient_checkpointing_enable()
+    b = train_and_eval(twin, data)
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def assert_compiles_like_eager(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> None:
@@ -300,17 +331,4 @@ def test_patched_model_trains_like_hf_at_each_tile_of_the_wide_pool(monkeypatch,
 
 def test_kv_cache_decoding_copies_and_checkpointing():
     model = coda_agent.apply_to_llama(tiny_llama().bfloat16())
-    ids, labels = batch()
-    model.eval()
-    with torch.no_grad():  # one decoding step on the cache = the last row of a full forward
-        full = model(ids[:, :9]).logits[:, -1].float()
-        past = model(ids[:, :8], use_cache=True).past_key_values
-        step = model(ids[:, 8:9], past_key_values=past, use_cache=True).logits[:, -1].float()
-    assert (step - full).abs().max() < 0.05 * full.abs().max()
-    twin = copy.deepcopy(model)  # an EMA / reference copy is patched too, with its own weights
-    assert twin.model.layers[0].forward.module is twin.model.layers[0]
-    assert twin.model.layers[0].coda_plan.mlp is model.model.layers[0].coda_plan.mlp
-    a = train_and_eval(model)
-    twin.gradient_checkpointing_enable()
-    b = train_and_eval(twin)
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert_decodes_copies_and_checkpoints(model, lambda m: m.model.layers, "mlp")

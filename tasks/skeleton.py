@@ -339,16 +339,23 @@ def _signature_inputs(fn: Callable, inputs: dict, params: dict) -> dict[str, Sca
 
 # --------------------------------------------------------------------------- the file
 
-def _fan_in(calls: dict[str, Call], shapes: dict[str, dict[str, int]]) -> dict[str, str]:
-    """The inputs that are a matmul's right operand on every shape set, with that matmul's K
-    as an expression of the symbols (inputs whose K no expression gives are left out)."""
-    names = set.intersection(*(set(c.weights) for c in calls.values()))
+def _on_every_set(calls: dict[str, Call], shapes: dict[str, dict[str, int]],
+                  values: Callable[[Call], dict[str, int]]) -> dict[str, str]:
+    """The inputs a call's ``values`` name on every shape set, each with its value as an expression
+    of the symbols, in the order the first call met them (inputs no expression gives are left out)."""
+    names = set.intersection(*(set(values(c)) for c in calls.values()))
     out = {}
-    for name in sorted(names, key=list(next(iter(calls.values())).weights).index):
-        expr, _ = symbolic({s: c.weights[name] for s, c in calls.items()}, shapes)
+    for name in sorted(names, key=list(values(next(iter(calls.values())))).index):
+        expr, _ = symbolic({s: values(c)[name] for s, c in calls.items()}, shapes)
         if not str(expr).startswith(TODO):
             out[name] = str(expr)
     return out
+
+
+def _fan_in(calls: dict[str, Call], shapes: dict[str, dict[str, int]]) -> dict[str, str]:
+    """The inputs that are a matmul's right operand on every shape set, with that matmul's K
+    as an expression of the symbols."""
+    return _on_every_set(calls, shapes, lambda c: c.weights)
 
 
 # What a normalisation reads an input as -> (its role, its init), and why, for the file's comment.
@@ -362,15 +369,9 @@ NORM_NOTES = {"norm_weight": "a norm's weight, drawn near 1 as a trained one is"
 
 def _targets(calls: dict[str, Call], shapes: dict[str, dict[str, int]]) -> dict[str, tuple[str, int]]:
     """The inputs a cross-entropy takes as its target on every shape set, with its number of classes
-    as an expression of the symbols and its ignore_index (inputs whose classes no expression gives
-    are left out)."""
-    names = set.intersection(*(set(c.targets) for c in calls.values()))
-    out = {}
-    for name in sorted(names):
-        expr, _ = symbolic({s: c.targets[name][0] for s, c in calls.items()}, shapes)
-        if not str(expr).startswith(TODO):
-            out[name] = (str(expr), next(iter(calls.values())).targets[name][1])
-    return out
+    as an expression of the symbols and its ignore_index."""
+    classes = _on_every_set(calls, shapes, lambda c: {k: v[0] for k, v in c.targets.items()})
+    return {k: (expr, next(iter(calls.values())).targets[k][1]) for k, expr in classes.items()}
 
 
 def _flow(value: Any) -> str:

@@ -18,14 +18,19 @@ from test_llama import tiny_llama  # noqa: E402
 
 MODELS = {"llama": (tiny_llama, coda_agent.apply_to_llama), "gpt2": (tiny_gpt2, coda_agent.apply_to_gpt2),
           "gpt_neox": (tiny_neox, coda_agent.apply_to_gpt_neox)}
+# On the GPU the patched layers run the cute lowering, so the weights they hand over come from
+# the fused kernels' q and k, not the reference's.
+DEVICES = ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Hopper)")])]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family", MODELS)
-def test_attention_weights_and_hidden_states_come_back_as_hfs(family):
+def test_attention_weights_and_hidden_states_come_back_as_hfs(family, device):
     build, patch = MODELS[family]
-    hf = build(attn_implementation="eager").bfloat16().eval()
+    hf = build(attn_implementation="eager").bfloat16().to(device).eval()
     patched = patch(copy.deepcopy(hf)).eval()
-    ids = torch.randint(0, hf.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, hf.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0)).to(device)
     with torch.no_grad():
         want = hf(ids, output_attentions=True, output_hidden_states=True)
         got = patched(ids, output_attentions=True, output_hidden_states=True)

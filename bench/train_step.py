@@ -177,7 +177,11 @@ def measure(config: str, contender: str, steps: int, warmup: int, device: str, t
 
     t0 = time.time()
     tuning = tune is not None and contender.startswith("coda")
-    with autotune(steady_s=tune or None, pool=tune_pool) if tuning else contextlib.nullcontext() as tuned:
+    # Under CUDA graphs the compiled backward is captured on its first run, where nothing can be
+    # timed: the tuning step runs eagerly (the same ops at the same shapes), and the compiled
+    # steps after it read its winners.
+    eager = torch.compiler.set_stance("force_eager") if tuning and graphs else contextlib.nullcontext()
+    with autotune(steady_s=tune or None, pool=tune_pool) if tuning else contextlib.nullcontext() as tuned, eager:
         step()
         sync()
     row: dict[str, Any] = {"config": config, "contender": contender, "tokens": batch * seq,
@@ -185,6 +189,7 @@ def measure(config: str, contender: str, steps: int, warmup: int, device: str, t
     if tuned is not None:
         row["tuned"] = [{**{k: t[k] for k in ("epilogue", "MNK", "best", "regime")}, "pool": tune_pool,
                          "times_ms": {c: round(ms, 4) for c, ms in t["times_ms"].items()}} for t in tuned]
+        row["untuned"] = tuned.untuned
     for _ in range(warmup):
         step()
     sync()

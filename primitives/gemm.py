@@ -59,7 +59,7 @@ from .lowering import current_lowering, launching, plain_gemm_library, profiler_
 from .operands import INPUT_DTYPES, OUTPUT_DTYPES, row_bytes
 from .dsl_scope import StageShortage
 from .tile_config import H100_SMS, MAX_TILE_N, TileConfig, default_config, lean_staging, tunable
-from .tuning import autotuning, lookup, tune
+from .tuning import lookup, tunable_now, tune
 
 PLAIN = "plain"  # the op's name for "no epilogue"
 
@@ -338,7 +338,7 @@ def _launch(epi: Epilogue | None, A: torch.Tensor, B: torch.Tensor, operands: di
     cfg = config
     if cfg is None and lowering == "cute":
         cfg = lookup(epi, m, n, k, fp8.mainloop_key(A, B, fast_accum), A.device, operands)
-        if cfg is None and not accumulate and tunable(epi) and autotuning():
+        if cfg is None and not accumulate and tunable(epi) and tunable_now(A, (m, n, k)):
             cfg, _ = tune(epi, A, B, operands, out_dtype=results["D"].dtype if "D" in results else A.dtype,
                           fast_accum=fast_accum)
     on_fp8 = fp8.is_fp8(A.dtype)

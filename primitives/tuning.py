@@ -191,11 +191,13 @@ def lookup(epi: Any, m: int, n: int, k: int, dtype: Any, device: Any,
 
 
 class _Session(list):
-    """What an :func:`autotune` block tunes with, and its record (a list, one entry per tuned call)."""
+    """What an :func:`autotune` block tunes with, and its record (a list, one entry per tuned call);
+    ``untuned``: the [M, N, K] of misses it could not tune because a CUDA graph was being captured."""
 
     def __init__(self, steady_s: float | None, pool: str):
         super().__init__()
         self.steady_s, self.pool = steady_s, pool
+        self.untuned: list[list[int]] = []
 
 
 _autotune: contextvars.ContextVar[_Session | None] = contextvars.ContextVar("coda_autotune", default=None)
@@ -216,7 +218,13 @@ def autotune(steady_s: float | None = None, pool: str = "default") -> Iterator[l
 
     The scope is a context variable, and autograd runs a CUDA backward on device threads of
     its own, which do not see it: inside, autograd runs backward on the calling thread
-    (``set_multithreading_enabled(False)``), so a training step's backward GEMMs tune too."""
+    (``set_multithreading_enabled(False)``), so a training step's backward GEMMs tune too.
+
+    A call made while its stream is captured into a CUDA graph (torch.compile's
+    ``reduce-overhead`` records the backward on its first run) is not tuned: timing needs
+    synchronisation, which invalidates the capture.  It runs the untuned config and its [M, N, K]
+    lands in ``record.untuned``; tune such a model in an eager step first (for a compiled one,
+    ``torch.compiler.set_stance("force_eager")``), whose winners the captured calls then read."""
     if steady_s is not None and not steady_s > 0:
         raise ValueError(f"autotune: steady_s is the seconds each candidate runs back to back, a positive "
                          f"number; got {steady_s!r} (None times single calls)")
@@ -228,6 +236,18 @@ def autotune(steady_s: float | None = None, pool: str = "default") -> Iterator[l
 
 def autotuning() -> bool:
     return _autotune.get() is not None
+
+
+def tunable_now(A: torch.Tensor, mnk: tuple[int, int, int]) -> bool:
+    """Inside :func:`autotune`, whether a miss of shape ``mnk`` can be tuned on the spot: not while
+    a CUDA graph captures A's stream (the miss is noted in the session's ``untuned``)."""
+    session = _autotune.get()
+    if session is None:
+        return False
+    if A.is_cuda and torch.cuda.is_current_stream_capturing():
+        session.untuned.append(list(mnk))
+        return False
+    return True
 
 
 def tune(epi: Any, A: Any, B: Any, operands: dict[str, Any], out_dtype: Any, reps: int = 10,

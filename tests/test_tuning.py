@@ -60,8 +60,10 @@ def test_autotune_is_scoped():
     assert not tuning.autotuning()
     with tuning.autotune() as record:
         assert tuning.autotuning() and record == []
+        assert tuning.tunable_now(torch.ones(2, 2), (2, 2, 2)) and record.untuned == []
         # a CUDA backward would run on autograd's device threads, outside the scope: not here
         assert not torch._C._is_multithreading_enabled()
+    assert not tuning.tunable_now(torch.ones(2, 2), (2, 2, 2))
     assert not tuning.autotuning() and torch._C._is_multithreading_enabled()
     with pytest.raises(ValueError, match="a positive number; got 0"):
         with tuning.autotune(steady_s=0):
@@ -161,6 +163,32 @@ def test_gemm_tunes_a_cache_miss_only_inside_autotune(tmp_path, monkeypatch):
         gemm(A[:256], B)
     assert len(record) == 1 and record[0]["regime"] == "steady 0.05 s"
     assert all(t > 0 for t in record[0]["times_ms"].values())
+    tuning._forget_lookups()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_miss_inside_a_cuda_graph_capture_runs_untuned(tmp_path, monkeypatch):
+    """Timing candidates synchronises, which would invalidate a capture (torch.compile's
+    reduce-overhead records a backward on its first run): the captured miss runs the untuned
+    config, is noted, and the graph replays it correctly."""
+    from coda_agent.primitives import gemm
+
+    monkeypatch.setenv("CODA_CACHE_DIR", str(tmp_path))
+    tuning._forget_lookups()
+    A = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
+    B = torch.randn(256, 384, device="cuda", dtype=torch.bfloat16)
+    gemm(A, B)  # compiled before the capture
+    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with tuning.autotune() as record, torch.cuda.stream(side), torch.cuda.graph(graph, stream=side):
+        D = gemm(A, B)
+    assert record == [] and record.untuned == [[512, 384, 256]]
+    A.copy_(torch.randn_like(A))
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(D.float(), A.float() @ B.float(), rtol=2e-2, atol=2e-2)
+    assert not list(tmp_path.glob("tuning/*.json"))
     tuning._forget_lookups()
 
 

@@ -19,7 +19,8 @@ The package is the repository's top level (see pyproject's ``package-dir``):
   catalogue text renders and the static stage enforces).
 
 Importing the package imports nothing else: ``apply_to_llama``,
-``apply_to_gpt2`` and ``apply_to_gpt_neox`` load the kernels (and transformers) on first use.
+``apply_to_gpt2`` and ``apply_to_gpt_neox`` load the kernels (and transformers) on first use, and
+``coda_agent.autotune`` (tile tuning for a patched model's GEMMs) the catalogue.
 """
 
 __version__ = "0.1.0"
@@ -38,4 +39,8 @@ def __getattr__(name: str):  # noqa: ANN202
         from .kernels.gpt_neox import apply_to_gpt_neox
 
         return apply_to_gpt_neox
+    if name == "autotune":
+        from .primitives.tuning import autotune
+
+        return autotune
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

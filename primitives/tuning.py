@@ -32,6 +32,7 @@ import hashlib
 import json
 import logging
 import time
+import warnings
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
@@ -133,8 +134,11 @@ class TuningCache:
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
-    def put(self, key: str, config: TileConfig, times_ms: dict[str, float], regime: str = "single calls") -> None:
-        payload = {"config": config.__dict__, "times_ms": times_ms, "regime": regime,
+    def put(self, key: str, config: TileConfig, times_ms: dict[str, float], regime: str = "single calls",
+            call: Mapping[str, Any] | None = None) -> None:
+        """``call``: what was tuned, for a reader of the folder (the key is a hash): the
+        epilogue's name, [M, N, K], the operands' dtype and the GPU."""
+        payload = {"config": config.__dict__, "times_ms": times_ms, "regime": regime, **(call or {}),
                    "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         write_atomic(self.directory / f"{key}.json", json.dumps(payload))
 
@@ -222,9 +226,20 @@ def autotune(steady_s: float | None = None, pool: str = "default") -> Iterator[l
 
     A call made while its stream is captured into a CUDA graph (torch.compile's
     ``reduce-overhead`` records the backward on its first run) is not tuned: timing needs
-    synchronisation, which invalidates the capture.  It runs the untuned config and its [M, N, K]
-    lands in ``record.untuned``; tune such a model in an eager step first (for a compiled one,
-    ``torch.compiler.set_stance("force_eager")``), whose winners the captured calls then read."""
+    synchronisation, which invalidates the capture.  It runs the untuned config, its [M, N, K]
+    lands in ``record.untuned``, and leaving the block warns with the fix: tune such a model in
+    an eager step (for a compiled one, inside ``torch.compiler.set_stance("force_eager")``), whose
+    winners the captured calls then read.
+
+    For a patched model (``coda_agent.autotune`` is this function)::
+
+        with coda_agent.autotune(pool="wide"), torch.compiler.set_stance("force_eager"):
+            model(input_ids=ids, labels=ids).loss.backward()   # one step's shapes, tuned once
+        model.zero_grad(set_to_none=True)
+
+    The winners persist in the tuning cache (``$CODA_CACHE_DIR/tuning``, by default
+    ``~/.cache/coda-agent/tuning``), one JSON file per call that names its epilogue, [M, N, K]
+    and GPU; later processes on the same GPU model and library versions read them."""
     if steady_s is not None and not steady_s > 0:
         raise ValueError(f"autotune: steady_s is the seconds each candidate runs back to back, a positive "
                          f"number; got {steady_s!r} (None times single calls)")
@@ -232,6 +247,11 @@ def autotune(steady_s: float | None = None, pool: str = "default") -> Iterator[l
         raise ValueError(f"autotune: pool {pool!r} does not exist; pick one of {sorted(POOLS)}")
     with set_within(_autotune, _Session(steady_s, pool)) as record, torch.autograd.set_multithreading_enabled(False):
         yield record
+    if record.untuned:
+        shapes = ", ".join(str(mnk) for mnk in record.untuned[:4]) + (" ..." if len(record.untuned) > 4 else "")
+        warnings.warn(f"autotune: {len(record.untuned)} GEMM call(s) ran untuned because a CUDA graph was being "
+                      f"captured ({shapes}); tune in an eager step: run it inside "
+                      f"torch.compiler.set_stance('force_eager') within autotune()", stacklevel=3)
 
 
 def autotuning() -> bool:
@@ -294,11 +314,13 @@ def tune(epi: Any, A: Any, B: Any, operands: dict[str, Any], out_dtype: Any, rep
     else:
         times.update({name: t[len(t) // 2] for name, (t, _) in measure_each(runnable, reps).items()})
     best = configs[min(runnable, key=times.__getitem__)]
-    key = tuning_key(epi, m, n, k, mainloop_key(A, B, fast_accum), _device_name(A.device.index or 0))
+    dtype, device = mainloop_key(A, B, fast_accum), _device_name(A.device.index or 0)
+    key = tuning_key(epi, m, n, k, dtype, device)
     regime = (f"steady {steady_s} s" if steady_s else "single calls") + ("" if pool == "default" else f", {pool} pool")
-    TuningCache().put(key, best, times, regime)
+    call = {"epilogue": getattr(epi, "name", "plain"), "MNK": [m, n, k], "dtype": str(dtype), "gpu": device}
+    TuningCache().put(key, best, times, regime, call)
     _forget_lookups()  # later lookups see the new winner
     if session is not None:
-        session.append({"epilogue": getattr(epi, "name", "plain"), "MNK": [m, n, k], "best": str(best),
+        session.append({"epilogue": call["epilogue"], "MNK": [m, n, k], "best": str(best),
                         "times_ms": times, "regime": regime})
     return best, times

@@ -4,6 +4,7 @@ to run on every gemm() call (its cost once starved the H200, see tuning.py)."""
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -56,6 +57,19 @@ def test_lookup_computes_the_key_once_per_call_shape(tmp_path, monkeypatch):
     tuning._forget_lookups()
 
 
+def test_misses_left_untuned_under_a_capture_warn_with_the_fix_on_leaving():
+    import coda_agent
+
+    assert coda_agent.autotune is tuning.autotune  # the public name a training script uses
+    with pytest.warns(UserWarning, match=r"2 GEMM call\(s\) ran untuned .*\[16, 32, 64\].*force_eager"):
+        with tuning.autotune() as record:
+            record.untuned += [[16, 32, 64], [16, 64, 32]]  # what gemm notes for a captured miss
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with tuning.autotune():
+            pass
+
+
 def test_autotune_is_scoped():
     assert not tuning.autotuning()
     with tuning.autotune() as record:
@@ -102,6 +116,9 @@ def test_steady_tuning_times_each_candidate_back_to_back(tmp_path, monkeypatch):
     assert record[0]["regime"] == "steady 0.25 s" and record[0]["best"] == str(best)
     stored = [json.loads(f.read_text()) for f in tmp_path.glob("tuning/*.json")]
     assert [(x["regime"], x["config"]) for x in stored] == [("steady 0.25 s", best.__dict__)]
+    # and what was tuned, readable without the key's hash
+    assert {k: stored[0][k] for k in ("epilogue", "MNK", "dtype", "gpu")} == {
+        "epilogue": epi.name, "MNK": [64, 96, 128], "dtype": "torch.bfloat16", "gpu": "NVIDIA H200"}
     assert tuning.lookup(epi, 64, 96, 128, torch.bfloat16, torch.device("cuda", 0), ops) == best
     tuning._forget_lookups()
 
@@ -181,7 +198,8 @@ def test_a_miss_inside_a_cuda_graph_capture_runs_untuned(tmp_path, monkeypatch):
     gemm(A, B)  # compiled before the capture
     graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with tuning.autotune() as record, torch.cuda.stream(side), torch.cuda.graph(graph, stream=side):
+    with pytest.warns(UserWarning, match="force_eager"), tuning.autotune() as record, torch.cuda.stream(side), \
+            torch.cuda.graph(graph, stream=side):
         D = gemm(A, B)["D"]
     assert record == [] and record.untuned == [[512, 384, 256]]
     A.copy_(torch.randn_like(A))
@@ -292,3 +310,42 @@ def test_default_config_gives_a_padded_plain_n_the_256_cooperative_tile():
     assert default_config(None, {}, n=1024, m=1024) == TileConfig(128, 128, 2, 1, True)  # 32 tiles, 132 SMs
     prog = load_program(SRC)
     assert default_config(prog.residual_rms, {}, n=1024, m=16384).pingpong  # an epilogue stays pingpong
+
+
+TUNE_DEVICES = ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Hopper)")])]
+
+
+@pytest.mark.parametrize("device", TUNE_DEVICES)
+def test_the_readmes_tuning_step_tunes_a_patched_model(device, tmp_path, monkeypatch):
+    """README.md's tuning snippet, run as written on a patched tiny LLaMA: on the GPU the step's
+    GEMMs are tuned and cached, none left untuned, and a second run finds them all cached; on the
+    CPU (reference lowering) it runs the step and tunes nothing."""
+    pytest.importorskip("transformers")
+    import re
+    from pathlib import Path
+
+    import coda_agent
+    from test_llama import tiny_llama
+
+    block = re.search(r"```python\n(with coda_agent\.autotune.*?)```", (Path(__file__).parents[1] / "README.md")
+                      .read_text(), re.S)
+    assert block, "README.md lost its tuning snippet"
+    monkeypatch.setenv("CODA_CACHE_DIR", str(tmp_path))
+    tuning._forget_lookups()
+    model = coda_agent.apply_to_llama(tiny_llama().bfloat16().to(device))
+    ids = torch.randint(0, model.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0)).to(device)
+    stored = []
+    for _ in range(2):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message="autotune:")  # a GEMM left untuned
+            exec(block.group(1), {"coda_agent": coda_agent, "torch": torch, "model": model, "ids": ids})
+        assert all(p.grad is None for p in model.parameters())
+        stored.append(sorted(json.loads(f.read_text())["created"] + f.name for f in tmp_path.glob("tuning/*.json")))
+    if device == "cuda":
+        entries = [json.loads(f.read_text()) for f in tmp_path.glob("tuning/*.json")]
+        assert entries and all(e["gpu"] and len(e["MNK"]) == 3 and e["epilogue"] for e in entries)
+        assert stored[1] == stored[0]  # the second step tuned nothing: every GEMM was cached
+    else:
+        assert stored == [[], []]
+    tuning._forget_lookups()

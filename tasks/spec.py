@@ -223,6 +223,7 @@ class TaskSpec(_Strict):
         overlap = set(self.inputs) & set(self.params)
         if overlap:
             raise ValueError(f"{sorted(overlap)} are both inputs and params; rename one")
+        self._check_param_symbols({s for binding in self.shapes.values() for s in binding})
         self._check_names()
         self._check_sizes()
         compared = [*self.outputs, *(f"d{g}" for g in self.gradients)]
@@ -231,6 +232,24 @@ class TaskSpec(_Strict):
                 raise ValueError(f"tolerances: {name!r} is neither an output nor a gradient of this task "
                                  f"(compared tensors: {', '.join(compared)})")
         return self
+
+    def _check_param_symbols(self, symbols: set[str]) -> None:
+        """A string param written as a shape symbol (``head_dim: D``) would reach the reference as
+        the string "D": params hold one value for every shape set."""
+        for name, value in self.params.items():
+            if not isinstance(value, str):
+                continue
+            try:
+                used = expr_symbols(value)
+            except Exception:  # noqa: BLE001 - not an expression: a plain string param
+                continue
+            if used and used <= symbols:
+                raise ValueError(
+                    f"params.{name} is {value!r}, an expression of the shape symbols {sorted(used)}; a param holds "
+                    f"one value for every shape set, so the reference would be handed the string {value!r}. Read "
+                    f"the size from an input's shape in the reference and the program instead (e.g. {name} = "
+                    f"{next(iter(self.inputs))}.shape[-1]), or make params.{name} a number, the same on every "
+                    f"shape set")
 
     def _check_names(self) -> None:
         """Names the reference, the program and the backward take as keyword arguments."""

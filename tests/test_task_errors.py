@@ -110,6 +110,12 @@ BAD = {
                           r"fraction is 1.0; it is the share of entries ignored, strictly between 0 and 1"),
     "param is a list": ([("{approximate: tanh}", "{approximate: tanh, dims: [1, 2]}")], [],
                         r"params: dims is a list \(\[1, 2\]\); a param is one number, true/false or string"),
+    "param as a shape symbol": ([("{approximate: tanh}", "{approximate: tanh, width: H}")], [],
+                                r"params.width is 'H', an expression of the shape symbols \['H'\]; a param holds one "
+                                r"value for every shape set.*\(e.g. width = x.shape\[-1\]\), or make params.width "
+                                r"a number"),
+    "param as a symbol expression": ([("{approximate: tanh}", "{approximate: tanh, half: I // 2}")], [],
+                                     r"params.half is 'I // 2', an expression of the shape symbols \['I'\]"),
     "param the reference lacks": ([("{approximate: tanh}", "{approximate: tanh, eps: 1.0e-6}")], [],
                                   r"reference: geglu\(\) takes no keyword argument 'eps' \(params gives it"),
     "argument the spec lacks": ([("params: {approximate: tanh}\n", "")], [('approximate="tanh"', "approximate")],

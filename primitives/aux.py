@@ -324,6 +324,16 @@ def zeros_like(x: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(need("x", x))
 
 
+@aux_kernel("zeros")
+def zeros(n: int, like: torch.Tensor) -> torch.Tensor:
+    """A 1-D vector of ``n`` zeros in ``like``'s dtype, on its device: the padding of a per-row or
+    per-column vector built with :func:`concat_rows` (e.g. a RoPE frequency table whose last
+    columns of each head are not rotated: ``concat_rows([freq, zeros(d - r, freq), ...])``)."""
+    if n < 0:
+        raise CatalogueError(f"zeros: n is {n}; a vector's length is 0 or more")
+    return torch.zeros(n, dtype=need("like", like).dtype, device=like.device)
+
+
 def _add_backward(ctx: Any, g: torch.Tensor) -> tuple:
     a, b = ctx.inputs
     return g.to(a.dtype), g.to(b.dtype)
@@ -365,4 +375,4 @@ def concat_rows(parts: list) -> torch.Tensor:
 
 
 AUX_KERNELS = (rms_rstd, rms_prepare, xent_loss, xent_grad_, column_index, to_fp32,
-               interleave_columns, deinterleave_columns, zeros_like, add, concat_rows)
+               interleave_columns, deinterleave_columns, zeros_like, zeros, add, concat_rows)

@@ -161,6 +161,7 @@ AUX = {
     "interleave_columns": (bf(K, N), bf(K, N, seed=7)),
     "deinterleave_columns": (bf(K, 2 * N),),
     "zeros_like": (bf(M, N),),
+    "zeros": (5, torch.randn(3)),
     "add": (bf(M, N), bf(M, N, seed=8)),
     "concat_rows": ([torch.randn(3), torch.randn(5)],),
     "quantize_rows": (bf(M, N), "fp8_e4m3", torch.rand(M) + 0.5, None),
@@ -200,6 +201,18 @@ def test_aux_derivatives_are_right(name, args):
     # The statistics are fp32 inside (as on the GPU): a step of 1e-3 keeps the numerical
     # Jacobian above their rounding.
     assert torch.autograd.gradcheck(lambda *xs: op(*xs), leaves, eps=1e-3, atol=2e-3, rtol=2e-3)
+
+
+def test_zeros_pads_a_vector_in_its_dtype_and_refuses_what_is_no_length():
+    f = torch.randn(3, dtype=torch.float32)
+    z = aux.zeros(4, f)
+    assert z.shape == (4,) and z.dtype == torch.float32 and not z.any()
+    assert aux.concat_rows([f, aux.zeros(0, f), aux.zeros(2, f)]).tolist() == [*f.tolist(), 0.0, 0.0]
+    assert aux.zeros(2, torch.ones(1, dtype=torch.bfloat16)).dtype == torch.bfloat16
+    with pytest.raises(CatalogueError, match="zeros: n is -1; a vector's length is 0 or more"):
+        aux.zeros(-1, f)
+    with pytest.raises(CatalogueError, match="like must be a tensor; got float"):
+        aux.zeros(2, 1.0)
 
 
 def test_concat_rows_derivative_is_right():

@@ -11,7 +11,7 @@ pos[t] * freq (sin and cos reduce the angle by 2 pi); v's adds the bias.  Backwa
 rotates dq and dk back (the transposed rotation) over their pairs, a pass per gradient folds its
 bias gradient, dx is three GEMMs chained through a Tile and each weight gradient a GEMM."""
 from coda_agent.primitives import (ColVec, PairedTile, RowVec, Tile, concat_rows, cos, epilogue, gemm,
-                                   interleave_columns, pack, row_sum, sin, tile_pass, unpack, zeros_like)
+                                   interleave_columns, pack, row_sum, sin, tile_pass, unpack, zeros)
 
 
 @epilogue(pairs="acc")
@@ -48,22 +48,21 @@ def add_tile(acc, r: Tile):
     return {"D": acc + r}
 
 
-def per_head(f, pos, nh, width):
-    """f (fp32, 1-D) then zeros up to ``width``, once per head, joined: (NH * width,).  The zeros are a
-    slice of pos's length made 0 (the catalogue has no zeros(n))."""
+def per_head(f, nh, width):
+    """f (fp32, 1-D) then zeros up to ``width``, once per head, joined: (NH * width,)."""
     parts = []
     for _ in range(nh):
         parts.append(f)
         if width > f.shape[0]:
-            parts.append(zeros_like(pos[:width - f.shape[0]]))
+            parts.append(zeros(width - f.shape[0], f))
     return concat_rows(parts)
 
 
 def forward(x, wq, bq, wk, bk, wv, bv, pos, inv_freq):
     nh, d = bq.shape
     f = inv_freq.view(1, -1)
-    freq = per_head(interleave_columns(f, f).view(-1), pos, nh, d)  # a column's pair frequency, both lanes
-    pair_freq = per_head(inv_freq, pos, nh, d // 2)  # one per pair, for the backward's PairedTile pass
+    freq = per_head(interleave_columns(f, f).view(-1), nh, d)  # a column's pair frequency, both lanes
+    pair_freq = per_head(inv_freq, nh, d // 2)  # one per pair, for the backward's PairedTile pass
     q = gemm(x, wq.t(), bias_rope, b=bq.view(-1), pos=pos, freq=freq)["D"]
     k = gemm(x, wk.t(), bias_rope, b=bk.view(-1), pos=pos, freq=freq)["D"]
     v = gemm(x, wv.t(), add_bias, b=bv.view(-1))["D"]

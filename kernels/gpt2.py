@@ -42,7 +42,10 @@ the Parameter's layout (24 copy kernels, 1.3 ms of a 6-layer GPT-2 XL step on th
 BENCHMARKS run 23).
 ``state_dict``, ``save_pretrained`` (values and shapes), the head's tie to the embedding and an
 optimizer built before the patch all see the same Parameters; patch before the optimizer's first
-step, whose moments take the weights' layout then.
+step, whose moments take the weights' layout then.  FSDP2 (``fully_shard``) shards contiguous
+parameters only: for a model it will shard, patch with ``column_major_weights=False``, which
+keeps the weights row-major (an all-gathered weight is row-major anyway) and pays the gradient
+copy.
 
 ``kernels={"mlp_block": "runs/...", ...}`` swaps a slot's expert (``ln_qkv``,
 ``out_proj_residual``, ``mlp_block``, ``lm_head_xent``) for an accepted program of that task or of
@@ -100,9 +103,11 @@ _CHILDREN = {"block": frozenset({"ln_1", "attn", "ln_2", "mlp"}),
 
 
 def apply_to_gpt2(model: GPT2LMHeadModel | GPT2Model, *, layer_norm: bool = True, mlp: bool = True,
-                  fused_linear_cross_entropy: bool = True,
+                  fused_linear_cross_entropy: bool = True, column_major_weights: bool = True,
                   kernels: dict[str, Kernel | str | Path] | None = None) -> GPT2LMHeadModel | GPT2Model:
-    """Patch ``model`` in place (see the module docstring) and return it."""
+    """Patch ``model`` in place (see the module docstring) and return it.  ``column_major_weights``:
+    store the projections' weights column-major (no gradient copy a step); False for a model
+    that FSDP2 will shard."""
     refuse_patched(getattr(model, "transformer", model))
     if mlp and not layer_norm:
         raise KernelError("mlp=True runs ln_2, the MLP and the residual add as one kernel (mlp_block), so it "
@@ -118,7 +123,7 @@ def apply_to_gpt2(model: GPT2LMHeadModel | GPT2Model, *, layer_norm: bool = True
         block.forward = PatchedForward(block, _block_forward)
         convs = (*((block.attn.c_attn,) if layer_norm else ()), block.attn.c_proj,
                  *((block.mlp.c_fc, block.mlp.c_proj) if mlp else ()))
-        for conv in convs:
+        for conv in convs if column_major_weights else ():
             column_major(conv.weight)
     if xent:
         model.coda_xent = slot_kernel("lm_head_xent", given.get("lm_head_xent"), suite_kernel("lm_head_xent"))

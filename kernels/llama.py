@@ -227,6 +227,40 @@ def _relayout(module: nn.Module, fused: str, parts: tuple[str, ...], fuse: Any, 
                                            with_bias and biases[0].requires_grad))
     module.register_state_dict_post_hook(_Hook(hooks.save))
     module.register_load_state_dict_pre_hook(_Hook(hooks.load))
+    for i, p in enumerate(parts):
+        if p != fused:
+            setattr(module, p, FusedPart(module, hooks, i))
+
+
+class FusedPart(nn.Module):
+    """What stays under a fused part's name (``q_proj``, ``gate_proj``): no parameters of its own
+    (the fused projection holds them), a ``weight`` and ``bias`` that read this part's rows of it
+    (a detached copy, for reading).  The state dict's keys name the parts, and
+    ``torch.distributed.checkpoint`` walks each key to its module (``get_model_state_dict``, the
+    way FSDP2 training saves), so the names resolve.  Calling it is an error: the patched layer
+    runs the fused projection."""
+
+    def __init__(self, owner: nn.Module, hooks: "_FusedParts", index: int):
+        super().__init__()
+        # Not a child module (that would be a cycle): a plain reference, which copy and pickle keep.
+        object.__setattr__(self, "_part_of", (owner, hooks, index))
+
+    def _read(self, kind: str) -> torch.Tensor | None:
+        owner, hooks, index = self._part_of
+        value = getattr(getattr(owner, hooks.fused), kind)
+        if value is None:
+            return None
+        with torch.no_grad():
+            parts = hooks.split(value) if kind == "weight" else hooks.split_bias(value)
+        return parts[index].detach()
+
+    weight = property(lambda self: self._read("weight"))
+    bias = property(lambda self: self._read("bias"))
+
+    def forward(self, *args: Any) -> Any:
+        owner, hooks, _ = self._part_of
+        raise RuntimeError(f"{type(owner).__name__}: this projection is one part of the fused {hooks.fused!r} "
+                           "(coda_agent.apply_to_llama); the patched layer runs that, not the part")
 
 
 class _Hook:
@@ -270,7 +304,23 @@ class _FusedParts:
             keys = [f"{prefix}{p}.{kind}" for p in self.parts]
             if all(k in state for k in keys):
                 join = self.fuse if kind == "weight" else self.fuse_bias
-                state[f"{prefix}{self.fused}.{kind}"] = join(*(state.pop(k) for k in keys))
+                fused = join(*(state.pop(k) for k in keys))
+                state[f"{prefix}{self.fused}.{kind}"] = _placed_like(fused, getattr(getattr(mod, self.fused), kind))
+
+
+def _placed_like(value: torch.Tensor, param: torch.Tensor | None) -> torch.Tensor:
+    """``value`` laid out as ``param`` is across ranks.  A sharded model (FSDP2, tensor parallel)
+    holds DTensor parameters, and loading copies into them only from DTensors: a checkpoint's
+    full parts (``set_model_state_dict(full_state_dict=True)``) fuse into a full tensor, which is
+    cut into the parameter's shards, and parts saved by a sharded model (replicated by the
+    split's row permutation) fuse into a DTensor, which is moved to the parameter's placement."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(param, DTensor):
+        return value
+    if isinstance(value, DTensor):
+        return value.redistribute(param.device_mesh, param.placements)
+    return distribute_tensor(value.to(param.device), param.device_mesh, param.placements)
 
 
 # The fused projections' row maps (``_relayout``'s fuse and split), Phi-3's from its own fused

@@ -186,6 +186,25 @@ def test_state_dict_keeps_hf_keys_and_values():
     assert (a - b).abs().max() < 0.05 * b.abs().max()
 
 
+def test_a_fused_parts_name_reads_its_rows_and_refuses_to_run():
+    """``self_attn.q_proj`` and ``mlp.gate_proj`` stay as names (torch.distributed.checkpoint walks
+    each state-dict key to its module): they own no parameters and read their rows of the fused
+    weight, which the optimizer steps."""
+    hf = tiny_llama().bfloat16()
+    model = coda_agent.apply_to_llama(copy.deepcopy(hf))
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    layer = hf.model.layers[0]
+    for part, want in ((attn.q_proj, layer.self_attn.q_proj), (attn.v_proj, layer.self_attn.v_proj),
+                       (mlp.up_proj, layer.mlp.up_proj)):
+        assert list(part.parameters()) == [] and torch.equal(part.weight, want.weight) and part.bias is None
+    assert not any(".q_proj." in n or ".gate_proj." in n for n, _ in model.named_parameters())
+    with torch.no_grad():
+        mlp.gate_up_proj.weight.mul_(2)
+    assert torch.equal(mlp.gate_proj.weight, 2 * layer.mlp.gate_proj.weight)
+    with pytest.raises(RuntimeError, match="one part of the fused 'qkv_proj'"):
+        attn.k_proj(torch.zeros(1, hf.config.hidden_size, dtype=torch.bfloat16))
+
+
 def assert_within_fp8(got: dict, hi: dict) -> None:
     for k in hi:
         rel = ((got[k].float() - hi[k].float()).norm() / hi[k].float().norm()).item()

@@ -72,7 +72,9 @@ The re-layout happens once, here; the fused weights are new Parameters
 (``self_attn.qkv_proj.weight``, ``mlp.gate_up_proj.weight``), so build the
 optimizer afterwards.  ``state_dict()`` still has exactly the HF keys and
 values (hooks split and un-permute on save; ``load_state_dict`` fuses HF
-weights back), so checkpoints stay interchangeable with unpatched models
+weights back, into sharded parameters too; the parts' names stay as parameterless
+:class:`FusedPart` modules, as FSDP2's checkpointing needs), so checkpoints stay
+interchangeable with unpatched models
 (``save_pretrained`` writes HF's checkpoint; ``torch.save`` of the whole
 patched model loads back patched).
 The kernels are verified for bf16: the model must be bf16.

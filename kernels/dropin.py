@@ -10,7 +10,8 @@ the same way.
   one: a run directory or a :class:`Kernel` of the slot's task or of one with its contract (the
   same inputs, params, outputs and gradients; :func:`slot_kernel`).
 - The refusals every drop-in makes before it changes anything: a model already patched, a model
-  wrapped by torch.compile, parameters that are not bf16 (the kernels are verified for bf16).
+  wrapped by torch.compile, parameters that are neither bf16 nor fp32 (the kernels are verified
+  for bf16; fp32 master weights train under bf16 autocast, see :class:`PatchedForward`).
 - What a patched layer owes HF's output capture: the attention weights (:func:`record_attention`).
 - The two drop-ins built from the GPT-2 suite's kernels (``gpt2.py``, ``gpt_neox.py``: pre-LN
   blocks with LayerNorms, biases and a GELU MLP) share their block's plan (:class:`BlockPlan`, its
@@ -30,6 +31,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.nn.utils.stateless import _reparametrize_module
 
 from coda_agent.tasks import SUITE_DIR, SUITES, load_task
 
@@ -46,13 +49,49 @@ def suite_kernel(name: str, suite: Path = SUITE_DIR) -> Kernel:
 
 class PatchedForward:
     """A module's replacement forward, bound to it.  An object rather than a bound method,
-    so that copy.deepcopy and pickle carry it over to the copy's own module."""
+    so that copy.deepcopy and pickle carry it over to the copy's own module.
+
+    Mixed precision: a module with fp32 parameters (master weights) runs inside
+    ``torch.autocast(dtype=torch.bfloat16)`` as its bf16 copy, the model the kernels are verified
+    in: each fp32 parameter is cast to bf16 for the call (autograd carries its gradient back to
+    the fp32 one, as autocast's own casts do), as is every fp32 tensor coming in (hidden states,
+    RoPE's cos and sin, an additive mask, saturated to bf16's range as HF builds a bf16 model's
+    mask).  The outermost patched module casts its subtree, so a patched causal LM (the fused loss)
+    runs embeddings, norms and head in bf16 too.  Autocast stays on for HF's own ops inside, and a
+    layer that FSDP2 gathers only when it runs casts its own parameters then; the kernels run with
+    autocast off (``kernel.autocast_off``).  Under FSDP2's ``MixedPrecisionPolicy(param_dtype=
+    torch.bfloat16)`` the parameters a forward sees are bf16 already."""
 
     def __init__(self, module: nn.Module, fn: Any):
         self.module, self.fn = module, fn
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.fn(self.module, *args, **kwargs)
+        # A DTensor is a parameter FSDP2 holds sharded until its own module's forward gathers it
+        # (in its MixedPrecisionPolicy's dtype): that forward's PatchedForward sees it then.
+        master = {n: p for n, p in self.module.named_parameters()
+                  if p.dtype == torch.float32 and not isinstance(p, DTensor)}
+        if not master:
+            return self.fn(self.module, *args, **kwargs)
+        device = next(iter(master.values())).device.type
+        if not (torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == torch.bfloat16):
+            raise KernelError(f"{type(self.module).__name__} has fp32 parameters and runs outside "
+                              f"torch.autocast({device!r}, dtype=torch.bfloat16); the kernels run bf16: train "
+                              "under that autocast (fp32 master weights), or call model.to(torch.bfloat16)")
+        lowered = {n: p.to(torch.bfloat16) for n, p in master.items()}
+        args, kwargs = _bf16(args), {k: _bf16(v) for k, v in kwargs.items()}
+        with _reparametrize_module(self.module, lowered, tie_weights=True):
+            return self.fn(self.module, *args, **kwargs)
+
+
+def _bf16(x: Any) -> Any:
+    """fp32 tensors (in tuples and lists too) as bf16, saturated: an additive mask's fp32 minimum
+    would round to -inf, and a row masked whole to NaN."""
+    if isinstance(x, (tuple, list)):
+        return type(x)(_bf16(v) for v in x)
+    if isinstance(x, torch.Tensor) and x.dtype == torch.float32:
+        big = torch.finfo(torch.bfloat16).max
+        return x.clamp(-big, big).to(torch.bfloat16)
+    return x
 
 
 def check_slots(kernels: dict[str, Any] | None, slots: tuple[str, ...]) -> None:
@@ -124,10 +163,14 @@ def record_attention(weights: torch.Tensor | None) -> None:
 
 
 def require_bf16(model: nn.Module, patch: str) -> None:
+    """The kernels run bf16: a bf16 model, or fp32 master weights trained in mixed precision
+    (``torch.autocast(dtype=torch.bfloat16)``, or FSDP2's ``MixedPrecisionPolicy(param_dtype=
+    torch.bfloat16)``), where each kernel call casts what it takes (``kernel.autocast_inputs``)."""
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
-    if dtypes != {torch.bfloat16}:
+    if not dtypes <= {torch.bfloat16, torch.float32}:
         raise KernelError(f"the model's parameters are {sorted(map(str, dtypes))}; the suite's kernels are "
-                          f"verified for bf16: call model.to(torch.bfloat16) before {patch}")
+                          f"verified for bf16: call model.to(torch.bfloat16) before {patch}, or keep fp32 "
+                          "master weights and train under torch.autocast(dtype=torch.bfloat16)")
 
 
 # --------------------------------------------------------------------------- the GPT-2 suite's blocks

@@ -40,6 +40,7 @@ is loaded against the current catalogue.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import re
 from pathlib import Path
@@ -179,9 +180,12 @@ class Kernel:
         return {n: inputs[n] for n in self.inputs}, params
 
     def __call__(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:
-        """Run the kernel (with autograd): outputs by name, as the task's reference returns them."""
+        """Run the kernel (with autograd): outputs by name, as the task's reference returns them.
+        Under ``torch.autocast`` it is an op autocast lowers (see :func:`autocast_inputs`)."""
         inputs, params = self.bind(args, kwargs)
-        outs = self.function.apply(*inputs.values(), *params.values())
+        inputs = autocast_inputs(self.spec, inputs)
+        with autocast_off(*inputs.values()):  # the program's own torch math stays at its declared dtypes
+            outs = self.function.apply(*inputs.values(), *params.values())
         return dict(zip(self.outputs, outs))
 
     def module(self, **params: Any) -> "KernelModule":
@@ -248,6 +252,31 @@ def _function(kernel: Kernel) -> type[torch.autograd.Function]:
                    f"apply({', '.join([*kernel.inputs, *kernel.params])})"})
 
 
+def autocast_inputs(spec: TaskSpec, inputs: dict[str, Any]) -> dict[str, Any]:
+    """Mixed precision, as training scripts run it (fp32 master weights, the step inside
+    ``torch.autocast(dtype=torch.bfloat16)``; FSDP2's MixedPrecisionPolicy hands bf16 weights
+    already): an fp32 input the task declares in autocast's dtype is cast to it, as autocast casts
+    a matmul's operands, and its gradient flows back to the fp32 tensor through the cast."""
+    cast = dict(inputs)
+    for name, v in inputs.items():
+        t = spec.inputs[name]
+        if (isinstance(v, torch.Tensor) and v.dtype == torch.float32 and torch.is_autocast_enabled(v.device.type)
+                and TORCH_DTYPES[t.dtype] == torch.get_autocast_dtype(v.device.type)):
+            cast[name] = v.to(TORCH_DTYPES[t.dtype])
+    return cast
+
+
+def autocast_off(*values: Any) -> contextlib.AbstractContextManager:
+    """Autocast off on the devices of ``values``' tensors where it is on: a kernel computes at its
+    verified dtypes, and autocast would lower its programs' own PyTorch math (the reference
+    lowering's, the aux kernels')."""
+    scope = contextlib.ExitStack()
+    for device in {v.device.type for v in values if isinstance(v, torch.Tensor)}:
+        if torch.is_autocast_enabled(device):
+            scope.enter_context(torch.autocast(device, enabled=False))
+    return scope
+
+
 def check_inputs(spec: TaskSpec, inputs: dict[str, Any], origin: str) -> None:
     """Inputs against the task: tensors of the declared rank and dtype, dimensions
     consistent with the symbolic shapes (see the module docstring)."""
@@ -261,8 +290,10 @@ def check_inputs(spec: TaskSpec, inputs: dict[str, Any], origin: str) -> None:
             raise KernelError(f"{spec.name}: input {name!r} must be {len(t.shape)}-D {t.shape}; got shape "
                               f"{tuple(v.shape)}")
         if v.dtype != TORCH_DTYPES[t.dtype]:
+            mixed = (f", or run it under torch.autocast({v.device.type!r}, dtype={TORCH_DTYPES[t.dtype]})"
+                     if v.dtype == torch.float32 and TORCH_DTYPES[t.dtype] in (torch.bfloat16, torch.float16) else "")
             raise KernelError(f"{spec.name}: input {name!r} is {v.dtype}; the kernel was verified for "
-                              f"{t.dtype} (cast it once where it is made, e.g. the model's dtype)")
+                              f"{t.dtype} (cast it once where it is made, e.g. the model's dtype{mixed})")
         for expr, size in zip(t.shape, v.shape):
             if isinstance(expr, str) and expr.isidentifier() and expr not in env:
                 env[expr], where[expr] = size, name

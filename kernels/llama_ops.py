@@ -50,7 +50,7 @@ from coda_agent.primitives import (ColVec, PairedTile, RowVec, Scalar, Tile, col
 from coda_agent.tasks.llama3.experts.llama3_block import row_dot, scale_rows
 from coda_agent.tasks.llama3.experts.rope_fwd import rope
 
-from .kernel import Kernel
+from .kernel import Kernel, autocast_inputs, autocast_off
 
 IGNORE_INDEX = -100
 
@@ -168,7 +168,8 @@ def attention_input(h: torch.Tensor, gamma: torch.Tensor | None, w_qkv: torch.Te
     """``RoPE(RMSNorm(h) @ w_qkv^T + bias)`` (see the module docstring); ``gamma=None``: h is
     already normalized; ``bias=None``: none; ``pos=None``: no rotation; ``freq``: per column,
     the frequency of its pair (both lanes; zero on the columns RoPE leaves alone)."""
-    return AttentionInput.apply(h, gamma, w_qkv, bias, pos, freq, eps)
+    with autocast_off(h):
+        return AttentionInput.apply(h, gamma, w_qkv, bias, pos, freq, eps)
 
 
 class LinearCrossEntropy(torch.autograd.Function):
@@ -196,7 +197,9 @@ def linear_cross_entropy(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor,
         denominator = (target != IGNORE_INDEX).sum().float()  # all ignored: nan, as HF
     else:
         denominator = torch.as_tensor(num_items_in_batch, dtype=torch.float32, device=x.device)
-    return LinearCrossEntropy.apply(x, w, target, kernel, denominator)
+    x, w = autocast_inputs(kernel.spec, {"x": x, "w": w}).values()  # an fp32 norm or head under autocast
+    with autocast_off(x):
+        return LinearCrossEntropy.apply(x, w, target, kernel, denominator)
 
 
 def fused_lm_forward(model: Any, stack: Any, output: type, input_ids: torch.Tensor | None, inputs: dict[str, Any],

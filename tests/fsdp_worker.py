@@ -34,13 +34,13 @@ def build(family: str) -> tuple[torch.nn.Module, object]:
     return tiny_neox().bfloat16(), coda_agent.apply_to_gpt_neox
 
 
-def shard(model: torch.nn.Module) -> torch.nn.Module:
+def shard(model: torch.nn.Module, **policy) -> torch.nn.Module:
     from torch.distributed.fsdp import fully_shard
 
     base = getattr(model, model.base_model_prefix)
     for layer in getattr(base, "layers", None) or getattr(base, "h"):
-        fully_shard(layer)
-    return fully_shard(model)
+        fully_shard(layer, **policy)
+    return fully_shard(model, **policy)
 
 
 def train(model: torch.nn.Module, rank: int) -> list[float]:
@@ -96,6 +96,15 @@ def worker(rank: int, world: int, port: int, family: str, folder: str) -> None:
     back = gathered(get_model_state_dict(resumed, options=full))
     found["dcp_roundtrip"] = all(torch.equal(back[k], ckpt[k]) for k in ckpt)
     found["trains_after_resume"] = all(torch.isfinite(torch.tensor(train(resumed, rank))))
+    # fp32 master weights: FSDP2 gathering them in bf16 (MixedPrecisionPolicy, no autocast), against
+    # HF sharded the same way, and gathering them in fp32 under bf16 autocast.
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    policy = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
+    found["fp32_policy_losses"] = {"hf": train(shard(copy.deepcopy(hf).float(), **policy), rank),
+                                   "coda": train(shard(patch(copy.deepcopy(hf).float()), **policy), rank)}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        found["fp32_autocast_losses"] = {"coda": train(shard(patch(copy.deepcopy(hf).float())), rank)}
     if rank == 0:
         print(json.dumps({"family": family, **found}), flush=True)
     dist.destroy_process_group()

@@ -3,7 +3,8 @@ layer and the root, two CPU ranks over gloo (``fsdp_worker.py``, in a process of
 patched model against the same model unpatched and sharded alike.  It trains the same losses, its
 gathered checkpoint has HF's keys and loads into an unpatched model, and both a full checkpoint
 (``set_model_state_dict``) and a sharded one (``torch.distributed.checkpoint``) load back into a
-fresh patched model exactly.  LLaMA's fused projections rename their parts' keys, which
+fresh patched model exactly.  fp32 master weights train alike, gathered in bf16 by FSDP2's
+MixedPrecisionPolicy or in fp32 under bf16 autocast.  LLaMA's fused projections rename their parts' keys, which
 ``torch.distributed.checkpoint`` walks to modules (``FusedPart``) and loads into sharded
 parameters (``_placed_like``)."""
 
@@ -38,9 +39,10 @@ def test_a_patched_model_trains_and_checkpoints_under_fsdp2(family):
     lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
     assert run.returncode == 0 and lines, run.stderr[-4000:]
     found = json.loads(lines[-1])
-    hf, coda = found["losses"]["hf"], found["losses"]["coda"]
-    assert coda[-1] < coda[0] - 1.0  # it trains
-    assert max(abs(a - b) for a, b in zip(hf, coda)) < 0.05, found["losses"]  # as HF does, to bf16 noise
+    hf = found["losses"]["hf"]
+    for run in (found["losses"]["coda"], *found["fp32_policy_losses"].values(), found["fp32_autocast_losses"]["coda"]):
+        assert run[-1] < run[0] - 1.0  # it trains
+        assert max(abs(a - b) for a, b in zip(hf, run)) < 0.05, found  # as HF's bf16 model does, to bf16 noise
     for check in ("keys_as_hfs", "all_full", "loads_unpatched", "full_roundtrip", "dcp_roundtrip",
                   "trains_after_resume"):
         assert found[check] is True, (check, found)

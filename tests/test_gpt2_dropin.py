@@ -249,7 +249,7 @@ def test_models_that_are_not_gpt2_are_refused(family, cfg, match):
 
 def test_what_the_kernels_do_not_cover_gets_a_clear_error():
     with pytest.raises(KernelError, match=r"call model.to\(torch.bfloat16\) before apply_to_gpt2"):
-        coda_agent.apply_to_gpt2(tiny_gpt2())
+        coda_agent.apply_to_gpt2(tiny_gpt2().half())
     with pytest.raises(KernelError, match=r"h.0.attn.resid_dropout drops with p = 0.1 \(resid_pdrop; GPT-2's config "
                        r"defaults to 0.1\).*resid_pdrop=0.0"):
         coda_agent.apply_to_gpt2(tiny_gpt2(resid_pdrop=0.1).bfloat16())

@@ -256,7 +256,7 @@ def test_models_that_are_not_gpt_neox_are_refused(family, cfg, match):
 
 def test_what_the_kernels_do_not_cover_gets_a_clear_error():
     with pytest.raises(KernelError, match=r"call model.to\(torch.bfloat16\) before apply_to_gpt_neox"):
-        coda_agent.apply_to_gpt_neox(tiny_neox())
+        coda_agent.apply_to_gpt_neox(tiny_neox().half())
     with pytest.raises(KernelError, match=r"layers.0.post_attention_dropout drops with p = 0.1 \(hidden_dropout\).*"
                        r"hidden_dropout=0.0"):
         coda_agent.apply_to_gpt_neox(tiny_neox(hidden_dropout=0.1).bfloat16())

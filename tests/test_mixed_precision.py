@@ -1,0 +1,103 @@
+"""Mixed precision as training scripts run it: fp32 master weights, the step inside
+``torch.autocast(dtype=torch.bfloat16)`` (HF Trainer's ``bf16=True``, accelerate's mixed precision).
+A patched model with fp32 parameters runs as its bf16 copy (``dropin.PatchedForward``), so it must
+land within the bf16 model's noise of the fp32 truth, keep fp32 parameters and gradients, refuse to
+run outside bf16 autocast with the fix, and a kernel called directly lowers its fp32 inputs as
+autocast lowers a matmul's (``kernel.autocast_inputs``)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+import test_gpt2_dropin as gpt2_tests  # noqa: E402
+import test_gpt_neox_dropin as neox_tests  # noqa: E402
+import test_llama as llama_tests  # noqa: E402
+from test_llama import assert_like_hf  # noqa: E402
+
+import coda_agent  # noqa: E402
+from coda_agent.kernels import KernelError  # noqa: E402
+from coda_agent.kernels.dropin import suite_kernel  # noqa: E402
+from coda_agent.tasks.expr import eval_expr  # noqa: E402
+
+FAMILIES = {"llama": (llama_tests, coda_agent.apply_to_llama), "gpt2": (gpt2_tests, coda_agent.apply_to_gpt2),
+            "gpt_neox": (neox_tests, coda_agent.apply_to_gpt_neox)}
+BUILD = {"llama": llama_tests.tiny_llama, "gpt2": gpt2_tests.tiny_gpt2, "gpt_neox": neox_tests.tiny_neox}
+
+
+def autocast():
+    return torch.autocast(llama_tests.DEVICE, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("flags", [{}, {"fused_linear_cross_entropy": False}], ids=["fused loss", "HF's loss"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fp32_master_weights_train_under_bf16_autocast_like_the_bf16_model(family, flags):
+    tests, patch = FAMILIES[family]
+    base = BUILD[family]()
+    hi, lo = tests.truth_of(base)  # the fp32 truth, and the bf16 model's distance from it
+    model = patch(copy.deepcopy(base).float(), **flags)
+    with autocast():
+        got = tests.train_and_eval(model)
+    assert_like_hf(got, hi, lo)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert all(p.grad is None or p.grad.dtype == torch.float32 for p in model.parameters())
+    trained = [p for p in model.parameters() if p.grad is not None]
+    assert len(trained) == len(list(model.parameters()))  # the casts carry every gradient back
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fp32_weights_outside_autocast_are_refused_with_the_fix(family):
+    tests, patch = FAMILIES[family]
+    model = patch(BUILD[family]().float())
+    ids, labels = tests.batch()
+    with pytest.raises(KernelError, match=r"fp32 parameters and runs outside torch.autocast\('cpu', "
+                                          r"dtype=torch.bfloat16\).*or call model.to\(torch.bfloat16\)"):
+        model(ids, labels=labels)
+    with torch.autocast("cpu", dtype=torch.float16), pytest.raises(KernelError, match="outside torch.autocast"):
+        model(ids, labels=labels)
+
+
+def test_fp16_models_are_refused_at_patch_time():
+    with pytest.raises(KernelError, match=r"parameters are \['torch.float16'\].*train under "
+                                          r"torch.autocast\(dtype=torch.bfloat16\)"):
+        coda_agent.apply_to_llama(llama_tests.tiny_llama().half())
+
+
+def test_a_kernel_lowers_fp32_inputs_under_autocast_and_names_autocast_outside():
+    kernel = suite_kernel("out_proj_residual")
+    g = torch.Generator().manual_seed(0)
+    env = {k: float(v) for k, v in kernel.spec.shapes["small"].items()}
+    inputs = {n: torch.randn(*(int(eval_expr(e, env)) for e in t.shape), generator=g) / 4
+              for n, t in kernel.spec.inputs.items()}
+    want = kernel(**{n: v.bfloat16() for n, v in inputs.items()})
+    leaves = {n: v.clone().requires_grad_(True) for n, v in inputs.items()}
+    with autocast():
+        got = kernel(**leaves)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+    next(iter(got.values())).float().sum().backward()
+    assert all(v.grad is not None and v.grad.dtype == torch.float32 for v in leaves.values())
+    with pytest.raises(KernelError, match=r"is torch.float32; the kernel was verified for bf16 .*or run it under "
+                                          r"torch.autocast\('cpu', dtype=torch.bfloat16\)"):
+        kernel(**inputs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Hopper)")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fp32_master_weights_train_under_cuda_autocast(monkeypatch, family):
+    """The cute lowering under torch.autocast('cuda'): the fp32 model patched, against the fp32
+    truth with the bf16 model's noise."""
+    tests, patch = FAMILIES[family]
+    for module in (llama_tests, tests):
+        monkeypatch.setattr(module, "DEVICE", "cuda")
+    base = BUILD[family]()
+    hi, lo = tests.truth_of(base)
+    model = patch(copy.deepcopy(base).float())
+    with torch.autocast("cuda", dtype=torch.bfloat16), torch.autograd.set_multithreading_enabled(False):
+        got = tests.train_and_eval(model)
+    assert_like_hf(got, hi, lo)
+    assert all(p.grad is None or p.grad.dtype == torch.float32 for p in model.parameters())

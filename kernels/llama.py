@@ -77,7 +77,8 @@ weights back, into sharded parameters too; the parts' names stay as parameterles
 interchangeable with unpatched models
 (``save_pretrained`` writes HF's checkpoint; ``torch.save`` of the whole
 patched model loads back patched).
-The kernels are verified for bf16: the model must be bf16.
+The kernels are verified for bf16: the model is bf16, or keeps fp32 master weights and trains
+under bf16 autocast (``dropin.PatchedForward`` runs it as its bf16 copy).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """Run by ``test_fsdp.py`` in a process of its own: a patched model sharded with FSDP2
-(``fully_shard``) over two CPU ranks (gloo), against the same model unpatched and sharded alike.
+(``fully_shard``) over two CPU ranks (gloo), against the same model unpatched and sharded alike, and
+the patched model under DistributedDataParallel.
 Prints one JSON line of findings from rank 0; the test asserts on them."""
 
 from __future__ import annotations
@@ -34,6 +35,13 @@ def build(family: str) -> tuple[torch.nn.Module, object]:
     return tiny_neox().bfloat16(), coda_agent.apply_to_gpt_neox
 
 
+def coda_agent_patch(family: str):
+    import coda_agent
+
+    return {"llama": coda_agent.apply_to_llama, "gpt2": coda_agent.apply_to_gpt2,
+            "gpt_neox": coda_agent.apply_to_gpt_neox}[family]
+
+
 def shard(model: torch.nn.Module, **policy) -> torch.nn.Module:
     from torch.distributed.fsdp import fully_shard
 
@@ -45,7 +53,8 @@ def shard(model: torch.nn.Module, **policy) -> torch.nn.Module:
 
 def train(model: torch.nn.Module, rank: int) -> list[float]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(rank))
+    vocab = getattr(model, "module", model).config.vocab_size  # under DDP the model is .module
+    ids = torch.randint(0, vocab, (2, 24), generator=torch.Generator().manual_seed(rank))
     losses = []
     for _ in range(3):
         loss = model(input_ids=ids, labels=ids).loss
@@ -76,6 +85,12 @@ def worker(rank: int, world: int, port: int, family: str, folder: str) -> None:
     plain = shard(copy.deepcopy(hf))
     patched = shard(patch(copy.deepcopy(hf)))
     found["losses"] = {"hf": train(plain, rank), "coda": train(patched, rank)}
+    # DistributedDataParallel, the other way a training script spreads a model (GPT-2's weights
+    # column-major as apply_to_gpt2 stores them by default).
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp_patch = coda_agent_patch(family)
+    found["ddp_losses"] = {"coda": train(DistributedDataParallel(ddp_patch(copy.deepcopy(hf))), rank)}
     # The whole checkpoint, gathered (what a run saves for export): HF's keys and layout.
     ckpt = get_model_state_dict(patched, options=full)
     found["keys_as_hfs"] = sorted(ckpt) == sorted(get_model_state_dict(plain, options=full))

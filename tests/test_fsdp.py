@@ -4,7 +4,7 @@ patched model against the same model unpatched and sharded alike.  It trains the
 gathered checkpoint has HF's keys and loads into an unpatched model, and both a full checkpoint
 (``set_model_state_dict``) and a sharded one (``torch.distributed.checkpoint``) load back into a
 fresh patched model exactly.  fp32 master weights train alike, gathered in bf16 by FSDP2's
-MixedPrecisionPolicy or in fp32 under bf16 autocast.  LLaMA's fused projections rename their parts' keys, which
+MixedPrecisionPolicy or in fp32 under bf16 autocast, and DistributedDataParallel trains it alike.  LLaMA's fused projections rename their parts' keys, which
 ``torch.distributed.checkpoint`` walks to modules (``FusedPart``) and loads into sharded
 parameters (``_placed_like``)."""
 
@@ -33,14 +33,15 @@ def free_port() -> int:
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2", "gpt_neox"])
-def test_a_patched_model_trains_and_checkpoints_under_fsdp2(family):
+def test_a_patched_model_trains_and_checkpoints_under_fsdp2_and_ddp(family):
     run = subprocess.run([sys.executable, str(WORKER), family, str(free_port())], capture_output=True, text=True,
                          timeout=600)
     lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
     assert run.returncode == 0 and lines, run.stderr[-4000:]
     found = json.loads(lines[-1])
     hf = found["losses"]["hf"]
-    for run in (found["losses"]["coda"], *found["fp32_policy_losses"].values(), found["fp32_autocast_losses"]["coda"]):
+    for run in (found["losses"]["coda"], found["ddp_losses"]["coda"], *found["fp32_policy_losses"].values(),
+                found["fp32_autocast_losses"]["coda"]):
         assert run[-1] < run[0] - 1.0  # it trains
         assert max(abs(a - b) for a, b in zip(hf, run)) < 0.05, found  # as HF's bf16 model does, to bf16 noise
     for check in ("keys_as_hfs", "all_full", "loads_unpatched", "full_roundtrip", "dcp_roundtrip",

@@ -23,6 +23,7 @@ the same way.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -64,6 +65,14 @@ class PatchedForward:
 
     def __init__(self, module: nn.Module, fn: Any):
         self.module, self.fn = module, fn
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        """The replaced forward's parameters, as ``inspect.signature(module.forward)`` reads them
+        from a bound method: HF's Trainer keeps only the dataset columns the forward names
+        (``remove_unused_columns``), and would drop ``input_ids`` and ``labels`` for ``*args``."""
+        sig = inspect.signature(self.fn)
+        return sig.replace(parameters=list(sig.parameters.values())[1:])
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # A DTensor is a parameter FSDP2 holds sharded until its own module's forward gathers it

@@ -150,14 +150,18 @@ def xent_variant(mib: int) -> Any:
 
 
 def measure(config: str, contender: str, steps: int, warmup: int, device: str, tune: float | None = None,
-            xent_mib: int = 0, tune_pool: str = "default", compile_mode: str = "default") -> dict[str, Any]:
+            xent_mib: int = 0, tune_pool: str = "default", compile_mode: str = "default",
+            master_weights: str = "bf16") -> dict[str, Any]:
     """ms/step, tokens/s, peak memory and the profiled split of one contender at one config.
     ``tune``: a CODA contender's first step tunes each GEMM the tuning cache does not hold
     (``autotune``), backward included; 0 times the candidates in single calls, more each back to
     back for that many seconds (the regime of a step at the power cap), from ``tune_pool``.
     ``host_ms`` is the median time the host spends issuing a timed step: a step whose host time
-    reaches its device time is bound by the host, and faster kernels do not shorten it."""
-    model, batch, seq = build(config, device, torch.bfloat16)
+    reaches its device time is bound by the host, and faster kernels do not shorten it.
+    ``master_weights="fp32"``: the model and AdamW's state in fp32, every step inside
+    ``torch.autocast(dtype=torch.bfloat16)`` (mixed precision, as HF's Trainer runs ``bf16=True``)."""
+    amp = master_weights == "fp32"
+    model, batch, seq = build(config, device, torch.float32 if amp else torch.bfloat16)
     model = prepare(model, config, contender, device, xent_mib, compile_mode)
     graphs = compile_mode == "reduce-overhead" and device == "cuda" and contender in COMPILED
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
@@ -168,7 +172,9 @@ def measure(config: str, contender: str, steps: int, warmup: int, device: str, t
     def step() -> None:
         if graphs:  # a new iteration: the graphs' outputs of the last one may be overwritten
             torch.compiler.cudagraph_mark_step_begin()
-        model(input_ids=ids, labels=ids).loss.backward()
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=amp):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -185,7 +191,7 @@ def measure(config: str, contender: str, steps: int, warmup: int, device: str, t
         step()
         sync()
     row: dict[str, Any] = {"config": config, "contender": contender, "tokens": batch * seq,
-                           "first_step_s": round(time.time() - t0, 1)}
+                           "master_weights": master_weights, "first_step_s": round(time.time() - t0, 1)}
     if tuned is not None:
         row["tuned"] = [{**{k: t[k] for k in ("epilogue", "MNK", "best", "regime")}, "pool": tune_pool,
                          "times_ms": {c: round(ms, 4) for c, ms in t["times_ms"].items()}} for t in tuned]
@@ -260,7 +266,7 @@ def child(args: argparse.Namespace, device: str, name: str) -> None:
         os.environ["CODA_CACHE_DIR"] = str(out / "cache")
     with plain_gemms(args.plain_gemms):
         row = measure(family_of(config).tiny if args.dry_run else config, contender, args.steps, args.warmup, device, tune,
-                      args.xent_mib, args.tune_pool, args.compile_mode)
+                      args.xent_mib, args.tune_pool, args.compile_mode, args.master_weights)
     if contender.startswith("coda"):
         row.update({"xent_mib": args.xent_mib or None, "plain_gemms": args.plain_gemms})
     row["config"] = config
@@ -370,6 +376,8 @@ def main() -> int:
                     help="CODA rows: the library of the GEMMs without an epilogue (primitives.plain_gemms)")
     ap.add_argument("--compile-mode", choices=("default", "reduce-overhead"), default="default",
                     help="torch.compile's mode for the compiled rows (reduce-overhead: CUDA graphs)")
+    ap.add_argument("--master-weights", choices=("bf16", "fp32"), default="bf16",
+                    help="fp32: every contender keeps fp32 weights and steps under bf16 autocast (mixed precision)")
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny config, reference lowering: the plumbing")
     ap.add_argument("--plot", metavar="DIR", help="draw DIR/loss_curve.json to DIR/loss_curve.png and exit")
     args = ap.parse_args()

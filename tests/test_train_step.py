@@ -61,6 +61,18 @@ def test_dry_run_writes_every_row_the_curve_and_its_plot(tmp_path):
     assert set(curve["fp8_verdict_vs_band"].values()) <= {"within", "better", "worse"}
 
 
+def test_fp32_master_weights_step_every_family_under_autocast(tmp_path):
+    """``--master-weights fp32``: the models and AdamW in fp32, each step under bf16 autocast; the
+    patched models run it (as their bf16 copies) beside torch.compile's, in all three families."""
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(tmp_path), "--configs",
+                           "1b,gpt2-xl,pythia-1.4b", "--contenders", "compile,coda", "--steps", "1", "--warmup", "0",
+                           "--master-weights", "fp32"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads((tmp_path / "train_step.json").read_text())["rows"]
+    assert len(rows) == 6 and all("error" not in r and r["master_weights"] == "fp32" for r in rows), rows
+    assert all(r["ms"] > 0 for r in rows)
+
+
 def test_a_spent_budget_skips_and_says_so(tmp_path, bench_main):
     """The driver itself, in this process (it starts no measurement: the budget is spent)."""
     assert bench_main("train_step", "--dry-run", "--out", tmp_path, "--budget-s", "5") == 0

@@ -32,8 +32,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.nn.utils.stateless import _reparametrize_module
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # a torch built without distributed holds no sharded parameters
+    DTensor = ()
 
 from coda_agent.tasks import SUITE_DIR, SUITES, load_task
 
@@ -184,10 +188,10 @@ def record_attention(weights: torch.Tensor | None) -> None:
         collected["attentions"].append(weights)
 
 
-def require_bf16(model: nn.Module, patch: str) -> None:
+def require_kernel_dtypes(model: nn.Module, patch: str) -> None:
     """The kernels run bf16: a bf16 model, or fp32 master weights trained in mixed precision
     (``torch.autocast(dtype=torch.bfloat16)``, or FSDP2's ``MixedPrecisionPolicy(param_dtype=
-    torch.bfloat16)``), where each kernel call casts what it takes (``kernel.autocast_inputs``)."""
+    torch.bfloat16)``), which :class:`PatchedForward` runs as the bf16 model."""
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
     if not dtypes <= {torch.bfloat16, torch.float32}:
         raise KernelError(f"the model's parameters are {sorted(map(str, dtypes))}; the suite's kernels are "

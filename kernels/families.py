@@ -41,7 +41,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 from transformers.models.seed_oss.modeling_seed_oss import SeedOssAttention, SeedOssMLP
 from transformers.models.smollm3.modeling_smollm3 import SmolLM3Attention
 
-from .dropin import GPT2_STACK, GPT_NEOX_STACK, has_modules, refuse_wrapped, require_bf16
+from .dropin import GPT2_STACK, GPT_NEOX_STACK, has_modules, refuse_wrapped, require_kernel_dtypes
 from .kernel import KernelError
 
 STATIC_ROPE = ("default", "linear", "llama3")
@@ -366,7 +366,7 @@ def check_model(model: nn.Module, base: nn.Module, cfg: Any, rope: bool, swiglu:
     only, parts of one fused weight frozen apart, an activation other than SwiGLU's, RoPE beyond a
     static frequency table, an LM head that is more than its weight (``xent``: the fused LM head
     and loss runs)."""
-    require_bf16(model, "apply_to_llama")
+    require_kernel_dtypes(model, "apply_to_llama")
     for i, layer in enumerate(base.layers):
         for part in ("self_attn", "mlp") if swiglu else ("self_attn",):  # swiglu=False: the MLP stays HF's
             for name, m in getattr(layer, part).named_children():

@@ -90,7 +90,7 @@ from transformers.utils import can_return_tuple
 
 from .dropin import (GPT2_SLOTS, GPT2_STACK, GPT_NEOX_STACK, BlockPlan, PatchedForward, block_plan, check_lm_head,
                      check_slots, gelu_of, has_modules, record_attention, refuse_patched, refuse_wrapped,
-                     require_bf16, require_children, require_code, require_layer_norm, slot_kernel, suite_kernel)
+                     require_kernel_dtypes, require_children, require_code, require_layer_norm, slot_kernel, suite_kernel)
 from .families import same_code
 from .kernel import Kernel, KernelError
 from .llama_ops import fused_lm_forward
@@ -203,7 +203,7 @@ def gpt2_architecture(model: nn.Module, keep_mlp: bool = False) -> tuple[nn.Modu
 def check_gpt2(model: nn.Module, base: nn.Module, mlp: bool, xent: bool) -> str | None:
     """Refuse, naming the fix, what a GPT-2 model may hold that the kernels the flags choose do not
     take (see the module docstring); return the GELU the MLP kernel must compute (None: mlp=False)."""
-    require_bf16(model, "apply_to_gpt2")
+    require_kernel_dtypes(model, "apply_to_gpt2")
     cfg = base.config
     gelu = None
     for i, block in enumerate(base.h):

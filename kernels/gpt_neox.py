@@ -87,7 +87,7 @@ from transformers.utils import can_return_tuple
 
 from .dropin import (GPT2_SLOTS, GPT2_STACK, GPT_NEOX_STACK, BlockPlan, PatchedForward, block_plan, check_lm_head,
                      check_slots, gelu_of, has_modules, record_attention, refuse_patched, refuse_wrapped,
-                     require_bf16, require_children, require_code, require_layer_norm, slot_kernel, suite_kernel)
+                     require_kernel_dtypes, require_children, require_code, require_layer_norm, slot_kernel, suite_kernel)
 from .families import same_code
 from .kernel import Kernel, KernelError
 from .llama_ops import fused_lm_forward
@@ -186,7 +186,7 @@ def check_gpt_neox(model: nn.Module, base: nn.Module, mlp: bool, xent: bool) -> 
     """Refuse, naming the fix, what a GPT-NeoX model may hold that the kernels the flags choose do
     not take (see the module docstring); return the GELU the MLP kernel must compute (None:
     mlp=False)."""
-    require_bf16(model, "apply_to_gpt_neox")
+    require_kernel_dtypes(model, "apply_to_gpt_neox")
     cfg = base.config
     gelu = None
     for i, layer in enumerate(base.layers):

@@ -98,7 +98,7 @@ from transformers.utils import can_return_tuple
 
 from coda_agent.tasks import SUITE_DIR
 
-from .dropin import PatchedForward, check_slots, record_attention, refuse_patched, slot_kernel, suite_kernel
+from .dropin import DTensor, PatchedForward, check_slots, record_attention, refuse_patched, slot_kernel, suite_kernel
 from .families import (AttentionPlan, check_model, head_dim, llama_architecture, rotation_is_llamas,
                        tables_are_llamas)
 from .kernel import Kernel, KernelError
@@ -317,10 +317,10 @@ def _placed_like(value: torch.Tensor, param: torch.Tensor | None) -> torch.Tenso
     full parts (``set_model_state_dict(full_state_dict=True)``) fuse into a full tensor, which is
     cut into the parameter's shards, and parts saved by a sharded model (replicated by the
     split's row permutation) fuse into a DTensor, which is moved to the parameter's placement."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
     if not isinstance(param, DTensor):
         return value
+    from torch.distributed.tensor import distribute_tensor
+
     if isinstance(value, DTensor):
         return value.redistribute(param.device_mesh, param.placements)
     return distribute_tensor(value.to(param.device), param.device_mesh, param.placements)

@@ -90,7 +90,8 @@ from transformers.utils import can_return_tuple
 
 from .dropin import (GPT2_SLOTS, GPT2_STACK, GPT_NEOX_STACK, BlockPlan, PatchedForward, block_plan, check_lm_head,
                      check_slots, gelu_of, has_modules, record_attention, refuse_patched, refuse_wrapped,
-                     require_kernel_dtypes, require_children, require_code, require_layer_norm, slot_kernel, suite_kernel)
+                     require_children, require_code, require_kernel_dtypes, require_layer_norm, slot_kernel,
+                     suite_kernel)
 from .families import same_code
 from .kernel import Kernel, KernelError
 from .llama_ops import fused_lm_forward

@@ -4,9 +4,9 @@ patched model against the same model unpatched and sharded alike.  It trains the
 gathered checkpoint has HF's keys and loads into an unpatched model, and both a full checkpoint
 (``set_model_state_dict``) and a sharded one (``torch.distributed.checkpoint``) load back into a
 fresh patched model exactly.  fp32 master weights train alike, gathered in bf16 by FSDP2's
-MixedPrecisionPolicy or in fp32 under bf16 autocast, and DistributedDataParallel trains it alike.  LLaMA's fused projections rename their parts' keys, which
-``torch.distributed.checkpoint`` walks to modules (``FusedPart``) and loads into sharded
-parameters (``_placed_like``)."""
+MixedPrecisionPolicy or in fp32 under bf16 autocast, and DistributedDataParallel trains it alike.
+LLaMA's fused projections rename their parts' keys, which ``torch.distributed.checkpoint`` walks
+to modules (``FusedPart``) and loads into sharded parameters (``_placed_like``)."""
 
 from __future__ import annotations
 

@@ -267,14 +267,14 @@ def autocast_inputs(spec: TaskSpec, inputs: dict[str, Any]) -> dict[str, Any]:
 
 
 def autocast_off(*values: Any) -> contextlib.AbstractContextManager:
-    """Autocast off on the devices of ``values``' tensors where it is on: a kernel computes at its
-    verified dtypes, and autocast would lower its programs' own PyTorch math (the reference
-    lowering's, the aux kernels')."""
-    scope = contextlib.ExitStack()
-    for device in {v.device.type for v in values if isinstance(v, torch.Tensor)}:
-        if torch.is_autocast_enabled(device):
-            scope.enter_context(torch.autocast(device, enabled=False))
-    return scope
+    """Autocast off on the device of ``values``' first tensor where it is on: a kernel computes at
+    its verified dtypes, and autocast would lower its programs' own PyTorch math (the reference
+    lowering's, the aux kernels').  One plain ``torch.autocast`` context, which torch.compile
+    traces (an ExitStack of them breaks its graph)."""
+    device = next((v.device.type for v in values if isinstance(v, torch.Tensor)), None)
+    if device is None or not torch.is_autocast_enabled(device):
+        return contextlib.nullcontext()
+    return torch.autocast(device, enabled=False)
 
 
 def check_inputs(spec: TaskSpec, inputs: dict[str, Any], origin: str) -> None:

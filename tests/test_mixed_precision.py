@@ -49,6 +49,18 @@ def test_fp32_master_weights_train_under_bf16_autocast_like_the_bf16_model(famil
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_a_mixed_precision_model_compiles_whole(family):
+    """torch.compile(fullgraph=True) traces the casts and the parameter swap of the mixed path: no
+    graph break, the eager loss, and the gradients on the fp32 parameters."""
+    tests, patch = FAMILIES[family]
+    model = patch(BUILD[family]().float())
+    ids, labels = tests.batch()
+    with autocast():
+        llama_tests.assert_compiles_like_eager(model, ids, labels)
+    assert all(p.grad.dtype == torch.float32 for p in model.parameters())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_fp32_weights_outside_autocast_are_refused_with_the_fix(family):
     tests, patch = FAMILIES[family]
     model = patch(BUILD[family]().float())

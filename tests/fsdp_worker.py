@@ -18,9 +18,6 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-FAMILIES = ("llama", "gpt2", "gpt_neox")
-
-
 def build(family: str) -> tuple[torch.nn.Module, object]:
     import coda_agent
 
@@ -35,7 +32,8 @@ def build(family: str) -> tuple[torch.nn.Module, object]:
     return tiny_neox().bfloat16(), coda_agent.apply_to_gpt_neox
 
 
-def coda_agent_patch(family: str):
+def default_patch(family: str):
+    """The drop-in with its defaults (GPT-2's weights column-major), for DistributedDataParallel."""
     import coda_agent
 
     return {"llama": coda_agent.apply_to_llama, "gpt2": coda_agent.apply_to_gpt2,
@@ -89,7 +87,7 @@ def worker(rank: int, world: int, port: int, family: str, folder: str) -> None:
     # column-major as apply_to_gpt2 stores them by default).
     from torch.nn.parallel import DistributedDataParallel
 
-    ddp_patch = coda_agent_patch(family)
+    ddp_patch = default_patch(family)
     found["ddp_losses"] = {"coda": train(DistributedDataParallel(ddp_patch(copy.deepcopy(hf))), rank)}
     # The whole checkpoint, gathered (what a run saves for export): HF's keys and layout.
     ckpt = get_model_state_dict(patched, options=full)

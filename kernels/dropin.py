@@ -81,23 +81,29 @@ class PatchedForward:
     def __getstate__(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k != "_tables"}
 
-    def _masters(self) -> bool:
-        """Whether the module holds fp32 parameters now: read through its modules' parameter
-        tables, found once (a call is on the hot path: walking a 32-layer model's names costs
-        0.5 ms on a CPU), whose entries FSDP2 and the casts below swap in place.  A DTensor is a
-        parameter FSDP2 holds sharded until its own module's forward gathers it (in its
+    def _masters(self) -> dict[str, torch.Tensor]:
+        """The module's fp32 parameters now, by name (a tied one once): read through its modules'
+        parameter tables, found once (a call is on the hot path: walking a 32-layer model's names
+        costs 0.5 ms on a CPU), whose entries FSDP2 and the casts below swap in place.  A DTensor
+        is a parameter FSDP2 holds sharded until its own module's forward gathers it (in its
         MixedPrecisionPolicy's dtype): that forward's PatchedForward sees it then."""
         tables = self.__dict__.get("_tables")
         if tables is None:
-            tables = self._tables = [m._parameters for m in self.module.modules() if m._parameters]
-        return any(p is not None and p.dtype == torch.float32 and not isinstance(p, DTensor)
-                   for table in tables for p in table.values())
+            tables = self._tables = [(f"{prefix}." if prefix else "", m._parameters)
+                                     for prefix, m in self.module.named_modules() if m._parameters]
+        found: dict[str, torch.Tensor] = {}
+        seen: set[int] = set()
+        for prefix, table in tables:
+            for name, p in table.items():
+                if p is not None and p.dtype == torch.float32 and not isinstance(p, DTensor) and id(p) not in seen:
+                    seen.add(id(p))
+                    found[prefix + name] = p
+        return found
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not self._masters():
+        master = self._masters()
+        if not master:
             return self.fn(self.module, *args, **kwargs)
-        master = {n: p for n, p in self.module.named_parameters()
-                  if p.dtype == torch.float32 and not isinstance(p, DTensor)}
         device = next(iter(master.values())).device.type
         if not (torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == torch.bfloat16):
             raise KernelError(f"{type(self.module).__name__} has fp32 parameters and runs outside "

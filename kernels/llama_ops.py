@@ -50,7 +50,7 @@ from coda_agent.primitives import (ColVec, PairedTile, RowVec, Scalar, Tile, col
 from coda_agent.tasks.llama3.experts.llama3_block import row_dot, scale_rows
 from coda_agent.tasks.llama3.experts.rope_fwd import rope
 
-from .kernel import Kernel, autocast_inputs, autocast_off
+from .kernel import Kernel, autocast_off
 
 IGNORE_INDEX = -100
 
@@ -197,7 +197,6 @@ def linear_cross_entropy(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor,
         denominator = (target != IGNORE_INDEX).sum().float()  # all ignored: nan, as HF
     else:
         denominator = torch.as_tensor(num_items_in_batch, dtype=torch.float32, device=x.device)
-    x, w = autocast_inputs(kernel.spec, {"x": x, "w": w}).values()  # an fp32 norm or head under autocast
     with autocast_off(x):
         return LinearCrossEntropy.apply(x, w, target, kernel, denominator)
 

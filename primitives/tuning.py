@@ -254,10 +254,6 @@ def autotune(steady_s: float | None = None, pool: str = "default") -> Iterator[l
                       f"torch.compiler.set_stance('force_eager') within autotune()", stacklevel=3)
 
 
-def autotuning() -> bool:
-    return _autotune.get() is not None
-
-
 def tunable_now(A: torch.Tensor, mnk: tuple[int, int, int]) -> bool:
     """Inside :func:`autotune`, whether a miss of shape ``mnk`` can be tuned on the spot: not while
     a CUDA graph captures A's stream (the miss is noted in the session's ``untuned``)."""

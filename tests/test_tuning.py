@@ -71,14 +71,13 @@ def test_misses_left_untuned_under_a_capture_warn_with_the_fix_on_leaving():
 
 
 def test_autotune_is_scoped():
-    assert not tuning.autotuning()
+    a = torch.ones(2, 2)
+    assert not tuning.tunable_now(a, (2, 2, 2))
     with tuning.autotune() as record:
-        assert tuning.autotuning() and record == []
-        assert tuning.tunable_now(torch.ones(2, 2), (2, 2, 2)) and record.untuned == []
+        assert tuning.tunable_now(a, (2, 2, 2)) and record == [] and record.untuned == []
         # a CUDA backward would run on autograd's device threads, outside the scope: not here
         assert not torch._C._is_multithreading_enabled()
-    assert not tuning.tunable_now(torch.ones(2, 2), (2, 2, 2))
-    assert not tuning.autotuning() and torch._C._is_multithreading_enabled()
+    assert not tuning.tunable_now(a, (2, 2, 2)) and torch._C._is_multithreading_enabled()
     with pytest.raises(ValueError, match="a positive number; got 0"):
         with tuning.autotune(steady_s=0):
             pass

@@ -17,27 +17,13 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
+from dropin_models import MODELS  # noqa: E402
 
 def build(family: str) -> tuple[torch.nn.Module, object]:
-    import coda_agent
-
-    if family == "llama":
-        from test_llama import tiny_llama
-        return tiny_llama().bfloat16(), coda_agent.apply_to_llama
-    if family == "gpt2":
-        from test_gpt2_dropin import tiny_gpt2
-        # FSDP2 shards contiguous parameters only
-        return tiny_gpt2().bfloat16(), partial(coda_agent.apply_to_gpt2, column_major_weights=False)
-    from test_gpt_neox_dropin import tiny_neox
-    return tiny_neox().bfloat16(), coda_agent.apply_to_gpt_neox
-
-
-def default_patch(family: str):
-    """The drop-in with its defaults (GPT-2's weights column-major), for DistributedDataParallel."""
-    import coda_agent
-
-    return {"llama": coda_agent.apply_to_llama, "gpt2": coda_agent.apply_to_gpt2,
-            "gpt_neox": coda_agent.apply_to_gpt_neox}[family]
+    """The family's tiny model in bf16, and its drop-in as FSDP2 takes it (GPT-2's weights row-major:
+    FSDP2 shards contiguous parameters only)."""
+    patch = MODELS[family].patch
+    return MODELS[family].build().bfloat16(), partial(patch, column_major_weights=False) if family == "gpt2" else patch
 
 
 def shard(model: torch.nn.Module, **policy) -> torch.nn.Module:
@@ -87,8 +73,7 @@ def worker(rank: int, world: int, port: int, family: str, folder: str) -> None:
     # column-major as apply_to_gpt2 stores them by default).
     from torch.nn.parallel import DistributedDataParallel
 
-    ddp_patch = default_patch(family)
-    found["ddp_losses"] = {"coda": train(DistributedDataParallel(ddp_patch(copy.deepcopy(hf))), rank)}
+    found["ddp_losses"] = {"coda": train(DistributedDataParallel(MODELS[family].patch(copy.deepcopy(hf))), rank)}
     # The whole checkpoint, gathered (what a run saves for export): HF's keys and layout.
     ckpt = get_model_state_dict(patched, options=full)
     found["keys_as_hfs"] = sorted(ckpt) == sorted(get_model_state_dict(plain, options=full))

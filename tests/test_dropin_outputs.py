@@ -11,13 +11,8 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-import coda_agent  # noqa: E402
-from test_gpt2_dropin import tiny_gpt2  # noqa: E402
-from test_gpt_neox_dropin import tiny_neox  # noqa: E402
-from test_llama import tiny_llama  # noqa: E402
+from dropin_models import MODELS  # noqa: E402
 
-MODELS = {"llama": (tiny_llama, coda_agent.apply_to_llama), "gpt2": (tiny_gpt2, coda_agent.apply_to_gpt2),
-          "gpt_neox": (tiny_neox, coda_agent.apply_to_gpt_neox)}
 # On the GPU the patched layers run the cute lowering, so the weights they hand over come from
 # the fused kernels' q and k, not the reference's.
 DEVICES = ["cpu", pytest.param("cuda", marks=[
@@ -27,7 +22,7 @@ DEVICES = ["cpu", pytest.param("cuda", marks=[
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family", MODELS)
 def test_attention_weights_and_hidden_states_come_back_as_hfs(family, device):
-    build, patch = MODELS[family]
+    build, patch = MODELS[family].build, MODELS[family].patch
     hf = build(attn_implementation="eager").bfloat16().to(device).eval()
     patched = patch(copy.deepcopy(hf)).eval()
     ids = torch.randint(0, hf.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0)).to(device)
@@ -46,7 +41,7 @@ def test_attention_weights_and_hidden_states_come_back_as_hfs(family, device):
 @pytest.mark.parametrize("family", MODELS)
 def test_sdpa_records_no_attention_weights_as_hf(family):
     """SDPA returns no weights; HF's hook then records nothing, and so does a patched layer."""
-    build, patch = MODELS[family]
+    build, patch = MODELS[family].build, MODELS[family].patch
     hf = build().bfloat16().eval()  # the tiny configs attend through SDPA
     patched = patch(copy.deepcopy(hf)).eval()
     ids = torch.randint(0, hf.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))

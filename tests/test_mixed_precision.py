@@ -13,9 +13,8 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-import test_gpt2_dropin as gpt2_tests  # noqa: E402
-import test_gpt_neox_dropin as neox_tests  # noqa: E402
 import test_llama as llama_tests  # noqa: E402
+from dropin_models import MODELS  # noqa: E402
 from test_llama import assert_like_hf  # noqa: E402
 
 import coda_agent  # noqa: E402
@@ -23,20 +22,16 @@ from coda_agent.kernels import KernelError  # noqa: E402
 from coda_agent.kernels.dropin import suite_kernel  # noqa: E402
 from coda_agent.tasks.expr import eval_expr  # noqa: E402
 
-FAMILIES = {"llama": (llama_tests, coda_agent.apply_to_llama), "gpt2": (gpt2_tests, coda_agent.apply_to_gpt2),
-            "gpt_neox": (neox_tests, coda_agent.apply_to_gpt_neox)}
-BUILD = {"llama": llama_tests.tiny_llama, "gpt2": gpt2_tests.tiny_gpt2, "gpt_neox": neox_tests.tiny_neox}
-
 
 def autocast():
     return torch.autocast(llama_tests.DEVICE, dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize("flags", [{}, {"fused_linear_cross_entropy": False}], ids=["fused loss", "HF's loss"])
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", MODELS)
 def test_fp32_master_weights_train_under_bf16_autocast_like_the_bf16_model(family, flags):
-    tests, patch = FAMILIES[family]
-    base = BUILD[family]()
+    tests, build, patch = MODELS[family].tests, MODELS[family].build, MODELS[family].patch
+    base = build()
     hi, lo = tests.truth_of(base)  # the fp32 truth, and the bf16 model's distance from it
     model = patch(copy.deepcopy(base).float(), **flags)
     with autocast():
@@ -48,22 +43,22 @@ def test_fp32_master_weights_train_under_bf16_autocast_like_the_bf16_model(famil
     assert len(trained) == len(list(model.parameters()))  # the casts carry every gradient back
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", MODELS)
 def test_a_mixed_precision_model_compiles_whole(family):
     """torch.compile(fullgraph=True) traces the casts and the parameter swap of the mixed path: no
     graph break, the eager loss, and the gradients on the fp32 parameters."""
-    tests, patch = FAMILIES[family]
-    model = patch(BUILD[family]().float())
+    tests, build, patch = MODELS[family].tests, MODELS[family].build, MODELS[family].patch
+    model = patch(build().float())
     ids, labels = tests.batch()
     with autocast():
         llama_tests.assert_compiles_like_eager(model, ids, labels)
     assert all(p.grad.dtype == torch.float32 for p in model.parameters())
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", MODELS)
 def test_fp32_weights_outside_autocast_are_refused_with_the_fix(family):
-    tests, patch = FAMILIES[family]
-    model = patch(BUILD[family]().float())
+    tests, build, patch = MODELS[family].tests, MODELS[family].build, MODELS[family].patch
+    model = patch(build().float())
     ids, labels = tests.batch()
     with pytest.raises(KernelError, match=r"fp32 parameters and runs outside torch.autocast\('cpu', "
                                           r"dtype=torch.bfloat16\).*or call model.to\(torch.bfloat16\)"):
@@ -99,14 +94,14 @@ def test_a_kernel_lowers_fp32_inputs_under_autocast_and_names_autocast_outside()
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Hopper)")
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", MODELS)
 def test_fp32_master_weights_train_under_cuda_autocast(monkeypatch, family):
     """The cute lowering under torch.autocast('cuda'): the fp32 model patched, against the fp32
     truth with the bf16 model's noise."""
-    tests, patch = FAMILIES[family]
+    tests, build, patch = MODELS[family].tests, MODELS[family].build, MODELS[family].patch
     for module in (llama_tests, tests):
         monkeypatch.setattr(module, "DEVICE", "cuda")
-    base = BUILD[family]()
+    base = build()
     hi, lo = tests.truth_of(base)
     model = patch(copy.deepcopy(base).float())
     with torch.autocast("cuda", dtype=torch.bfloat16), torch.autograd.set_multithreading_enabled(False):

@@ -15,15 +15,8 @@ import torch
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
-from test_gpt2_dropin import tiny_gpt2  # noqa: E402
-from test_gpt_neox_dropin import tiny_neox  # noqa: E402
-from test_llama import tiny_llama  # noqa: E402
+from dropin_models import MODELS  # noqa: E402
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments  # noqa: E402
-
-import coda_agent  # noqa: E402
-
-FAMILIES = {"llama": (tiny_llama, coda_agent.apply_to_llama), "gpt2": (tiny_gpt2, coda_agent.apply_to_gpt2),
-            "gpt_neox": (tiny_neox, coda_agent.apply_to_gpt_neox)}
 
 
 class Tokens(torch.utils.data.Dataset):
@@ -46,9 +39,9 @@ def fit(model: torch.nn.Module, out: str, steps: int, resume: str | None = None)
     return trainer, [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", MODELS)
 def test_a_patched_model_fine_tunes_checkpoints_and_resumes_in_the_trainer(tmp_path, family):
-    build, patch = FAMILIES[family]
+    build, patch = MODELS[family].build, MODELS[family].patch
     base = build()  # fp32: the Trainer's bf16=True autocasts around it
     patched = patch(copy.deepcopy(base))
     assert {"input_ids", "labels", "attention_mask"} <= set(inspect.signature(patched.forward).parameters)

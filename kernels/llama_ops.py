@@ -50,7 +50,7 @@ from coda_agent.primitives import (ColVec, PairedTile, RowVec, Scalar, Tile, col
 from coda_agent.tasks.llama3.experts.llama3_block import row_dot, scale_rows
 from coda_agent.tasks.llama3.experts.rope_fwd import rope
 
-from .kernel import Kernel, autocast_off
+from .kernel import Kernel, autocast_inputs, autocast_off
 
 IGNORE_INDEX = -100
 
@@ -197,8 +197,12 @@ def linear_cross_entropy(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor,
         denominator = (target != IGNORE_INDEX).sum().float()  # all ignored: nan, as HF
     else:
         denominator = torch.as_tensor(num_items_in_batch, dtype=torch.float32, device=x.device)
+    # Under CUDA autocast a final nn.LayerNorm (GPT-2's ln_f, GPT-NeoX's final_layer_norm) hands
+    # back fp32, as autocast runs layer_norm in fp32: lowered here as autocast lowers a matmul's
+    # operands, with the gradient flowing back through the cast.
+    lowered = autocast_inputs(kernel.spec, {"x": x, "w": w})
     with autocast_off(x):
-        return LinearCrossEntropy.apply(x, w, target, kernel, denominator)
+        return LinearCrossEntropy.apply(lowered["x"], lowered["w"], target, kernel, denominator)
 
 
 def fused_lm_forward(model: Any, stack: Any, output: type, input_ids: torch.Tensor | None, inputs: dict[str, Any],

@@ -92,6 +92,28 @@ def test_a_kernel_lowers_fp32_inputs_under_autocast_and_names_autocast_outside()
         kernel(**inputs)
 
 
+def test_the_fused_loss_lowers_an_fp32_hidden_state_under_autocast():
+    """CUDA autocast runs layer_norm in fp32, so a final nn.LayerNorm (GPT-2's ln_f, GPT-NeoX's
+    final_layer_norm) hands the fused LM loss an fp32 hidden state: under autocast the loss takes
+    it as autocast takes a matmul's operand, at the bf16 result, the gradient back in fp32."""
+    from coda_agent.kernels.llama_ops import causal_lm_loss
+
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 12, 128, generator=g)
+    w = (torch.randn(512, 128, generator=g) / 12).bfloat16()
+    labels = torch.randint(0, 512, (2, 12), generator=g)
+    kernel = suite_kernel("lm_head_xent")
+    want = causal_lm_loss(hidden.bfloat16(), w, labels, None, kernel)
+    leaf = hidden.clone().requires_grad_(True)
+    with autocast():
+        got = causal_lm_loss(leaf, w, labels, None, kernel)
+    assert torch.equal(got, want)
+    got.backward()
+    assert leaf.grad.dtype == torch.float32 and leaf.grad.abs().sum() > 0
+    with pytest.raises(KernelError, match=r"input 'x' is torch.float32; .* torch.autocast\('cpu'"):
+        causal_lm_loss(hidden, w, labels, None, kernel)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Hopper)")
 @pytest.mark.parametrize("family", MODELS)

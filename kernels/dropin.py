@@ -2,6 +2,7 @@
 (:func:`apply_to_gpt2`) and ``gpt_neox.py`` (:func:`apply_to_gpt_neox`) patch a model *instance*
 the same way.
 
+- LoRA adapters (peft) on the projections the kernels read run beside them (``adapters.py``).
 - A patched module's forward is a :class:`PatchedForward`, an object bound to the module rather
   than a closure or a bound method, so that ``copy.deepcopy`` and pickle carry it to the copy's
   own module.
@@ -41,6 +42,7 @@ except ImportError:  # a torch built without distributed holds no sharded parame
 
 from coda_agent.tasks import SUITE_DIR, SUITES, load_task
 
+from .adapters import adapter_modules, check_lora
 from .kernel import Kernel, KernelError
 from .source import load_kernel
 
@@ -88,9 +90,11 @@ class PatchedForward:
         is a parameter FSDP2 holds sharded until its own module's forward gathers it (in its
         MixedPrecisionPolicy's dtype): that forward's PatchedForward sees it then."""
         tables = self.__dict__.get("_tables")
-        if tables is None:
+        if tables is None:  # LoRA adapters' own parameters are no kernel's: they keep peft's dtype
+            adapters = adapter_modules(self.module)
             tables = self._tables = [(f"{prefix}." if prefix else "", m._parameters)
-                                     for prefix, m in self.module.named_modules() if m._parameters]
+                                     for prefix, m in self.module.named_modules()
+                                     if m._parameters and id(m) not in adapters]
         found: dict[str, torch.Tensor] = {}
         seen: set[int] = set()
         for prefix, table in tables:
@@ -297,6 +301,8 @@ def require_layer_norm(ln: Any, where: str) -> None:
 
 def check_lm_head(head: Any) -> None:
     """Refuse an LM head the fused LM head and loss (lm_head_xent) does not take, naming the fix."""
+    check_lora(head, "lm_head", "the fused LM head and loss (lm_head_xent) reads its weight alone: pass "
+               "fused_linear_cross_entropy=False")
     if type(head) is not nn.Linear or head.bias is not None:
         what = f"is {type(head).__name__}, not nn.Linear" if type(head) is not nn.Linear else "has a bias"
         raise KernelError(f"lm_head {what}: the fused LM head and loss (lm_head_xent) reads lm_head.weight alone; "

@@ -41,6 +41,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 from transformers.models.seed_oss.modeling_seed_oss import SeedOssAttention, SeedOssMLP
 from transformers.models.smollm3.modeling_smollm3 import SmolLM3Attention
 
+from .adapters import check_lora, linear_of
 from .dropin import GPT2_STACK, GPT_NEOX_STACK, has_modules, refuse_wrapped, require_kernel_dtypes
 from .kernel import KernelError
 
@@ -370,12 +371,18 @@ def check_model(model: nn.Module, base: nn.Module, cfg: Any, rope: bool, swiglu:
     for i, layer in enumerate(base.layers):
         for part in ("self_attn", "mlp") if swiglu else ("self_attn",):  # swiglu=False: the MLP stays HF's
             for name, m in getattr(layer, part).named_children():
-                if name.endswith("_proj") and type(m) is not nn.Linear:
+                if not name.endswith("_proj"):
+                    continue
+                # LoRA (adapters.py): the kernels read its base weight and the adapters run beside them,
+                # except in the MLP block kernel, which runs gate, up and down whole.
+                check_lora(m, f"layers.{i}.{part}.{name}", "the MLP block kernel runs the whole MLP (swiglu=True): "
+                           "pass swiglu=False" if part == "mlp" else "")
+                if type(linear_of(m)) is not nn.Linear:
                     raise KernelError(
                         f"layers.{i}.{part}.{name} is {type(m).__name__}, not nn.Linear: apply_to_llama fuses "
                         "the projections' weights into its kernels, which would drop what the module adds (a "
-                        "LoRA adapter, a quantized weight); merge adapters into the weights first "
-                        "(peft's merge_and_unload) or patch the unwrapped bf16 model")
+                        "quantized weight, an adapter other than peft's LoRA); patch the unwrapped bf16 model, "
+                        "or merge such adapters into the weights first")
         dropped = [n for n in ("resid_attn_dropout", "resid_mlp_dropout") if getattr(layer, n, None) is not None
                    and getattr(layer, n).p > 0]
         if dropped:
@@ -405,10 +412,10 @@ def check_model(model: nn.Module, base: nn.Module, cfg: Any, rope: bool, swiglu:
         for part, names in (("self_attn", ("q_proj", "k_proj", "v_proj")),
                             *((("mlp", ("gate_proj", "up_proj")),) if swiglu else ())):
             module = getattr(layer, part)
-            if not all(isinstance(getattr(module, n, None), nn.Linear) for n in names):
+            if not all(isinstance(linear_of(getattr(module, n, None)), nn.Linear) for n in names):
                 continue  # Phi-3's projections are fused already
             for kind in ("weight", "bias"):
-                params = {n: getattr(getattr(module, n), kind) for n in names}
+                params = {n: getattr(linear_of(getattr(module, n)), kind) for n in names}
                 grads = {n: p.requires_grad for n, p in params.items() if p is not None}
                 if len(set(grads.values())) > 1:
                     hint = " (or pass swiglu=False to keep HF's MLP)" if part == "mlp" else ""
@@ -417,6 +424,8 @@ def check_model(model: nn.Module, base: nn.Module, cfg: Any, rope: bool, swiglu:
                         f"({grads}); apply_to_llama fuses them into one parameter, which trains or freezes as a "
                         f"whole: freeze or unfreeze them together before apply_to_llama{hint}")
     head = getattr(model, "lm_head", None) if xent else None
+    check_lora(head, "lm_head", "the fused LM head and loss (lm_head_xent) reads its weight alone: pass "
+               "fused_linear_cross_entropy=False")
     if head is not None and (type(head) is not nn.Linear or head.bias is not None):
         what = f"is {type(head).__name__}, not nn.Linear" if type(head) is not nn.Linear else "has a bias"
         raise KernelError(f"lm_head {what}: the fused LM head and loss (lm_head_xent) reads lm_head.weight alone, "

@@ -66,7 +66,8 @@ would otherwise train something other than the model:
 - residual dropout (``resid_pdrop > 0``, GPT-2's config defaults to 0.1): the residual adds sit
   in GEMM epilogues, with no dropout (``embd_pdrop`` and ``attn_pdrop`` stay HF's and are fine);
 - an activation that is neither GELU (``mlp=False`` keeps HF's MLP);
-- projections that are not plain ``Conv1D`` (a LoRA adapter, a quantized weight), LayerNorms
+- projections that are not plain ``Conv1D`` (a quantized weight; peft's LoRA runs beside the
+  kernels, ``adapters.py``, but not in the MLP block kernel: ``mlp=False``), LayerNorms
   without their affine weight and bias, an LM head with a bias;
 - a vocabulary that is not a multiple of 8 (GPT-2's 50257) with the fused loss: the logits
   chunk's rows must be 16 bytes apart (pad it as nanoGPT does, to 50304);
@@ -92,6 +93,7 @@ from .dropin import (GPT2_SLOTS, GPT2_STACK, GPT_NEOX_STACK, BlockPlan, PatchedF
                      check_slots, gelu_of, has_modules, record_attention, refuse_patched, refuse_wrapped,
                      require_children, require_code, require_kernel_dtypes, require_layer_norm, slot_kernel,
                      suite_kernel)
+from .adapters import adapted, check_lora, linear_of, peft_base
 from .families import same_code
 from .kernel import Kernel, KernelError
 from .llama_ops import fused_lm_forward
@@ -109,6 +111,7 @@ def apply_to_gpt2(model: GPT2LMHeadModel | GPT2Model, *, layer_norm: bool = True
     """Patch ``model`` in place (see the module docstring) and return it.  ``column_major_weights``:
     store the projections' weights column-major (no gradient copy a step); False for a model
     that FSDP2 will shard."""
+    given_model, model = model, peft_base(model)  # a PeftModel: its transformers model is patched
     refuse_patched(getattr(model, "transformer", model))
     if mlp and not layer_norm:
         raise KernelError("mlp=True runs ln_2, the MLP and the residual add as one kernel (mlp_block), so it "
@@ -131,7 +134,7 @@ def apply_to_gpt2(model: GPT2LMHeadModel | GPT2Model, *, layer_norm: bool = True
         model.forward = PatchedForward(model, _lm_forward)
     base.coda_flags = {"layer_norm": layer_norm, "mlp": mlp, "gelu": gelu,
                        "fused_linear_cross_entropy": fused_linear_cross_entropy}
-    return model
+    return given_model
 
 
 # --------------------------------------------------------------------------- which models
@@ -188,11 +191,15 @@ def gpt2_architecture(model: nn.Module, keep_mlp: bool = False) -> tuple[nn.Modu
         mlps = () if keep_mlp else (("mlp", "c_fc"), ("mlp", "c_proj"))
         for part, proj in (("attn", "c_attn"), ("attn", "c_proj"), *mlps):
             m = getattr(getattr(block, part), proj)
-            if type(m) is not Conv1D or m.bias is None:
+            # LoRA (adapters.py): the kernels read its base, the adapters run beside them, except in
+            # the MLP block kernel, which runs c_fc and c_proj whole.
+            check_lora(m, f"h.{i}.{part}.{proj}", "the MLP block kernel runs the whole MLP (mlp=True): pass "
+                       "mlp=False" if part == "mlp" else "")
+            if type(linear_of(m)) is not Conv1D or m.bias is None:
                 raise KernelError(f"h.{i}.{part}.{proj} is {type(m).__name__}, not GPT-2's Conv1D with a bias: the "
-                                  "kernels read its weight and bias, which would drop what the module adds (a LoRA "
-                                  "adapter, a quantized weight); merge adapters into the weights first (peft's "
-                                  "merge_and_unload) or patch the unwrapped bf16 model")
+                                  "kernels read its weight and bias, which would drop what the module adds (a "
+                                  "quantized weight, an adapter other than peft's LoRA); patch the unwrapped bf16 "
+                                  "model, or merge such adapters into the weights first")
         for norm in ("ln_1", *(() if keep_mlp else ("ln_2",))):
             require_layer_norm(getattr(block, norm), f"h.{i}.{norm}")
     if causal_lm and not same_code(type(model).forward, GPT2LMHeadModel.forward):
@@ -251,7 +258,8 @@ def _block_forward(self: GPT2Block, hidden_states: torch.Tensor, past_key_values
     if plan.layer_norm:
         qkv = plan.ln_qkv(h, self.ln_1.weight, self.ln_1.bias, attn.c_attn.weight.t(), attn.c_attn.bias,
                           eps=self.ln_1.eps)["qkv"]
-    else:
+        qkv = adapted(qkv, attn.c_attn, lambda: self.ln_1(h))  # LoRA's term, on the projection's input
+    else:  # HF's LayerNorm and projection (peft's own LoRA forward, where it has one)
         qkv = attn.c_attn(self.ln_1(h))
     q, k, v = (part.view(b, t, -1, attn.head_dim).transpose(1, 2) for part in qkv.split(dim, dim=1))
     if past_key_values is not None:
@@ -264,7 +272,8 @@ def _block_forward(self: GPT2Block, hidden_states: torch.Tensor, past_key_values
         out, weights = interface(attn, q, k, v, attention_mask,
                                  dropout=attn.attn_dropout.p if attn.training else 0.0, scaling=attn.scaling, **kwargs)
     record_attention(weights)
-    h1 = plan.out_proj(out.reshape(b * t, dim), h, attn.c_proj.weight.t(), attn.c_proj.bias)["h"]
+    out = out.reshape(b * t, dim)
+    h1 = plan.out_proj(out, adapted(h, attn.c_proj, lambda: out), attn.c_proj.weight.t(), attn.c_proj.bias)["h"]
     if plan.mlp:
         mlp = self.mlp
         h2 = plan.mlp_block(h1, self.ln_2.weight, self.ln_2.bias, mlp.c_fc.weight.t(), mlp.c_fc.bias,

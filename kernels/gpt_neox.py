@@ -64,7 +64,8 @@ output gradient).  A projection of the MLP without a bias gets the same.
   residual adds that happen in GEMM epilogues, with no dropout (``emb_dropout`` stays HF's, and
   ``attention_dropout`` is fine);
 - an activation that is neither GELU (``mlp=False`` keeps HF's MLP);
-- projections that are not plain nn.Linear (a LoRA adapter, a quantized weight), LayerNorms
+- projections that are not plain nn.Linear (a quantized weight; peft's LoRA runs beside the
+  kernels, ``adapters.py``, but not in the MLP block kernel: ``mlp=False``), LayerNorms
   without their affine weight and bias, an LM head with a bias;
 - a vocabulary that is not a multiple of 8 with the fused loss (Pythia's 50304 and
   GPT-NeoX-20B's 50432 are);
@@ -89,6 +90,7 @@ from .dropin import (GPT2_SLOTS, GPT2_STACK, GPT_NEOX_STACK, BlockPlan, PatchedF
                      check_slots, gelu_of, has_modules, record_attention, refuse_patched, refuse_wrapped,
                      require_children, require_code, require_kernel_dtypes, require_layer_norm, slot_kernel,
                      suite_kernel)
+from .adapters import adapted, check_lora, linear_of, peft_base
 from .families import same_code
 from .kernel import Kernel, KernelError
 from .llama_ops import fused_lm_forward
@@ -105,6 +107,7 @@ def apply_to_gpt_neox(model: GPTNeoXForCausalLM | GPTNeoXModel, *, layer_norm: b
                       fused_linear_cross_entropy: bool = True,
                       kernels: dict[str, Kernel | str | Path] | None = None) -> GPTNeoXForCausalLM | GPTNeoXModel:
     """Patch ``model`` in place (see the module docstring) and return it."""
+    given_model, model = model, peft_base(model)  # a PeftModel: its transformers model is patched
     refuse_patched(getattr(model, "gpt_neox", model))
     if mlp and not layer_norm:
         raise KernelError("mlp=True runs post_attention_layernorm, the MLP and the residual add as one kernel "
@@ -123,7 +126,7 @@ def apply_to_gpt_neox(model: GPTNeoXForCausalLM | GPTNeoXModel, *, layer_norm: b
         model.forward = PatchedForward(model, _lm_forward)
     base.coda_flags = {"layer_norm": layer_norm, "mlp": mlp, "gelu": gelu,
                        "fused_linear_cross_entropy": fused_linear_cross_entropy}
-    return model
+    return given_model
 
 
 # --------------------------------------------------------------------------- which models
@@ -164,11 +167,15 @@ def gpt_neox_architecture(model: nn.Module, layer_norm: bool = True, keep_mlp: b
                        *(() if keep_mlp else (("mlp", "dense_h_to_4h"), ("mlp", "dense_4h_to_h"))))
         for part, proj in projections:
             m = getattr(getattr(layer, part), proj)
-            if type(m) is not nn.Linear:
+            # LoRA (adapters.py): the kernels read its base, the adapters run beside them, except in
+            # the MLP block kernel, which runs the MLP whole.
+            check_lora(m, f"layers.{i}.{part}.{proj}", "the MLP block kernel runs the whole MLP (mlp=True): "
+                       "pass mlp=False" if part == "mlp" else "")
+            if type(linear_of(m)) is not nn.Linear:
                 raise KernelError(f"layers.{i}.{part}.{proj} is {type(m).__name__}, not nn.Linear: the kernels read "
-                                  "its weight and bias, which would drop what the module adds (a LoRA adapter, a "
-                                  "quantized weight); merge adapters into the weights first (peft's "
-                                  "merge_and_unload) or patch the unwrapped bf16 model")
+                                  "its weight and bias, which would drop what the module adds (a quantized weight, "
+                                  "an adapter other than peft's LoRA); patch the unwrapped bf16 model, or merge "
+                                  "such adapters into the weights first")
         norms = (*(("input_layernorm",) if layer_norm else ()), *(() if keep_mlp else ("post_attention_layernorm",)))
         for norm in norms:
             require_layer_norm(getattr(layer, norm), f"layers.{i}.{norm}")
@@ -231,7 +238,8 @@ def _layer_forward(self: GPTNeoXLayer, hidden_states: torch.Tensor, attention_ma
     ln1, qkv_proj = self.input_layernorm, attn.query_key_value
     if plan.layer_norm:
         qkv = plan.ln_qkv(x, ln1.weight, ln1.bias, qkv_proj.weight, _bias(qkv_proj), eps=ln1.eps)["qkv"]
-    else:
+        qkv = adapted(qkv, qkv_proj, lambda: ln1(x))  # LoRA's term, on the projection's input
+    else:  # HF's LayerNorm and projection (peft's own LoRA forward, where it has one)
         qkv = qkv_proj(ln1(x))
     # HF's layout: per head, [q | k | v] of head_size columns each.
     q, k, v = qkv.view(b, t, -1, 3 * attn.head_size).transpose(1, 2).chunk(3, dim=-1)
@@ -249,9 +257,11 @@ def _layer_forward(self: GPTNeoXLayer, hidden_states: torch.Tensor, attention_ma
     record_attention(weights)
     out = out.reshape(b * t, dim)
     dense = attn.dense
+    # The residual the output projection's epilogue adds takes its LoRA term.
     if self.use_parallel_residual:  # x + attn(ln1(x)) + mlp(ln2(x)): the MLP's residual sum first
-        return plan.out_proj(out, _mlp(self, plan, x, b, t), dense.weight, _bias(dense))["h"].view(b, t, dim)
-    h1 = plan.out_proj(out, x, dense.weight, _bias(dense))["h"]
+        residual = adapted(_mlp(self, plan, x, b, t), dense, lambda: out)
+        return plan.out_proj(out, residual, dense.weight, _bias(dense))["h"].view(b, t, dim)
+    h1 = plan.out_proj(out, adapted(x, dense, lambda: out), dense.weight, _bias(dense))["h"]
     return _mlp(self, plan, h1, b, t).view(b, t, dim)
 
 

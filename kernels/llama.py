@@ -73,12 +73,18 @@ The re-layout happens once, here; the fused weights are new Parameters
 optimizer afterwards.  ``state_dict()`` still has exactly the HF keys and
 values (hooks split and un-permute on save; ``load_state_dict`` fuses HF
 weights back, into sharded parameters too; the parts' names stay as parameterless
-:class:`FusedPart` modules, as FSDP2's checkpointing needs), so checkpoints stay
+:class:`~.fused_weights.FusedPart` modules, as FSDP2's checkpointing needs), so checkpoints stay
 interchangeable with unpatched models
 (``save_pretrained`` writes HF's checkpoint; ``torch.save`` of the whole
 patched model loads back patched).
 The kernels are verified for bf16: the model is bf16, or keeps fp32 master weights and trains
 under bf16 autocast (``dropin.PatchedForward`` runs it as its bf16 copy).
+
+LoRA (``adapters.py``): patch the peft model (``apply_to_llama(get_peft_model(model, config))``).
+A projection under LoRA keeps its LoRA layer; its ``base_layer`` is what the fused weight takes
+(the state dict's ``q_proj.base_layer.weight``), and the adapters' terms are added to q, k and v
+(:func:`_qkv_adapters`) and to the output projection's residual.  Adapters on the MLP need
+``swiglu=False``, on the LM head ``fused_linear_cross_entropy=False``.
 """
 
 from __future__ import annotations
@@ -98,9 +104,11 @@ from transformers.utils import can_return_tuple
 
 from coda_agent.tasks import SUITE_DIR
 
-from .dropin import DTensor, PatchedForward, check_slots, record_attention, refuse_patched, slot_kernel, suite_kernel
+from .adapters import base_path, lora_delta, lora_of, peft_base, plus
+from .dropin import PatchedForward, check_slots, record_attention, refuse_patched, slot_kernel, suite_kernel
 from .families import (AttentionPlan, check_model, head_dim, llama_architecture, rotation_is_llamas,
                        tables_are_llamas)
+from .fused_weights import relayout
 from .kernel import Kernel, KernelError
 from .llama_ops import attention_input, causal_lm_loss
 
@@ -124,21 +132,11 @@ class LayerPlan:
     norm_offset: float = 0.0  # Gemma's RMSNorm scales by 1 + w
 
 
-class FusedWeight(nn.Module):
-    """One fused projection weight and its bias, if the parts have biases, kept under
-    ``<name>.weight`` and ``<name>.bias`` (the hooks give HF's keys back)."""
-
-    def __init__(self, weight: torch.Tensor, requires_grad: bool, bias: torch.Tensor | None = None,
-                 bias_requires_grad: bool = True):
-        super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=requires_grad)
-        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=bias_requires_grad)
-
-
 def apply_to_llama(model: LlamaForCausalLM | LlamaModel, *, rope: bool = True, rms_norm: bool = True,
                    swiglu: bool = True, fused_linear_cross_entropy: bool = True, fp8_mlp: bool = False,
                    kernels: dict[str, Kernel | str | Path] | None = None) -> LlamaForCausalLM | LlamaModel:
     """Patch ``model`` in place (see the module docstring) and return it."""
+    given_model, model = model, peft_base(model)  # a PeftModel: its transformers model is patched
     refuse_patched(getattr(model, "model", model))
     base, lm_kind, attentions, norm_offset = llama_architecture(model, keep_mlp=not swiglu)
     # RoPE rides in the QKV GEMM's epilogue only where nothing sits between the projection and
@@ -175,7 +173,7 @@ def apply_to_llama(model: LlamaForCausalLM | LlamaModel, *, rope: bool = True, r
         model.forward = PatchedForward(model, _causal_lm_forward)
     base.coda_flags = {"rope": rope, "rms_norm": rms_norm, "swiglu": swiglu,
                        "fused_linear_cross_entropy": fused_linear_cross_entropy, "fp8_mlp": fp8_mlp}
-    return model
+    return given_model
 
 
 # --------------------------------------------------------------------------- weights
@@ -214,119 +212,7 @@ def _interleave_rows(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.stack((g, u), dim=1).reshape(2 * g.shape[0], -1)
 
 
-def _relayout(module: nn.Module, fused: str, parts: tuple[str, ...], fuse: Any, split: Any) -> None:
-    """Replace ``module.<parts>`` (Linears) by one FusedWeight ``module.<fused>``, and hook the
-    state dict so that it keeps the parts' keys and values.  ``fuse`` and ``split`` map the
-    parts' rows to the fused rows and back; biases (all parts' or none) follow their rows."""
-    linears = [getattr(module, p) for p in parts]
-    weights, biases = [m.weight for m in linears], [m.bias for m in linears]
-    with_bias = biases[0] is not None
-    hooks = _FusedParts(fused, parts, fuse, split, with_bias)
-    for p in parts:  # first: the fused module may take a part's name (Phi-3's qkv_proj, gate_up_proj)
-        delattr(module, p)
-    with torch.no_grad():
-        bias = hooks.fuse_bias(*(b.detach() for b in biases)) if with_bias else None
-        setattr(module, fused, FusedWeight(fuse(*(w.detach() for w in weights)), weights[0].requires_grad, bias,
-                                           with_bias and biases[0].requires_grad))
-    module.register_state_dict_post_hook(_Hook(hooks.save))
-    module.register_load_state_dict_pre_hook(_Hook(hooks.load))
-    for i, p in enumerate(parts):
-        if p != fused:
-            setattr(module, p, FusedPart(module, hooks, i))
-
-
-class FusedPart(nn.Module):
-    """What stays under a fused part's name (``q_proj``, ``gate_proj``): no parameters of its own
-    (the fused projection holds them), a ``weight`` and ``bias`` that read this part's rows of it
-    (a detached copy, for reading).  The state dict's keys name the parts, and
-    ``torch.distributed.checkpoint`` walks each key to its module (``get_model_state_dict``, the
-    way FSDP2 training saves), so the names resolve.  Calling it is an error: the patched layer
-    runs the fused projection."""
-
-    def __init__(self, owner: nn.Module, hooks: "_FusedParts", index: int):
-        super().__init__()
-        # Not a child module (that would be a cycle): a plain reference, which copy and pickle keep.
-        object.__setattr__(self, "_part_of", (owner, hooks, index))
-
-    def _read(self, kind: str) -> torch.Tensor | None:
-        owner, hooks, index = self._part_of
-        value = getattr(getattr(owner, hooks.fused), kind)
-        if value is None:
-            return None
-        with torch.no_grad():
-            parts = hooks.split(value) if kind == "weight" else hooks.split_bias(value)
-        return parts[index].detach()
-
-    weight = property(lambda self: self._read("weight"))
-    bias = property(lambda self: self._read("bias"))
-
-    def forward(self, *args: Any) -> Any:
-        owner, hooks, _ = self._part_of
-        raise RuntimeError(f"{type(owner).__name__}: this projection is one part of the fused {hooks.fused!r} "
-                           "(coda_agent.apply_to_llama); the patched layer runs that, not the part")
-
-
-class _Hook:
-    """A bound method as a module hook: torch tags each hook with an attribute, which a bound
-    method does not take; pickle carries this object and its method alike."""
-
-    def __init__(self, fn: Any):
-        self.fn = fn
-
-    def __call__(self, *args: Any) -> Any:
-        return self.fn(*args)
-
-
-class _FusedParts:
-    """The state-dict hooks of one fused projection: ``save`` splits it into the parts' keys,
-    ``load`` fuses the parts' keys back.  An object whose ``fuse`` and ``split`` are module-level
-    functions (or partials of them), not closures, so that pickle (``torch.save(model)``) carries
-    the patched model as it carries the unpatched one."""
-
-    def __init__(self, fused: str, parts: tuple[str, ...], fuse: Any, split: Any, with_bias: bool):
-        self.fused, self.parts, self.fuse, self.split = fused, parts, fuse, split
-        self.kinds = ("weight", "bias") if with_bias else ("weight",)
-
-    def fuse_bias(self, *bs: torch.Tensor) -> torch.Tensor:
-        return self.fuse(*(b[:, None] for b in bs))[:, 0].contiguous()
-
-    def split_bias(self, b: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(t[:, 0] for t in self.split(b[:, None]))
-
-    def save(self, mod: nn.Module, state: dict, prefix: str, meta: Any) -> None:
-        for kind in self.kinds:
-            tensor = state.pop(f"{prefix}{self.fused}.{kind}").detach()
-            unfused = self.split(tensor) if kind == "weight" else self.split_bias(tensor)
-            for p, t in zip(self.parts, unfused):
-                # Contiguous, as a Linear's own tensors are: save_pretrained's check for shared
-                # storage reads each tensor's end through view(-1), which a strided row view fails.
-                state[f"{prefix}{p}.{kind}"] = t.contiguous()
-
-    def load(self, mod: nn.Module, state: dict, prefix: str, *args: Any) -> None:
-        for kind in self.kinds:
-            keys = [f"{prefix}{p}.{kind}" for p in self.parts]
-            if all(k in state for k in keys):
-                join = self.fuse if kind == "weight" else self.fuse_bias
-                fused = join(*(state.pop(k) for k in keys))
-                state[f"{prefix}{self.fused}.{kind}"] = _placed_like(fused, getattr(getattr(mod, self.fused), kind))
-
-
-def _placed_like(value: torch.Tensor, param: torch.Tensor | None) -> torch.Tensor:
-    """``value`` laid out as ``param`` is across ranks.  A sharded model (FSDP2, tensor parallel)
-    holds DTensor parameters, and loading copies into them only from DTensors: a checkpoint's
-    full parts (``set_model_state_dict(full_state_dict=True)``) fuse into a full tensor, which is
-    cut into the parameter's shards, and parts saved by a sharded model (replicated by the
-    split's row permutation) fuse into a DTensor, which is moved to the parameter's placement."""
-    if not isinstance(param, DTensor):
-        return value
-    from torch.distributed.tensor import distribute_tensor
-
-    if isinstance(value, DTensor):
-        return value.redistribute(param.device_mesh, param.placements)
-    return distribute_tensor(value.to(param.device), param.device_mesh, param.placements)
-
-
-# The fused projections' row maps (``_relayout``'s fuse and split), Phi-3's from its own fused
+# The fused projections' row maps (``relayout``'s fuse and split), Phi-3's from its own fused
 # layouts: [q; k; v] and [gate; up] in halves.
 def _fuse_hf_qkv(w: torch.Tensor, plan: LayerPlan) -> torch.Tensor:
     return _fuse_qkv(*_hf_qkv_rows(w, plan), plan)
@@ -357,17 +243,20 @@ def _rope_lanes(base: LlamaModel, plan: LayerPlan) -> torch.Tensor:
 
 def _patch_layer(layer: nn.Module, plan: LayerPlan, attention: AttentionPlan, freq: torch.Tensor | None) -> None:
     attn = layer.self_attn
+    # Under LoRA a projection's weight is its base layer's (adapters.py): that part is fused, and the
+    # LoRA layer stays, its adapters beside the kernel; Phi-3's fused weight takes the base's place.
     if attention.fused:  # Phi-3: one projection each, in HF's rows ([q; k; v], [gate; up])
-        _relayout(attn, "qkv_proj", ("qkv_proj",), partial(_fuse_hf_qkv, plan=plan), partial(_split_hf_qkv, plan=plan))
+        qkv = base_path(attn, "qkv_proj")
+        relayout(attn, qkv, (qkv,), partial(_fuse_hf_qkv, plan=plan), partial(_split_hf_qkv, plan=plan))
     else:
-        _relayout(attn, "qkv_proj", ("q_proj", "k_proj", "v_proj"), partial(_fuse_qkv, plan=plan),
-                  partial(_split_qkv, plan=plan))
+        relayout(attn, "qkv_proj", tuple(base_path(attn, p) for p in ("q_proj", "k_proj", "v_proj")),
+                  partial(_fuse_qkv, plan=plan), partial(_split_qkv, plan=plan))
     if freq is not None and attention.rotates:
         attn.register_buffer("coda_rope_freq", freq, persistent=False)
     if plan.swiglu and attention.fused:
-        _relayout(layer.mlp, "gate_up_proj", ("gate_up_proj",), _interleave_halves, _halves_from_interleaved)
+        relayout(layer.mlp, "gate_up_proj", ("gate_up_proj",), _interleave_halves, _halves_from_interleaved)
     elif plan.swiglu:
-        _relayout(layer.mlp, "gate_up_proj", ("gate_proj", "up_proj"), _interleave_rows, _split_interleaved)
+        relayout(layer.mlp, "gate_up_proj", ("gate_proj", "up_proj"), _interleave_rows, _split_interleaved)
     layer.coda_plan, layer.coda_attention = plan, attention
     layer.forward = PatchedForward(layer, _layer_forward)
 
@@ -398,6 +287,9 @@ def _layer_forward(self: nn.Module, hidden_states: torch.Tensor, attention_mask:
     qkv = attention_input(x, gamma if plan.rms_norm else None, attn.qkv_proj.weight,
                           attn.qkv_proj.bias, pos, attn.coda_rope_freq if rope else None, plan.eps)
     q, k, v = (part.view(b, t, -1, d).transpose(1, 2) for part in qkv.split([nq * d, nkv * d, nkv * d], dim=1))
+    adapted = _qkv_adapters(self, hidden_states if plan.rms_norm else x.view(b, t, dim), position_embeddings, rope)
+    if adapted is not None:  # LoRA's terms join q, k and v where the projections' outputs are
+        q, k, v = (plus(part, term) for part, term in zip((q, k, v), adapted))
     if extra.qk_norm:  # over each head's D columns, the last dimension either way
         q, k = attn.q_norm(q), attn.k_norm(k)
     if not plan.rope and extra.rotates:
@@ -418,7 +310,10 @@ def _layer_forward(self: nn.Module, hidden_states: torch.Tensor, attention_mask:
     if scale != 1.0:
         w_o, w_down = w_o * scale, None if w_down is None else w_down * scale
     residual = h if attn.o_proj.bias is None else h + attn.o_proj.bias * scale
-    h1 = plan.out_proj(out.reshape(b * t, nq * d), w_o, residual)["y"]
+    out = out.reshape(b * t, nq * d)
+    adapted = lora_delta(attn.o_proj, out)  # LoRA's term joins the residual the epilogue adds
+    residual = plus(residual, None if adapted is None else adapted * scale)
+    h1 = plan.out_proj(out, w_o, residual)["y"]
     if plan.swiglu:
         h2 = plan.mlp(h1, self.post_attention_layernorm.weight, self.mlp.gate_up_proj.weight, w_down,
                       eps=plan.eps)["y"]
@@ -426,6 +321,43 @@ def _layer_forward(self: nn.Module, hidden_states: torch.Tensor, attention_mask:
         h1 = h1.view(b, t, dim)
         h2 = h1 + self.mlp(self.post_attention_layernorm(h1)) * scale
     return h2.view(b, t, dim)
+
+
+def _qkv_adapters(self: nn.Module, hidden: torch.Tensor, position_embeddings: tuple | None,
+                  rope: bool) -> tuple[torch.Tensor | None, ...] | None:
+    """The LoRA terms of q, k and v (batch, heads, tokens, head_dim; None where a projection has
+    none) on the projections' input: ``hidden``, normalized here by HF's input norm where the
+    kernel folds it (``rms_norm``).  Where the kernel's epilogue rotates (``rope``), a term is
+    rotated as HF rotates (RoPE is linear: rotating the sum adds the rotated term) and laid out in
+    the kernel's pairs, as the fused rows are."""
+    attn, plan = self.self_attn, self.coda_plan
+    names = ("qkv_proj",) if self.coda_attention.fused else ("q_proj", "k_proj", "v_proj")
+    if not any(lora_of(getattr(attn, n)) is not None for n in names):
+        return None
+    b, t, _ = hidden.shape
+    x = self.input_layernorm(hidden) if plan.rms_norm else hidden
+    d, widths = plan.head_dim, (plan.heads * plan.head_dim, plan.kv_heads * plan.head_dim, plan.kv_heads * plan.head_dim)
+    deltas = [lora_delta(getattr(attn, n), x) for n in names]
+    if self.coda_attention.fused:
+        deltas = [None] * 3 if deltas[0] is None else list(deltas[0].split(widths, dim=-1))
+    if all(delta is None for delta in deltas):
+        return None
+    q, k, v = (None if delta is None else delta.view(b, t, -1, d).transpose(1, 2) for delta in deltas)
+    if rope and (q is not None or k is not None):
+        def given(part: torch.Tensor | None, heads: int) -> torch.Tensor:
+            return torch.zeros(b, heads, t, d, dtype=other.dtype, device=x.device) if part is None else part
+
+        other = q if q is not None else k
+
+        rq, rk = self.coda_attention.rotary(given(q, plan.heads), given(k, plan.kv_heads), *position_embeddings)
+        q, k = (None if part is None else pairs_of_halves(rotated) for part, rotated in ((q, rq), (k, rk)))
+    return q, k, v
+
+
+def pairs_of_halves(x: torch.Tensor) -> torch.Tensor:
+    """The last dimension (one head) from HF's rotate_half layout to the kernel's pairs
+    (:func:`pairs_from_halves` on activations)."""
+    return x.unflatten(-1, (2, x.shape[-1] // 2)).transpose(-1, -2).flatten(-2)
 
 
 @can_return_tuple

@@ -6,7 +6,7 @@ gathered checkpoint has HF's keys and loads into an unpatched model, and both a 
 fresh patched model exactly.  fp32 master weights train alike, gathered in bf16 by FSDP2's
 MixedPrecisionPolicy or in fp32 under bf16 autocast, and DistributedDataParallel trains it alike.
 LLaMA's fused projections rename their parts' keys, which ``torch.distributed.checkpoint`` walks
-to modules (``FusedPart``) and loads into sharded parameters (``_placed_like``)."""
+to modules (``FusedPart``) and loads into sharded parameters (``fused_weights.placed_like``)."""
 
 from __future__ import annotations
 

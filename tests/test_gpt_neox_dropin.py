@@ -282,7 +282,7 @@ def test_what_the_kernels_do_not_cover_gets_a_clear_error():
         setattr(getattr(lora.gpt_neox.layers[1], part), proj,
                 LoRALinear(old.in_features, old.out_features, dtype=torch.bfloat16))
         with pytest.raises(KernelError, match=rf"layers.1.{part}.{proj} is LoRALinear, not nn.Linear.*"
-                           "merge_and_unload"):
+                           "merge such adapters into the weights first"):
             coda_agent.apply_to_gpt_neox(lora)
     lora.gpt_neox.layers[1].mlp.dense_4h_to_h = old  # an adapter on query_key_value alone: HF's under layer_norm=False
     lora.gpt_neox.layers[1].attention.query_key_value = LoRALinear(128, 384, dtype=torch.bfloat16)

@@ -277,7 +277,8 @@ def test_a_model_that_is_not_llama_s_modules_is_refused_by_what_differs(family, 
 
 
 class AdapterLinear(torch.nn.Linear):
-    """A projection with an adapter beside its weight, the shape of peft's LoRA layers."""
+    """A projection with an adapter beside its weight that is not peft's LoRA (which runs beside the
+    kernels: test_lora.py)."""
 
     def __init__(self, linear: torch.nn.Linear):
         super().__init__(linear.in_features, linear.out_features, bias=linear.bias is not None)
@@ -291,7 +292,7 @@ def test_a_wrapped_projection_or_a_compiled_model_is_refused_with_the_fix():
     attn = model.model.layers[1].self_attn
     attn.v_proj = AdapterLinear(attn.v_proj).bfloat16()
     with pytest.raises(KernelError, match=r"layers.1.self_attn.v_proj is AdapterLinear, not nn.Linear: .* "
-                       "merge_and_unload"):
+                       "merge such adapters into the weights first"):
         coda_agent.apply_to_llama(model)
     with pytest.raises(KernelError, match=r"wrapped by torch.compile; patch the model itself first"):
         coda_agent.apply_to_llama(torch.compile(tiny_llama().bfloat16()))

@@ -119,6 +119,32 @@ def test_lora_on_the_gpt2_suite_s_drop_ins_trains_like_peft(family, targets, fla
     assert_like_peft(got, hi, lo)
 
 
+TARGETS = {"llama": ATTENTION, "gpt2": ["c_attn", "c_proj"], "gpt_neox": ["query_key_value", "dense"]}
+
+
+@pytest.mark.parametrize("family", MODELS)
+def test_a_lora_fine_tune_in_the_trainer_saves_an_adapter_peft_loads(tmp_path, family):
+    """LoRA supervised fine-tuning as it usually runs: the peft model in transformers' Trainer with
+    ``bf16=True`` (fp32 master weights, accelerate's autocast).  Patched, it trains the losses the
+    unpatched peft model trains, and its checkpoint is peft's adapter, which loads onto an
+    unpatched model with the weights it trained."""
+    pytest.importorskip("accelerate")
+    from test_trainer import fit
+
+    drop_in, targets = MODELS[family], TARGETS[family]
+    flags = {"mlp": False} if family == "gpt2" else {}  # GPT-2's c_proj names its MLP's too
+    base = drop_in.build()
+    _, want = fit(with_lora(copy.deepcopy(base), targets), str(tmp_path / "peft"), 3)
+    patched = drop_in.patch(with_lora(copy.deepcopy(base), targets), **flags)
+    _, got = fit(patched, str(tmp_path / "coda"), 3)
+    assert len(got) == len(want) == 3 and max(abs(a - b) for a, b in zip(got, want)) < 0.03, (got, want)
+    loaded = peft.PeftModel.from_pretrained(drop_in.build(seed=1), tmp_path / "coda" / "checkpoint-3")
+    trained = {k: v for k, v in patched.state_dict().items() if "lora_" in k}
+    assert trained and all(torch.equal(loaded.state_dict()[k], v) for k, v in trained.items())
+    assert any(not torch.equal(v, with_lora(copy.deepcopy(base), targets).state_dict()[k])
+               for k, v in trained.items())  # the adapter trained
+
+
 def test_mixed_precision_lora_trains_like_peft():
     """fp32 master weights under bf16 autocast, the adapters fp32 too."""
     base = tiny_llama()

@@ -175,6 +175,11 @@ def refuse_wrapped(model: Any, patch: str) -> None:
 # drop-in tells those models from others (and points to the drop-in that patches them).
 GPT2_STACK = ("wte", "wpe", "h", "ln_f")
 GPT_NEOX_STACK = ("embed_in", "layers", "final_layer_norm")
+LLAMA_STACK = ("embed_tokens", "layers", "norm", "rotary_emb")
+
+# What a refusal of a model no drop-in patches ends with: the way on.
+NO_DROP_IN = ("; train it unpatched, or write tasks for its blocks (README, \"Write your own task\") and run "
+              "the accepted kernels with coda_agent.kernels.load_kernel")
 
 
 def has_modules(model: Any, names: tuple[str, ...]) -> bool:
@@ -280,7 +285,7 @@ def require_code(module: Any, want: Any, what: str, family: str, model: str, pat
 
     if not isinstance(module, nn.Module) or not same_code(type(module).forward, want):
         raise KernelError(f"{type(module).__name__}.forward computes something other than {family}'s {what} "
-                          f"({model} is not {family}); {patch} would replace it with {family}'s")
+                          f"({model} is not {family}); {patch} would replace it with {family}'s{NO_DROP_IN}")
 
 
 def require_children(module: nn.Module, want: frozenset[str], where: str, family: str, part: str,
@@ -290,7 +295,7 @@ def require_children(module: nn.Module, want: frozenset[str], where: str, family
     if set(dict(module.named_children())) != want:
         extra = sorted(set(dict(module.named_children())) ^ want)
         raise KernelError(f"{where}: {type(module).__name__} differs from {family}'s {part} in {extra}: the "
-                          f"patched {unit} computes {family}'s, so this model would lose that part")
+                          f"patched {unit} computes {family}'s, so this model would lose that part{NO_DROP_IN}")
 
 
 def require_layer_norm(ln: Any, where: str) -> None:

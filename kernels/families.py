@@ -42,7 +42,8 @@ from transformers.models.seed_oss.modeling_seed_oss import SeedOssAttention, See
 from transformers.models.smollm3.modeling_smollm3 import SmolLM3Attention
 
 from .adapters import check_lora, linear_of
-from .dropin import GPT2_STACK, GPT_NEOX_STACK, has_modules, refuse_wrapped, require_kernel_dtypes
+from .dropin import (GPT2_STACK, GPT_NEOX_STACK, LLAMA_STACK, NO_DROP_IN, has_modules, refuse_wrapped,
+                     require_kernel_dtypes)
 from .kernel import KernelError
 
 STATIC_ROPE = ("default", "linear", "llama3")
@@ -223,10 +224,10 @@ def llama_architecture(model: nn.Module, keep_mlp: bool = False) -> tuple[nn.Mod
     base = model.model if causal_lm else model
 
     def stack(m: Any) -> bool:
-        return all(isinstance(getattr(m, a, None), nn.Module) for a in ("embed_tokens", "layers", "norm", "rotary_emb"))
+        return has_modules(m, LLAMA_STACK)
 
     if not stack(base):
-        hint = ""
+        hint = NO_DROP_IN
         inner = next((n for n, m in model.named_children() if stack(m)), None)
         if isinstance(getattr(model, "module", None), nn.Module):  # DataParallel, DistributedDataParallel
             hint = "; it wraps the model (model.module): patch the model itself first, then wrap it"
@@ -270,7 +271,7 @@ def llama_architecture(model: nn.Module, keep_mlp: bool = False) -> tuple[nn.Mod
                                   "instead")
             known = list(firsts.values())
             raise KernelError(f"{type(attn).__name__}.forward is not {', '.join(known[:-1])} or {known[-1]} "
-                              "attention; the patched layer would drop what it adds")
+                              f"attention; the patched layer would drop what it adds{NO_DROP_IN}")
         # Families that share an attention (LLaMA's, Granite's) differ in their decoder layer.
         kind = next((k for k in kinds if same_code(type(layer).forward, _FAMILIES[k].layer)), kinds[0])
         family = _FAMILIES[kind]
@@ -286,7 +287,8 @@ def llama_architecture(model: nn.Module, keep_mlp: bool = False) -> tuple[nn.Mod
                 extra = sorted(set(dict(module.named_children())) ^ want)
                 hint = "; pass swiglu=False to keep this model's own MLP" if part == "mlp" else ""
                 raise KernelError(f"{type(module).__name__} differs from {kind} {part} in {extra}: the patched "
-                                  f"layer computes that one's, so this model would lose that part{hint}")
+                                  f"layer computes that one's, so this model would lose that part"
+                                  f"{hint or NO_DROP_IN}")
 
         def whose(fn: Any) -> str:
             return "LLaMA's" if fn in (LlamaDecoderLayer.forward, LlamaMLP.forward) else kind

@@ -86,11 +86,11 @@ from transformers.models.gpt_neox.modeling_gpt_neox import (GPTNeoXAttention, GP
                                                             eager_attention_forward)
 from transformers.utils import can_return_tuple
 
-from .dropin import (GPT2_SLOTS, GPT2_STACK, GPT_NEOX_STACK, BlockPlan, PatchedForward, block_plan, check_lm_head,
-                     check_slots, gelu_of, has_modules, record_attention, refuse_patched, refuse_wrapped,
-                     require_children, require_code, require_kernel_dtypes, require_layer_norm, slot_kernel,
-                     suite_kernel)
 from .adapters import adapted, check_lora, linear_of, peft_base
+from .dropin import (GPT2_SLOTS, GPT2_STACK, GPT_NEOX_STACK, LLAMA_STACK, NO_DROP_IN, BlockPlan, PatchedForward,
+                     block_plan, check_lm_head, check_slots, gelu_of, has_modules, record_attention, refuse_patched,
+                     refuse_wrapped, require_children, require_code, require_kernel_dtypes, require_layer_norm,
+                     slot_kernel, suite_kernel)
 from .families import same_code
 from .kernel import Kernel, KernelError
 from .llama_ops import fused_lm_forward
@@ -143,12 +143,12 @@ def gpt_neox_architecture(model: nn.Module, layer_norm: bool = True, keep_mlp: b
     inner = None if has_modules(model, GPT_NEOX_STACK) else next(
         (n for n, m in model.named_children() if has_modules(m, GPT_NEOX_STACK)), "")
     if inner == "":
-        hint = ""
+        hint = NO_DROP_IN
         if isinstance(getattr(model, "module", None), nn.Module):  # DataParallel, DistributedDataParallel
             hint = "; it wraps the model (model.module): patch the model itself first, then wrap it"
         elif has_modules(getattr(model, "transformer", model), GPT2_STACK):
             hint = "; it is built like GPT-2: coda_agent.apply_to_gpt2(model) patches those"
-        elif hasattr(getattr(model, "model", model), "layers"):
+        elif has_modules(getattr(model, "model", model), LLAMA_STACK):
             hint = "; it is built like LLaMA: coda_agent.apply_to_llama(model) patches those"
         raise KernelError(f"apply_to_gpt_neox patches a transformers GPTNeoXForCausalLM or GPTNeoXModel (Pythia, "
                           f"GPT-NeoX-20B); got {name}{hint}")

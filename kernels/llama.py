@@ -336,7 +336,8 @@ def _qkv_adapters(self: nn.Module, hidden: torch.Tensor, position_embeddings: tu
         return None
     b, t, _ = hidden.shape
     x = self.input_layernorm(hidden) if plan.rms_norm else hidden
-    d, widths = plan.head_dim, (plan.heads * plan.head_dim, plan.kv_heads * plan.head_dim, plan.kv_heads * plan.head_dim)
+    d = plan.head_dim
+    widths = (plan.heads * d, plan.kv_heads * d, plan.kv_heads * d)
     deltas = [lora_delta(getattr(attn, n), x) for n in names]
     if self.coda_attention.fused:
         deltas = [None] * 3 if deltas[0] is None else list(deltas[0].split(widths, dim=-1))

@@ -276,6 +276,18 @@ def test_a_model_that_is_not_llama_s_modules_is_refused_by_what_differs(family, 
         coda_agent.apply_to_llama(model)
 
 
+@pytest.mark.parametrize(("family", "patch"), [("Phi", "apply_to_llama"), ("Phi", "apply_to_gpt2"),
+                                           ("Phi", "apply_to_gpt_neox"), ("Olmo2", "apply_to_llama"),
+                                           ("Cohere", "apply_to_llama")])
+def test_a_model_no_drop_in_patches_is_refused_with_the_way_on(family, patch):
+    """A model no drop-in patches (Phi-2's parallel block, OLMo-2's post-norms, Cohere's LayerNorms)
+    is refused by what differs, and the refusal says what to do instead."""
+    with pytest.raises(KernelError, match=r"; train it unpatched, or write tasks for its blocks \(README, \"Write "
+                                          r"your own task\"\) and run the accepted kernels with "
+                                          r"coda_agent.kernels.load_kernel$"):
+        getattr(coda_agent, patch)(tiny(family).bfloat16())
+
+
 class AdapterLinear(torch.nn.Linear):
     """A projection with an adapter beside its weight that is not peft's LoRA (which runs beside the
     kernels: test_lora.py)."""

@@ -287,9 +287,9 @@ def _layer_forward(self: nn.Module, hidden_states: torch.Tensor, attention_mask:
     qkv = attention_input(x, gamma if plan.rms_norm else None, attn.qkv_proj.weight,
                           attn.qkv_proj.bias, pos, attn.coda_rope_freq if rope else None, plan.eps)
     q, k, v = (part.view(b, t, -1, d).transpose(1, 2) for part in qkv.split([nq * d, nkv * d, nkv * d], dim=1))
-    adapted = _qkv_adapters(self, hidden_states if plan.rms_norm else x.view(b, t, dim), position_embeddings, rope)
-    if adapted is not None:  # LoRA's terms join q, k and v where the projections' outputs are
-        q, k, v = (plus(part, term) for part, term in zip((q, k, v), adapted))
+    terms = _qkv_adapters(self, hidden_states if plan.rms_norm else x.view(b, t, dim), position_embeddings, rope)
+    if terms is not None:  # LoRA's terms join q, k and v where the projections' outputs are
+        q, k, v = (plus(part, term) for part, term in zip((q, k, v), terms))
     if extra.qk_norm:  # over each head's D columns, the last dimension either way
         q, k = attn.q_norm(q), attn.k_norm(k)
     if not plan.rope and extra.rotates:
@@ -311,8 +311,8 @@ def _layer_forward(self: nn.Module, hidden_states: torch.Tensor, attention_mask:
         w_o, w_down = w_o * scale, None if w_down is None else w_down * scale
     residual = h if attn.o_proj.bias is None else h + attn.o_proj.bias * scale
     out = out.reshape(b * t, nq * d)
-    adapted = lora_delta(attn.o_proj, out)  # LoRA's term joins the residual the epilogue adds
-    residual = plus(residual, None if adapted is None else adapted * scale)
+    term = lora_delta(attn.o_proj, out)  # LoRA's term joins the residual the epilogue adds
+    residual = plus(residual, None if term is None else term * scale)
     h1 = plan.out_proj(out, w_o, residual)["y"]
     if plan.swiglu:
         h2 = plan.mlp(h1, self.post_attention_layernorm.weight, self.mlp.gate_up_proj.weight, w_down,

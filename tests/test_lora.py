@@ -157,6 +157,20 @@ def test_mixed_precision_lora_trains_like_peft():
     assert_like_peft(got, hi, lo)
 
 
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_gradient_checkpointing_of_a_lora_model_changes_nothing(reentrant):
+    """Gradient checkpointing, as LoRA fine-tunes run it (the reentrant kind needs inputs that
+    require grad: peft's ``enable_input_require_grads``), recomputes the kernels and the adapters'
+    terms to the same step, bit for bit."""
+    base = tiny_llama().bfloat16()
+    want = step(coda_agent.apply_to_llama(with_lora(copy.deepcopy(base), ATTENTION)))
+    model = coda_agent.apply_to_llama(with_lora(copy.deepcopy(base), ATTENTION))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    model.enable_input_require_grads()
+    got = step(model)
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
 def test_a_lora_model_compiles_whole():
     """torch.compile(fullgraph=True) traces the patched peft model, adapters included (AOTAutograd,
     no code generation): the same loss as eager, the adapters' gradients within bf16 rounding."""

@@ -19,6 +19,10 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).parent))
 from dropin_models import MODELS  # noqa: E402
 
+LORA_TARGETS = {"llama": ["q_proj", "k_proj", "v_proj", "o_proj"], "gpt2": ["c_attn"],
+                "gpt_neox": ["query_key_value", "dense"]}
+
+
 def build(family: str) -> tuple[torch.nn.Module, object]:
     """The family's tiny model in bf16, and its drop-in as FSDP2 takes it (GPT-2's weights row-major:
     FSDP2 shards contiguous parameters only)."""
@@ -29,7 +33,8 @@ def build(family: str) -> tuple[torch.nn.Module, object]:
 def shard(model: torch.nn.Module, **policy) -> torch.nn.Module:
     from torch.distributed.fsdp import fully_shard
 
-    base = getattr(model, model.base_model_prefix)
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft model's
+    base = getattr(inner, inner.base_model_prefix)
     for layer in getattr(base, "layers", None) or getattr(base, "h"):
         fully_shard(layer, **policy)
     return fully_shard(model, **policy)
@@ -103,6 +108,16 @@ def worker(rank: int, world: int, port: int, family: str, folder: str) -> None:
                                    "coda": train(shard(patch(copy.deepcopy(hf).float()), **policy), rank)}
     with torch.autocast("cpu", dtype=torch.bfloat16):
         found["fp32_autocast_losses"] = {"coda": train(shard(patch(copy.deepcopy(hf).float())), rank)}
+    # LoRA fine-tuning, sharded: the frozen base in the kernels, the adapters beside them.
+    import peft
+
+    def with_lora(model: torch.nn.Module) -> torch.nn.Module:
+        torch.manual_seed(3)  # the same random adapters for both
+        return peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS[family],
+                                                          init_lora_weights=False))
+
+    found["lora_losses"] = {"hf": train(shard(with_lora(copy.deepcopy(hf))), rank),
+                            "coda": train(shard(patch(with_lora(copy.deepcopy(hf)))), rank)}
     if rank == 0:
         print(json.dumps({"family": family, **found}), flush=True)
     dist.destroy_process_group()

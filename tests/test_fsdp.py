@@ -4,7 +4,8 @@ patched model against the same model unpatched and sharded alike.  It trains the
 gathered checkpoint has HF's keys and loads into an unpatched model, and both a full checkpoint
 (``set_model_state_dict``) and a sharded one (``torch.distributed.checkpoint``) load back into a
 fresh patched model exactly.  fp32 master weights train alike, gathered in bf16 by FSDP2's
-MixedPrecisionPolicy or in fp32 under bf16 autocast, and DistributedDataParallel trains it alike.
+MixedPrecisionPolicy or in fp32 under bf16 autocast, DistributedDataParallel trains it alike, and
+so does a LoRA fine-tune of it (peft's adapters sharded with their layers).
 LLaMA's fused projections rename their parts' keys, which ``torch.distributed.checkpoint`` walks
 to modules (``FusedPart``) and loads into sharded parameters (``fused_weights.placed_like``)."""
 
@@ -20,6 +21,7 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
+pytest.importorskip("peft")  # the worker fine-tunes a LoRA model too
 if not torch.distributed.is_available():
     pytest.skip("torch.distributed is not built in", allow_module_level=True)
 
@@ -44,6 +46,8 @@ def test_a_patched_model_trains_and_checkpoints_under_fsdp2_and_ddp(family):
                 found["fp32_autocast_losses"]["coda"]):
         assert run[-1] < run[0] - 1.0  # it trains
         assert max(abs(a - b) for a, b in zip(hf, run)) < 0.05, found  # as HF's bf16 model does, to bf16 noise
+    lora = found["lora_losses"]  # a LoRA fine-tune, sharded
+    assert lora["coda"][-1] < lora["coda"][0] and max(abs(a - b) for a, b in zip(lora["hf"], lora["coda"])) < 0.05
     for check in ("keys_as_hfs", "all_full", "loads_unpatched", "full_roundtrip", "dcp_roundtrip",
                   "trains_after_resume"):
         assert found[check] is True, (check, found)

@@ -308,3 +308,23 @@ def test_gemm_energy_dry_run_times_cublas_and_every_tile_of_the_pool(tmp_path):
     bad = subprocess.run([sys.executable, script, str(out), "--dry-run", "--shapes", "gate_up,qkvo"],
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "unknown shapes ['qkvo']" in bad.stderr
+
+
+def test_dropin_coverage_patches_or_refuses_each_model_it_builds(tmp_path):
+    """bench/dropin_coverage.py on real transformers models: each drop-in patches its own family
+    (to HF's loss; Gemma with the flag its first refusal names) and refuses the others with a
+    KernelError; an unknown model type is refused."""
+    pytest.importorskip("transformers")
+    coverage = _bench_module("dropin_coverage")
+    out = tmp_path / "coverage.json"
+    assert coverage.main([str(out), "--models", "llama,gpt_neox,phi,gemma"]) == 0
+    report = json.loads(out.read_text())
+    assert report["summary"]["patched"] == ["gemma:apply_to_llama(swiglu=False)",  # the flag its refusal named
+                                            "gpt_neox:apply_to_gpt_neox", "llama:apply_to_llama"]
+    assert report["summary"]["error"] == []
+    rows = {r["model_type"]: r for r in report["rows"]}
+    llama = rows["llama"]["apply_to_llama"]
+    assert abs(llama["loss"] - llama["hf_loss"]) < 0.02 * llama["hf_loss"]
+    assert "train it unpatched" in rows["phi"]["apply_to_llama"]["message"]
+    with pytest.raises(SystemExit):
+        coverage.main([str(out), "--models", "no_such_model"])

@@ -1,0 +1,147 @@
+"""Which transformers causal LMs the drop-ins patch, and how the others are refused.
+
+Each model type transformers maps to a causal LM (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``) is
+built on the CPU from its default config, shrunk to a few layers of small widths, in bf16; each
+drop-in (``apply_to_llama``, ``apply_to_gpt2``, ``apply_to_gpt_neox``) then patches a copy, and
+where a refusal names a flag that keeps a part HF's (``pass swiglu=False``), tries again with it,
+as a user would.  A patched model trains one step (the reference lowering) and its loss is set
+beside the unpatched model's, with the flags it took; a refusal is kept with its message.  The contract this checks: a drop-in either patches
+a model, which then computes HF's loss, or refuses it with a ``KernelError`` that says what to do;
+any other exception is a bug (``"error"`` rows).  A config that does not build at the small
+widths (its own constraints between sizes) is listed as ``unbuilt``, not judged::
+
+    python3 bench/dropin_coverage.py OUT.json [--models llama,phi,...] [--build-s 60]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import re
+import signal
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DROP_INS = ("apply_to_llama", "apply_to_gpt2", "apply_to_gpt_neox")
+# The small widths, under every name configs give them (GPT-2's n_embd, T5-style d_model, ...).
+SMALL = dict(hidden_size=64, n_embd=64, d_model=64, num_hidden_layers=2, n_layer=2, num_layers=2, n_layers=2,
+             num_attention_heads=4, n_head=4, num_heads=4, num_key_value_heads=2, intermediate_size=128, n_inner=128,
+             ffn_dim=128, vocab_size=256, head_dim=16, max_position_embeddings=128, n_positions=128,
+             moe_intermediate_size=64, num_experts=4, num_local_experts=4, n_routed_experts=4,
+             shared_expert_intermediate_size=64)
+MAX_PARAMS = 30e6  # a config whose size the small widths do not reach (vision towers, ...) is skipped
+
+
+class _Timeout(Exception):
+    pass
+
+
+def _alarm(*_: Any) -> None:
+    raise _Timeout
+
+
+def build(model_type: str, class_name: str) -> torch.nn.Module:
+    import transformers
+
+    cls = getattr(transformers, class_name)
+    config = cls.config_class()
+    for name, value in SMALL.items():
+        if hasattr(config, name):
+            try:
+                setattr(config, name, value)
+            except (AttributeError, TypeError, ValueError):  # a derived attribute of this config
+                pass
+    torch.manual_seed(0)
+    return cls(config)
+
+
+def patch_and_train(model: torch.nn.Module, drop_in: str) -> dict[str, Any]:
+    """One drop-in on a copy of ``model``: its loss beside HF's, or the refusal."""
+    import coda_agent
+    from coda_agent.kernels import KernelError
+
+    flags: dict[str, bool] = {}
+    while True:
+        patched = copy.deepcopy(model)
+        try:
+            getattr(coda_agent, drop_in)(patched, **flags)
+            break
+        except KernelError as e:
+            flag = re.search(r"pass (\w+)=False", str(e))
+            if flag is None or flag[1] in flags:
+                return {"result": "refused", "message": str(e), "flags": flags}
+            flags[flag[1]] = False
+        except Exception as e:  # the contract's breach: reported, not raised, so the sweep goes on
+            return {"result": "error", "message": f"{type(e).__name__}: {e}", "flags": flags}
+    ids = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(1))
+    try:
+        patched.train()
+        loss = patched(input_ids=ids, labels=ids).loss
+        loss.backward()
+        reference = copy.deepcopy(model).train()
+        want = reference(input_ids=ids, labels=ids).loss
+    except Exception as e:
+        return {"result": "error", "message": f"patched, then {type(e).__name__}: {e}", "flags": flags}
+    return {"result": "patched", "flags": flags, "loss": loss.item(), "hf_loss": want.item()}
+
+
+def _flags(flags: dict[str, bool]) -> str:
+    return f"({', '.join(f'{k}={v}' for k, v in flags.items())})" if flags else ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--models", default="", help="model types (transformers' keys), comma-separated; all by default")
+    parser.add_argument("--build-s", type=int, default=30, help="seconds a model may take to build")
+    args = parser.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as causal_lms
+
+    wanted = [m for m in args.models.split(",") if m]
+    unknown = sorted(set(wanted) - set(causal_lms))
+    if unknown:
+        parser.error(f"not causal LM model types of this transformers: {unknown}")
+    signal.signal(signal.SIGALRM, _alarm)
+    rows = []
+    for model_type, class_name in sorted(causal_lms.items()):
+        if wanted and model_type not in wanted:
+            continue
+        row: dict[str, Any] = {"model_type": model_type, "class": class_name}
+        signal.alarm(args.build_s)
+        try:
+            model = build(model_type, class_name)
+        except _Timeout:
+            row["unbuilt"] = f"took over {args.build_s} s"
+        except Exception as e:
+            row["unbuilt"] = f"{type(e).__name__}: {str(e)[:200]}"
+        finally:
+            signal.alarm(0)
+        if "unbuilt" not in row:
+            params = sum(p.numel() for p in model.parameters())
+            if params > MAX_PARAMS:
+                row["unbuilt"] = f"{params / 1e6:.0f}M parameters at the small widths"
+            else:
+                row["params"] = params
+                model = model.bfloat16()
+                row.update({drop_in: patch_and_train(model, drop_in) for drop_in in DROP_INS})
+        rows.append(row)
+        print(json.dumps({k: (v["result"] if isinstance(v, dict) else v) for k, v in row.items()}), flush=True)
+    judged = [r for r in rows if "unbuilt" not in r]
+    summary = {"models": len(rows), "built": len(judged),
+               **{kind: sorted(f"{r['model_type']}:{d}{_flags(r[d]['flags'])}" for r in judged for d in DROP_INS
+                               if r[d]["result"] == kind)
+                  for kind in ("patched", "error")}}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"summary": summary, "rows": rows}, indent=1))
+    print(json.dumps(summary))
+    return 1 if summary["error"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

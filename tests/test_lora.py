@@ -1,6 +1,6 @@
-"""LoRA fine-tuning of a patched model: peft's adapters on the projections ``apply_to_llama`` fuses
-(``kernels/adapters.py``), on real peft and transformers models (tiny configs, CPU, the reference
-lowering; one case on the GPU).
+"""LoRA fine-tuning of a patched model: peft's adapters on the projections the drop-ins run in
+their kernels (``kernels/adapters.py``), on real peft and transformers models (tiny configs, CPU,
+the reference lowering; a GPU case per drop-in), in the Trainer too (FSDP2: ``test_fsdp.py``).
 
 Truth is the unpatched peft model in fp32, HF's bf16 peft model the noise floor, as in
 ``test_llama.py``: the loss and the logits within its bar.  An adapter's gradient is a product

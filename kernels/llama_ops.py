@@ -148,18 +148,21 @@ class AttentionInput(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dqkv: torch.Tensor) -> tuple:
         h, gamma, w, bias, pos, freq, rstd, qkv = ctx.saved_tensors
+        # A frozen weight (LoRA's base, a frozen layer) gets no gradient: its GEMM, a third of the
+        # projection's backward, is skipped.
+        frozen = not ctx.needs_input_grad[2]
         dqkv = dqkv.contiguous()
         d = dqkv if pos is None else tile_pass(rope_inverse, du=dqkv, pos=pos, freq=freq[0::2].contiguous())["D"]
         if gamma is None:
             dbias = None if bias is None else d.sum(0, dtype=torch.float32).to(bias.dtype)
-            return gemm(d, w)["D"], None, gemm(d.t(), h)["D"], dbias, None, None, None
+            return gemm(d, w)["D"], None, None if frozen else gemm(d.t(), h)["D"], dbias, None, None, None
         if bias is None:
             s, dbias = tile_pass(row_dot, du=dqkv, u=qkv)["s"], None
         else:
             stats = tile_pass(row_dot_bias, du=dqkv, u=qkv, d=d, bias=bias)
             s, dbias = stats["s"], stats["dbias"].to(bias.dtype)
         dx = gemm(d, w, rmsnorm_dx, rstd=rstd, s=s, gamma=gamma, h=h, inv_dim=1.0 / h.shape[1])
-        dw = gemm(d.t(), dx["xn"])["D"]
+        dw = None if frozen else gemm(d.t(), dx["xn"])["D"]
         return dx["D"], dx["dgamma"], dw, dbias, None, None, None
 
 

@@ -157,6 +157,21 @@ def test_mixed_precision_lora_trains_like_peft():
     assert_like_peft(got, hi, lo)
 
 
+def test_the_frozen_base_s_qkv_weight_gradient_is_not_computed():
+    """LoRA freezes the base: the fused QKV's backward skips its weight-gradient GEMM (one plain
+    GEMM a layer fewer than the same model fully trained)."""
+    base = tiny_llama().bfloat16()
+    ids, labels = batch()
+    counts = []
+    for model in (coda_agent.apply_to_llama(copy.deepcopy(base)),
+                  coda_agent.apply_to_llama(with_lora(copy.deepcopy(base), ATTENTION))):
+        loss = model(input_ids=ids, labels=labels).loss
+        with launch_ledger() as launched:
+            loss.backward()
+        counts.append(sum(launch.name == "plain" for launch in launched))
+    assert counts[1] == counts[0] - base.config.num_hidden_layers
+
+
 @pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
 def test_gradient_checkpointing_of_a_lora_model_changes_nothing(reentrant):
     """Gradient checkpointing, as LoRA fine-tunes run it (the reentrant kind needs inputs that

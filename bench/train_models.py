@@ -49,11 +49,13 @@ class Family:
     """How a family's configs become a model: ``build`` (``(widths, seq)``: the config's fields but
     family, batch and seq, and the sequence length; returns the causal LM on the CPU in fp32),
     ``patch`` (CODA's drop-in on that model: ``(model, fp8_mlp, kernels)``), ``tiny`` (the config
-    the dry run trains instead of any of the family's), and ``refused``: the contenders that do not
-    run on the family, with the reason."""
+    the dry run trains instead of any of the family's), ``refused``: the contenders that do not
+    run on the family, with the reason, and ``lora_targets``: the projections a LoRA fine-tune
+    (``train_step --lora``) adapts, the attention's (the MLP block kernel runs its MLP whole)."""
     build: Callable[[dict[str, Any], int], Any]
     patch: Callable[[Any, bool, dict[str, Any] | None], None]
     tiny: str
+    lora_targets: tuple[str, ...]
     refused: dict[str, str] = field(default_factory=dict)
 
 
@@ -137,14 +139,15 @@ _NO_LIGER = ("Liger has no GPT-NeoX patch (its apply_liger_kernel_to_* patch RMS
 _LIGER = ("Liger has no GPT-2 patch (its apply_liger_kernel_to_* patch RMSNorm, RoPE and SwiGLU models; GPT-2 "
           "has LayerNorm, learned positions and a GELU MLP): the row would time HF's GPT-2, the {} row again")
 FAMILIES: dict[str, Family] = {
-    "llama": Family(_llama, _patch_llama, tiny="tiny"),
-    "gpt2": Family(_gpt2, _patch_gpt2, tiny="gpt2-tiny", refused={
+    "llama": Family(_llama, _patch_llama, tiny="tiny", lora_targets=("q_proj", "k_proj", "v_proj", "o_proj")),
+    "gpt2": Family(_gpt2, _patch_gpt2, tiny="gpt2-tiny", lora_targets=("c_attn",), refused={
         "liger": _LIGER.format("eager"),
         "compile_liger": _LIGER.format("compile"),
         "coda_fp8": "apply_to_gpt2 has no fp8 MLP (fp8_mlp is apply_to_llama's)",
         "compile_torchao_fp8": "torchao's float8 training converts nn.Linear modules and GPT-2's projections are "
                                "Conv1D: it would convert none and time the bf16 step under an fp8 name"}),
-    "gpt_neox": Family(_gpt_neox, _patch_gpt_neox, tiny="pythia-tiny", refused={
+    "gpt_neox": Family(_gpt_neox, _patch_gpt_neox, tiny="pythia-tiny", lora_targets=("query_key_value", "dense"),
+                       refused={
         "liger": _NO_LIGER.format("eager"),
         "compile_liger": _NO_LIGER.format("compile"),
         "coda_fp8": "apply_to_gpt_neox has no fp8 MLP (fp8_mlp is apply_to_llama's)",

@@ -20,6 +20,9 @@ mode (inductor's cudagraph trees: each compiled graph, forward and backward, rep
 graph), the configuration a user picks when the host's launches show in a step; each row then
 records how many graphs inductor could not capture (``cudagraph_skips``).  Every row records
 ``host_ms``, the host's time to issue a step, beside the step's device time.
+``--master-weights fp32`` trains fp32 parameters under bf16 autocast (HF Trainer's ``bf16=True``);
+``--lora RANK`` makes the step a LoRA fine-tune (peft, the attention projections adapted, the base
+frozen) for eager, compile and CODA.
 
 Configs (``train_models.CONFIGS``, where the sizes are argued): ``1b`` (LLaMA-3.2-1B
 widths, 4 layers) and ``8b`` (LLaMA-3-8B widths, 2 layers), 4 x 4096 tokens a step;
@@ -149,9 +152,21 @@ def xent_variant(mib: int) -> Any:
                               (SUITE_DIR / "lm_head_xent.yaml").read_text(), origin=f"lm_head_xent@{mib}MiB")
 
 
+LORA_CONTENDERS = ("eager", "compile", "coda", "coda_eager")
+
+
+def with_lora(model: Any, config: str, rank: int) -> Any:
+    """``model`` as a LoRA fine-tune of rank ``rank`` (peft) on its family's attention projections:
+    the base frozen, the adapters trained (alpha = 2 * rank, no dropout)."""
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
+                                            target_modules=list(family_of(config).lora_targets)))
+
+
 def measure(config: str, contender: str, steps: int, warmup: int, device: str, tune: float | None = None,
             xent_mib: int = 0, tune_pool: str = "default", compile_mode: str = "default",
-            master_weights: str = "bf16") -> dict[str, Any]:
+            master_weights: str = "bf16", lora: int = 0) -> dict[str, Any]:
     """ms/step, tokens/s, peak memory and the profiled split of one contender at one config.
     ``tune``: a CODA contender's first step tunes each GEMM the tuning cache does not hold
     (``autotune``), backward included; 0 times the candidates in single calls, more each back to
@@ -159,9 +174,14 @@ def measure(config: str, contender: str, steps: int, warmup: int, device: str, t
     ``host_ms`` is the median time the host spends issuing a timed step: a step whose host time
     reaches its device time is bound by the host, and faster kernels do not shorten it.
     ``master_weights="fp32"``: the model and AdamW's state in fp32, every step inside
-    ``torch.autocast(dtype=torch.bfloat16)`` (mixed precision, as HF's Trainer runs ``bf16=True``)."""
+    ``torch.autocast(dtype=torch.bfloat16)`` (mixed precision, as HF's Trainer runs ``bf16=True``).
+    ``lora``: a LoRA fine-tune of that rank (:func:`with_lora`) instead of full training."""
     amp = master_weights == "fp32"
     model, batch, seq = build(config, device, torch.float32 if amp else torch.bfloat16)
+    if lora:
+        if contender not in LORA_CONTENDERS:
+            raise SystemExit(f"--lora runs {', '.join(LORA_CONTENDERS)}; not {contender}")
+        model = with_lora(model, config, lora)
     model = prepare(model, config, contender, device, xent_mib, compile_mode)
     graphs = compile_mode == "reduce-overhead" and device == "cuda" and contender in COMPILED
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
@@ -191,7 +211,8 @@ def measure(config: str, contender: str, steps: int, warmup: int, device: str, t
         step()
         sync()
     row: dict[str, Any] = {"config": config, "contender": contender, "tokens": batch * seq,
-                           "master_weights": master_weights, "first_step_s": round(time.time() - t0, 1)}
+                           "master_weights": master_weights, "lora_rank": lora or None,
+                           "first_step_s": round(time.time() - t0, 1)}
     if tuned is not None:
         row["tuned"] = [{**{k: t[k] for k in ("epilogue", "MNK", "best", "regime")}, "pool": tune_pool,
                          "times_ms": {c: round(ms, 4) for c, ms in t["times_ms"].items()}} for t in tuned]
@@ -266,7 +287,7 @@ def child(args: argparse.Namespace, device: str, name: str) -> None:
         os.environ["CODA_CACHE_DIR"] = str(out / "cache")
     with plain_gemms(args.plain_gemms):
         row = measure(family_of(config).tiny if args.dry_run else config, contender, args.steps, args.warmup, device, tune,
-                      args.xent_mib, args.tune_pool, args.compile_mode, args.master_weights)
+                      args.xent_mib, args.tune_pool, args.compile_mode, args.master_weights, args.lora)
     if contender.startswith("coda"):
         row.update({"xent_mib": args.xent_mib or None, "plain_gemms": args.plain_gemms})
     row["config"] = config
@@ -307,6 +328,10 @@ def drive(args: argparse.Namespace, device: str) -> int:
     # What a config's family cannot run is said, not silently dropped (PLAN never lists it).
     refused = [{"run": f"{c}:{k}", "why": why} for c in MEASURED if c in configs for k in CONTENDERS
                if k in wanted and (why := refusal(c, k))]
+    if args.lora:  # a fine-tune of the attention's adapters: the contenders that patch nothing else
+        refused += [{"run": f"{c}:{k}", "why": f"--lora runs {', '.join(LORA_CONTENDERS)}"} for c, k in plan
+                    if k not in (*LORA_CONTENDERS, "curve")]
+        plan = [(c, k) for c, k in plan if k in (*LORA_CONTENDERS, "curve")]
     if device != "cuda":
         plan = [(c, k) for c, k in plan if not any(lib in k for lib in CUDA_ONLY)]
     results: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "device": device, "budget_s": args.budget_s,
@@ -378,6 +403,9 @@ def main() -> int:
                     help="torch.compile's mode for the compiled rows (reduce-overhead: CUDA graphs)")
     ap.add_argument("--master-weights", choices=("bf16", "fp32"), default="bf16",
                     help="fp32: every contender keeps fp32 weights and steps under bf16 autocast (mixed precision)")
+    ap.add_argument("--lora", type=int, default=0, metavar="RANK",
+                    help=f"a LoRA fine-tune (peft) of that rank on the attention projections, not full training "
+                         f"({', '.join(LORA_CONTENDERS)})")
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny config, reference lowering: the plumbing")
     ap.add_argument("--plot", metavar="DIR", help="draw DIR/loss_curve.json to DIR/loss_curve.png and exit")
     args = ap.parse_args()

@@ -93,7 +93,10 @@ def lora_delta(m: Any, x: torch.Tensor) -> torch.Tensor | None:
         if name not in lora.lora_A:
             continue
         a, b = lora.lora_A[name], lora.lora_B[name]
-        xa = lora._cast_input_dtype(x, a.weight.dtype)
+        # peft casts the input to the adapter's dtype (where its cast_input_dtype_enabled says so;
+        # releases before that flag always cast)
+        cast = getattr(lora, "_cast_input_dtype", None)
+        xa = cast(x, a.weight.dtype) if cast is not None else x.to(a.weight.dtype)
         term = b(a(lora.lora_dropout[name](xa))) * lora.scaling[name]
         total = term if total is None else total + term
     return total

@@ -42,8 +42,8 @@ from transformers.models.seed_oss.modeling_seed_oss import SeedOssAttention, See
 from transformers.models.smollm3.modeling_smollm3 import SmolLM3Attention
 
 from .adapters import check_lora, linear_of
-from .dropin import (GPT2_STACK, GPT_NEOX_STACK, LLAMA_STACK, NO_DROP_IN, has_modules, refuse_wrapped,
-                     require_kernel_dtypes)
+from .dropin import (GPT2_STACK, GPT_NEOX_STACK, LLAMA_STACK, NO_DROP_IN, check_lm_head, has_modules,
+                     refuse_wrapped, require_kernel_dtypes)
 from .kernel import KernelError
 
 STATIC_ROPE = ("default", "linear", "llama3")
@@ -367,8 +367,8 @@ def check_model(model: nn.Module, base: nn.Module, cfg: Any, rope: bool, swiglu:
     """Refuse, naming the fix, what a model of a known family may hold that the kernels chosen by
     the flags do not take: other dtypes, residual dropout, MLP biases, biases on some of q/k/v
     only, parts of one fused weight frozen apart, an activation other than SwiGLU's, RoPE beyond a
-    static frequency table, an LM head that is more than its weight (``xent``: the fused LM head
-    and loss runs)."""
+    static frequency table, an LM head that is more than its weight or whose vocabulary the fused
+    LM head's logits chunk cannot lay out (``xent``: the fused LM head and loss runs)."""
     require_kernel_dtypes(model, "apply_to_llama")
     for i, layer in enumerate(base.layers):
         for part in ("self_attn", "mlp") if swiglu else ("self_attn",):  # swiglu=False: the MLP stays HF's
@@ -426,13 +426,8 @@ def check_model(model: nn.Module, base: nn.Module, cfg: Any, rope: bool, swiglu:
                         f"({grads}); apply_to_llama fuses them into one parameter, which trains or freezes as a "
                         f"whole: freeze or unfreeze them together before apply_to_llama{hint}")
     head = getattr(model, "lm_head", None) if xent else None
-    check_lora(head, "lm_head", "the fused LM head and loss (lm_head_xent) reads its weight alone: pass "
-               "fused_linear_cross_entropy=False")
-    if head is not None and (type(head) is not nn.Linear or head.bias is not None):
-        what = f"is {type(head).__name__}, not nn.Linear" if type(head) is not nn.Linear else "has a bias"
-        raise KernelError(f"lm_head {what}: the fused LM head and loss (lm_head_xent) reads lm_head.weight alone, "
-                          "so it would drop what the head adds; pass fused_linear_cross_entropy=False to keep HF's "
-                          "LM head and loss")
+    if head is not None:  # the fused LM head and loss takes what every drop-in's takes
+        check_lm_head(head)
     if swiglu and cfg.hidden_act not in ("silu", "swish"):
         raise KernelError(f"hidden_act {cfg.hidden_act!r}: the MLP kernel is SwiGLU (silu); pass swiglu=False to "
                           "keep HF's MLP")

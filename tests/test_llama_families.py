@@ -313,9 +313,10 @@ def test_a_wrapped_projection_or_a_compiled_model_is_refused_with_the_fix():
 
 def test_what_fusing_or_the_fused_head_would_change_is_refused_with_the_fix():
     """Parts of one fused weight frozen apart (the fused Parameter has one requires_grad, so k and
-    v would freeze with q, or a frozen q train with k and v) and an LM head with a bias (the fused
-    loss reads its weight alone) are refused; a classification head or a DataParallel wrapper is
-    pointed at what to patch."""
+    v would freeze with q, or a frozen q train with k and v), an LM head with a bias (the fused
+    loss reads its weight alone) and a vocabulary the fused loss's logits rows cannot hold (a
+    multiple of 8, as every drop-in's) are refused at patch time, not at the first step; a
+    classification head or a DataParallel wrapper is pointed at what to patch."""
     import transformers
 
     model = tiny_llama().bfloat16()
@@ -333,6 +334,10 @@ def test_what_fusing_or_the_fused_head_would_change_is_refused_with_the_fix():
     with pytest.raises(KernelError, match=r"lm_head has a bias: .* pass fused_linear_cross_entropy=False"):
         coda_agent.apply_to_llama(model)
     coda_agent.apply_to_llama(model, fused_linear_cross_entropy=False)
+    with pytest.raises(KernelError, match=r"the vocabulary has 509 tokens, not a multiple of 8: .* pass "
+                                          r"fused_linear_cross_entropy=False"):
+        coda_agent.apply_to_llama(tiny_llama(vocab_size=509).bfloat16())
+    coda_agent.apply_to_llama(tiny_llama(vocab_size=509).bfloat16(), fused_linear_cross_entropy=False)
     torch.manual_seed(0)
     classifier = transformers.LlamaForSequenceClassification(transformers.LlamaConfig(**CONFIG)).bfloat16()
     with pytest.raises(KernelError, match=r"got LlamaForSequenceClassification; .* apply_to_llama\(model.model\)"):

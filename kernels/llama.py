@@ -344,13 +344,11 @@ def _qkv_adapters(self: nn.Module, hidden: torch.Tensor, position_embeddings: tu
     if all(delta is None for delta in deltas):
         return None
     q, k, v = (None if delta is None else delta.view(b, t, -1, d).transpose(1, 2) for delta in deltas)
-    if rope and (q is not None or k is not None):
-        def given(part: torch.Tensor | None, heads: int) -> torch.Tensor:
-            return torch.zeros(b, heads, t, d, dtype=other.dtype, device=x.device) if part is None else part
-
-        other = q if q is not None else k
-
-        rq, rk = self.coda_attention.rotary(given(q, plan.heads), given(k, plan.kv_heads), *position_embeddings)
+    if rope and (q is not None or k is not None):  # HF's rotation takes both: a missing one as zeros
+        like = q if q is not None else k
+        rq, rk = self.coda_attention.rotary(like.new_zeros(b, plan.heads, t, d) if q is None else q,
+                                            like.new_zeros(b, plan.kv_heads, t, d) if k is None else k,
+                                            *position_embeddings)
         q, k = (None if part is None else pairs_of_halves(rotated) for part, rotated in ((q, rq), (k, rk)))
     return q, k, v
 

@@ -50,7 +50,8 @@ def _alarm(*_: Any) -> None:
     raise _Timeout
 
 
-def build(model_type: str, class_name: str) -> torch.nn.Module:
+def build(class_name: str) -> torch.nn.Module:
+    """transformers' ``class_name`` from its default config at the small widths (:data:`SMALL`)."""
     import transformers
 
     cls = getattr(transformers, class_name)
@@ -65,13 +66,13 @@ def build(model_type: str, class_name: str) -> torch.nn.Module:
     return cls(config)
 
 
+IDS = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(1))  # every model's batch
+
+
 def hf_loss(model: torch.nn.Module) -> float:
     """The unpatched model's training loss on this sweep's batch."""
     reference = copy.deepcopy(model).train()
     return reference(input_ids=IDS, labels=IDS).loss.item()
-
-
-IDS = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(1))
 
 
 def patch_and_train(model: torch.nn.Module, drop_in: str, want: float) -> dict[str, Any]:
@@ -108,6 +109,29 @@ def _flags(flags: dict[str, bool]) -> str:
     return f"({', '.join(f'{k}={v}' for k, v in flags.items())})" if flags else ""
 
 
+def judge(class_name: str, build_s: int) -> dict[str, Any]:
+    """One model type's row: why it is not judged (``unbuilt``), or its size and each drop-in's
+    outcome."""
+    signal.alarm(build_s)
+    try:
+        model = build(class_name)
+    except _Timeout:
+        return {"unbuilt": f"took over {build_s} s"}
+    except Exception as e:
+        return {"unbuilt": f"{type(e).__name__}: {str(e)[:200]}"}
+    finally:
+        signal.alarm(0)
+    params = sum(p.numel() for p in model.parameters())
+    if params > MAX_PARAMS:
+        return {"unbuilt": f"{params / 1e6:.0f}M parameters at the small widths"}
+    model = model.bfloat16()
+    try:
+        want = hf_loss(model)
+    except Exception as e:  # the small widths broke HF's own model (a top-k over fewer experts)
+        return {"unbuilt": f"HF's own step fails at the small widths: {type(e).__name__}: {str(e)[:200]}"}
+    return {"params": params, **{drop_in: patch_and_train(model, drop_in, want) for drop_in in DROP_INS}}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path)
@@ -126,29 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     for model_type, class_name in sorted(causal_lms.items()):
         if wanted and model_type not in wanted:
             continue
-        row: dict[str, Any] = {"model_type": model_type, "class": class_name}
-        signal.alarm(args.build_s)
-        try:
-            model = build(model_type, class_name)
-        except _Timeout:
-            row["unbuilt"] = f"took over {args.build_s} s"
-        except Exception as e:
-            row["unbuilt"] = f"{type(e).__name__}: {str(e)[:200]}"
-        finally:
-            signal.alarm(0)
-        if "unbuilt" not in row:
-            params = sum(p.numel() for p in model.parameters())
-            if params > MAX_PARAMS:
-                row["unbuilt"] = f"{params / 1e6:.0f}M parameters at the small widths"
-            else:
-                row["params"] = params
-                model = model.bfloat16()
-                try:
-                    want = hf_loss(model)
-                except Exception as e:  # the small widths broke HF's own model (a top-k over fewer experts)
-                    row["unbuilt"] = f"HF's own step fails at the small widths: {type(e).__name__}: {str(e)[:200]}"
-                else:
-                    row.update({drop_in: patch_and_train(model, drop_in, want) for drop_in in DROP_INS})
+        row = {"model_type": model_type, "class": class_name, **judge(class_name, args.build_s)}
         rows.append(row)
         print(json.dumps({k: (v["result"] if isinstance(v, dict) else v) for k, v in row.items()}), flush=True)
     judged = [r for r in rows if "unbuilt" not in r]

@@ -155,6 +155,11 @@ def xent_variant(mib: int) -> Any:
 LORA_CONTENDERS = ("eager", "compile", "coda", "coda_eager")
 
 
+def lora_refusal(contender: str) -> str | None:
+    """Why ``contender`` does not run under ``--lora`` (None: it does): the others patch other parts."""
+    return None if contender in (*LORA_CONTENDERS, "curve") else f"--lora runs {', '.join(LORA_CONTENDERS)}"
+
+
 def with_lora(model: Any, config: str, rank: int) -> Any:
     """``model`` as a LoRA fine-tune of rank ``rank`` (peft) on its family's attention projections:
     the base frozen, the adapters trained (alpha = 2 * rank, no dropout)."""
@@ -179,8 +184,8 @@ def measure(config: str, contender: str, steps: int, warmup: int, device: str, t
     amp = master_weights == "fp32"
     model, batch, seq = build(config, device, torch.float32 if amp else torch.bfloat16)
     if lora:
-        if contender not in LORA_CONTENDERS:
-            raise SystemExit(f"--lora runs {', '.join(LORA_CONTENDERS)}; not {contender}")
+        if why := lora_refusal(contender):  # the driver never plans it; a direct call is refused alike
+            raise SystemExit(why)
         model = with_lora(model, config, lora)
     model = prepare(model, config, contender, device, xent_mib, compile_mode)
     graphs = compile_mode == "reduce-overhead" and device == "cuda" and contender in COMPILED
@@ -328,10 +333,9 @@ def drive(args: argparse.Namespace, device: str) -> int:
     # What a config's family cannot run is said, not silently dropped (PLAN never lists it).
     refused = [{"run": f"{c}:{k}", "why": why} for c in MEASURED if c in configs for k in CONTENDERS
                if k in wanted and (why := refusal(c, k))]
-    if args.lora:  # a fine-tune of the attention's adapters: the contenders that patch nothing else
-        refused += [{"run": f"{c}:{k}", "why": f"--lora runs {', '.join(LORA_CONTENDERS)}"} for c, k in plan
-                    if k not in (*LORA_CONTENDERS, "curve")]
-        plan = [(c, k) for c, k in plan if k in (*LORA_CONTENDERS, "curve")]
+    if args.lora:
+        refused += [{"run": f"{c}:{k}", "why": why} for c, k in plan if (why := lora_refusal(k))]
+        plan = [(c, k) for c, k in plan if not lora_refusal(k)]
     if device != "cuda":
         plan = [(c, k) for c, k in plan if not any(lib in k for lib in CUDA_ONLY)]
     results: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "device": device, "budget_s": args.budget_s,

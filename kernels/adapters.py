@@ -71,6 +71,19 @@ def check_lora(m: Any, where: str, owner: str = "") -> None:
                           "(model.unmerge_adapter()) before patching, or merge_and_unload() and patch the result")
 
 
+def require_projection(m: Any, where: str, cls: type, what: str, mlp_flag: str = "", bias: bool = False) -> None:
+    """Refuse, with the fix, a projection whose weights a kernel reads but cannot: a LoRA layer
+    inside the MLP block kernel (``mlp_flag``: the drop-in's flag that keeps the MLP HF's, where
+    this projection is the MLP's), or a module that is not ``cls`` (``what``), with a bias where
+    ``bias``, under any LoRA layer."""
+    check_lora(m, where, f"the MLP block kernel runs the whole MLP ({mlp_flag}=True): pass {mlp_flag}=False"
+               if mlp_flag else "")
+    if type(linear_of(m)) is not cls or (bias and m.bias is None):
+        raise KernelError(f"{where} is {type(m).__name__}, not {what}: the kernels read its weight and bias, which "
+                          "would drop what the module adds (a quantized weight, an adapter other than peft's LoRA); "
+                          "patch the unwrapped bf16 model, or merge such adapters into the weights first")
+
+
 def lora_delta(m: Any, x: torch.Tensor) -> torch.Tensor | None:
     """The active adapters' term of projection ``m`` on its input ``x`` (None: no LoRA layer, or
     none active), computed as peft's ``lora.Linear.forward`` adds it, in the adapters' dtype

@@ -41,7 +41,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 from transformers.models.seed_oss.modeling_seed_oss import SeedOssAttention, SeedOssMLP
 from transformers.models.smollm3.modeling_smollm3 import SmolLM3Attention
 
-from .adapters import check_lora, linear_of
+from .adapters import linear_of, require_projection
 from .dropin import (GPT2_STACK, GPT_NEOX_STACK, LLAMA_STACK, NO_DROP_IN, check_lm_head, has_modules,
                      refuse_wrapped, require_kernel_dtypes)
 from .kernel import KernelError
@@ -373,18 +373,9 @@ def check_model(model: nn.Module, base: nn.Module, cfg: Any, rope: bool, swiglu:
     for i, layer in enumerate(base.layers):
         for part in ("self_attn", "mlp") if swiglu else ("self_attn",):  # swiglu=False: the MLP stays HF's
             for name, m in getattr(layer, part).named_children():
-                if not name.endswith("_proj"):
-                    continue
-                # LoRA (adapters.py): the kernels read its base weight and the adapters run beside them,
-                # except in the MLP block kernel, which runs gate, up and down whole.
-                check_lora(m, f"layers.{i}.{part}.{name}", "the MLP block kernel runs the whole MLP (swiglu=True): "
-                           "pass swiglu=False" if part == "mlp" else "")
-                if type(linear_of(m)) is not nn.Linear:
-                    raise KernelError(
-                        f"layers.{i}.{part}.{name} is {type(m).__name__}, not nn.Linear: apply_to_llama fuses "
-                        "the projections' weights into its kernels, which would drop what the module adds (a "
-                        "quantized weight, an adapter other than peft's LoRA); patch the unwrapped bf16 model, "
-                        "or merge such adapters into the weights first")
+                if name.endswith("_proj"):
+                    require_projection(m, f"layers.{i}.{part}.{name}", nn.Linear, "nn.Linear",
+                                       "swiglu" if part == "mlp" else "")
         dropped = [n for n in ("resid_attn_dropout", "resid_mlp_dropout") if getattr(layer, n, None) is not None
                    and getattr(layer, n).p > 0]
         if dropped:

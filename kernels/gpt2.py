@@ -89,7 +89,7 @@ from transformers.models.gpt_bigcode.modeling_gpt_bigcode import GPTBigCodeBlock
 from transformers.pytorch_utils import Conv1D
 from transformers.utils import can_return_tuple
 
-from .adapters import adapted, check_lora, linear_of, peft_base
+from .adapters import adapted, peft_base, require_projection
 from .dropin import (GPT2_SLOTS, GPT2_STACK, GPT_NEOX_STACK, LLAMA_STACK, NO_DROP_IN, BlockPlan, PatchedForward,
                      block_plan, check_lm_head, check_slots, gelu_of, has_modules, record_attention, refuse_patched,
                      refuse_wrapped, require_children, require_code, require_kernel_dtypes, require_layer_norm,
@@ -190,16 +190,8 @@ def gpt2_architecture(model: nn.Module, keep_mlp: bool = False) -> tuple[nn.Modu
                              "block")
         mlps = () if keep_mlp else (("mlp", "c_fc"), ("mlp", "c_proj"))
         for part, proj in (("attn", "c_attn"), ("attn", "c_proj"), *mlps):
-            m = getattr(getattr(block, part), proj)
-            # LoRA (adapters.py): the kernels read its base, the adapters run beside them, except in
-            # the MLP block kernel, which runs c_fc and c_proj whole.
-            check_lora(m, f"h.{i}.{part}.{proj}", "the MLP block kernel runs the whole MLP (mlp=True): pass "
-                       "mlp=False" if part == "mlp" else "")
-            if type(linear_of(m)) is not Conv1D or m.bias is None:
-                raise KernelError(f"h.{i}.{part}.{proj} is {type(m).__name__}, not GPT-2's Conv1D with a bias: the "
-                                  "kernels read its weight and bias, which would drop what the module adds (a "
-                                  "quantized weight, an adapter other than peft's LoRA); patch the unwrapped bf16 "
-                                  "model, or merge such adapters into the weights first")
+            require_projection(getattr(getattr(block, part), proj), f"h.{i}.{part}.{proj}", Conv1D,
+                               "GPT-2's Conv1D with a bias", "mlp" if part == "mlp" else "", bias=True)
         for norm in ("ln_1", *(() if keep_mlp else ("ln_2",))):
             require_layer_norm(getattr(block, norm), f"h.{i}.{norm}")
     if causal_lm and not same_code(type(model).forward, GPT2LMHeadModel.forward):

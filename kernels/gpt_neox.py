@@ -86,7 +86,7 @@ from transformers.models.gpt_neox.modeling_gpt_neox import (GPTNeoXAttention, GP
                                                             eager_attention_forward)
 from transformers.utils import can_return_tuple
 
-from .adapters import adapted, check_lora, linear_of, peft_base
+from .adapters import adapted, peft_base, require_projection
 from .dropin import (GPT2_SLOTS, GPT2_STACK, GPT_NEOX_STACK, LLAMA_STACK, NO_DROP_IN, BlockPlan, PatchedForward,
                      block_plan, check_lm_head, check_slots, gelu_of, has_modules, record_attention, refuse_patched,
                      refuse_wrapped, require_children, require_code, require_kernel_dtypes, require_layer_norm,
@@ -166,16 +166,8 @@ def gpt_neox_architecture(model: nn.Module, layer_norm: bool = True, keep_mlp: b
         projections = (*((("attention", "query_key_value"),) if layer_norm else ()), ("attention", "dense"),
                        *(() if keep_mlp else (("mlp", "dense_h_to_4h"), ("mlp", "dense_4h_to_h"))))
         for part, proj in projections:
-            m = getattr(getattr(layer, part), proj)
-            # LoRA (adapters.py): the kernels read its base, the adapters run beside them, except in
-            # the MLP block kernel, which runs the MLP whole.
-            check_lora(m, f"layers.{i}.{part}.{proj}", "the MLP block kernel runs the whole MLP (mlp=True): "
-                       "pass mlp=False" if part == "mlp" else "")
-            if type(linear_of(m)) is not nn.Linear:
-                raise KernelError(f"layers.{i}.{part}.{proj} is {type(m).__name__}, not nn.Linear: the kernels read "
-                                  "its weight and bias, which would drop what the module adds (a quantized weight, "
-                                  "an adapter other than peft's LoRA); patch the unwrapped bf16 model, or merge "
-                                  "such adapters into the weights first")
+            require_projection(getattr(getattr(layer, part), proj), f"layers.{i}.{part}.{proj}", nn.Linear,
+                               "nn.Linear", "mlp" if part == "mlp" else "")
         norms = (*(("input_layernorm",) if layer_norm else ()), *(() if keep_mlp else ("post_attention_layernorm",)))
         for norm in norms:
             require_layer_norm(getattr(layer, norm), f"layers.{i}.{norm}")

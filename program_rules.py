@@ -79,7 +79,10 @@ HOST_RULES: tuple[Rule, ...] = (
                          "between calls is the cached-output cheat."),
     Rule("functions", "`forward(<inputs and params by name>)` returns a dict holding every task output (extra "
                       "entries are state for backward); `backward(saved, d<output>...)` returns `d<input>` for "
-                      "each task gradient; helper `def`s are fine. Default arguments are constants. "
+                      "each task gradient. A backward that adds a parameter `needs` is passed the set of "
+                      "`d<input>` names its caller reads and may skip the rest (`if \"dw\" in needs:` "
+                      "around a frozen weight's gradient GEMM); each set a caller may ask for is verified. "
+                      "Helper `def`s are fine. Default arguments are constants. "
                       "`@epilogue` fns are declared at module level, never inside a function."),
     Rule("control flow", "`for` over `range(...)` or over a list (e.g. token chunks), `if` on Python values "
                          "(shapes, params), `assert`, `return`; Python builtins on numbers (`len`, `min`, `max`, "

@@ -41,11 +41,11 @@ def _rope_fwd(inp: dict, params: dict, grads: dict, dims: dict) -> Any:
     return LigerRopeFunction.apply(q, q, emb.cos().to(qkv.dtype), emb.sin().to(qkv.dtype))
 
 
-def _lm_head_xent(inp: dict, params: dict, grads: dict, dims: dict) -> Any:
+def _lm_head_xent(inp: dict, params: dict, grads: dict, dims: dict, frozen: bool = False) -> Any:
     from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
 
     x = inp["x"].detach().requires_grad_(True)
-    w = inp["w"].detach().requires_grad_(True)
+    w = inp["w"].detach().requires_grad_(not frozen)  # frozen: Liger computes no weight gradient
     loss = LigerFusedLinearCrossEntropyFunction.apply(x, w, inp["target"], None, None, -100, 0.0, 0.0,
                                                       "sum")
     loss = loss[0] if isinstance(loss, tuple) else loss
@@ -66,5 +66,6 @@ LIGER: dict[str, Callable[[dict, dict, dict, dict], Any]] = {
     "residual_rmsnorm": _residual_rmsnorm,
     "rope_fwd": _rope_fwd,
     "lm_head_xent": _lm_head_xent,
+    "lm_head_xent_frozen": lambda inp, params, grads, dims: _lm_head_xent(inp, params, grads, dims, frozen=True),
     "lm_head_xent_fwd": _lm_head_xent_fwd,
 }

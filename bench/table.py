@@ -42,7 +42,8 @@ BLOCKS = ("mlp_block", "llama3_block", "gpt2_block")  # forward + backward of a 
 
 
 def _kind(task: str) -> str:
-    return "block" if task in BLOCKS else "backward" if task in BACKWARD or task == "lm_head_xent" else "forward"
+    return ("block" if task in BLOCKS else "backward"
+            if task in BACKWARD or task in ("lm_head_xent", "lm_head_xent_frozen") else "forward")
 
 
 def _gib(row: dict, key: str) -> str:

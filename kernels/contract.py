@@ -10,6 +10,14 @@ A program (one module of catalogue calls, see ``primitives``) solves a task
   ``grad_outputs``; it returns a dict holding ``d<input>`` for every input in
   the task's ``gradients``.
 
+A backward that declares a parameter ``needs`` is always passed one: the
+frozenset of ``d<input>`` names its caller reads, and it may leave the others
+out (skip a frozen weight's gradient GEMM).  Callers ask only for the sets
+the verifier checks (``TaskSpec.gradient_subsets``), and only of a program
+whose source declares ``needs`` (:func:`takes_needs`, read from the source,
+which is what the verifier read too); a program that does not declare it gets
+the call it always got and returns every gradient.
+
 Everything that runs a program goes through :func:`call_forward` and
 :func:`call_backward` (or :func:`run`, both in one): :class:`.kernel.Kernel`
 for autograd, the verifier's runner (``verifier/program.py``), the benchmarks.
@@ -25,6 +33,8 @@ candidate programs run, imports it too.
 
 from __future__ import annotations
 
+import ast
+import inspect
 from types import MappingProxyType, ModuleType
 from typing import Any, Iterable, Mapping
 
@@ -47,16 +57,43 @@ def call_forward(program: ModuleType, inputs: Mapping[str, Any], params: Mapping
     return dict(outs)
 
 
+def takes_needs(source: str) -> bool:
+    """Whether the program's top-level ``def backward`` declares ``needs`` (see the module
+    docstring): read from the source, so the verifier and a Kernel decide alike whatever the
+    module rebinds at import."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return False
+    return any(isinstance(f, ast.FunctionDef) and f.name == "backward"
+               and "needs" in [a.arg for a in (*f.args.posonlyargs, *f.args.args, *f.args.kwonlyargs)]
+               for f in tree.body)
+
+
 def call_backward(program: ModuleType, saved: Mapping[str, Any], grads: Mapping[str, Any],
-                  gradients: Iterable[str]) -> dict[str, Any]:
-    """``program.backward``: ``d<input>`` for every input in ``gradients``, nothing else."""
+                  gradients: Iterable[str], needs: Iterable[str] | None = None) -> dict[str, Any]:
+    """``program.backward``: ``d<input>`` for every input in ``gradients`` (or, given ``needs``, for
+    every ``d<input>`` in it), nothing else.  A backward that declares ``needs`` gets it (all of
+    ``gradients`` when ``needs`` is None); one that does not is called as it always was."""
     wanted = [f"d{g}" for g in gradients]
-    back = program.backward(saved, **grads)
+    if needs is not None:
+        needs = frozenset(needs)
+        unknown = sorted(needs - set(wanted))
+        if unknown:
+            raise ContractError(f"needs names {unknown}, which are not gradients of the task ({wanted})")
+        wanted = [w for w in wanted if w in needs]
+    try:
+        declares = "needs" in inspect.signature(program.backward).parameters
+    except (TypeError, ValueError):
+        declares = False
+    back = (program.backward(saved, **grads, needs=frozenset(wanted)) if declares
+            else program.backward(saved, **grads))
     if not isinstance(back, dict):
         raise ContractError(f"backward returned {type(back).__name__}; return a dict with {wanted}")
     missing = [w for w in wanted if w not in back]
     if missing:
-        raise ContractError(f"backward's returned dict lacks {missing}")
+        asked = f" (called with needs={sorted(needs)}: return every name in needs)" if needs is not None else ""
+        raise ContractError(f"backward's returned dict lacks {missing}{asked}")
     return {w: back[w] for w in wanted}
 
 
@@ -67,11 +104,12 @@ def saved_state(inputs: Mapping[str, Any], params: Mapping[str, Any], outs: Mapp
 
 
 def run(program: ModuleType, inputs: Mapping[str, Any], params: Mapping[str, Any],
-        grads: Mapping[str, Any] | None, outputs: Iterable[str], gradients: Iterable[str]) -> dict[str, Any]:
+        grads: Mapping[str, Any] | None, outputs: Iterable[str], gradients: Iterable[str],
+        needs: Iterable[str] | None = None) -> dict[str, Any]:
     """forward, then (given ``grads``) backward: the task outputs and ``d<input>`` in one dict."""
     outputs = list(outputs)
     outs = call_forward(program, inputs, params, outputs)
     result = {o: outs[o] for o in outputs}
     if grads is not None:
-        result.update(call_backward(program, saved_state(inputs, params, outs), grads, gradients))
+        result.update(call_backward(program, saved_state(inputs, params, outs), grads, gradients, needs))
     return result

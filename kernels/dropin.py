@@ -220,7 +220,14 @@ GPT2_SUITE = SUITES["gpt2"]
 # The MLP block's task by the GELU the model runs.
 MLP_TASKS = {"exact": "mlp_block", "tanh": "mlp_block_tanh"}
 # The slots of a block built from the GPT-2 suite's kernels, and the fused LM head's.
-GPT2_SLOTS = ("ln_qkv", "out_proj_residual", "mlp_block", "lm_head_xent")
+GPT2_SLOTS = ("ln_qkv", "out_proj_residual", "mlp_block", "lm_head_xent", "lm_head_xent_frozen")
+
+
+def xent_kernels(given: dict[str, Any]) -> tuple[Kernel, Kernel]:
+    """The LM head + loss kernels: a trained head's (lm_head_xent) and a frozen one's
+    (lm_head_xent_frozen, no weight gradient), the suite's or those ``given``."""
+    return (slot_kernel("lm_head_xent", given.get("lm_head_xent"), suite_kernel("lm_head_xent")),
+            slot_kernel("lm_head_xent_frozen", given.get("lm_head_xent_frozen"), suite_kernel("lm_head_xent_frozen")))
 
 
 @dataclass(frozen=True)

@@ -90,7 +90,7 @@ from .adapters import adapted, peft_base, require_projection
 from .dropin import (GPT2_SLOTS, GPT2_STACK, GPT_NEOX_STACK, LLAMA_STACK, NO_DROP_IN, BlockPlan, PatchedForward,
                      block_plan, check_lm_head, check_slots, gelu_of, has_modules, record_attention, refuse_patched,
                      refuse_wrapped, require_children, require_code, require_kernel_dtypes, require_layer_norm,
-                     slot_kernel, suite_kernel)
+                     xent_kernels)
 from .families import same_code
 from .kernel import Kernel, KernelError
 from .llama_ops import fused_lm_forward
@@ -122,7 +122,7 @@ def apply_to_gpt_neox(model: GPTNeoXForCausalLM | GPTNeoXModel, *, layer_norm: b
         layer.coda_plan = plan
         layer.forward = PatchedForward(layer, _layer_forward)
     if xent:
-        model.coda_xent = slot_kernel("lm_head_xent", given.get("lm_head_xent"), suite_kernel("lm_head_xent"))
+        model.coda_xent, model.coda_xent_frozen = xent_kernels(given)
         model.forward = PatchedForward(model, _lm_forward)
     base.coda_flags = {"layer_norm": layer_norm, "mlp": mlp, "gelu": gelu,
                        "fused_linear_cross_entropy": fused_linear_cross_entropy}

@@ -8,7 +8,8 @@ solves (``tasks/spec.py``) is everything needed to run it inside a model:
   whatever the program keeps for its backward;
 - ``backward(saved, d<output>...)`` gets ``saved`` = inputs + params +
   everything forward returned, and returns ``d<input>`` for the task's
-  ``gradients``.
+  ``gradients`` (a backward that declares ``needs`` is told which of them its
+  caller reads, ``contract.py``).
 
 :class:`Kernel` is the one place that turns that contract into autograd.  Its
 ``function`` (a ``torch.autograd.Function``) runs ``forward`` and, on
@@ -17,6 +18,10 @@ solves (``tasks/spec.py``) is everything needed to run it inside a model:
 gradients for) and returns the program's ``d<input>``, ``None`` for inputs
 outside ``gradients`` and for params.  The other outputs are marked
 non-differentiable (but a forward-only kernel's float outputs, see below).
+Where autograd needs only some gradients (a frozen weight: LoRA, a frozen
+base) and the program's backward takes ``needs``, it is asked for the
+smallest set the verifier checked that holds them (:meth:`Kernel.needs_for`),
+so a frozen weight's gradient GEMM does not run.
 A forward-only task saves nothing and raises if a gradient ever reaches it: a
 silent zero gradient would train a model wrong.  A backward may reuse what it
 was saved (``gemm(..., out=...)`` over a saved activation), so a kernel is
@@ -44,7 +49,7 @@ import contextlib
 import difflib
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 import yaml
@@ -55,7 +60,7 @@ from coda_agent.primitives import CATALOGUE_VERSION, CatalogueError, load_progra
 from coda_agent.primitives.operands import OUTPUT_DTYPES
 from coda_agent.tasks.spec import ExprError, TaskSpec, eval_expr, expr_symbols
 
-from .contract import ContractError, call_backward, call_forward
+from .contract import ContractError, call_backward, call_forward, takes_needs
 
 TORCH_DTYPES = {**OUTPUT_DTYPES, "int32": torch.int32, "int64": torch.int64}
 
@@ -102,6 +107,9 @@ class Kernel:
         # reaching one raises instead of silently stopping there.
         self.differentiable = self.grad_outputs if self.gradients else tuple(
             o for o, t in spec.outputs.items() if TORCH_DTYPES[t.dtype].is_floating_point)
+        self.subsets = spec.gradient_subsets if takes_needs(source) else spec.gradient_subsets[:1]
+        # smallest first, as tuples: needs_for runs inside backward, which torch.compile traces
+        self._by_size = sorted(((tuple(sorted(s)), s) for s in self.subsets), key=lambda p: len(p[0]))
         self.function = _function(self)
 
     @classmethod
@@ -146,12 +154,28 @@ class Kernel:
         except ContractError as e:
             raise KernelError(f"{self.origin}: {e}") from None
 
-    def backward(self, saved: dict[str, Any], grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The program's backward: ``d<input>`` for every name in ``gradients``."""
+    def backward(self, saved: dict[str, Any], grads: dict[str, torch.Tensor],
+                 needs: frozenset[str] | None = None) -> dict[str, torch.Tensor]:
+        """The program's backward: ``d<input>`` for every name in ``needs`` (None: in
+        ``gradients``), which must be one of :meth:`needs_for`'s answers."""
+        if needs is not None and needs not in self.subsets:
+            raise KernelError(f"{self.name}: the verifier checked its backward for the gradient sets "
+                              f"{[sorted(s) for s in self.subsets]}, not {sorted(needs)}: ask for the smallest "
+                              "of them that holds what you need (Kernel.needs_for)")
         try:
-            return call_backward(self.program, saved, grads, self.gradients)
+            return call_backward(self.program, saved, grads, self.gradients, needs)
         except ContractError as e:
             raise KernelError(f"{self.origin}: {e}") from None
+
+    def needs_for(self, wanted: Iterable[str]) -> frozenset[str]:
+        """The smallest verified gradient set (``TaskSpec.gradient_subsets``; only the whole set
+        for a program whose backward does not declare ``needs``) holding ``wanted`` (``d<input>``
+        names of the task's gradients)."""
+        wanted = tuple(wanted)
+        for names, subset in self._by_size:
+            if all(w in names for w in wanted):
+                return subset
+        raise KernelError(f"{self.name}: {sorted(wanted)} are not all gradients of the task ({self.subsets[0]})")
 
     # ------------------------------------------------------------------ calling it
 
@@ -241,9 +265,9 @@ def _function(kernel: Kernel) -> type[torch.autograd.Function]:
                               "it cannot be trained through. Use a task with a backward, or detach its inputs.")
         saved = {**ctx.others, **dict(zip(ctx.tensor_names, ctx.saved_tensors))}
         given = {f"d{o}": g for o, g in zip(kernel.outputs, grads) if o in kernel.grad_outputs}
-        back = kernel.backward(saved, given)
-        return (*(back[f"d{n}"] if n in kernel.gradients else None for n in kernel.inputs),
-                *(None for _ in kernel.params))
+        wanted = [f"d{n}" for n, needed in zip(kernel.inputs, ctx.needs_input_grad) if needed and n in kernel.gradients]
+        back = kernel.backward(saved, given, kernel.needs_for(wanted))
+        return (*(back.get(f"d{n}") for n in kernel.inputs), *(None for _ in kernel.params))
 
     cls_name = "".join(w.title() for w in re.split(r"\W|_", kernel.name) if w) + "Function"
     return type(cls_name, (torch.autograd.Function,), {

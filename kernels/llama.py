@@ -112,7 +112,7 @@ from .fused_weights import relayout
 from .kernel import Kernel, KernelError
 from .llama_ops import attention_input, causal_lm_loss
 
-SWAPPABLE = ("out_proj_residual", "mlp_block", "lm_head_xent")
+SWAPPABLE = ("out_proj_residual", "mlp_block", "lm_head_xent", "lm_head_xent_frozen")
 
 
 FP8_SUITE = SUITE_DIR.parent / "llama3_fp8"
@@ -167,7 +167,7 @@ def apply_to_llama(model: LlamaForCausalLM | LlamaModel, *, rope: bool = True, r
         for layer, attention in zip(base.layers, attentions):
             _patch_layer(layer, plan, attention, freq)
     if fused_linear_cross_entropy and lm_kind:  # "" for a decoder stack without an LM head
-        model.coda_xent = chosen["lm_head_xent"]
+        model.coda_xent, model.coda_xent_frozen = chosen["lm_head_xent"], chosen["lm_head_xent_frozen"]
         model.coda_logits_scale = float(model.config.logits_scaling) if lm_kind == "Granite's" else 1.0
         model.coda_router_loss = lm_kind == "Mixtral's"
         model.forward = PatchedForward(model, _causal_lm_forward)
@@ -385,7 +385,7 @@ def _causal_lm_forward(self: LlamaForCausalLM, input_ids: torch.Tensor | None = 
     if self.coda_logits_scale != 1.0:  # Granite divides the logits: the same as dividing h
         hidden = hidden / self.coda_logits_scale
     loss = causal_lm_loss(hidden, self.lm_head.weight, labels, shift_labels, self.coda_xent,
-                          kwargs.get("num_items_in_batch"))
+                          kwargs.get("num_items_in_batch"), self.coda_xent_frozen)
     if not router:
         return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=outputs.past_key_values,
                                       hidden_states=outputs.hidden_states, attentions=outputs.attentions)

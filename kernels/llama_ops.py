@@ -183,19 +183,24 @@ class LinearCrossEntropy(torch.autograd.Function):
                 denominator: torch.Tensor) -> torch.Tensor:
         dloss = (target != IGNORE_INDEX).float() / denominator
         out = kernel.forward({"x": x, "w": w, "target": target, "dloss": dloss}, {})
-        ctx.save_for_backward(out["dx"], out["dw"])
+        ctx.save_for_backward(out["dx"], *((out["dw"],) if "dw" in out else ()))  # a frozen head's kernel: no dw
         return out["loss"].sum() / denominator
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        dx, dw = ctx.saved_tensors
-        return dx * grad, dw * grad, None, None, None
+        dx, *dw = ctx.saved_tensors
+        return dx * grad, dw[0] * grad if dw else None, None, None, None
 
 
 def linear_cross_entropy(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor, kernel: Kernel,
-                         num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
+                         num_items_in_batch: torch.Tensor | int | None = None,
+                         frozen: Kernel | None = None) -> torch.Tensor:
     """HF's causal-LM loss (targets already shifted; ``IGNORE_INDEX`` rows ignored) without
-    the logits: the mean over the counted rows, or the sum over ``num_items_in_batch``."""
+    the logits: the mean over the counted rows, or the sum over ``num_items_in_batch``.  A
+    frozen head (LoRA's base, a frozen tied embedding) runs ``frozen`` (an lm_head_xent_frozen
+    kernel, which skips the weight gradient's GEMM) when given."""
+    if frozen is not None and not w.requires_grad:
+        kernel = frozen
     if num_items_in_batch is None:
         denominator = (target != IGNORE_INDEX).sum().float()  # all ignored: nan, as HF
     else:
@@ -210,7 +215,8 @@ def linear_cross_entropy(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor,
 
 def fused_lm_forward(model: Any, stack: Any, output: type, input_ids: torch.Tensor | None, inputs: dict[str, Any],
                      labels: torch.Tensor | None, logits_to_keep: int | torch.Tensor, kwargs: dict[str, Any]) -> Any:
-    """A causal LM's forward whose LM head + loss is the fused kernel (``model.coda_xent``) in
+    """A causal LM's forward whose LM head + loss is the fused kernel (``model.coda_xent``, and
+    ``model.coda_xent_frozen`` for a frozen head) in
     training with labels: ``stack`` (its decoder stack) on ``inputs``, then :func:`causal_lm_loss`
     over its last hidden state and ``model.lm_head``, returned as ``output`` with no logits and the
     stack's other outputs.  Anything else is HF's own forward (``type(model).forward``)."""
@@ -222,17 +228,18 @@ def fused_lm_forward(model: Any, stack: Any, output: type, input_ids: torch.Tens
                                    **kwargs)
     outputs = stack(input_ids, **inputs, **kwargs)
     loss = causal_lm_loss(outputs.last_hidden_state, model.lm_head.weight, labels, shift_labels, model.coda_xent,
-                          kwargs.get("num_items_in_batch"))
+                          kwargs.get("num_items_in_batch"), model.coda_xent_frozen)
     return output(loss=loss, logits=None, **{k: v for k, v in outputs.items() if k != "last_hidden_state"})
 
 
 def causal_lm_loss(hidden: torch.Tensor, w: torch.Tensor, labels: torch.Tensor | None,
                    shift_labels: torch.Tensor | None, kernel: Kernel,
-                   num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
+                   num_items_in_batch: torch.Tensor | int | None = None,
+                   frozen: Kernel | None = None) -> torch.Tensor:
     """HF's causal-LM loss (``ForCausalLMLoss``) of the LM head ``w`` over ``hidden`` (batch,
     tokens, H), by the fused kernel: ``labels`` shifted one token left (the last one ignored),
     or ``shift_labels`` as given."""
     if shift_labels is None:
         shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
     return linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), w, shift_labels.reshape(-1).to(hidden.device),
-                                kernel, num_items_in_batch)
+                                kernel, num_items_in_batch, frozen)

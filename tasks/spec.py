@@ -61,6 +61,9 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+PARAMETER_ROLES = ("weight", "norm_weight")  # inputs a model holds as parameters (may be frozen)
+
+
 class TensorSpec(_Strict):
     shape: list[Expr]
     dtype: Literal["bf16", "fp16", "fp32", "int32", "int64", "fp8_e4m3", "fp8_e5m2"] = "bf16"
@@ -320,6 +323,19 @@ class TaskSpec(_Strict):
         if not self.gradients:
             return []
         return [o for o, t in self.outputs.items() if t.dtype in FLOAT_DTYPES and t.role != "saved"]
+
+    @property
+    def gradient_subsets(self) -> list[frozenset[str]]:
+        """The sets of gradients (``d<input>`` names) a backward that takes ``needs`` is verified
+        for and is asked for (``kernels/contract.py``), the whole set first: the activations' alone
+        (frozen parameters: LoRA, a frozen base), the parameters' alone (a frozen input, e.g. the
+        first layer under frozen embeddings), and every set less one.  A caller that needs other
+        gradients asks for the smallest of these that holds them."""
+        full = [f"d{g}" for g in self.gradients]
+        params = {f"d{g}" for g in self.gradients if self.inputs[g].role in PARAMETER_ROLES}
+        family = [frozenset(full), frozenset(set(full) - params), frozenset(params),
+                  *(frozenset(set(full) - {g}) for g in full)]
+        return [s for i, s in enumerate(family) if s and s not in family[:i]]
 
     def tolerance_for(self, tensor: str) -> Tolerance:
         """The rule an output (or a gradient ``d<input>``) is compared with."""

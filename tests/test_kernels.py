@@ -20,6 +20,9 @@ from typer.testing import CliRunner
 from coda_agent.cli import app
 from coda_agent.kernels import Kernel, KernelError, KernelModule, load_kernel
 from coda_agent.primitives import CATALOGUE_VERSION
+from coda_agent.primitives.lowering import launch_ledger
+from coda_agent.verifier.compare import compare
+from coda_agent.verifier.inputs import run_reference
 from coda_agent.tasks import SUITE_DIR
 
 
@@ -61,6 +64,92 @@ def test_autograd_through_the_kernel_on_gpu(name, shape_set):
     """The cute lowering (quack's SM90 GEMMs) under autograd, against the fp64 reference."""
     bad = autograd_mismatches(name, shape_set, "cuda")
     assert not bad, bad
+
+
+FROZEN = [("llama3", "mlp_block"), ("llama3", "out_proj_residual"), ("gpt2", "mlp_block"),
+          ("gpt2", "mlp_block_tanh"), ("gpt2", "ln_qkv"), ("gpt2", "out_proj_residual")]
+
+
+def frozen_backward(suite: str, name: str, trained: set[str], device: str = "cpu") -> tuple[frozenset, int, list]:
+    """Autograd through the suite's kernel with only ``trained`` requiring a gradient: the set the
+    program's backward was asked for, the GEMMs it launched, and the mismatches of the gradients
+    autograd got against the fp64 reference."""
+    t = task(name, suite)
+    kernel = Kernel.from_files(t.expert_path, t.path)
+    asked = []
+    backward = kernel.program.backward
+
+    def recording(saved, *, needs, **grads):  # declares needs, as the program does
+        asked.append(needs)
+        return backward(saved, needs=needs, **grads)
+
+    kernel.program.backward = recording
+    inputs, grads = draw(t, "small", seed=3)
+    leaves = {k: v.to(device).requires_grad_(k in trained) for k, v in inputs.items()}
+    outs = kernel(**leaves)
+    with launch_ledger() as launches:
+        torch.autograd.backward([outs[o] for o in kernel.grad_outputs],
+                                [grads[f"d{o}"].to(device) for o in kernel.grad_outputs])
+    hi = run_reference(t, inputs, grads, torch.float64)
+    lo = run_reference(t, inputs, grads, None)
+    bad = [m for g in sorted(trained) if (m := compare(f"d{g}", "small", leaves[g].grad.cpu(), hi[f"d{g}"], lo[f"d{g}"],
+                                                       t.spec.tolerance_for(f"d{g}")))]
+    assert all(leaves[k].grad is None for k in inputs if k not in trained)
+    return asked[0], sum(x.kind == "gemm" for x in launches), bad
+
+
+def assert_frozen_backwards(suite: str, name: str, device: str) -> None:
+    spec = task(name, suite).spec
+    params = {g for g in spec.gradients if spec.inputs[g].role in ("weight", "norm_weight")}
+    needs, full_gemms, bad = frozen_backward(suite, name, set(spec.gradients), device)
+    assert needs == {f"d{g}" for g in spec.gradients} and not bad, bad
+    needs, gemms, bad = frozen_backward(suite, name, set(spec.gradients) - params, device)
+    assert needs == {f"d{g}" for g in spec.gradients if g not in params} and not bad, bad
+    assert gemms < full_gemms
+    for p in sorted(params):
+        needs, _, bad = frozen_backward(suite, name, set(spec.gradients) - {p}, device)
+        assert f"d{p}" not in needs and not bad, (p, bad)
+
+
+@pytest.mark.parametrize("suite,name", FROZEN)
+def test_frozen_weights_skip_their_gradient_gemms(suite, name):
+    """LoRA's case: every parameter frozen. The backward is asked for the activations' gradients
+    alone (``needs``), launches fewer GEMMs, and those gradients still match the reference; a
+    frozen input (the parameters train) and each single frozen parameter likewise."""
+    assert_frozen_backwards(suite, name, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Hopper)")
+@pytest.mark.parametrize("suite,name", FROZEN)
+def test_frozen_weights_skip_their_gradient_gemms_on_gpu(suite, name):
+    """The same with the cute lowering: the frozen paths' own epilogues (dswiglu_frozen) on SM90."""
+    assert_frozen_backwards(suite, name, "cuda")
+
+
+def test_a_backward_without_needs_returns_every_gradient():
+    """A program whose backward does not declare ``needs`` is verified and called for the whole set
+    only: with a frozen weight it still runs, and autograd drops that gradient."""
+    t = task("out_proj_residual")
+    source = t.expert_path.read_text().replace("def backward(saved, dy, needs):", "def backward(saved, dy):")
+    source = source.replace('if "dattn" in needs:', "if True:").replace('if "dWo" in needs:', "if True:")
+    kernel = Kernel.from_source(source, t.path.read_text())
+    assert kernel.subsets == [frozenset({"dattn", "dWo", "dresidual"})]
+    assert kernel.needs_for({"dattn"}) == kernel.subsets[0]
+    inputs, grads = draw(t, "small", seed=3)
+    attn = inputs["attn"].clone().requires_grad_()
+    kernel(attn, inputs["Wo"], inputs["residual"])["y"].backward(grads["dy"])
+    assert attn.grad is not None and attn.grad.abs().sum() > 0
+
+
+def test_a_kernel_asks_only_for_verified_gradient_sets():
+    kernel = suite_kernel("mlp_block")
+    assert kernel.needs_for({"dh"}) == {"dh"}
+    both = kernel.needs_for({"dh", "dgamma"})  # two sets of three hold it; no smaller one does
+    assert len(both) == 3 and both > {"dh", "dgamma"} and both in kernel.subsets
+    assert kernel.needs_for({"dw_gu"}) == {"dgamma", "dw_gu", "dw_down"}
+    with pytest.raises(KernelError, match="verifier checked its backward for the gradient sets"):
+        kernel.backward({}, {}, frozenset({"dh", "dw_gu"}))
 
 
 def test_module_positional_call_and_params():

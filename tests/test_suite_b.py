@@ -17,7 +17,7 @@ from suite_checks import draw, load_expert, mutant_problems, problems, run_progr
 from suite_checks import task as _task
 
 
-TASKS = ["qk_norm_rope", "lm_head_xent_fwd", "lm_head_xent", "mlp_block", "llama3_block"]
+TASKS = ["qk_norm_rope", "lm_head_xent_fwd", "lm_head_xent", "lm_head_xent_frozen", "mlp_block", "llama3_block"]
 CPU_SETS = ["small", "ragged"]
 
 

@@ -268,3 +268,17 @@ def test_every_suite_task_still_loads_and_means_the_same():
         assert s.grad_outputs == (floats if s.gradients else []), s.name
         assert task.expert_path is not None and task.expert_path.is_file(), s.name
 
+
+
+def test_gradient_subsets_are_the_sets_a_frozen_parameter_or_input_leaves():
+    """What a backward that takes ``needs`` is verified for and asked for: the whole set, the
+    activations' (every parameter frozen), the parameters' (a frozen input), each set less one."""
+    from coda_agent.tasks import SUITES
+
+    spec = load_task(SUITES["llama3"] / "out_proj_residual.yaml").spec  # attn, Wo (weight), residual
+    assert spec.gradient_subsets == [frozenset({"dattn", "dWo", "dresidual"}), frozenset({"dattn", "dresidual"}),
+                                     frozenset({"dWo"}), frozenset({"dWo", "dresidual"}),
+                                     frozenset({"dattn", "dWo"})]
+    biased = load_task(SUITES["gpt2"] / "out_proj_residual.yaml").spec  # attn, x; w_o, b_o (weights)
+    assert biased.gradient_subsets[1:3] == [frozenset({"dattn", "dx"}), frozenset({"dw_o", "db_o"})]
+    assert len(biased.gradient_subsets) == 3 + 4

@@ -70,3 +70,18 @@ def test_provenance_refusals(spec, module_level, body, forward, why):
 def test_a_program_too_deep_to_parse_is_refused_not_a_crash(spec):
     text = "; ".join(map(str, check_source("x = " + "(" * 5000 + "1" + ")" * 5000 + "\n", spec)))
     assert "cannot be read" in text or "syntax error" in text
+
+
+@pytest.mark.parametrize("signature,why", [
+    ("saved, dy, needs", None),
+    ("saved, dy, *, needs", None),
+    ("saved, dy, needs, scale", "parameters ['scale'] the verifier does not pass"),
+    ("saved, dy, need", "parameters ['need'] the verifier does not pass"),
+])
+def test_backward_may_declare_needs_and_nothing_else(spec, signature, why):
+    """``needs`` (the gradients the caller reads, kernels/contract.py) is the one parameter a
+    backward may add to the task's upstream gradients."""
+    source = _program("").replace("def backward(saved, dy):", f"def backward(saved, {signature.split(', ', 1)[1]}):")
+    assert f"def backward({signature})" in source
+    text = "; ".join(map(str, check_source(source, spec)))
+    assert (why in text) if why else text == "", text

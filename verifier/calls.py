@@ -20,6 +20,7 @@ gradient buffer.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
@@ -56,6 +57,14 @@ class Case:
     grads: dict[str, torch.Tensor] | None
     hi: dict[str, torch.Tensor]
     lo: dict[str, torch.Tensor]
+    needs: frozenset[str] | None = None  # the gradients backward is asked for (None: all of them)
+
+    def needing(self, spec: TaskSpec, needs: frozenset[str]) -> "Case":
+        """This case with backward asked for ``needs`` alone: the references of the outputs and
+        of those gradients."""
+        left_out = {f"d{g}" for g in spec.gradients} - needs
+        return dataclasses.replace(self, hi={k: v for k, v in self.hi.items() if k not in left_out},
+                                   lo={k: v for k, v in self.lo.items() if k not in left_out}, needs=needs)
 
 
 def draw_case(task: Task, spec: TaskSpec, shape_set: str, seed: int, device: str, draw: str = "seed") -> Case:
@@ -98,7 +107,8 @@ def _request_tensors(spec: TaskSpec, case: Case) -> list[tuple[str, torch.Tensor
 
 def _call_header(spec: TaskSpec, tag: str, case: Case) -> dict[str, Any]:
     return {"op": "call", "tag": tag, "backward": case.grads is not None, "padded": case.draw == "padded",
-            "shapes": result_shapes(spec, case.shape_set)}
+            "shapes": result_shapes(spec, case.shape_set),
+            **({"needs": sorted(case.needs)} if case.needs is not None else {})}
 
 
 def _result_list(reply: dict[str, Any], expected: list[str]) -> list[dict[str, Any]]:

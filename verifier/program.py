@@ -83,16 +83,17 @@ def load(source: str, tag: str) -> ModuleType:
 
 
 def call(contract: Contract, mod: ModuleType, inputs: dict[str, torch.Tensor],
-         grads: dict[str, torch.Tensor] | None, audit: "TorchAudit | None" = None) -> dict[str, Any]:
+         grads: dict[str, torch.Tensor] | None, audit: "TorchAudit | None" = None,
+         needs: list[str] | None = None) -> dict[str, Any]:
     """forward (+ backward) by the contract (``kernels/contract.py``): the outputs and
-    ``d<input>`` gradients in one dict."""
+    ``d<input>`` gradients (those in ``needs``, when given) in one dict."""
     with _as_candidate(mod.__file__, "forward"), audit or contextlib.nullcontext():
         outs = call_forward(mod, inputs, contract.params, contract.outputs)
     result = {o: outs[o] for o in contract.outputs}
     if grads is not None:
         saved = saved_state(inputs, contract.params, outs)
         with _as_candidate(mod.__file__, "backward"), audit or contextlib.nullcontext():
-            result.update(call_backward(mod, saved, grads, contract.gradients))
+            result.update(call_backward(mod, saved, grads, contract.gradients, needs))
     return result
 
 

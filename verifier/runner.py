@@ -83,7 +83,7 @@ def _run(st: State, req: dict, inputs: dict, grads: dict | None, audit: Any = No
     mod, lowering_name = st.programs[req["tag"]]
     # padded: the reference lowering folds a ragged tile's padded lanes as the kernel does
     with lowering(lowering_name), padded_lanes() if req.get("padded") else contextlib.nullcontext():
-        results = prog.call(st.contract, mod, inputs, grads, audit)
+        results = prog.call(st.contract, mod, inputs, grads, audit, req.get("needs"))
     return prog.check_results(st.contract, results, req["shapes"], inputs, grads, st.device)
 
 
@@ -129,10 +129,18 @@ def _compile(st: State, req: dict, blobs: list[bytes]) -> tuple[dict, list]:
         try:
             mod = prog.load(req["source"], "compile")
             prog.call(st.contract, mod, inputs, grads)
+            full = len(kernels)
+            for needs in req.get("needs_sets", []):  # a backward's paths for smaller gradient sets
+                prog.call(st.contract, mod, inputs, grads, needs=needs)
         except CandidateError as e:
             e.log = prog.trim("\n".join(k.log for k in kernels if k.log) + "\n" + e.log)
             raise
-        kernels_json.extend(k.report(prog.trim(k.log)) for k in kernels)
+        # Each kernel once: the whole call's, then those only a smaller gradient set compiled.
+        seen = {(k.epilogue, k.config) for k in kernels[:full]}
+        for i, k in enumerate(kernels):
+            if i < full or (k.epilogue, k.config) not in seen:
+                seen.add((k.epilogue, k.config))
+                kernels_json.append(k.report(prog.trim(k.log)))
     return {"kernels": kernels_json}, []
 
 

@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 import torch
 
+from coda_agent.kernels.contract import takes_needs
 from coda_agent.verifier.calls import Case, CpuCalls, GpuCalls, draw_case, verdict
 from coda_agent.verifier.inputs import beyond_set, checked_sets, set_label
 from coda_agent.verifier.check import Check
@@ -80,9 +81,37 @@ def _check_sets(check: Check, sets: list[str], device: str, call: Callable[[Case
                     return StageResult(name="reference", status="failed",
                                        message=f"not deterministic: `{diff[0]}` differs between two runs on "
                                                f"the same inputs ({set_label(spec, shape_set)})")
+            if not seen and (failed := _check_needs(check, case, call)):
+                return failed
             seen.append((case, got))
         if seconds is not None:
             seconds[shape_set] = round(time.perf_counter() - t0, 2)
+    return None
+
+
+def needs_sets(check: Check) -> list[frozenset[str]]:
+    """The smaller gradient sets a caller may ask the program's backward for: none unless it
+    declares ``needs`` (``kernels/contract.py``)."""
+    spec = check.spec
+    return spec.gradient_subsets[1:] if spec.has_backward and takes_needs(check.source) else []
+
+
+def _check_needs(check: Check, case: Case, call: Callable[[Case], dict[str, torch.Tensor]]) -> StageResult | None:
+    """A backward that declares ``needs`` (``kernels/contract.py``), asked for each smaller set of
+    gradients a caller may ask for (``TaskSpec.gradient_subsets``), on ``case``'s inputs: every
+    gradient asked for must match the reference, whatever the program leaves out."""
+    spec = check.spec
+    for needs in needs_sets(check):
+        asked = case.needing(spec, needs)
+        try:
+            ms = verdict(spec, asked, call(asked))
+        except CandidateError as e:
+            if "needs=" not in e.message:
+                e.message = f"backward called with needs={sorted(needs)}: {e.message}"
+            raise
+        if ms:
+            return StageResult(name="reference", status="failed", mismatches=ms,
+                               message=f"backward called with needs={sorted(needs)}: {mismatch_message(ms)}")
     return None
 
 
@@ -123,7 +152,8 @@ def _compile(check: Check) -> StageResult:
     carriers += [{"name": f"d{o}", "dtype": spec.outputs[o].dtype,
                   "shape": list(spec.shape_of(spec.outputs[o], shape_set))} for o in spec.grad_outputs]
     reply = check.request({"op": "compile", "source": check.source, "contract": check.contract(),
-                           "tensors": carriers, "backward": spec.has_backward})
+                           "tensors": carriers, "backward": spec.has_backward,
+                           "needs_sets": [sorted(s) for s in needs_sets(check)]})
     return compile_result(kernel_reports(reply), shape_set)
 
 

@@ -427,15 +427,17 @@ class _Checker(ast.NodeVisitor):
                          "returned dict)")
             else:
                 rest = [p.arg for p in positional[1:]] + [p.arg for p in bwd.args.kwonlyargs]
-                self._check_params(bwd, rest, grads, "backward")
+                # ``needs``: the gradients the caller reads, passed to a backward that declares it
+                self._check_params(bwd, rest, grads, "backward", optional=("needs",))
 
-    def _check_params(self, fn: ast.FunctionDef, names: list[str], wanted: list[str], what: str) -> None:
+    def _check_params(self, fn: ast.FunctionDef, names: list[str], wanted: list[str], what: str,
+                      optional: tuple[str, ...] = ()) -> None:
         a = fn.args
         missing = [w for w in wanted if w not in names]
         if missing and not a.kwarg:
             self.bad(fn, f"{what} does not accept {missing}; its parameters must be "
                      f"({', '.join(wanted)}) (called by keyword)")
-        extra = [n for n in names if n not in wanted]
+        extra = [n for n in names if n not in wanted and n not in optional]
         if len(extra) > len(a.defaults) + sum(d is not None for d in a.kw_defaults):
             self.bad(fn, f"{what} has parameters {extra} the verifier does not pass; its parameters "
                      f"must be ({', '.join(wanted)})")

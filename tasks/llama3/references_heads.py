@@ -94,6 +94,16 @@ def lm_head_xent(x, w, target, dloss):
     return {"loss": loss.detach(), "dx": dx, "dw": dw}
 
 
+def lm_head_xent_frozen(x, w, target, dloss):
+    """lm_head_xent with the head frozen (LoRA, a frozen tied embedding): the per-row loss and
+    the gradient of sum(dloss * loss) with respect to x alone."""
+    with torch.enable_grad():
+        xg = x.detach().requires_grad_(True)
+        loss, _ = _xent_rows(xg @ w.detach().t(), target)
+        (dx,) = torch.autograd.grad(loss, (xg,), dloss.to(loss.dtype))
+    return {"loss": loss.detach(), "dx": dx}
+
+
 # --------------------------------------------------------------------------- task 11
 
 

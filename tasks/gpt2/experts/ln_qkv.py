@@ -61,12 +61,14 @@ def forward(x, gamma, beta, w_qkv, b_qkv, eps):
     return {"qkv": qkv, "mean": stats["mean"], "rstd": stats["rstd"], "gw": fold["gw"], "shift": fold["c"]}
 
 
-def backward(saved, dqkv):
+def backward(saved, dqkv, needs):
     x, rstd = saved["x"], saved["rstd"]
     st = tile_pass(ln_grad_stats, du=dqkv, u=saved["qkv"], gw=saved["gw"], shift=saved["shift"])
     k = vector_pass(ln_grad_coeffs, mean=saved["mean"], rstd=rstd, s1=st["s1"], s2=st["s2"],
                     inv_dim=1.0 / x.shape[1])
     d = gemm(dqkv, saved["w_qkv"], ln_backward, x=x, rstd=rstd, r0=k["r0"], p=k["p"], q=k["q"],
              gamma=saved["gamma"], beta=saved["beta"])
-    return {"dx": d["D"], "dgamma": d["dgamma"], "dbeta": d["dbeta"], "dw_qkv": gemm(dqkv.t(), d["ln"])["D"],
-            "db_qkv": st["db"]}
+    grads = {"dx": d["D"], "dgamma": d["dgamma"], "dbeta": d["dbeta"], "db_qkv": st["db"]}
+    if "dw_qkv" in needs:  # a frozen weight (LoRA, a frozen base) skips its gradient GEMM
+        grads["dw_qkv"] = gemm(dqkv.t(), d["ln"])["D"]
+    return grads

@@ -73,7 +73,7 @@ def forward(h, gamma, beta, w_fc, b_fc, w_proj, b_proj, eps):
             "gw": fold["gw"], "shift": fold["c"]}
 
 
-def backward(saved, dy):
+def backward(saved, dy, needs):
     h, rstd = saved["h"], saved["rstd"]
     # dpre goes over the saved pre it is computed from (read before written, not read again).
     da = gemm(dy, saved["w_proj"], dgelu_stats, pre=saved["pre"], out=saved["pre"], gw=saved["gw"],
@@ -82,5 +82,10 @@ def backward(saved, dy):
                     inv_dim=1.0 / h.shape[1])
     d = gemm(da["D"], saved["w_fc"], ln_backward, h=h, dy=dy, rstd=rstd, r0=k["r0"], p=k["p"], q=k["q"],
              gamma=saved["gamma"], beta=saved["beta"])
-    return {"dh": d["D"], "dgamma": d["dgamma"], "dbeta": d["dbeta"], "dw_fc": gemm(da["D"].t(), d["ln"])["D"],
-            "db_fc": da["db"], "dw_proj": gemm(dy.t(), saved["act"])["D"], "db_proj": d["db_res"]}
+    grads = {"dh": d["D"], "dgamma": d["dgamma"], "dbeta": d["dbeta"], "db_fc": da["db"], "db_proj": d["db_res"]}
+    # a frozen weight (LoRA, a frozen base: not in needs) skips its gradient GEMM
+    if "dw_fc" in needs:
+        grads["dw_fc"] = gemm(da["D"].t(), d["ln"])["D"]
+    if "dw_proj" in needs:
+        grads["dw_proj"] = gemm(dy.t(), saved["act"])["D"]
+    return grads

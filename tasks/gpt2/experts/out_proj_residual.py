@@ -26,6 +26,12 @@ def forward(attn, x, w_o, b_o):
     return {"h": gemm(attn, w_o.t(), bias_residual, b=b_o, x=x)["D"]}
 
 
-def backward(saved, dh):
-    return {"dattn": gemm(dh, saved["w_o"])["D"], "dw_o": gemm(dh.t(), saved["attn"])["D"],
-            "db_o": tile_pass(bias_grad, dy=dh)["db"], "dx": dh}
+def backward(saved, dh, needs):
+    grads = {"dx": dh}
+    if "dattn" in needs:
+        grads["dattn"] = gemm(dh, saved["w_o"])["D"]
+    if "dw_o" in needs:  # a frozen weight (LoRA, a frozen base) skips its gradient GEMM
+        grads["dw_o"] = gemm(dh.t(), saved["attn"])["D"]
+    if "db_o" in needs:
+        grads["db_o"] = tile_pass(bias_grad, dy=dh)["db"]
+    return grads

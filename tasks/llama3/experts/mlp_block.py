@@ -20,6 +20,9 @@ r * d_pre is written over the saved pre-activation it is computed from
 (``gemm(..., out=pre)``: each element is read before it is written), so the
 backward never holds both (T, 2I) tensors, and each temporary is dropped once
 its last GEMM has read it.
+
+Frozen weights (LoRA, a frozen base: ``needs`` lacks their gradients) skip
+their GEMMs, and a frozen W_down also the store of silu(g) * u.
 """
 
 from coda_agent.primitives import (ColVec, PairedTile, RowVec, Scalar, Tile, col_sum, epilogue,
@@ -39,14 +42,25 @@ def add_residual(acc, residual: Tile):
     return {"D": acc + residual}
 
 
-@epilogue(outputs={"act": "bf16"}, reductions={"s": col_sum()})
-def dswiglu(acc, pre: PairedTile, rstd: ColVec):
+def swiglu_grads(acc, pre):
+    """(silu(g), dg, du, g, u) of the dSwiGLU epilogues: acc is d(silu(g) * u)."""
     g, u = unpack(pre)
     sg = sigmoid(g)
     silu_g = g * sg
-    dg = acc * u * sg * (1.0 + g * (1.0 - sg))
-    du = acc * silu_g
+    return silu_g, acc * u * sg * (1.0 + g * (1.0 - sg)), acc * silu_g, g, u
+
+
+@epilogue(outputs={"act": "bf16"}, reductions={"s": col_sum()})
+def dswiglu(acc, pre: PairedTile, rstd: ColVec):
+    silu_g, dg, du, g, u = swiglu_grads(acc, pre)
     return {"D": pack(dg * rstd, du * rstd), "act": silu_g * u, "s": g * dg + u * du}
+
+
+@epilogue(reductions={"s": col_sum()})
+def dswiglu_frozen(acc, pre: PairedTile, rstd: ColVec):
+    # W_down frozen: its gradient's input silu(g) * u is not written
+    silu_g, dg, du, g, u = swiglu_grads(acc, pre)
+    return {"D": pack(dg * rstd, du * rstd), "s": g * dg + u * du}
 
 
 @epilogue()
@@ -69,16 +83,21 @@ def forward(h, gamma, w_gu, w_down, eps):
     return {"y": y, "pre": gu["D"], "rstd": prep["rstd"]}
 
 
-def backward(saved, dy):
+def backward(saved, dy, needs):
     h, gamma, w_gu, w_down = saved["h"], saved["gamma"], saved["w_gu"], saved["w_down"]
     rstd = saved["rstd"]
+    grads = {}
     # d(pre) overwrites the saved pre-activation it is computed from: the two never coexist.
-    da = gemm(dy, w_down, dswiglu, pre=saved["pre"], rstd=rstd, out=saved["pre"])
-    dpre, act, s = da["D"], da["act"], da["s"]
-    del da
-    dw_down = gemm(dy.t(), act)["D"]
-    del act  # before the next GEMMs allocate: the (T, I) act is the largest temporary here
-    d = gemm(dpre, w_gu, rmsnorm_bwd, rstd=rstd, s=s, gamma=gamma, h=h, dy=dy,
-             inv_dim=1.0 / h.shape[1])
-    dw_gu = gemm(dpre.t(), h, scale_cols, gamma=gamma)["D"]
-    return {"dh": d["D"], "dgamma": d["dgamma"], "dw_gu": dw_gu, "dw_down": dw_down}
+    da = gemm(dy, w_down, dswiglu if "dw_down" in needs else dswiglu_frozen, pre=saved["pre"], rstd=rstd,
+              out=saved["pre"])
+    dpre, s = da["D"], da["s"]
+    if "dw_down" in needs:
+        grads["dw_down"] = gemm(dy.t(), da["act"])["D"]
+    del da  # before the next GEMMs allocate: the (T, I) act is the largest temporary here
+    if "dh" in needs or "dgamma" in needs:
+        d = gemm(dpre, w_gu, rmsnorm_bwd, rstd=rstd, s=s, gamma=gamma, h=h, dy=dy,
+                 inv_dim=1.0 / h.shape[1])
+        grads["dh"], grads["dgamma"] = d["D"], d["dgamma"]
+    if "dw_gu" in needs:
+        grads["dw_gu"] = gemm(dpre.t(), h, scale_cols, gamma=gamma)["D"]
+    return grads

@@ -37,7 +37,7 @@ def test_expert_matches_reference(name, shape_set):
 
 
 MUTANTS = [
-    ("out_proj_residual", '"dresidual": dy', '"dresidual": dattn'),
+    ("out_proj_residual", '"dresidual": dy}', '"dresidual": gemm(dy, saved["Wo"].t())["D"]}'),
     ("residual_rmsnorm", '"sqsum": h * h', '"sqsum": h * h * gamma'),
     ("residual_rmsnorm", "rms_rstd(first[\"sqsum\"], W0.shape[1], eps)", "rms_rstd(first[\"sqsum\"], 2 * W0.shape[1], eps)"),
     ("swiglu_fwd", "silu(g) * u", "silu(u) * g"),

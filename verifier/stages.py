@@ -81,7 +81,7 @@ def _check_sets(check: Check, sets: list[str], device: str, call: Callable[[Case
                     return StageResult(name="reference", status="failed",
                                        message=f"not deterministic: `{diff[0]}` differs between two runs on "
                                                f"the same inputs ({set_label(spec, shape_set)})")
-            if not seen and (failed := _check_needs(check, case, call)):
+            if draw != "padded" and (failed := _check_needs(check, case, call, poisoned)):
                 return failed
             seen.append((case, got))
         if seconds is not None:
@@ -96,15 +96,17 @@ def needs_sets(check: Check) -> list[frozenset[str]]:
     return spec.gradient_subsets[1:] if spec.has_backward and takes_needs(check.source) else []
 
 
-def _check_needs(check: Check, case: Case, call: Callable[[Case], dict[str, torch.Tensor]]) -> StageResult | None:
+def _check_needs(check: Check, case: Case, call: Callable[[Case], dict[str, torch.Tensor]],
+                 poisoned: bool) -> StageResult | None:
     """A backward that declares ``needs`` (``kernels/contract.py``), asked for each smaller set of
-    gradients a caller may ask for (``TaskSpec.gradient_subsets``), on ``case``'s inputs: every
-    gradient asked for must match the reference, whatever the program leaves out."""
+    gradients a caller may ask for (``TaskSpec.gradient_subsets``), on ``case``'s inputs (every
+    draw the whole set is checked on: a path for fewer gradients is held to the same inputs):
+    every gradient asked for must match the reference, whatever the program leaves out."""
     spec = check.spec
     for needs in needs_sets(check):
         asked = case.needing(spec, needs)
         try:
-            ms = verdict(spec, asked, call(asked))
+            ms = verdict(spec, asked, call(asked), poisoned=poisoned)
         except CandidateError as e:
             if "needs=" not in e.message:
                 e.message = f"backward called with needs={sorted(needs)}: {e.message}"
@@ -113,6 +115,11 @@ def _check_needs(check: Check, case: Case, call: Callable[[Case], dict[str, torc
             return StageResult(name="reference", status="failed", mismatches=ms,
                                message=f"backward called with needs={sorted(needs)}: {mismatch_message(ms)}")
     return None
+
+
+def _subsets_note(check: Check) -> str:
+    n = len(needs_sets(check))
+    return f"; backward also asked for {n} smaller gradient set{'s' * (n > 1)} (needs)" if n else ""
 
 
 def _beyond_sizes(check: Check) -> dict[str, int]:
@@ -137,7 +144,7 @@ def reference(check: Check) -> StageResult:
         return failed
     return StageResult(name="reference", status="passed",
                        message=f"matches the PyTorch reference on {', '.join(sets)} ({SEEDS_PER_SET} fresh draws "
-                               f"and edge rows each, and whole tiles, {_what(check)})",
+                               f"and edge rows each, and whole tiles, {_what(check)}{_subsets_note(check)})",
                        details={"shape_sets": sets, "tensors": sorted(check.spec.outputs),
                                 "beyond_set": _beyond_sizes(check)})
 
@@ -269,7 +276,8 @@ def correctness(check: Check) -> StageResult:
         return failed.model_copy(update={"name": "correctness", "details": {"shape_sets": sets}})
     return StageResult(name="correctness", status="passed",
                        message=f"matches the fp32 reference on {', '.join(sets)} ({SEEDS_PER_SET} fresh draws and "
-                               "edge rows each, NaN-poisoned outputs, inputs unmodified, deterministic)"
+                               f"edge rows each{_subsets_note(check)}, NaN-poisoned outputs, inputs unmodified, "
+                               "deterministic)"
                                + (f"; NOT checked, too large for this GPU's {total / 2**30:.0f} GiB: "
                                   f"{', '.join(skipped)}" if skipped else ""),
                        details={"shape_sets": sets, "skipped_shape_sets": skipped, "seconds_by_set": seconds,

@@ -76,26 +76,29 @@ def frozen_backward(suite: str, name: str, trained: set[str], device: str = "cpu
     autograd got against the fp64 reference."""
     t = task(name, suite)
     kernel = Kernel.from_files(t.expert_path, t.path)
-    asked = []
+    asked, gemms = [], []
     backward = kernel.program.backward
 
     def recording(saved, *, needs, **grads):  # declares needs, as the program does
         asked.append(needs)
-        return backward(saved, needs=needs, **grads)
+        # The ledger is opened here: autograd runs a CUDA backward in its own device thread.
+        with launch_ledger() as launches:
+            back = backward(saved, needs=needs, **grads)
+        gemms.append(sum(x.kind == "gemm" for x in launches))
+        return back
 
     kernel.program.backward = recording
     inputs, grads = draw(t, "small", seed=3)
     leaves = {k: v.to(device).requires_grad_(k in trained) for k, v in inputs.items()}
     outs = kernel(**leaves)
-    with launch_ledger() as launches:
-        torch.autograd.backward([outs[o] for o in kernel.grad_outputs],
-                                [grads[f"d{o}"].to(device) for o in kernel.grad_outputs])
+    torch.autograd.backward([outs[o] for o in kernel.grad_outputs],
+                            [grads[f"d{o}"].to(device) for o in kernel.grad_outputs])
     hi = run_reference(t, inputs, grads, torch.float64)
     lo = run_reference(t, inputs, grads, None)
     bad = [m for g in sorted(trained) if (m := compare(f"d{g}", "small", leaves[g].grad.cpu(), hi[f"d{g}"], lo[f"d{g}"],
                                                        t.spec.tolerance_for(f"d{g}")))]
     assert all(leaves[k].grad is None for k in inputs if k not in trained)
-    return asked[0], sum(x.kind == "gemm" for x in launches), bad
+    return asked[0], gemms[0], bad
 
 
 def assert_frozen_backwards(suite: str, name: str, device: str) -> None:

@@ -55,6 +55,8 @@ def load_catalogue() -> str:
 
 
 def initial_messages(task: "Task", catalogue: str, max_examples: int = 3) -> list[Message]:
+    from coda_agent.tasks.spec import PARAMETER_ROLES
+
     spec = task.spec
     # The same contract the verifier's static stage checks (verifier/static.py).
     grads_in = [f"d{o}" for o in spec.grad_outputs]
@@ -63,6 +65,9 @@ def initial_messages(task: "Task", catalogue: str, max_examples: int = 3) -> lis
                 f"a dict with {', '.join(repr('d' + g) for g in spec.gradients)}; `saved` holds the forward's "
                 "inputs, params and returned dict."
                 + (f" {', '.join(saved)} (role saved) receive no gradient." if saved else "")
+                + (" A parameter `needs` added to backward receives the set of those names the caller "
+                   f"reads (a frozen {frozen[0]} leaves out {'d' + frozen[0]!r}): skip what it leaves out."
+                   if (frozen := [g for g in spec.gradients if spec.inputs[g].role in PARAMETER_ROLES]) else "")
                 if spec.gradients else "This task has no backward.")
     examples = example_programs(task, max_examples)
     examples_text = "\n\n".join(f"### {name}\n\n```python\n{src.rstrip()}\n```" for name, src in examples) \

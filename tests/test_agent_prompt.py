@@ -62,3 +62,12 @@ def test_backward_contract_is_spelled_out_when_the_task_has_gradients(tmp_path):
     path.write_text(path.read_text() + "gradients: [x, r]\n")
     _, user = initial_messages(load_task(path), "C")
     assert "`backward(saved, dD)` returns a dict with 'dx', 'dr'" in user["content"]
+    assert "needs" not in user["content"].split("backward(saved")[1][:400]  # x and r are no parameters
+
+
+def test_a_task_with_parameter_gradients_offers_needs():
+    from coda_agent.tasks import SUITES, load_task
+
+    _, user = initial_messages(load_task(SUITES["llama3"] / "mlp_block.yaml"), "C")
+    assert "A parameter `needs` added to backward receives the set of those names the caller reads " \
+           "(a frozen gamma leaves out 'dgamma')" in user["content"]

@@ -48,10 +48,11 @@ keeps the weights row-major (an all-gathered weight is row-major anyway) and pay
 copy.
 
 ``kernels={"mlp_block": "runs/...", ...}`` swaps a slot's expert (``ln_qkv``,
-``out_proj_residual``, ``mlp_block``, ``lm_head_xent``) for an accepted program of that task or of
-one with its contract (``dropin.py``).  The ``mlp_block`` slot's task is ``mlp_block_tanh`` for a
-tanh-GELU model; a kernel of the other GELU's task is refused by name, and one of another task
-with the same contract must compute this model's GELU (its contract cannot say).
+``out_proj_residual``, ``mlp_block``, ``lm_head_xent``, ``lm_head_xent_frozen``) for an
+accepted program of that task or of one with its contract (``dropin.py``).  The ``mlp_block``
+slot's task is ``mlp_block_tanh`` for a tanh-GELU model; a kernel of the other GELU's task is
+refused by name, and one of another task with the same contract must compute this model's GELU
+(its contract cannot say).
 
 **Refused** (a :class:`KernelError` naming what differs and the fix), since the patched block
 would otherwise train something other than the model:

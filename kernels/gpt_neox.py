@@ -51,8 +51,8 @@ what it costs is the bias gradient the kernels reduce and autograd drops, one pa
 output gradient).  A projection of the MLP without a bias gets the same.
 
 ``kernels={"mlp_block": "runs/...", ...}`` swaps a slot's expert (``ln_qkv``,
-``out_proj_residual``, ``mlp_block``, ``lm_head_xent``) as in apply_to_gpt2 (``dropin.py``); the
-``mlp_block`` slot's task follows the model's GELU.
+``out_proj_residual``, ``mlp_block``, ``lm_head_xent``, ``lm_head_xent_frozen``) as in
+apply_to_gpt2 (``dropin.py``); the ``mlp_block`` slot's task follows the model's GELU.
 
 **Refused** (a :class:`KernelError` naming what differs and the fix), before anything changes:
 

@@ -57,11 +57,12 @@ its epilogue, the out_proj_residual kernel):
   ``[g0, u0, g1, u1, ...]`` (adjacent GEMM columns are one pair).  It owns that
   RMSNorm, so it needs ``rms_norm``.
 - ``fused_linear_cross_entropy``: in training with labels, LM head + loss as the
-  lm_head_xent kernel (no full logits; ``logits`` is None, as with Liger).
+  lm_head_xent kernel (no full logits; ``logits`` is None, as with Liger); a frozen head
+  (LoRA's base, a frozen tied embedding) runs lm_head_xent_frozen, which computes no dw.
 
 ``kernels={"mlp_block": "runs/...", ...}`` swaps the suite's expert program of
-``out_proj_residual``, ``mlp_block`` or ``lm_head_xent`` for an accepted one (a
-run directory or a :class:`Kernel`) of that task or of one with its contract:
+``out_proj_residual``, ``mlp_block``, ``lm_head_xent`` or ``lm_head_xent_frozen`` for an
+accepted one (a run directory or a :class:`Kernel`) of that task or of one with its contract:
 the same inputs, params, outputs and gradients.  ``fp8_mlp=True`` is such a
 swap: every MLP block runs the ``mlp_block_fp8`` expert (tasks/llama3_fp8: its
 six GEMMs in fp8 e4m3 with current row-wise scales, torchao's rowwise

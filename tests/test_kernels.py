@@ -21,9 +21,9 @@ from coda_agent.cli import app
 from coda_agent.kernels import Kernel, KernelError, KernelModule, load_kernel
 from coda_agent.primitives import CATALOGUE_VERSION
 from coda_agent.primitives.lowering import launch_ledger
+from coda_agent.tasks import SUITE_DIR
 from coda_agent.verifier.compare import compare
 from coda_agent.verifier.inputs import run_reference
-from coda_agent.tasks import SUITE_DIR
 
 
 def suite_kernel(name: str) -> Kernel:

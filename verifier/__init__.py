@@ -38,7 +38,9 @@ What each stage guarantees, and what it does not:
   by a secret amount the judge draws per check, so that no checked size can
   be read off the task file: :mod:`.inputs`) and any the task names, each with
   two fresh draws and one of edge rows (norms of 2^-12 and 2^5, gradients
-  along the output).  Guaranteed
+  along the output); a backward that declares ``needs`` is also asked, on
+  each of those draws, for every smaller gradient set a caller may ask for
+  (``kernels/contract.py``), each gradient asked for held to the reference.  Guaranteed
   by the judge: every declared result is present with its declared dtype and
   shape (gradients: the input's dtype or fp32), every value within the
   tolerance of the judge's own reference (CODA's max rule, a norm rule and a

@@ -187,6 +187,25 @@ def has_modules(model: Any, names: tuple[str, ...]) -> bool:
     return all(isinstance(getattr(model, a, None), nn.Module) for a in names)
 
 
+# Each drop-in's decoder stack: where its causal LM keeps it, its modules, the family, the drop-in.
+STACKS = (("model", LLAMA_STACK, "LLaMA", "apply_to_llama"), ("transformer", GPT2_STACK, "GPT-2", "apply_to_gpt2"),
+          ("gpt_neox", GPT_NEOX_STACK, "GPT-NeoX", "apply_to_gpt_neox"))
+
+
+def refusal_hint(model: Any, patch: str, head: str = "", default: str = NO_DROP_IN) -> str:
+    """How a refusal of ``model`` by ``patch`` (whose decoder stack it lacks) ends, naming the way
+    on: unwrap a DataParallel, ``head`` (the caller's hint for a head over its own family's stack,
+    where it has one), the drop-in whose stack it holds, else ``default``."""
+    if isinstance(getattr(model, "module", None), nn.Module):  # DataParallel, DistributedDataParallel
+        return "; it wraps the model (model.module): patch the model itself first, then wrap it"
+    if head:
+        return head
+    for attr, stack, family, other in STACKS:
+        if other != patch and has_modules(getattr(model, attr, model), stack):
+            return f"; it is built like {family}: coda_agent.{other}(model) patches those"
+    return default
+
+
 def record_attention(weights: torch.Tensor | None) -> None:
     """Hand a patched layer's attention weights to transformers' output capture
     (``output_attentions=True``).  HF records them with a forward hook on the attention module,

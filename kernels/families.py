@@ -42,8 +42,8 @@ from transformers.models.seed_oss.modeling_seed_oss import SeedOssAttention, See
 from transformers.models.smollm3.modeling_smollm3 import SmolLM3Attention
 
 from .adapters import linear_of, require_projection
-from .dropin import (GPT2_STACK, GPT_NEOX_STACK, LLAMA_STACK, NO_DROP_IN, check_lm_head, has_modules,
-                     refuse_wrapped, require_kernel_dtypes)
+from .dropin import (LLAMA_STACK, NO_DROP_IN, check_lm_head, has_modules, refusal_hint, refuse_wrapped,
+                     require_kernel_dtypes)
 from .kernel import KernelError
 
 STATIC_ROPE = ("default", "linear", "llama3")
@@ -223,25 +223,13 @@ def llama_architecture(model: nn.Module, keep_mlp: bool = False) -> tuple[nn.Mod
     causal_lm = hasattr(model, "lm_head") and isinstance(getattr(model, "model", None), nn.Module)
     base = model.model if causal_lm else model
 
-    def stack(m: Any) -> bool:
-        return has_modules(m, LLAMA_STACK)
-
-    if not stack(base):
-        hint = NO_DROP_IN
-        inner = next((n for n, m in model.named_children() if stack(m)), None)
-        if isinstance(getattr(model, "module", None), nn.Module):  # DataParallel, DistributedDataParallel
-            hint = "; it wraps the model (model.module): patch the model itself first, then wrap it"
-        elif inner is not None:  # a classification or QA head over a decoder stack
-            hint = (f"; its head is not a causal LM's lm_head: patch its decoder stack, "
-                    f"apply_to_llama(model.{inner}), and the head stays HF's")
-        elif all(isinstance(getattr(getattr(model, "transformer", model), a, None), nn.Module)
-                 for a in GPT2_STACK):
-            hint = "; it is built like GPT-2: coda_agent.apply_to_gpt2(model) patches those"
-        elif has_modules(getattr(model, "gpt_neox", model), GPT_NEOX_STACK):
-            hint = "; it is built like GPT-NeoX: coda_agent.apply_to_gpt_neox(model) patches those"
+    if not has_modules(base, LLAMA_STACK):
+        inner = next((n for n, m in model.named_children() if has_modules(m, LLAMA_STACK)), None)
+        head = (f"; its head is not a causal LM's lm_head: patch its decoder stack, apply_to_llama(model.{inner}), "
+                "and the head stays HF's") if inner is not None else ""  # a classification or QA head
         raise KernelError(f"apply_to_llama patches a transformers LlamaForCausalLM or LlamaModel (or a model "
                           f"family built from LLaMA's modules, such as Mistral or Qwen3); got "
-                          f"{type(model).__name__}{hint}")
+                          f"{type(model).__name__}{refusal_hint(model, 'apply_to_llama', head)}")
     checks = []
     lm = ""
     if causal_lm:

@@ -91,10 +91,9 @@ from transformers.pytorch_utils import Conv1D
 from transformers.utils import can_return_tuple
 
 from .adapters import adapted, peft_base, require_projection
-from .dropin import (GPT2_SLOTS, GPT2_STACK, GPT_NEOX_STACK, LLAMA_STACK, NO_DROP_IN, BlockPlan, PatchedForward,
-                     block_plan, check_lm_head, check_slots, gelu_of, has_modules, record_attention, refuse_patched,
-                     refuse_wrapped, require_children, require_code, require_kernel_dtypes, require_layer_norm,
-                     xent_kernels)
+from .dropin import (GPT2_SLOTS, GPT2_STACK, NO_DROP_IN, BlockPlan, PatchedForward, block_plan, check_lm_head,
+                     check_slots, gelu_of, record_attention, refusal_hint, refuse_patched, refuse_wrapped,
+                     require_children, require_code, require_kernel_dtypes, require_layer_norm, xent_kernels)
 from .families import same_code
 from .kernel import Kernel, KernelError
 from .llama_ops import fused_lm_forward
@@ -154,17 +153,11 @@ def gpt2_architecture(model: nn.Module, keep_mlp: bool = False) -> tuple[nn.Modu
         return [a for a in GPT2_STACK if not isinstance(getattr(m, a, None), nn.Module)]
 
     if missing(base):
-        hint = f"; its decoder stack has no {', '.join(missing(base))} (GPT-2's {', '.join(GPT2_STACK)}){NO_DROP_IN}"
         inner = getattr(model, "transformer", None)
-        if isinstance(getattr(model, "module", None), nn.Module):  # DataParallel, DistributedDataParallel
-            hint = "; it wraps the model (model.module): patch the model itself first, then wrap it"
-        elif has_modules(getattr(model, "gpt_neox", model), GPT_NEOX_STACK):
-            hint = "; it is built like GPT-NeoX: coda_agent.apply_to_gpt_neox(model) patches those"
-        elif has_modules(getattr(model, "model", model), LLAMA_STACK):
-            hint = "; it is built like LLaMA: coda_agent.apply_to_llama(model) patches those"
-        elif isinstance(inner, nn.Module) and not missing(inner):  # a classification or QA head
-            hint = ("; its head is not a causal LM's lm_head: patch its decoder stack, "
-                    "apply_to_gpt2(model.transformer), and the head stays HF's")
+        head = ("; its head is not a causal LM's lm_head: patch its decoder stack, apply_to_gpt2(model.transformer), "
+                "and the head stays HF's") if isinstance(inner, nn.Module) and not missing(inner) else ""
+        hint = refusal_hint(model, "apply_to_gpt2", head, f"; its decoder stack has no {', '.join(missing(base))} "
+                            f"(GPT-2's {', '.join(GPT2_STACK)}){NO_DROP_IN}")
         raise KernelError(f"apply_to_gpt2 patches a transformers GPT2LMHeadModel or GPT2Model; got "
                           f"{type(model).__name__}{hint}")
     name = type(model).__name__

@@ -87,10 +87,9 @@ from transformers.models.gpt_neox.modeling_gpt_neox import (GPTNeoXAttention, GP
 from transformers.utils import can_return_tuple
 
 from .adapters import adapted, peft_base, require_projection
-from .dropin import (GPT2_SLOTS, GPT2_STACK, GPT_NEOX_STACK, LLAMA_STACK, NO_DROP_IN, BlockPlan, PatchedForward,
-                     block_plan, check_lm_head, check_slots, gelu_of, has_modules, record_attention, refuse_patched,
-                     refuse_wrapped, require_children, require_code, require_kernel_dtypes, require_layer_norm,
-                     xent_kernels)
+from .dropin import (GPT2_SLOTS, GPT_NEOX_STACK, BlockPlan, PatchedForward, block_plan, check_lm_head, check_slots,
+                     gelu_of, has_modules, record_attention, refusal_hint, refuse_patched, refuse_wrapped,
+                     require_children, require_code, require_kernel_dtypes, require_layer_norm, xent_kernels)
 from .families import same_code
 from .kernel import Kernel, KernelError
 from .llama_ops import fused_lm_forward
@@ -143,15 +142,8 @@ def gpt_neox_architecture(model: nn.Module, layer_norm: bool = True, keep_mlp: b
     inner = None if has_modules(model, GPT_NEOX_STACK) else next(
         (n for n, m in model.named_children() if has_modules(m, GPT_NEOX_STACK)), "")
     if inner == "":
-        hint = NO_DROP_IN
-        if isinstance(getattr(model, "module", None), nn.Module):  # DataParallel, DistributedDataParallel
-            hint = "; it wraps the model (model.module): patch the model itself first, then wrap it"
-        elif has_modules(getattr(model, "transformer", model), GPT2_STACK):
-            hint = "; it is built like GPT-2: coda_agent.apply_to_gpt2(model) patches those"
-        elif has_modules(getattr(model, "model", model), LLAMA_STACK):
-            hint = "; it is built like LLaMA: coda_agent.apply_to_llama(model) patches those"
         raise KernelError(f"apply_to_gpt_neox patches a transformers GPTNeoXForCausalLM or GPTNeoXModel (Pythia, "
-                          f"GPT-NeoX-20B); got {name}{hint}")
+                          f"GPT-NeoX-20B); got {name}{refusal_hint(model, 'apply_to_gpt_neox')}")
     base = model if inner is None else getattr(model, inner)
     for i, layer in enumerate(base.layers):
         for what, module, want in (("layer", layer, GPTNeoXLayer.forward),

@@ -58,6 +58,7 @@ def _check_sets(check: Check, sets: list[str], device: str, call: Callable[[Case
     None when everything matched, else the failed StageResult's fields; ``seconds`` gets
     each finished set's time (judge and runner together)."""
     spec = check.spec
+    subsets = needs_sets(check)
     for shape_set in sets:
         t0 = time.perf_counter()
         seen: list[tuple[Case, dict[str, torch.Tensor]]] = []
@@ -81,7 +82,7 @@ def _check_sets(check: Check, sets: list[str], device: str, call: Callable[[Case
                     return StageResult(name="reference", status="failed",
                                        message=f"not deterministic: `{diff[0]}` differs between two runs on "
                                                f"the same inputs ({set_label(spec, shape_set)})")
-            if draw != "padded" and (failed := _check_needs(check, case, call, poisoned)):
+            if draw != "padded" and (failed := _check_needs(check, subsets, case, call, poisoned)):
                 return failed
             seen.append((case, got))
         if seconds is not None:
@@ -96,14 +97,14 @@ def needs_sets(check: Check) -> list[frozenset[str]]:
     return spec.gradient_subsets[1:] if spec.has_backward and takes_needs(check.source) else []
 
 
-def _check_needs(check: Check, case: Case, call: Callable[[Case], dict[str, torch.Tensor]],
-                 poisoned: bool) -> StageResult | None:
+def _check_needs(check: Check, subsets: list[frozenset[str]], case: Case,
+                 call: Callable[[Case], dict[str, torch.Tensor]], poisoned: bool) -> StageResult | None:
     """A backward that declares ``needs`` (``kernels/contract.py``), asked for each smaller set of
-    gradients a caller may ask for (``TaskSpec.gradient_subsets``), on ``case``'s inputs (every
+    gradients a caller may ask for (``subsets``: :func:`needs_sets`), on ``case``'s inputs (every
     draw the whole set is checked on: a path for fewer gradients is held to the same inputs):
     every gradient asked for must match the reference, whatever the program leaves out."""
     spec = check.spec
-    for needs in needs_sets(check):
+    for needs in subsets:
         asked = case.needing(spec, needs)
         try:
             ms = verdict(spec, asked, call(asked), poisoned=poisoned)

@@ -152,7 +152,7 @@ def xent_variant(mib: int) -> Any:
                               (SUITE_DIR / "lm_head_xent.yaml").read_text(), origin=f"lm_head_xent@{mib}MiB")
 
 
-LORA_CONTENDERS = ("eager", "compile", "coda", "coda_eager")
+LORA_CONTENDERS = ("eager", "compile", "coda", "coda_eager", "coda_fp8")  # coda_fp8: the frozen MLPs in fp8
 
 
 def lora_refusal(contender: str) -> str | None:

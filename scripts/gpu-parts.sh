@@ -13,7 +13,11 @@ ls p*/part.* >/dev/null 2>&1 || { echo "no staged parts under .gpu: run bash ../
 stage=$(ls p*/stage.sh | head -n 1)
 work=$(mktemp -d "$root/.gpu/resplit.XXXXXX")
 cat $(ls p*/part.* | sort -t. -k2 -n) > "$work/all"
-cp "$stage" "$work/stage.sh"
+# Every part's count file holds the same number: read the first.  The shared script reads it
+# with `cat .gpu/p*/count | head -1`, which under `set -o pipefail` fails with SIGPIPE (exit 141)
+# when cat still writes after head has exited, so each copy reads the first file instead.
+sed 's#^want=.*#want=$(cat "$(ls .gpu/p*/count | sort | sed -n 1p)")#' "$stage" > "$work/stage.sh"
+grep -q '^want=$(cat "$(ls' "$work/stage.sh"
 (cd "$work" && split -b "$size" -d -a 2 all part. && rm all)
 rm -rf p[0-9]*
 count=$(ls "$work"/part.* | wc -l)

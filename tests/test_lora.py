@@ -152,22 +152,40 @@ def test_mixed_precision_lora_trains_like_peft():
     assert_like_peft(got, hi, lo)
 
 
-def test_the_frozen_base_s_weight_gradients_are_not_computed():
+@pytest.mark.parametrize("fp8_mlp", [False, True], ids=["bf16", "fp8_mlp"])
+def test_the_frozen_base_s_weight_gradients_are_not_computed(fp8_mlp):
     """LoRA freezes the base: no weight-gradient GEMM of a base weight runs, four a layer fewer
     than the same model fully trained (the fused QKV's, whose backward is the drop-in's, the
     output projection's and the MLP block's two, whose programs are asked only for the
     activations' gradients, ``needs``), and the LM head's (its loss runs lm_head_xent_frozen);
     and the first layer's fused QKV has no backward at all, since below it only frozen
-    embeddings wait (its LoRA terms run in PyTorch)."""
+    embeddings wait (its LoRA terms run in PyTorch).  In fp8 (mlp_block_fp8) the backward also
+    quantizes its two gradients per token only: the per-feature copies that ``quantize_both``
+    writes feed only the weight gradients."""
     base = tiny_llama().bfloat16()
+    layers = base.config.num_hidden_layers
     ids, labels = batch()
     counts = []
-    for model in (coda_agent.apply_to_llama(copy.deepcopy(base)),
-                  coda_agent.apply_to_llama(with_lora(copy.deepcopy(base), ATTENTION))):
+    for model in (coda_agent.apply_to_llama(copy.deepcopy(base), fp8_mlp=fp8_mlp),
+                  coda_agent.apply_to_llama(with_lora(copy.deepcopy(base), ATTENTION), fp8_mlp=fp8_mlp)):
         with launch_ledger() as launched:
             model(input_ids=ids, labels=labels).loss.backward()
-        counts.append(sum(launch.kind == "gemm" for launch in launched))
-    assert counts[1] == counts[0] - 4 * base.config.num_hidden_layers - 1 - 1
+        counts.append({kind: sum(launch.kind == "gemm" if kind == "gemm" else launch.name == kind
+                                 for launch in launched) for kind in ("gemm", "quantize_both")})
+    assert counts[1]["gemm"] == counts[0]["gemm"] - 4 * layers - 1 - 1
+    assert (counts[0]["quantize_both"], counts[1]["quantize_both"]) == ((4 * layers, 2 * layers) if fp8_mlp
+                                                                        else (0, 0))
+
+
+def test_an_fp8_lora_fine_tune_trains_within_fp8_error():
+    """LoRA over the fp8 MLP blocks (``fp8_mlp=True``; the adapters on the attention projections,
+    so the blocks' backwards are asked for dh alone): the loss, the logits and the adapters'
+    gradients within the fp8 task's own error of the fp32 peft model."""
+    base = tiny_llama()
+    hi, _ = truth(base, ATTENTION)
+    got = step(coda_agent.apply_to_llama(with_lora(copy.deepcopy(base).bfloat16(), ATTENTION), fp8_mlp=True))
+    assert set(got) == set(hi)
+    llama_tests.assert_within_fp8(got, hi)
 
 
 @pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
@@ -267,16 +285,21 @@ def test_what_the_split_cannot_follow_is_refused_with_the_fix():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Hopper)")
-@pytest.mark.parametrize(("family", "targets"), [("llama", ATTENTION), ("gpt2", ["c_attn"]),
-                                                 ("gpt_neox", ["query_key_value", "dense"])])
-def test_a_lora_fine_tune_trains_like_peft_on_the_gpu(monkeypatch, family, targets):
+@pytest.mark.parametrize(("family", "targets", "flags"), [
+    ("llama", ATTENTION, {}), ("llama", ATTENTION, {"fp8_mlp": True}), ("gpt2", ["c_attn"], {}),
+    ("gpt_neox", ["query_key_value", "dense"], {})], ids=["llama", "llama-fp8_mlp", "gpt2", "gpt_neox"])
+def test_a_lora_fine_tune_trains_like_peft_on_the_gpu(monkeypatch, family, targets, flags):
     """The cute lowering: LoRA on the attention projections (LLaMA's with RoPE in the QKV
-    epilogue), every drop-in's kernels on by default."""
+    epilogue), every drop-in's kernels on by default; with ``fp8_mlp`` the MLP blocks' fp8
+    GEMMs, within the fp8 task's error."""
     drop_in = MODELS[family]
     for module in (llama_tests, drop_in.tests):
         monkeypatch.setattr(module, "DEVICE", "cuda")
     base, data = drop_in.build(), drop_in.tests.batch()
     hi, lo = truth(base, targets, data)
-    got = step(drop_in.patch(with_lora(copy.deepcopy(base).bfloat16(), targets)), data)
-    assert_like_peft(got, hi, lo)
-
+    got = step(drop_in.patch(with_lora(copy.deepcopy(base).bfloat16(), targets), **flags), data)
+    if flags.get("fp8_mlp"):
+        assert set(got) == set(hi)
+        llama_tests.assert_within_fp8(got, hi)
+    else:
+        assert_like_peft(got, hi, lo)

@@ -74,16 +74,19 @@ def test_fp32_master_weights_step_every_family_under_autocast(tmp_path):
 
 
 def test_a_lora_fine_tune_step_of_every_family(tmp_path):
-    """``--lora 8``: a peft LoRA fine-tune of each family (the base frozen), compiled and patched;
-    a contender outside eager, compile and CODA is refused with the list."""
+    """``--lora 8``: a peft LoRA fine-tune of each family (the base frozen), compiled and patched,
+    LLaMA's fp8 MLP blocks too; a contender outside eager, compile and CODA is refused with the
+    list."""
     proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(tmp_path), "--configs",
-                           "1b,gpt2-xl,pythia-1.4b", "--contenders", "compile,coda,liger", "--steps", "1",
+                           "1b,gpt2-xl,pythia-1.4b", "--contenders", "compile,coda,coda_fp8,liger", "--steps", "1",
                            "--warmup", "0", "--lora", "8"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads((tmp_path / "train_step.json").read_text())
     rows = [r for r in result["rows"] if "error" not in r]
-    assert len(rows) == 6 and all(r["lora_rank"] == 8 and r["ms"] > 0 for r in rows), result
-    assert {s["run"]: s["why"] for s in result["skipped"]}["1b:liger"] == "--lora runs eager, compile, coda, coda_eager"
+    assert len(rows) == 7 and all(r["lora_rank"] == 8 and r["ms"] > 0 for r in rows), result
+    assert {(r["config"], r["contender"]) for r in rows} >= {("1b", "coda_fp8")}
+    skipped = {s["run"]: s["why"] for s in result["skipped"]}
+    assert skipped["1b:liger"] == "--lora runs eager, compile, coda, coda_eager, coda_fp8"
 
 
 def test_a_spent_budget_skips_and_says_so(tmp_path, bench_main):

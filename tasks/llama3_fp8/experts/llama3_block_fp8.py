@@ -19,6 +19,11 @@ GEMM both read (the four gradients; SwiGLU's output, whose per-feature copy the
 backward keeps in place of the bf16 tensor); fast accumulation in the forward
 GEMMs only.  The QKV-side statistic s2 = sum(dqkv * qkv) is reduced by a tile
 pass over both, as in llama3_block.
+
+Frozen weights (``needs`` lacks their gradients) skip their gradient GEMMs, the
+xn store only W_qkv's gradient reads, and the per-feature copy of each
+gradient that only a frozen weight's gradient would read (``quantize_rows``
+instead of ``quantize_both``: the same per-token bits).
 """
 
 from coda_agent.primitives import (ColVec, PairedTile, RowVec, Scalar, Tile, col_max, col_sum, epilogue,
@@ -57,6 +62,15 @@ def rmsnorm_bwd(acc, a_scale: ColVec, w_scale: RowVec, rstd: ColVec, s: ColVec, 
     d = acc * a_scale * w_scale
     hr = h * rstd
     return {"D": dy + rstd * (gamma * d - hr * s * inv_dim), "xn": hr * gamma, "dgamma": d * hr}
+
+
+@epilogue(reductions={"dgamma": row_sum()})
+def rmsnorm_bwd_frozen(acc, a_scale: ColVec, w_scale: RowVec, rstd: ColVec, s: ColVec, gamma: RowVec, h: Tile,
+                       dy: Tile, inv_dim: Scalar):
+    # rmsnorm_bwd without xn, which only W_qkv's gradient reads.
+    d = acc * a_scale * w_scale
+    hr = h * rstd
+    return {"D": dy + rstd * (gamma * d - hr * s * inv_dim), "dgamma": d * hr}
 
 
 @epilogue(reductions={"s": col_sum()})
@@ -123,27 +137,39 @@ def forward(attn, h, w_o, gamma_mlp, w_gu, w_down, gamma_attn, w_qkv, hg1_scale,
             "hg2_amax": c["amax"]}
 
 
-def backward(saved, dh_out, dqkv):
+def _quantize(x, both):
+    """x per token, and per feature too (``qt``, ``scale_t``) where a weight gradient reads it."""
+    return quantize_both(x) if both else quantize_rows(x)
+
+
+def backward(saved, dh_out, dqkv, needs):
     inv_dim = 1.0 / saved["h"].shape[1]
     h1, h2 = saved["h1"], saved["h_out"]
+    grads = {}
     # Next layer's RMSNorm + QKV: s2 from the saved output, then the input gradient.
     s2 = tile_pass(row_dot, du=dqkv, u=saved["qkv"])["s"]
-    g_qkv = quantize_both(dqkv)
-    d2 = _input_grad(g_qkv, saved["w_qkv"], rmsnorm_bwd, rstd=saved["r2"], s=s2, gamma=saved["gamma_attn"],
-                     h=h2, dy=dh_out, inv_dim=inv_dim)
-    g2 = quantize_both(d2["D"])  # dh2, both ways
-    dw_qkv = _weight_grad(g_qkv, _per_feature(d2["xn"]))
+    g_qkv = _quantize(dqkv, "dw_qkv" in needs)
+    d2 = _input_grad(g_qkv, saved["w_qkv"], rmsnorm_bwd if "dw_qkv" in needs else rmsnorm_bwd_frozen,
+                     rstd=saved["r2"], s=s2, gamma=saved["gamma_attn"], h=h2, dy=dh_out, inv_dim=inv_dim)
+    grads["dgamma_attn"] = d2["dgamma"]
+    g2 = _quantize(d2["D"], "dw_down" in needs)  # dh2
+    if "dw_qkv" in needs:
+        grads["dw_qkv"] = _weight_grad(g_qkv, _per_feature(d2["xn"]))
     # SwiGLU MLP + its RMSNorm (+ the residual gradient dh2).
     da = _input_grad(g2, saved["w_down"], dswiglu, pre=saved["pre"], rstd=saved["r1"])
-    dp = quantize_both(da["D"])
+    dp = _quantize(da["D"], "dw_gu" in needs)
     d1 = _input_grad(dp, saved["w_gu"], rmsnorm_bwd_scaled, rstd=saved["r1"], s=da["s"],
                      gamma=saved["gamma_mlp"], h=h1, dy=d2["D"], inv_dim=inv_dim)
-    g1 = quantize_both(d1["D"])  # dh1, both ways
-    dw_gu = _weight_grad(dp, _per_feature(saved["hg1"], col_scale=saved["hg1_scale"]))
-    dw_down = _weight_grad(g2, {"qt": saved["act_t"], "scale_t": saved["act_t_scale"]})
+    grads["dh"], grads["dgamma_mlp"] = d1["D"], d1["dgamma"]
+    if "dw_gu" in needs:
+        grads["dw_gu"] = _weight_grad(dp, _per_feature(saved["hg1"], col_scale=saved["hg1_scale"]))
+    if "dw_down" in needs:
+        grads["dw_down"] = _weight_grad(g2, {"qt": saved["act_t"], "scale_t": saved["act_t_scale"]})
     # Out-projection + residual.
-    dattn = _input_grad(g1, saved["w_o"], dequantize)["D"]
-    dw_o = _weight_grad(g1, _per_feature(saved["attn"]))
-    return {"dattn": dattn, "dh": d1["D"], "dw_o": dw_o, "dgamma_mlp": d1["dgamma"], "dw_gu": dw_gu,
-            "dw_down": dw_down, "dgamma_attn": d2["dgamma"], "dw_qkv": dw_qkv}
-
+    if needs & {"dattn", "dw_o"}:
+        g1 = _quantize(d1["D"], "dw_o" in needs)  # dh1
+        if "dattn" in needs:
+            grads["dattn"] = _input_grad(g1, saved["w_o"], dequantize)["D"]
+        if "dw_o" in needs:
+            grads["dw_o"] = _weight_grad(g1, _per_feature(saved["attn"]))
+    return grads

@@ -18,6 +18,11 @@ token, and the weight gradient's per feature, which the backward keeps in
 place of the bf16 tensor: half the bytes), dy and r * d(pre) in the backward.
 The forward GEMMs use fast accumulation, the gradient GEMMs promote to fp32
 (torchao's choice).
+
+Frozen weights (LoRA, a frozen base: ``needs`` lacks their gradients) skip
+their gradient GEMMs, and a gradient no weight-gradient GEMM reads is
+quantized per token only (``quantize_rows``: the same bits as
+``quantize_both``'s ``q``, from half its traffic).
 """
 
 from coda_agent.primitives import (ColVec, PairedTile, RowVec, Scalar, Tile, col_sum, epilogue, gemm,
@@ -73,18 +78,31 @@ def forward(h, gamma, w_gu, w_down, eps):
             "x_t_scale": x["scale_t"], "rstd": prep["rstd"]}
 
 
-def backward(saved, dy):
+def _quantize(x, both):
+    """x per token, and per feature too (``qt``, ``scale_t``) where a weight gradient reads it."""
+    return quantize_both(x) if both else quantize_rows(x)
+
+
+def backward(saved, dy, needs):
     h, gamma, w_gu, w_down, rstd = saved["h"], saved["gamma"], saved["w_gu"], saved["w_down"], saved["rstd"]
-    g = quantize_both(dy)
+    grads = {}
+    g = _quantize(dy, "dw_down" in needs)
+    if "dw_down" in needs:
+        grads["dw_down"] = gemm(g["qt"], saved["act_t"].t(), dequantize, a_scale=g["scale_t"],
+                                b_scale=saved["act_t_scale"])["D"]
+    if not needs & {"dh", "dgamma", "dw_gu"}:
+        return grads
     wd_t = quantize_rows(w_down.t())  # (I, H): K = H for the input gradient
     da = gemm(g["q"], wd_t["q"].t(), dswiglu, pre=saved["pre"], a_scale=g["scale"], w_scale=wd_t["scale"],
               rstd=rstd)
-    dp = quantize_both(da["D"])
-    wgu_t = quantize_rows(w_gu.t())  # (H, 2I)
-    d = gemm(dp["q"], wgu_t["q"].t(), rmsnorm_bwd, a_scale=dp["scale"], w_scale=wgu_t["scale"], rstd=rstd,
-             s=da["s"], gamma=gamma, h=h, dy=dy, inv_dim=1.0 / h.shape[1])
+    dp = _quantize(da["D"], "dw_gu" in needs)
+    if "dh" in needs or "dgamma" in needs:
+        wgu_t = quantize_rows(w_gu.t())  # (H, 2I)
+        d = gemm(dp["q"], wgu_t["q"].t(), rmsnorm_bwd, a_scale=dp["scale"], w_scale=wgu_t["scale"], rstd=rstd,
+                 s=da["s"], gamma=gamma, h=h, dy=dy, inv_dim=1.0 / h.shape[1])
+        grads["dh"], grads["dgamma"] = d["D"], d["dgamma"]
     # The weight gradients contract over the tokens: each operand's per-feature copy.
-    dw_gu = gemm(dp["qt"], saved["x_t"].t(), dequantize, a_scale=dp["scale_t"], b_scale=saved["x_t_scale"])["D"]
-    dw_down = gemm(g["qt"], saved["act_t"].t(), dequantize, a_scale=g["scale_t"],
-                   b_scale=saved["act_t_scale"])["D"]
-    return {"dh": d["D"], "dgamma": d["dgamma"], "dw_gu": dw_gu, "dw_down": dw_down}
+    if "dw_gu" in needs:
+        grads["dw_gu"] = gemm(dp["qt"], saved["x_t"].t(), dequantize, a_scale=dp["scale_t"],
+                              b_scale=saved["x_t_scale"])["D"]
+    return grads

@@ -3,8 +3,8 @@
 Each model type transformers maps to a causal LM (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``) is
 built on the CPU from its default config, shrunk to a few layers of small widths, in bf16; each
 drop-in (``apply_to_llama``, ``apply_to_gpt2``, ``apply_to_gpt_neox``) then patches a copy, and
-where a refusal names a flag that keeps a part HF's (``pass swiglu=False``), tries again with it,
-as a user would.  A patched model trains one step (the reference lowering) and its loss is set
+where a refusal names a flag that keeps a part HF's (``pass swiglu=False``) or a config value
+(``build the model with resid_pdrop=0.0``), tries again with it, as a user would.  A patched model trains one step (the reference lowering) and its loss is set
 beside the unpatched model's (a miss beyond bf16 rounding is an error), with the flags it took; a
 refusal is kept with its message.  The contract this checks: a drop-in either patches
 a model, which then computes HF's loss, or refuses it with a ``KernelError`` that says what to do;
@@ -50,18 +50,23 @@ def _alarm(*_: Any) -> None:
     raise _Timeout
 
 
-def build(class_name: str) -> torch.nn.Module:
-    """transformers' ``class_name`` from its default config at the small widths (:data:`SMALL`)."""
+def build(class_name: str, fixes: dict[str, float] | None = None) -> torch.nn.Module:
+    """transformers' ``class_name`` from its default config at the small widths (:data:`SMALL`),
+    with ``fixes`` (config values a refusal asked for) on top.  A default padding id past the
+    small vocabulary (Phi-3's 32000, SmolLM3's 128004) becomes 0: the embedding refuses it."""
     import transformers
 
     cls = getattr(transformers, class_name)
     config = cls.config_class()
-    for name, value in SMALL.items():
+    for name, value in {**SMALL, **(fixes or {})}.items():
         if hasattr(config, name):
             try:
                 setattr(config, name, value)
             except (AttributeError, TypeError, ValueError):  # a derived attribute of this config
                 pass
+    pad = getattr(config, "pad_token_id", None)
+    if isinstance(pad, int) and pad >= getattr(config, "vocab_size", SMALL["vocab_size"]):
+        config.pad_token_id = 0
     torch.manual_seed(0)
     return cls(config)
 
@@ -75,12 +80,16 @@ def hf_loss(model: torch.nn.Module) -> float:
     return reference(input_ids=IDS, labels=IDS).loss.item()
 
 
-def patch_and_train(model: torch.nn.Module, drop_in: str, want: float) -> dict[str, Any]:
-    """One drop-in on a copy of ``model``: its loss beside HF's (``want``), or the refusal."""
+def patch_and_train(model: torch.nn.Module, drop_in: str, want: float, class_name: str) -> dict[str, Any]:
+    """One drop-in on a copy of ``model``: its loss beside HF's (``want``), or the refusal.  A
+    refusal that names a flag (``pass swiglu=False``) is retried with it, one that names a config
+    value (``build the model with resid_pdrop=0.0``) on the model rebuilt with it, as a user
+    would; the row records both (``flags``, ``config``)."""
     import coda_agent
     from coda_agent.kernels import KernelError
 
     flags: dict[str, bool] = {}
+    fixes: dict[str, float] = {}
     while True:
         patched = copy.deepcopy(model)
         try:
@@ -88,11 +97,17 @@ def patch_and_train(model: torch.nn.Module, drop_in: str, want: float) -> dict[s
             break
         except KernelError as e:
             flag = re.search(r"pass (\w+)=False", str(e))
-            if flag is None or flag[1] in flags:
-                return {"result": "refused", "message": str(e), "flags": flags}
-            flags[flag[1]] = False
+            fix = re.search(r"build the model with (\w+)=([0-9.]+)", str(e))
+            if flag is not None and flag[1] not in flags:
+                flags[flag[1]] = False
+            elif fix is not None and fix[1] not in fixes:
+                fixes[fix[1]] = float(fix[2])
+                model = build(class_name, fixes).bfloat16()
+                want = hf_loss(model)
+            else:
+                return {"result": "refused", "message": str(e), "flags": flags, "config": fixes}
         except Exception as e:  # the contract's breach: reported, not raised, so the sweep goes on
-            return {"result": "error", "message": f"{type(e).__name__}: {e}", "flags": flags}
+            return {"result": "error", "message": f"{type(e).__name__}: {e}", "flags": flags, "config": fixes}
     try:
         patched.train()
         loss = patched(input_ids=IDS, labels=IDS).loss
@@ -101,12 +116,13 @@ def patch_and_train(model: torch.nn.Module, drop_in: str, want: float) -> dict[s
         return {"result": "error", "message": f"patched, then {type(e).__name__}: {e}", "flags": flags}
     if not abs(loss.item() - want) <= LOSS_TOLERANCE * abs(want):
         return {"result": "error", "message": f"patched, its loss {loss.item():.4f} against HF's {want:.4f}",
-                "flags": flags}
-    return {"result": "patched", "flags": flags, "loss": loss.item(), "hf_loss": want}
+                "flags": flags, "config": fixes}
+    return {"result": "patched", "flags": flags, "config": fixes, "loss": loss.item(), "hf_loss": want}
 
 
-def _flags(flags: dict[str, bool]) -> str:
-    return f"({', '.join(f'{k}={v}' for k, v in flags.items())})" if flags else ""
+def _flags(outcome: dict[str, Any]) -> str:
+    given = {**outcome["flags"], **outcome.get("config", {})}
+    return f"({', '.join(f'{k}={v}' for k, v in given.items())})" if given else ""
 
 
 def judge(class_name: str, build_s: int) -> dict[str, Any]:
@@ -129,7 +145,7 @@ def judge(class_name: str, build_s: int) -> dict[str, Any]:
         want = hf_loss(model)
     except Exception as e:  # the small widths broke HF's own model (a top-k over fewer experts)
         return {"unbuilt": f"HF's own step fails at the small widths: {type(e).__name__}: {str(e)[:200]}"}
-    return {"params": params, **{drop_in: patch_and_train(model, drop_in, want) for drop_in in DROP_INS}}
+    return {"params": params, **{drop_in: patch_and_train(model, drop_in, want, class_name) for drop_in in DROP_INS}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({k: (v["result"] if isinstance(v, dict) else v) for k, v in row.items()}), flush=True)
     judged = [r for r in rows if "unbuilt" not in r]
     summary = {"models": len(rows), "built": len(judged),
-               **{kind: sorted(f"{r['model_type']}:{d}{_flags(r[d]['flags'])}" for r in judged for d in DROP_INS
+               **{kind: sorted(f"{r['model_type']}:{d}{_flags(r[d])}" for r in judged for d in DROP_INS
                                if r[d]["result"] == kind)
                   for kind in ("patched", "error")}}
     args.out.parent.mkdir(parents=True, exist_ok=True)

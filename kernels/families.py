@@ -6,9 +6,10 @@ of its family's, compared as code objects together with the module-level helpers
 (:func:`same_code`: transformers' families copy LLaMA's modules under other class names, and a
 copy may call a helper of the same name that differs, which the refusal names:
 :func:`differing_global`), and each module holds the submodules its family's does.
-RoPE runs in the QKV epilogue only where the attention's own rotation and the rotary tables
-agree with LLaMA's on a probe (:func:`rotation_is_llamas`, :func:`tables_are_llamas`); elsewhere
-it stays HF's, through the rotation the attention itself calls.  A family
+RoPE runs in the QKV epilogue only where the rotary tables are LLaMA's and the attention's own
+rotation turns LLaMA's halves of a head or interleaved pairs, on a probe (:func:`tables_are_llamas`,
+:func:`rotation_layout`); elsewhere it stays HF's, through the rotation the attention itself calls
+(which may be any: the attention's code is compared with that name left free, :data:`ROTATION`).  A family
 (:class:`Family`, ``_FAMILIES``) is told by its attention's code and then its decoder layer's;
 the RMSNorms are LLaMA's (scale w) or Gemma's (scale 1 + w).  What a family does beyond LLaMA's
 is one layer's :class:`AttentionPlan`, which the patched forwards read.  So a model with extra
@@ -31,6 +32,7 @@ import torch
 from torch import nn
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.granite.modeling_granite import GraniteDecoderLayer, GraniteForCausalLM
+from transformers.models.helium.modeling_helium import HeliumRMSNorm
 from transformers.models.llama.modeling_llama import (LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP,
                                                       LlamaRMSNorm, apply_rotary_pos_emb)
 from transformers.models.mistral.modeling_mistral import MistralAttention
@@ -47,6 +49,7 @@ from .dropin import (LLAMA_STACK, NO_DROP_IN, check_lm_head, has_modules, refusa
 from .kernel import KernelError
 
 STATIC_ROPE = ("default", "linear", "llama3")
+ROTATION = frozenset({"apply_rotary_pos_emb"})  # the attention's rotation, which the patched layer calls as its own
 
 
 @dataclass(frozen=True)
@@ -90,8 +93,9 @@ class Family:
     norms: tuple[str, ...] = ()  # the attention's RMSNorms, kept HF's (Qwen3's q/k norms)
 
 
-# An RMSNorm's forward -> the offset of its scale: LLaMA's multiplies by w, Gemma's by 1 + w (in fp32).
-_NORM_OFFSETS = {LlamaRMSNorm.forward: 0.0, GemmaRMSNorm.forward: 1.0}
+# An RMSNorm's forward -> the offset of its scale: LLaMA's multiplies by w, Helium's by w in fp32
+# before rounding (the kernels' order: they scale in fp32), Gemma's by 1 + w (in fp32).
+_NORM_OFFSETS = {LlamaRMSNorm.forward: 0.0, HeliumRMSNorm.forward: 0.0, GemmaRMSNorm.forward: 1.0}
 
 _LLAMA_CHILDREN = {"layer": frozenset({"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}),
                    "self_attn": frozenset({"q_proj", "k_proj", "v_proj", "o_proj"}),
@@ -148,7 +152,7 @@ CAUSAL_LMS = {"LLaMA's": LlamaForCausalLM.forward, "Granite's": GraniteForCausal
 
 
 @lru_cache(maxsize=None)  # every layer of a model asks the same few questions of the same classes
-def same_code(fn: Any, want: Any) -> bool:
+def same_code(fn: Any, want: Any, free: frozenset[str] = frozenset()) -> bool:
     """Whether two functions compute the same thing, as far as their code shows: the same
     instructions on the same names and constants, their docstrings aside, nested code objects
     alike, and every global they name bound to the same object in both modules, or to
@@ -156,20 +160,21 @@ def same_code(fn: Any, want: Any) -> bool:
     under other class names (Mistral's decoder layer, RMSNorm and MLP are LLaMA's code); the
     globals matter because a copied forward may call a helper of the same name that differs
     (Ernie 4.5's attention is LLaMA's bytecode, its ``apply_rotary_pos_emb`` rotates interleaved
-    pairs)."""
-    return _differs(fn, want, frozenset()) is None
+    pairs).  The module-level names in ``free`` may be bound to anything in ``fn``'s module:
+    the caller runs ``fn``'s own binding of them (the attention's rotation, :data:`ROTATION`)."""
+    return _differs(fn, want, frozenset(), free) is None
 
 
-def differing_global(fn: Any, want: Any) -> str:
+def differing_global(fn: Any, want: Any, free: frozenset[str] = frozenset()) -> str:
     """Where :func:`same_code` finds two functions different: the module-level name (a helper
-    such as ``apply_rotary_pos_emb``) whose binding differs while the instructions are alike, or ""
-    where the instructions themselves differ."""
-    return _differs(fn, want, frozenset()) or ""
+    such as ``eager_attention_forward``) whose binding differs while the instructions are alike,
+    or "" where the instructions themselves differ."""
+    return _differs(fn, want, frozenset(), free) or ""
 
 
-def _differs(fn: Any, want: Any, seen: frozenset) -> str | None:
+def _differs(fn: Any, want: Any, seen: frozenset, free: frozenset = frozenset()) -> str | None:
     """None where ``fn`` is ``want``'s code (see :func:`same_code`); else "" where the instructions
-    differ, or the name of the first global whose binding differs."""
+    differ, or the name of the first global whose binding differs (those in ``free`` aside)."""
     def consts(c: Any) -> tuple:
         # A docstring is the first constant, which no instruction loads.
         used = {i.arg for i in dis.get_instructions(c) if i.opname in ("LOAD_CONST", "RETURN_CONST")}
@@ -190,7 +195,7 @@ def _differs(fn: Any, want: Any, seen: frozenset) -> str | None:
         return None
     seen = seen | {(a, b)}
     ga, gb = getattr(f, "__globals__", {}), getattr(w, "__globals__", {})
-    for name in sorted(_global_names(a)):
+    for name in sorted(_global_names(a) - free):
         x, y = ga.get(name, _MISSING), gb.get(name, _MISSING)
         if x is y:
             continue
@@ -243,14 +248,18 @@ def llama_architecture(model: nn.Module, keep_mlp: bool = False) -> tuple[nn.Mod
         if not isinstance(attn, nn.Module):
             raise KernelError(f"{type(layer).__name__} has no self_attn module; apply_to_llama patches decoder "
                               "layers of LLaMA's shape")
-        kinds = [k for k, f in _FAMILIES.items() if same_code(type(attn).forward, f.attention)]
+        # The attention's own rotation may be any: the patched layer calls it wherever RoPE stays
+        # HF's, and fuses RoPE into the QKV epilogue only where a probe finds a rotation the epilogue
+        # computes (rotation_layout), so a copy of LLaMA's attention with an interleaved rotation
+        # (Helium's, Ernie 4.5's) is that family.
+        kinds = [k for k, f in _FAMILIES.items() if same_code(type(attn).forward, f.attention, ROTATION)]
         if not kinds:
             firsts = {}  # families that share an attention are named once, by the first of them
             for k, f in _FAMILIES.items():
                 firsts.setdefault(f.attention, k)
-            # A copy of a family's attention that calls a helper of its own (Ernie 4.5's and Helium's
-            # interleaved rotations) is named by that helper: its forward reads as the family's.
-            helpers = ((k, differing_global(type(attn).forward, f)) for f, k in firsts.items())
+            # A copy of a family's attention that calls a helper of its own (other than its rotation)
+            # is named by that helper: its forward reads as the family's.
+            helpers = ((k, differing_global(type(attn).forward, f, ROTATION)) for f, k in firsts.items())
             kind, helper = next(((k, h) for k, h in helpers if h), ("", ""))
             if helper:
                 home = inspect.unwrap(type(attn).forward).__globals__.get("__name__", "its module")
@@ -315,27 +324,46 @@ def _llama_tables(inv: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, t
 _PROBE_POSITIONS = (0, 1, 7, 4093)
 
 
-def rotation_is_llamas(base: nn.Module, attentions: list[AttentionPlan]) -> bool:
-    """Whether every attention rotates q and k as LLaMA's ``apply_rotary_pos_emb`` does (halves of
-    whole heads), which the QKV epilogue reproduces on pairs: the attention's own rotation,
-    probed on random q and k with LLaMA's tables (Phi-3's function, which also rotates part of a
-    head, agrees on whole heads; Ernie 4.5's interleaved one does not)."""
+def _rotate_pairs(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """RoPE on interleaved pairs (x[2i], x[2i + 1]) at LLaMA's frequencies (GPT-J's and GLM's layout,
+    Ernie 4.5's and Helium's rotation), from LLaMA's tables (both halves alike)."""
+    half = cos.shape[-1] // 2
+    c, s = (t[:, None, :, :half].repeat_interleave(2, dim=-1) for t in (cos, sin))
+
+    def turn(x: torch.Tensor) -> torch.Tensor:
+        return x * c + torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2) * s
+
+    return turn(q), turn(k)
+
+
+# The rotations the QKV epilogue reproduces, by the layout of each head's columns: the epilogue
+# rotates adjacent pairs, so LLaMA's halves are permuted into pairs in the fused weight's rows,
+# and interleaved pairs are its own layout.
+ROTATIONS = {"halves": apply_rotary_pos_emb, "pairs": _rotate_pairs}
+
+
+def rotation_layout(base: nn.Module, attentions: list[AttentionPlan]) -> str | None:
+    """Which of :data:`ROTATIONS` every attention's own rotation computes (None: another, or
+    they differ), probed on random q and k with LLaMA's tables: LLaMA's whole-head halves
+    (Phi-3's function, which also rotates part of a head, agrees on whole heads), or interleaved
+    pairs (Ernie 4.5's, Helium's)."""
     inv = base.rotary_emb.inv_freq.detach().float().cpu()
     if inv.numel() * 2 != head_dim(base.config):
-        return False
+        return None
     pos = torch.tensor([_PROBE_POSITIONS])
     cos, sin = (t.float() for t in _llama_tables(inv, pos))
     gen = torch.Generator().manual_seed(0)
     q, k = (torch.randn(1, 2, len(_PROBE_POSITIONS), inv.numel() * 2, generator=gen) for _ in range(2))
-    want = apply_rotary_pos_emb(q, k, cos, sin)
+    layouts = set()
     for rotary in {a.rotary for a in attentions}:
         try:
             got = rotary(q, k, cos, sin)
         except (RuntimeError, ValueError, IndexError):
-            return False
-        if not all(torch.allclose(g.float(), w, atol=1e-5) for g, w in zip(got, want)):
-            return False
-    return True
+            return None
+        layouts.add(next((name for name, rotate in ROTATIONS.items()
+                          if all(torch.allclose(g.float(), w, atol=1e-5) for g, w in zip(got, rotate(q, k, cos, sin)))),
+                         None))
+    return layouts.pop() if len(layouts) == 1 else None
 
 
 def tables_are_llamas(base: nn.Module) -> bool:

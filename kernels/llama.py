@@ -15,6 +15,9 @@ model of a family built from LLaMA's modules:
   MLP add to the residual stream, which must be off (``residual_dropout=0.0``);
 - Granite: multipliers on what each sublayer adds to the residual stream (folded into the output
   and down projections' weights) and on the logits (the LM head's input divided instead);
+- Ernie 4.5 and Helium: RoPE on interleaved pairs (GPT-J's and GLM's layout) instead of halves,
+  which the QKV epilogue rotates as they are (LLaMA's halves are permuted into pairs), and
+  Helium's RMSNorm scales in fp32, as the kernels do;
 - mixtures of experts (Mixtral, Qwen3-MoE, Qwen2-MoE with its shared expert): the experts stay
   HF's (``swiglu=False``), the attention side and the LM head are patched, and the loss adds the
   router's load-balancing loss as HF's does (``output_router_logits``).
@@ -107,7 +110,7 @@ from coda_agent.tasks import SUITE_DIR
 
 from .adapters import base_path, lora_delta, lora_of, peft_base, plus
 from .dropin import PatchedForward, check_slots, record_attention, refuse_patched, slot_kernel, suite_kernel
-from .families import (AttentionPlan, check_model, head_dim, llama_architecture, rotation_is_llamas,
+from .families import (AttentionPlan, check_model, head_dim, llama_architecture, rotation_layout,
                        tables_are_llamas)
 from .fused_weights import relayout
 from .kernel import Kernel, KernelError
@@ -131,6 +134,13 @@ class LayerPlan:
     kv_heads: int
     head_dim: int
     norm_offset: float = 0.0  # Gemma's RMSNorm scales by 1 + w
+    rope_layout: str = "halves"  # the columns the rotation pairs (families.ROTATIONS): halves are permuted to pairs
+
+    @property
+    def permutes(self) -> bool:
+        """Whether q's and k's rows are permuted in the fused weight: LLaMA's halves, rotated in the
+        epilogue, which turns adjacent pairs."""
+        return self.rope and self.rope_layout == "halves"
 
 
 def apply_to_llama(model: LlamaForCausalLM | LlamaModel, *, rope: bool = True, rms_norm: bool = True,
@@ -141,9 +151,11 @@ def apply_to_llama(model: LlamaForCausalLM | LlamaModel, *, rope: bool = True, r
     refuse_patched(getattr(model, "model", model))
     base, lm_kind, attentions, norm_offset = llama_architecture(model, keep_mlp=not swiglu)
     # RoPE rides in the QKV GEMM's epilogue only where nothing sits between the projection and
-    # the rotation and the rotation is LLaMA's: after Qwen3's q/k norms, where it turns part of
-    # each head (Phi-3's partial_rotary_factor) or pairs of another layout, it stays HF's.
-    rope = rope and not any(a.qk_norm for a in attentions) and rotation_is_llamas(base, attentions)
+    # the rotation and the rotation is one the epilogue computes (LLaMA's halves or interleaved
+    # pairs): after Qwen3's q/k norms, or where it turns part of each head (Phi-3's
+    # partial_rotary_factor), it stays HF's.
+    layout = rotation_layout(base, attentions)
+    rope = rope and not any(a.qk_norm for a in attentions) and layout is not None
     if norm_offset and swiglu:
         raise KernelError("this model's RMSNorms scale by (1 + weight) (Gemma's), which the MLP block kernel "
                           "(mlp_block) does not take; pass swiglu=False to keep HF's MLP and its norm")
@@ -163,7 +175,7 @@ def apply_to_llama(model: LlamaForCausalLM | LlamaModel, *, rope: bool = True, r
     if rms_norm or rope or swiglu:
         plan = LayerPlan(rms_norm, rope, swiglu, chosen["out_proj_residual"], chosen["mlp_block"],
                          cfg.rms_norm_eps, cfg.num_attention_heads, cfg.num_key_value_heads, head_dim(cfg),
-                         norm_offset)
+                         norm_offset, layout or "halves")
         freq = _rope_lanes(base, plan) if rope else None
         for layer, attention in zip(base.layers, attentions):
             _patch_layer(layer, plan, attention, freq)
@@ -190,7 +202,7 @@ def halves_from_pairs(w: torch.Tensor, heads: int, d: int) -> torch.Tensor:
 
 
 def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: LayerPlan) -> torch.Tensor:
-    if plan.rope:
+    if plan.permutes:
         q, k = pairs_from_halves(q, plan.heads, plan.head_dim), pairs_from_halves(k, plan.kv_heads, plan.head_dim)
     return torch.cat((q, k, v)).contiguous()
 
@@ -204,7 +216,7 @@ def _hf_qkv_rows(w: torch.Tensor, plan: LayerPlan) -> tuple[torch.Tensor, ...]:
 def _split_qkv(w: torch.Tensor, plan: LayerPlan) -> tuple[torch.Tensor, ...]:
     d = plan.head_dim
     q, k, v = _hf_qkv_rows(w, plan)
-    if plan.rope:
+    if plan.permutes:
         q, k = halves_from_pairs(q, plan.heads, d), halves_from_pairs(k, plan.kv_heads, d)
     return q.contiguous(), k.contiguous(), v.contiguous()
 
@@ -330,7 +342,7 @@ def _qkv_adapters(self: nn.Module, hidden: torch.Tensor, position_embeddings: tu
     none) on the projections' input: ``hidden``, normalized here by HF's input norm where the
     kernel folds it (``rms_norm``).  Where the kernel's epilogue rotates (``rope``), a term is
     rotated as HF rotates (RoPE is linear: rotating the sum adds the rotated term) and laid out in
-    the kernel's pairs, as the fused rows are."""
+    the kernel's pairs, as the fused rows are (LLaMA's halves permuted; interleaved pairs as they are)."""
     attn, plan = self.self_attn, self.coda_plan
     names = ("qkv_proj",) if self.coda_attention.fused else ("q_proj", "k_proj", "v_proj")
     if not any(lora_of(getattr(attn, n)) is not None for n in names):
@@ -350,7 +362,9 @@ def _qkv_adapters(self: nn.Module, hidden: torch.Tensor, position_embeddings: tu
         rq, rk = self.coda_attention.rotary(like.new_zeros(b, plan.heads, t, d) if q is None else q,
                                             like.new_zeros(b, plan.kv_heads, t, d) if k is None else k,
                                             *position_embeddings)
-        q, k = (None if part is None else pairs_of_halves(rotated) for part, rotated in ((q, rq), (k, rk)))
+        if plan.permutes:
+            rq, rk = pairs_of_halves(rq), pairs_of_halves(rk)
+        q, k = (None if part is None else rotated for part, rotated in ((q, rq), (k, rk)))
     return q, k, v
 
 

@@ -260,13 +260,10 @@ def test_heads_wider_than_the_model_train_like_hf(family):
                   r"Seed-OSS's attention"),
     ("Gemma2", {"hidden_act": "silu"}, r"Gemma2Attention.forward is not"),
     ("Phi3", {"resid_pdrop": 0.1}, r"layers.0.resid_attn_dropout drops with p = 0.1: .* resid_pdrop=0.0"),
-    # LLaMA's attention bytecode, but the apply_rotary_pos_emb it calls rotates interleaved pairs
-    ("Ernie4_5", {}, r"Ernie4_5Attention.forward is the code of LLaMA's attention, but the apply_rotary_pos_emb it "
-                     r"calls \(transformers.models.ernie4_5.modeling_ernie4_5\) differs from LLaMA's"),
-    ("Helium", {}, r"HeliumAttention.forward is the code of LLaMA's attention, but the apply_rotary_pos_emb it calls "
-                   r"\(transformers.models.helium.modeling_helium\) differs"),
     ("SeedOss", {"residual_dropout": 0.1}, r"layers.0.self_attn.residual_dropout = 0.1: .* residual_dropout=0.0"),
-], ids=["Gemma", "Cohere", "Olmo2", "Gemma2", "Phi3-dropout", "Ernie4_5-helper", "Helium-helper", "SeedOss-dropout"])
+    # LLaMA's attention and a partial interleaved rotation (kept HF's), but a LayerNorm and a ReLU^2 MLP
+    ("Nemotron", {}, r"NemotronMLP differs from LLaMA's mlp in \['gate_proj'\]: .* pass swiglu=False"),
+], ids=["Gemma", "Cohere", "Olmo2", "Gemma2", "Phi3-dropout", "SeedOss-dropout", "Nemotron"])
 def test_a_model_that_is_not_llama_s_modules_is_refused_by_what_differs(family, overrides, refusal):
     """Every module the patch replaces must compute what LLaMA's does, read from its code: a model
     with a (1 + w) RMSNorm, logit scaling, softcapped or post-normed attention would
@@ -379,6 +376,52 @@ def test_same_code_compares_the_helpers_a_function_calls():
 
     assert same_code(make("x * 2"), make("x * 2"))
     assert not same_code(make("x * 2"), make("x * 3"))
+    assert same_code(make("x * 2"), make("x * 3"), frozenset({"helper"}))  # a name the caller binds itself
+
+
+def test_an_attention_that_calls_another_helper_is_refused_by_that_helper():
+    """A copy of LLaMA's attention whose module binds one of the helpers it calls to another
+    function (here the eager attention) computes something else: refused, naming the helper; its
+    rotation alone may differ (the patched layer calls it: test_an_interleaved_rotation_...)."""
+    import types
+
+    from transformers.models.llama.modeling_llama import LlamaAttention
+
+    def other_attention(*args, **kwargs):
+        raise AssertionError("never called: the model is refused")
+
+    fwd = LlamaAttention.forward
+    scope = {**fwd.__globals__, "eager_attention_forward": other_attention}
+    copied = type("CopiedAttention", (LlamaAttention,), {"forward": types.FunctionType(
+        fwd.__code__, scope, fwd.__name__, fwd.__defaults__, fwd.__closure__)})
+    model = tiny_llama().bfloat16()
+    for layer in model.model.layers:
+        layer.self_attn.__class__ = copied
+    with pytest.raises(KernelError, match=r"CopiedAttention.forward is the code of LLaMA's attention, but the "
+                                          r"eager_attention_forward it calls \(transformers.models.llama."
+                                          r"modeling_llama\) differs from LLaMA's"):
+        coda_agent.apply_to_llama(model)
+
+
+@pytest.mark.parametrize("family", ["Ernie4_5", "Helium"])
+@pytest.mark.parametrize("flags", [{}, {"rope": False}], ids=["rope-in-epilogue", "hf-rope"])
+def test_an_interleaved_rotation_trains_like_hf(family, flags):
+    """Ernie 4.5 and Helium are LLaMA's modules whose attention rotates interleaved pairs (x[2i],
+    x[2i + 1]; GPT-J's and GLM's layout), and Helium's RMSNorm scales in fp32: the QKV epilogue
+    rotates those pairs with the fused rows in HF's order (LLaMA's halves are permuted), or HF's
+    rotation runs (``rope=False``); either way the model trains like the unpatched one, and its
+    state dict is HF's."""
+    base = tiny(family)
+    hi, lo = train_and_eval(copy.deepcopy(base).float()), train_and_eval(copy.deepcopy(base).bfloat16())
+    model = coda_agent.apply_to_llama(copy.deepcopy(base).bfloat16(), **flags)
+    plan = model.model.layers[0].coda_plan
+    assert (plan.rope, plan.rope_layout, plan.permutes) == (not flags, "pairs", False)
+    with launch_ledger() as launched:
+        got = train_and_eval(model)
+    assert ("norm_rope" in {launch.name for launch in launched}) is not flags
+    assert_like_hf(got, hi, lo)
+    want = base.bfloat16().state_dict()
+    assert all(torch.equal(v, want[k]) for k, v in model.state_dict().items()) and set(want) == set(model.state_dict())
 
 
 @pytest.mark.gpu
@@ -389,14 +432,16 @@ def test_same_code_compares_the_helpers_a_function_calls():
     ("SmolLM3", {"no_rope_layers": [1, 0], "use_sliding_window": False}, {}, {"norm_rope", "scale_rows"}),
     ("Qwen3", {"head_dim": 64}, {}, {"scale_rows", "add_residual", "rmsnorm_dx"}),
     ("Ministral", {"sliding_window": 8}, {}, {"norm_rope", "norm_swiglu"}),
+    ("Ernie4_5", {}, {}, {"norm_rope", "norm_swiglu", "rope_inverse"}),
     ("Mixtral", {**MOE["Mixtral"], "output_router_logits": True}, {"swiglu": False},
      {"norm_rope", "add_residual", "rmsnorm_dx", "logits_lse"}),
-], ids=["gemma", "granite", "smollm3", "qwen3-wide-heads", "ministral", "mixtral"])
+], ids=["gemma", "granite", "smollm3", "qwen3-wide-heads", "ministral", "ernie4_5-interleaved", "mixtral"])
 def test_families_train_like_hf_on_gpu(monkeypatch, family, overrides, flags, launches):
     """The families whose differences are PyTorch re-layouts and weight scales around the suite's
     kernels, on quack's GEMMs (the cute lowering): Gemma's (1 + w) norm in fp32, Granite's
     multipliers, SmolLM3's layers without RoPE, heads wider than the model, Ministral's window,
-    Mixtral's experts kept HF's (with the router's loss)."""
+    Ernie 4.5's interleaved rotation in the QKV epilogue, Mixtral's experts kept HF's (with the
+    router's loss)."""
     import test_llama
 
     monkeypatch.setattr(test_llama, "DEVICE", "cuda")

@@ -347,9 +347,10 @@ def rotation_layout(base: nn.Module, attentions: list[AttentionPlan]) -> str | N
     they differ), probed on random q and k with LLaMA's tables: LLaMA's whole-head halves
     (Phi-3's function, which also rotates part of a head, agrees on whole heads), or interleaved
     pairs (Ernie 4.5's, Helium's)."""
-    inv = base.rotary_emb.inv_freq.detach().float().cpu()
-    if inv.numel() * 2 != head_dim(base.config):
+    inv = getattr(getattr(base, "rotary_emb", None), "inv_freq", None)  # Mellum's rotary keeps no table
+    if not isinstance(inv, torch.Tensor) or inv.numel() * 2 != head_dim(base.config):
         return None
+    inv = inv.detach().float().cpu()
     pos = torch.tensor([_PROBE_POSITIONS])
     cos, sin = (t.float() for t in _llama_tables(inv, pos))
     gen = torch.Generator().manual_seed(0)

@@ -154,8 +154,8 @@ def apply_to_llama(model: LlamaForCausalLM | LlamaModel, *, rope: bool = True, r
     # the rotation and the rotation is one the epilogue computes (LLaMA's halves or interleaved
     # pairs): after Qwen3's q/k norms, or where it turns part of each head (Phi-3's
     # partial_rotary_factor), it stays HF's.
-    layout = rotation_layout(base, attentions)
-    rope = rope and not any(a.qk_norm for a in attentions) and layout is not None
+    layout = rotation_layout(base, attentions) if rope and not any(a.qk_norm for a in attentions) else None
+    rope = layout is not None
     if norm_offset and swiglu:
         raise KernelError("this model's RMSNorms scale by (1 + weight) (Gemma's), which the MLP block kernel "
                           "(mlp_block) does not take; pass swiglu=False to keep HF's MLP and its norm")

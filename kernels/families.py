@@ -33,6 +33,7 @@ from torch import nn
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.granite.modeling_granite import GraniteDecoderLayer, GraniteForCausalLM
 from transformers.models.helium.modeling_helium import HeliumRMSNorm
+from transformers.models.hunyuan_v1_dense.modeling_hunyuan_v1_dense import HunYuanDenseV1Attention
 from transformers.models.llama.modeling_llama import (LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP,
                                                       LlamaRMSNorm, apply_rotary_pos_emb)
 from transformers.models.mistral.modeling_mistral import MistralAttention
@@ -56,7 +57,9 @@ ROTATION = frozenset({"apply_rotary_pos_emb"})  # the attention's rotation, whic
 class AttentionPlan:
     """What a layer does beyond LLaMA's, as the patched forwards read it:
 
-    - ``qk_norm``: per-head RMSNorms of q and k before RoPE (Qwen3's q_norm, k_norm);
+    - ``qk_norm``: per-head RMSNorms of q and k (the attention's ``qk_norms`` submodules), before
+      RoPE (Qwen3's q_norm, k_norm) or, with ``norm_after_rope``, after it (Hunyuan's
+      query_layernorm and key_layernorm);
     - ``window``: a sliding window (Mistral's; Qwen2's and Qwen3's sliding layers);
     - ``fused``: q, k and v in one projection and gate and up in another (Phi-3's layout);
     - ``rotary``: the rotation the attention's own code calls (its module's
@@ -67,6 +70,8 @@ class AttentionPlan:
       encoding do not)."""
 
     qk_norm: bool = False
+    norm_after_rope: bool = False
+    qk_norms: tuple[str, str] = ("q_norm", "k_norm")
     window: int | None = None
     fused: bool = False
     rotary: Any = apply_rotary_pos_emb
@@ -136,6 +141,13 @@ _FAMILIES = {
                       {"layer": _LLAMA_CHILDREN["layer"] | {"resid_attn_dropout", "resid_mlp_dropout"},
                        "self_attn": frozenset({"qkv_proj", "o_proj"}),
                        "mlp": frozenset({"gate_up_proj", "down_proj", "activation_fn"})}, _phi3_plan),
+    # Hunyuan's dense models: LLaMA's modules, with per-head RMSNorms of q and k after RoPE.
+    "Hunyuan's": Family(HunYuanDenseV1Attention.forward, LlamaDecoderLayer.forward, LlamaMLP.forward,
+                        {**_LLAMA_CHILDREN,
+                         "self_attn": _LLAMA_CHILDREN["self_attn"] | {"query_layernorm", "key_layernorm"}},
+                        lambda attn: AttentionPlan(qk_norm=True, norm_after_rope=True,
+                                                   qk_norms=("query_layernorm", "key_layernorm")),
+                        ("query_layernorm", "key_layernorm")),
     "Seed-OSS's": Family(SeedOssAttention.forward, LlamaDecoderLayer.forward, SeedOssMLP.forward, _LLAMA_CHILDREN,
                          lambda attn: AttentionPlan()),
     # Mixtral: Mistral's attention, a decoder layer that computes LLaMA's (its arguments in another

@@ -4,7 +4,8 @@ model of a family built from LLaMA's modules:
 - Mistral: the same decoder layer, RMSNorm and MLP; an attention that adds a sliding window,
   which the patched layer passes on;
 - Qwen2 and Qwen2.5: biases on q, k and v, and a sliding window on some layers;
-- Qwen3: per-head RMSNorms of q and k before RoPE, which stay HF's, and so does RoPE;
+- Qwen3: per-head RMSNorms of q and k before RoPE, which stay HF's, and so does RoPE; Hunyuan's
+  dense models: the same norms after RoPE;
 - Phi-3, Phi-3.5 and Phi-4: q, k and v in one projection and gate and up in another, which the
   patch re-lays out; residual dropouts, which must be off; RoPE on part of each head (Phi-4-mini),
   which stays HF's;
@@ -303,10 +304,13 @@ def _layer_forward(self: nn.Module, hidden_states: torch.Tensor, attention_mask:
     terms = _qkv_adapters(self, hidden_states if plan.rms_norm else x.view(b, t, dim), position_embeddings, rope)
     if terms is not None:  # LoRA's terms join q, k and v where the projections' outputs are
         q, k, v = (plus(part, term) for part, term in zip((q, k, v), terms))
-    if extra.qk_norm:  # over each head's D columns, the last dimension either way
-        q, k = attn.q_norm(q), attn.k_norm(k)
+    q_norm, k_norm = (getattr(attn, n) for n in extra.qk_norms) if extra.qk_norm else (None, None)
+    if q_norm is not None and not extra.norm_after_rope:  # over each head's D columns
+        q, k = q_norm(q), k_norm(k)
     if not plan.rope and extra.rotates:
         q, k = extra.rotary(q, k, *position_embeddings)
+    if q_norm is not None and extra.norm_after_rope:
+        q, k = q_norm(q), k_norm(k)
     if past_key_values is not None:
         k, v = past_key_values.update(k, v, attn.layer_idx)
     interface = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, eager_attention_forward)

@@ -79,8 +79,9 @@ def truth(base: torch.nn.Module, targets: list[str] | str, data: tuple | None = 
     ("Phi3", ["qkv_proj", "o_proj"], {}),  # q, k and v in one projection
     ("Mistral", ["k_proj", "o_proj"], {}),  # k without q: its rotated term alone
     ("Ernie4_5", ["q_proj", "k_proj"], {}),  # interleaved pairs: the rotated terms in HF's column order
+    ("HunYuanDenseV1", ATTENTION, {}),  # q/k norms after RoPE: the terms join before both
 ], ids=["llama-qv", "llama-attention", "llama-hf-rope", "llama-hf-norm", "llama-all-linear", "qwen3", "phi3",
-        "mistral-k-o", "ernie4_5-interleaved"])
+        "mistral-k-o", "ernie4_5-interleaved", "hunyuan"])
 def test_a_lora_fine_tune_of_a_patched_model_trains_like_peft(family, targets, flags):
     base = tiny_llama() if family == "Llama" else tiny(family)
     hi, lo = truth(base, targets)

@@ -36,6 +36,7 @@ from transformers.models.helium.modeling_helium import HeliumRMSNorm
 from transformers.models.hunyuan_v1_dense.modeling_hunyuan_v1_dense import HunYuanDenseV1Attention
 from transformers.models.llama.modeling_llama import (LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP,
                                                       LlamaRMSNorm, apply_rotary_pos_emb)
+from transformers.models.ministral3 import modeling_ministral3 as ministral3
 from transformers.models.mistral.modeling_mistral import MistralAttention
 from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer, MixtralForCausalLM
 from transformers.models.phi3 import modeling_phi3 as phi3
@@ -67,7 +68,9 @@ class AttentionPlan:
     - ``residual_scale``: what each sublayer adds to the residual stream is scaled (Granite's
       ``residual_multiplier``);
     - ``rotates``: whether the layer applies RoPE at all (SmolLM3's layers without position
-      encoding do not)."""
+      encoding do not);
+    - ``query_scale``: position ids -> a multiplier of each token's q after RoPE (Ministral 3's
+      LLaMA-4 attention scaling), or None."""
 
     qk_norm: bool = False
     norm_after_rope: bool = False
@@ -77,6 +80,7 @@ class AttentionPlan:
     rotary: Any = apply_rotary_pos_emb
     residual_scale: float = 1.0
     rotates: bool = True
+    query_scale: Any = None
 
 
 def head_dim(cfg: Any) -> int:
@@ -111,6 +115,16 @@ def _mistral_plan(attn: nn.Module) -> AttentionPlan:
     return AttentionPlan(window=getattr(attn.config, "sliding_window", None))
 
 
+def _ministral3_plan(attn: nn.Module) -> AttentionPlan:
+    """Ministral 3's: the config's window, and q scaled per position after RoPE as its attention
+    scales it (``get_llama_4_attn_scale`` of the attention's own module)."""
+    rope = attn.config.rope_parameters
+    beta, span = rope.get("llama_4_scaling_beta"), rope.get("original_max_position_embeddings")
+    scale = inspect.unwrap(type(attn).forward).__globals__["get_llama_4_attn_scale"]
+    return AttentionPlan(window=getattr(attn.config, "sliding_window", None),
+                         query_scale=lambda position_ids: scale(position_ids, beta, span))
+
+
 def _phi3_plan(attn: nn.Module) -> AttentionPlan:
     return dataclasses.replace(_mistral_plan(attn), fused=True)
 
@@ -128,6 +142,8 @@ _FAMILIES = {
                       lambda attn: AttentionPlan()),
     "Mistral's": Family(MistralAttention.forward, LlamaDecoderLayer.forward, LlamaMLP.forward, _LLAMA_CHILDREN,
                         _mistral_plan),
+    "Ministral 3's": Family(ministral3.Ministral3Attention.forward, LlamaDecoderLayer.forward, LlamaMLP.forward,
+                            _LLAMA_CHILDREN, _ministral3_plan),
     "Qwen3's": Family(Qwen3Attention.forward, LlamaDecoderLayer.forward, LlamaMLP.forward,
                       {**_LLAMA_CHILDREN, "self_attn": _LLAMA_CHILDREN["self_attn"] | {"q_norm", "k_norm"}},
                       lambda attn: AttentionPlan(qk_norm=True, window=attn.sliding_window), ("q_norm", "k_norm")),

@@ -2,7 +2,8 @@
 model of a family built from LLaMA's modules:
 
 - Mistral: the same decoder layer, RMSNorm and MLP; an attention that adds a sliding window,
-  which the patched layer passes on;
+  which the patched layer passes on; Ministral 3 also scales q per position after RoPE (LLaMA-4's
+  attention scaling), which the patched layer does as its attention does;
 - Qwen2 and Qwen2.5: biases on q, k and v, and a sliding window on some layers;
 - Qwen3: per-head RMSNorms of q and k before RoPE, which stay HF's, and so does RoPE; Hunyuan's
   dense models: the same norms after RoPE;
@@ -311,6 +312,8 @@ def _layer_forward(self: nn.Module, hidden_states: torch.Tensor, attention_mask:
         q, k = extra.rotary(q, k, *position_embeddings)
     if q_norm is not None and extra.norm_after_rope:
         q, k = q_norm(q), k_norm(k)
+    if extra.query_scale is not None:  # one number per token: the epilogue's pair layout does not matter
+        q = q * extra.query_scale(position_ids).to(q.dtype)
     if past_key_values is not None:
         k, v = past_key_values.update(k, v, attn.layer_idx)
     interface = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, eager_attention_forward)

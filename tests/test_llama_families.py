@@ -124,6 +124,28 @@ def test_a_qwen3_model_trains_like_hf():
     assert_like_hf(got, hi, lo)
 
 
+MINISTRAL3_ROPE = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0, "original_max_position_embeddings": 8,
+                   "beta_fast": 32.0, "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0,
+                   "llama_4_scaling_beta": 2.0}
+
+
+def test_a_ministral3_model_with_a_query_scale_per_position_trains_like_hf():
+    """Ministral 3 scales q after RoPE by 1 + beta * log(1 + floor(pos / n)) (LLaMA-4's attention
+    scaling; n = 8 here, so the 24 tokens see three scales), and its YaRN RoPE stays HF's
+    (``rope=False``, which its refusal names): patched, it trains like the unpatched model, and
+    the scaling matters (the same model without it misses HF's bar)."""
+    base = tiny("Ministral3", rope_parameters=MINISTRAL3_ROPE)
+    hi, lo = train_and_eval(copy.deepcopy(base).float()), train_and_eval(copy.deepcopy(base).bfloat16())
+    with pytest.raises(KernelError, match=r"rope_type 'yarn' .* pass rope=False"):
+        coda_agent.apply_to_llama(copy.deepcopy(base).bfloat16())
+    model = coda_agent.apply_to_llama(copy.deepcopy(base).bfloat16(), rope=False)
+    assert model.model.layers[0].coda_attention.query_scale is not None
+    assert_like_hf(train_and_eval(model), hi, lo)
+    unscaled = tiny("Ministral3", rope_parameters={**MINISTRAL3_ROPE, "llama_4_scaling_beta": 0.0})
+    with pytest.raises(AssertionError):
+        assert_like_hf(train_and_eval(unscaled.bfloat16()), hi, lo)
+
+
 def test_a_hunyuan_model_with_q_k_norms_after_rope_trains_like_hf():
     """Hunyuan's dense models are LLaMA's modules whose attention normalizes q and k per head
     *after* RoPE (``query_layernorm``, ``key_layernorm``; weights off one here, so the order
@@ -272,8 +294,8 @@ def test_heads_wider_than_the_model_train_like_hf(family):
 @pytest.mark.parametrize(("family", "overrides", "refusal"), [
     ("Gemma", {}, r"RMSNorms scale by \(1 \+ weight\) \(Gemma's\), which the MLP block kernel .* pass swiglu=False"),
     ("Cohere", {}, r"CohereAttention.forward is not LLaMA's, Mistral's"),
-    ("Olmo2", {}, r"Olmo2Attention.forward is not LLaMA's, Mistral's, Qwen3's, Qwen2's, SmolLM3's, Phi-3's, "
-                  r"Hunyuan's or Seed-OSS's attention"),
+    ("Olmo2", {}, r"Olmo2Attention.forward is not LLaMA's, Mistral's, Ministral 3's, Qwen3's, Qwen2's, SmolLM3's, "
+                  r"Phi-3's, Hunyuan's or Seed-OSS's attention"),
     ("Gemma2", {"hidden_act": "silu"}, r"Gemma2Attention.forward is not"),
     ("Phi3", {"resid_pdrop": 0.1}, r"layers.0.resid_attn_dropout drops with p = 0.1: .* resid_pdrop=0.0"),
     ("SeedOss", {"residual_dropout": 0.1}, r"layers.0.self_attn.residual_dropout = 0.1: .* residual_dropout=0.0"),

@@ -195,15 +195,36 @@ STACKS = (("model", LLAMA_STACK, "LLaMA", "apply_to_llama"), ("transformer", GPT
 def refusal_hint(model: Any, patch: str, head: str = "", default: str = NO_DROP_IN) -> str:
     """How a refusal of ``model`` by ``patch`` (whose decoder stack it lacks) ends, naming the way
     on: unwrap a DataParallel, ``head`` (the caller's hint for a head over its own family's stack,
-    where it has one), the drop-in whose stack it holds, else ``default``."""
+    where it has one), the drop-in whose stack it holds if that one takes it, else ``default``
+    (after why the drop-in whose stack it holds refuses it too: StableLM holds LLaMA's stack and
+    LayerNorms)."""
     if isinstance(getattr(model, "module", None), nn.Module):  # DataParallel, DistributedDataParallel
         return "; it wraps the model (model.module): patch the model itself first, then wrap it"
     if head:
         return head
     for attr, stack, family, other in STACKS:
         if other != patch and has_modules(getattr(model, attr, model), stack):
-            return f"; it is built like {family}: coda_agent.{other}(model) patches those"
+            why = _refusal_by(other, model)
+            if why is None:
+                return f"; it is built like {family}: coda_agent.{other}(model) patches those"
+            return f"; it is built like {family}, but coda_agent.{other} refuses it too ({why}){default}"
     return default
+
+
+def _refusal_by(patch: str, model: Any) -> str | None:
+    """Why the drop-in ``patch`` refuses ``model`` even with every part it can keep HF's kept
+    (the first clause of its refusal), or None where it takes it: its architecture check alone,
+    which changes nothing."""
+    from . import families, gpt2, gpt_neox  # those modules import this one
+
+    check = {"apply_to_llama": lambda m: families.llama_architecture(m, keep_mlp=True),
+             "apply_to_gpt2": lambda m: gpt2.gpt2_architecture(m, keep_mlp=True),
+             "apply_to_gpt_neox": lambda m: gpt_neox.gpt_neox_architecture(m, layer_norm=False, keep_mlp=True)}
+    try:
+        check[patch](model)
+    except KernelError as e:
+        return str(e).split(";")[0].split(": the patched")[0]
+    return None
 
 
 def record_attention(weights: torch.Tensor | None) -> None:

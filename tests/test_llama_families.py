@@ -323,6 +323,18 @@ def test_a_model_no_drop_in_patches_is_refused_with_the_way_on(family, patch):
         getattr(coda_agent, patch)(tiny(family).bfloat16())
 
 
+@pytest.mark.parametrize("patch", ["apply_to_gpt2", "apply_to_gpt_neox"])
+def test_a_refusal_sends_a_model_on_only_to_a_drop_in_that_takes_it(patch):
+    """StableLM holds LLaMA's decoder stack but not its modules: the other drop-ins' refusals say
+    that apply_to_llama refuses it too, and why, instead of sending the user there; a LLaMA is
+    sent there."""
+    with pytest.raises(KernelError, match=r"it is built like LLaMA, but coda_agent.apply_to_llama refuses it too "
+                                          r"\(StableLmAttention.forward is not LLaMA's, .*\); .*train it unpatched"):
+        getattr(coda_agent, patch)(tiny("StableLm").bfloat16())
+    with pytest.raises(KernelError, match=r"it is built like LLaMA: coda_agent.apply_to_llama\(model\) patches those$"):
+        getattr(coda_agent, patch)(tiny_llama().bfloat16())
+
+
 class AdapterLinear(torch.nn.Linear):
     """A projection with an adapter beside its weight that is not peft's LoRA (which runs beside the
     kernels: test_lora.py)."""

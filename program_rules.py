@@ -50,6 +50,10 @@ API: dict[str, tuple[str, ...]] = {
     "fp8": ("quantize_rows", "quantize_both"),
 }
 PROGRAM_API: tuple[str, ...] = tuple(name for names in API.values() for name in names)
+# The catalogue calls a module-level constant may make: declarations, which hold no tensor
+# (``SQ = col_sum()``, ``CFG = TileConfig(...)``).  A tensor made at module level (``zeros(...)``)
+# is state that survives between calls.
+DECLARATIONS: tuple[str, ...] = (*API["reductions and stateful transforms"], *API["operand kinds"], "TileConfig")
 HARNESS_ONLY: tuple[str, ...] = ("load_program", "lowering", "compile_only", "launch_ledger", "CatalogueError")
 
 # On a tensor (or any value the catalogue did not return as a catalogue object), host code may
@@ -75,8 +79,10 @@ HOST_RULES: tuple[Rule, ...] = (
                     "`from math import ...`; nothing else."),
     Rule("module level", "the docstring, imports, `def`s, and constants: numbers, strings, tuples of them, "
                          "arithmetic over them, `math` calls (`GELU_C = math.sqrt(2 / math.pi)`) and catalogue "
-                         "declarations (`SQ = col_sum()`). No module-level dict, list or set: state that survives "
-                         "between calls is the cached-output cheat."),
+                         "declarations (`SQ = col_sum()`: reductions, operand kinds, `TileConfig`). No module-level "
+                         "dict, list, set or tensor: state that survives between calls is the cached-output cheat "
+                         "(the verifier also checks that a call leaves the module's values as it found them). No "
+                         "assignment expressions (`:=`) anywhere."),
     Rule("functions", "`forward(<inputs and params by name>)` returns a dict holding every task output (extra "
                       "entries are state for backward); `backward(saved, d<output>...)` returns `d<input>` for "
                       "each task gradient. A backward that adds a parameter `needs` is passed the set of "
@@ -174,8 +180,10 @@ class StaticAllowList:
     harness_only: frozenset[str]
     attributes: frozenset[str]  # readable on non-catalogue values
     methods: frozenset[str]  # callable on non-catalogue values
+    declarations: frozenset[str]  # catalogue calls a module-level constant may make
 
 
 def static_allow_list() -> StaticAllowList:
     return StaticAllowList(CATALOGUE_MODULE, MATH_MODULE, frozenset(PROGRAM_API), frozenset(HARNESS_ONLY),
-                           frozenset(TENSOR_ATTRIBUTES), frozenset(TENSOR_METHODS + CONTAINER_METHODS))
+                           frozenset(TENSOR_ATTRIBUTES), frozenset(TENSOR_METHODS + CONTAINER_METHODS),
+                           frozenset(DECLARATIONS))

@@ -61,10 +61,15 @@ def _wrap_fn(epi: Epilogue) -> Any:
         return QuackPair(value.a, value.b) if isinstance(value, Pair) else value
 
     reads_acc = epi.reads_acc  # a pass's fn takes no accumulator (its mainloop computes zeros)
+    # In a pairs="acc" epilogue quack folds each reduction from a pair of lanes; one value per
+    # pair (which the reference lowering takes as it is) goes as lanes that fold to it.
+    paired = {name: red for name, red in epi.reductions.items() if epi.pairs == "acc"}
 
     def coda_epilogue(acc, **operands):  # noqa: ANN001, ANN202 - signature set below
         args = {names[k]: inbound(v) for k, v in operands.items()}
         result = user(inbound(acc), **args) if reads_acc else user(**args)
+        result = {k: Pair(*paired[k].lanes_of(v)) if k in paired and not isinstance(v, Pair) else v
+                  for k, v in result.items()}
         return {k: outbound(v) for k, v in result.items()}
 
     params = [inspect.Parameter(p, inspect.Parameter.POSITIONAL_OR_KEYWORD) for p in ("acc", *names)]

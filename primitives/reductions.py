@@ -91,6 +91,12 @@ class Reduction:
         """The two lanes of a Pair folded into one value per column pair."""
         return torch.maximum(a, b)
 
+    def lanes_of(self, v: Any) -> tuple[Any, Any]:
+        """Two lanes that :meth:`fold_lanes` folds into ``v``: a paired epilogue's kernel folds a
+        pair per reduction, so one value per pair (what the reference lowering takes as it is)
+        goes to the kernel as these lanes."""
+        return v, v
+
     def fold(self, values: torch.Tensor, operands: dict[str, Any], tile_n: int) -> torch.Tensor:
         """The reference fold of fp32 (M, N) values."""
         raise NotImplementedError
@@ -131,6 +137,9 @@ class ColSum(Reduction):
 
     def fold_lanes(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return a + b
+
+    def lanes_of(self, v: Any) -> tuple[Any, Any]:
+        return v, v * 0.0
 
     def fold(self, values: torch.Tensor, operands: dict[str, Any], tile_n: int) -> torch.Tensor:
         if not self.partials:
@@ -180,6 +189,9 @@ class RowSum(Reduction):
 
     def fold_lanes(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return a + b
+
+    def lanes_of(self, v: Any) -> tuple[Any, Any]:
+        return v, v * 0.0
 
     def fold(self, values: torch.Tensor, operands: dict[str, Any], tile_n: int) -> torch.Tensor:
         return values.sum(dim=0)

@@ -17,7 +17,6 @@ cat $(ls p*/part.* | sort -t. -k2 -n) > "$work/all"
 # with `cat .gpu/p*/count | head -1`, which under `set -o pipefail` fails with SIGPIPE (exit 141)
 # when cat still writes after head has exited, so each copy reads the first file instead.
 sed 's#^want=.*#want=$(cat "$(ls .gpu/p*/count | sort | sed -n 1p)")#' "$stage" > "$work/stage.sh"
-grep -q '^want=$(cat "$(ls' "$work/stage.sh"
 (cd "$work" && split -b "$size" -d -a 2 all part. && rm all)
 rm -rf p[0-9]*
 count=$(ls "$work"/part.* | wc -l)

@@ -56,6 +56,25 @@ def test_every_catalogue_example_compiles_for_sm90a_with_hgmma(family, gen):
     assert narrow.sass.spill_stores == 0 and narrow.sass.spill_loads == 0, narrow.sass
 
 
+PAIRED_SINGLE = HEADER + '''
+@epilogue(reductions={"sq": col_sum(), "mx": col_max()}, pairs="acc")
+def paired_single(acc):
+    e, o = unpack(acc)
+    return {"D": pack(e, o), "sq": e * e + o * o, "mx": maximum(e, o)}
+'''
+
+
+@pytest.mark.slow
+def test_a_paired_epilogue_reduces_one_value_per_pair_as_the_reference_does():
+    """In a pairs="acc" epilogue a reduction may take one value per pair (the reference lowering
+    folds it as it is): the kernel gets it as two lanes that fold to it ((v, 0) for a sum, (v, v)
+    for a max), where quack's paired fold failed on a single value (TypeError) before."""
+    epi = load_program(PAIRED_SINGLE, "paired_single").paired_single
+    with compile_only() as kernels:
+        gemm(rand(256, 128, dtype=torch.bfloat16), rand(128, 384, dtype=torch.bfloat16), epi)
+    assert kernels and kernels[0].sass.hgmma > 0
+
+
 WIDE_OUTPUTS = HEADER + '''
 @epilogue(outputs={"a": "fp32", "b": "fp32", "c2": "fp32", "d": "fp32", "e": "fp32"})
 def wide(acc):

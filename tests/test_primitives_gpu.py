@@ -51,6 +51,12 @@ def rope(acc, pos: ColVec, freq: RowVec):
     c, s = cos(pos * f1), sin(pos * f1)
     return {"D": pack(x1 * c - x2 * s, x1 * s + x2 * c)}
 ''',
+    "paired_single": '''
+@epilogue(reductions={"sq": col_sum(), "mx": col_max()}, pairs="acc")
+def paired_single(acc):
+    e, o = unpack(acc)
+    return {"D": pack(e, o), "sq": e * e + o * o, "mx": maximum(e, o)}
+''',
 }
 CASES = {**EXAMPLES, **EXTRA}
 SHAPES = {"even": (1024, 1536, 512), "ragged": (1000, 1264, 200)}

@@ -18,7 +18,7 @@ import contextlib
 import sys
 import traceback
 from dataclasses import dataclass, field
-from types import ModuleType
+from types import FunctionType, MappingProxyType, ModuleType
 from typing import Any, Iterator
 
 import torch
@@ -86,15 +86,75 @@ def call(contract: Contract, mod: ModuleType, inputs: dict[str, torch.Tensor],
          grads: dict[str, torch.Tensor] | None, audit: "TorchAudit | None" = None,
          needs: list[str] | None = None) -> dict[str, Any]:
     """forward (+ backward) by the contract (``kernels/contract.py``): the outputs and
-    ``d<input>`` gradients (those in ``needs``, when given) in one dict."""
+    ``d<input>`` gradients (those in ``needs``, when given) in one dict.  Each leaves the
+    module's values as it found them (:func:`module_state`)."""
+    before = module_state(mod)
     with _as_candidate(mod.__file__, "forward"), audit or contextlib.nullcontext():
         outs = call_forward(mod, inputs, contract.params, contract.outputs)
+    _same_state(mod, before, "forward")
     result = {o: outs[o] for o in contract.outputs}
     if grads is not None:
         saved = saved_state(inputs, contract.params, outs)
         with _as_candidate(mod.__file__, "backward"), audit or contextlib.nullcontext():
             result.update(call_backward(mod, saved, grads, contract.gradients, needs))
+        _same_state(mod, before, "backward")
     return result
+
+
+def module_state(mod: ModuleType) -> dict[str, Any]:
+    """What the program's module holds, as values: each module-level name's binding, and for what
+    the program made (its functions' defaults, closures and attributes, its epilogues' fns, the
+    containers and tensors it binds) their contents, recursively; the catalogue's own objects
+    and modules by identity.  A call that changes it keeps state between calls: a counter that
+    turns a correct program wrong after the verifier's last call, outputs cached by their
+    inputs, one output buffer handed out to every call."""
+    from coda_agent.primitives.epilogue import Epilogue
+
+    seen: set[int] = set()
+
+    def value(v: Any, depth: int = 0) -> Any:
+        if isinstance(v, (int, float, complex, str, bytes, bool, type(None))):
+            return (type(v).__name__, v)
+        if depth > 8 or id(v) in seen:  # a cycle, or deeper than a program's constants go
+            return ("ref", type(v).__name__)
+        seen.add(id(v))
+        if isinstance(v, torch.Tensor):
+            data = v.detach().reshape(-1).contiguous().view(torch.uint8).cpu()
+            return ("tensor", tuple(v.shape), str(v.dtype), str(v.device), hash(data.numpy().tobytes()))
+        if isinstance(v, (list, tuple)):
+            return (type(v).__name__, tuple(value(x, depth + 1) for x in v))
+        if isinstance(v, (set, frozenset)):
+            return (type(v).__name__, tuple(sorted(repr(value(x, depth + 1)) for x in v)))
+        if isinstance(v, (dict, MappingProxyType)):  # a class's __dict__ is a new proxy at every read
+            return ("dict", tuple((repr(k), value(x, depth + 1)) for k, x in v.items()))
+        if isinstance(v, Epilogue):
+            return ("epilogue", id(v), value(v.fn, depth + 1))
+        if isinstance(v, FunctionType) and v.__module__ == mod.__name__:
+            cells = tuple(value(c.cell_contents, depth + 1) for c in v.__closure__ or () if _filled(c))
+            return ("function", id(v), value(v.__defaults__, depth + 1), value(v.__kwdefaults__, depth + 1),
+                    value(vars(v), depth + 1), cells)
+        if isinstance(v, ModuleType) or getattr(type(v), "__module__", "").startswith(("coda_agent.", "builtins")):
+            return ("object", id(v))
+        return ("object", id(v), type(v).__qualname__, value(getattr(v, "__dict__", None), depth + 1))
+
+    return {k: value(v) for k, v in vars(mod).items() if not (k.startswith("__") and k.endswith("__"))}
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # an empty cell
+        return False
+    return True
+
+
+def _same_state(mod: ModuleType, before: dict[str, Any], doing: str) -> None:
+    after = module_state(mod)
+    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    if changed:
+        raise CandidateError(f"{doing} changed the module-level {', '.join(f'`{k}`' for k in changed[:4])}: a "
+                             "program keeps no state between calls (no counters, caches or buffers that outlive "
+                             "a call); build what a call needs inside forward/backward")
 
 
 @contextlib.contextmanager
@@ -166,7 +226,15 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 # Metadata and free views a program may touch on a tensor directly.
 _TORCH_OK = {"shape", "dtype", "device", "ndim", "T", "mT", "t", "size", "dim", "view", "is_cuda",
-             "__get__", "__len__", "__iter__", "__format__", "__repr__"}
+             "__get__", "__len__", "__iter__"}
+# What no epilogue's math does, even inside a launch, where the reference lowering evaluates the
+# epilogue fn on whole tensors: products over a dimension (an epilogue is elementwise on its tile
+# plus declared reductions) and reading values into Python (text, numbers, truth values), with
+# which a fn (or a helper it calls) could tell the lowering or the data apart.
+_NEVER_IN_EPILOGUE = {"matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "addmm", "einsum", "linear", "tensordot",
+                      "inner", "outer", "kron", "conv1d", "conv2d", "__repr__", "__format__", "__str__", "tolist",
+                      "item", "__float__", "__int__", "__bool__", "__index__", "numpy", "__array__", "sort", "topk",
+                      "cumsum", "gather", "scatter", "index_select", "take"}
 
 
 def _basic_index(index: Any) -> bool:
@@ -206,7 +274,11 @@ class TorchAudit(TorchFunctionMode):
       whatever helpers it calls): the reference lowering evaluating the epilogue.  The same fn
       run outside a launch (the dry run of an epilogue declared inside forward, whose body can
       reach that call's tensors) and an epilogue declared inside forward and launched are the
-      program's compute."""
+      program's compute;
+    - even inside a launch, what no epilogue's math does (:data:`_NEVER_IN_EPILOGUE`: a matmul,
+      a tensor's text or Python number) is the program's compute: the lowering evaluates
+      ``vector_pass`` fns on whole host tensors, and a fn that reads its values can tell the
+      lowering (and the draw) apart."""
 
     def __init__(self, program_file: str, epilogues: frozenset[Any]):
         super().__init__()
@@ -222,13 +294,14 @@ class TorchAudit(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         name = getattr(func, "__name__", str(func))
         if name not in _TORCH_OK and not (name == "__getitem__" and _basic_index(args[1] if len(args) > 1 else None)):
-            line = self._program_line(sys._getframe(1))
+            line = self._program_line(sys._getframe(1), name in _NEVER_IN_EPILOGUE)
             if line is not None:
                 self.calls.append((line, name))
         return func(*args, **(kwargs or {}))
 
-    def _program_line(self, f: Any) -> int | None:
-        """The program's line that made this PyTorch call (None: not the program's compute)."""
+    def _program_line(self, f: Any, never: bool = False) -> int | None:
+        """The program's line that made this PyTorch call (None: not the program's compute);
+        ``never``: a call no epilogue makes, the program's even inside a launch."""
         while f is not None and (f.f_code.co_filename.startswith(self._torch_dir)
                                  or f.f_code.co_filename in self._skip):
             f = f.f_back
@@ -237,7 +310,7 @@ class TorchAudit(TorchFunctionMode):
         entered = f  # the outermost of the program's frames the catalogue (or the contract) entered
         while entered.f_back is not None and entered.f_back.f_code.co_filename == self.program_file:
             entered = entered.f_back
-        if self._inside_launch() and entered.f_code in self.epilogues:
+        if self._inside_launch() and entered.f_code in self.epilogues and not never:
             return None
         return f.f_lineno
 

@@ -35,8 +35,9 @@ declaration, and a nested one closes over the call's tensors); classes, ``global
 ``async``, ``yield``, ``match``; attribute assignment; item assignment except
 into a dict or list the same function created; module-level statements other
 than imports, function definitions and constants (numbers, strings, tuples of
-them, arithmetic over them, ``math`` and catalogue calls on them:
-``GELU_C = math.sqrt(2 / math.pi)``); defaults other than literal constants (a
+them, arithmetic over them, ``math`` calls and catalogue declarations on them:
+``GELU_C = math.sqrt(2 / math.pi)``, ``SQ = col_sum()``; never a tensor); assignment
+expressions (``:=``, which bind where no statement does); defaults other than literal constants (a
 computed or mutable default is state that survives between calls); a module
 name bound twice.
 
@@ -238,8 +239,9 @@ class _Checker(ast.NodeVisitor):
             elif isinstance(stmt, (ast.Assign, ast.AnnAssign)):
                 if stmt.value is None or not self._constant_like(stmt.value):
                     self.bad(stmt, "module-level state: a module-level name may only bind a constant, a tuple "
-                             "of constants or a catalogue declaration (a dict/list here would survive between "
-                             "calls); build it inside forward/backward instead")
+                             "of constants or a catalogue declaration (`col_sum()`, `TileConfig(...)`; a dict, "
+                             "list or tensor here would survive between calls); build it inside "
+                             "forward/backward instead")
             else:
                 self.bad(stmt, f"module-level {type(stmt).__name__} statement: only imports, constants and "
                          "function definitions may appear at module level; move the code into forward/backward")
@@ -262,7 +264,8 @@ class _Checker(ast.NodeVisitor):
         if isinstance(node, ast.Call):
             func = node.func
             callee = self.module.get(func.id, Binding("")) if isinstance(func, ast.Name) else None
-            ok = (callee is not None and callee.kind in ("catalogue", "math_function")) or \
+            ok = (callee is not None and (callee.kind == "math_function" or (
+                callee.kind == "catalogue" and callee.of in ALLOWED.declarations))) or \
                 (isinstance(func, ast.Attribute) and self._math_member(func) is not None)
             return ok and all(self._constant_like(a) for a in node.args) \
                 and all(self._constant_like(k.value) for k in node.keywords)
@@ -372,6 +375,13 @@ class _Checker(ast.NodeVisitor):
             self.bad(node, f"attribute `.{node.attr}` on a non-catalogue object: only "
                      f"{', '.join('.' + a for a in sorted(ALLOWED.attributes))} may be read; use a catalogue "
                      "primitive for the rest")
+        self.generic_visit(node)
+
+    def visit_NamedExpr(self, node: ast.NamedExpr) -> None:
+        # A walrus binds a name where no assignment statement is (a decorator's arguments, a
+        # comprehension binding its enclosing function's name): state and aliases the module and
+        # scope checks would not see.
+        self.bad(node, "assignment expression (`:=`): assign with a statement of its own")
         self.generic_visit(node)
 
     def visit_Call(self, node: ast.Call) -> None:

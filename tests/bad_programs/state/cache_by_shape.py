@@ -1,5 +1,5 @@
 # stage: reference
-# expect: identical for two different inputs
+# expect: identical for two different inputs || changed the module-level
 # static: off
 """Computes once per shape and serves the cached result to every later call of that shape."""
 from coda_agent.primitives import Tile, epilogue, gemm

@@ -1,5 +1,5 @@
 # stage: reference
-# expect: identical for two different inputs
+# expect: identical for two different inputs || changed the module-level
 # static: off
 """State on the function object: the result of the first call of each size."""
 from coda_agent.primitives import Tile, epilogue, gemm

@@ -1,5 +1,5 @@
 # stage: reference
-# expect: identical for two different inputs
+# expect: identical for two different inputs || changed the module-level
 # static: off
 """A list default argument survives between calls: the first result is served forever after."""
 from coda_agent.primitives import Tile, epilogue, gemm

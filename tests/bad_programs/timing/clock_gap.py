@@ -1,5 +1,5 @@
 # stage: reference
-# expect: is identical for two different inputs
+# expect: is identical for two different inputs || changed the module-level
 # static: off
 """Reads the clock: a call that comes within half a second of the previous one is part of a
 timing loop, and gets the previous result.  The reference stage calls it with different inputs

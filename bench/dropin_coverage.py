@@ -4,9 +4,10 @@ Each model type transformers maps to a causal LM (``MODEL_FOR_CAUSAL_LM_MAPPING_
 built on the CPU from its default config, shrunk to a few layers of small widths, in bf16; each
 drop-in (``apply_to_llama``, ``apply_to_gpt2``, ``apply_to_gpt_neox``) then patches a copy, and
 where a refusal names a flag that keeps a part HF's (``pass swiglu=False``) or a config value
-(``build the model with resid_pdrop=0.0``), tries again with it, as a user would.  A patched model trains one step (the reference lowering) and its loss is set
-beside the unpatched model's (a miss beyond bf16 rounding is an error), with the flags it took; a
-refusal is kept with its message.  The contract this checks: a drop-in either patches
+(``build the model with resid_pdrop=0.0``), tries again with it, as a user would.  A patched
+model trains one step (the reference lowering) and its loss is set beside the unpatched model's
+(a miss beyond bf16 rounding is an error), with the flags and config values it took; a refusal
+is kept with its message.  The contract this checks: a drop-in either patches
 a model, which then computes HF's loss, or refuses it with a ``KernelError`` that says what to do;
 any other exception is a bug (``"error"`` rows).  A config that does not build at the small
 widths (its own constraints between sizes), or whose unpatched model then fails its own step, is
@@ -145,7 +146,8 @@ def judge(class_name: str, build_s: int) -> dict[str, Any]:
         want = hf_loss(model)
     except Exception as e:  # the small widths broke HF's own model (a top-k over fewer experts)
         return {"unbuilt": f"HF's own step fails at the small widths: {type(e).__name__}: {str(e)[:200]}"}
-    return {"params": params, **{drop_in: patch_and_train(model, drop_in, want, class_name) for drop_in in DROP_INS}}
+    return {"params": params,
+            **{drop_in: patch_and_train(model, drop_in, want, class_name) for drop_in in DROP_INS}}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -130,16 +130,19 @@ def row_stats(x: torch.Tensor, eps: float) -> dict[str, torch.Tensor]:
 
 
 @composite
-def layernorm_fold(B: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor,
+def layernorm_fold(B: torch.Tensor, gamma: torch.Tensor | None, beta: torch.Tensor | None,
                    bias: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """LayerNorm's rank-1 form for ``LN(x) @ B (+ bias)`` with B (K, N), as gemm
     takes it (``W.t()`` for a weight stored (N, K)): ``{"B": B', "gw": (N,),
     "c": (N,)}`` with B' = gamma[:, None] * B in B's dtype and layout, gw the
     column sums of B' as stored and c = beta @ B + bias (fp32), in one pass over
     the weight.  Then ``gemm(x, out["B"], fn, ...)`` with
-    ``rstd * (acc - mean * gw) + c`` in fn is LN(x) @ B + bias."""
+    ``rstd * (acc - mean * gw) + c`` in fn is LN(x) @ B + bias.  ``gamma=None``,
+    ``beta=None``: a LayerNorm without weight or bias (OLMo's non-parametric one)."""
     need("B", B, 2)
     k, n = B.shape
+    gamma = torch.ones(k, dtype=torch.float32, device=B.device) if gamma is None else gamma
+    beta = torch.zeros(k, dtype=torch.float32, device=B.device) if beta is None else beta
     for name, v, size in (("gamma", gamma, k), ("beta", beta, k), ("bias", bias, n)):
         if v is not None and (not isinstance(v, torch.Tensor) or tuple(v.shape) != (size,)):
             raise CatalogueError(f"layernorm_fold: {name} needs shape ({size},) for B of shape {(k, n)} (gamma "
@@ -160,15 +163,17 @@ def layernorm_fold(B: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor,
 
 
 @composite
-def normalize_rows(x: torch.Tensor, rstd: torch.Tensor, gamma: torch.Tensor, mean: torch.Tensor | None = None,
+def normalize_rows(x: torch.Tensor, rstd: torch.Tensor, gamma: torch.Tensor | None, mean: torch.Tensor | None = None,
                    beta: torch.Tensor | None = None) -> torch.Tensor:
     """The normalized tensor itself, ``(x - mean) * rstd * gamma + beta`` in x's
     dtype (x (M, H); rstd, mean (M,); gamma, beta (H,)): LayerNorm, or RMSNorm
-    ``x * rstd * gamma`` without mean and beta.  One tile pass (read x, write
+    ``x * rstd * gamma`` without mean and beta; ``gamma=None`` for a norm without
+    a weight (OLMo's non-parametric LayerNorm).  One tile pass (read x, write
     the result): for a post-norm block's residual stream, or a normalized
     activation that two GEMMs read."""
     need("x", x, 2)
     m, h = x.shape
+    gamma = torch.ones(h, dtype=torch.float32, device=x.device) if gamma is None else gamma
     mean = torch.zeros(m, dtype=torch.float32, device=x.device) if mean is None else mean
     beta = torch.zeros(h, dtype=torch.float32, device=x.device) if beta is None else beta
     return tile_pass(normalize, x=x, mean=mean, rstd=rstd, gamma=gamma, beta=beta)["D"]

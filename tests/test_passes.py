@@ -323,6 +323,17 @@ def test_normalize_rows_materializes_layernorm_and_rmsnorm(gen):
     rstd = torch.rsqrt(x.float().pow(2).mean(1) + 1e-6)
     rms = normalize_rows(x, rstd, gamma)
     torch.testing.assert_close(rms.double(), (x.double() * rstd.double()[:, None] * gamma.double()), atol=2e-2, rtol=1e-2)
+    bare = normalize_rows(x, st["rstd"], None, mean=st["mean"])  # OLMo's LayerNorm: no weight, no bias
+    torch.testing.assert_close(bare.double(), F.layer_norm(x.double(), (N,), eps=1e-5), atol=2e-2, rtol=1e-2)
+
+
+def test_layernorm_fold_of_a_norm_without_weight_or_bias_is_the_weight_itself(gen):
+    """OLMo's non-parametric LayerNorm: gamma and beta None fold to B unchanged and c = 0 (+ bias)."""
+    B, bias = _rand(72, 136, gen=gen), _rand(136, gen=gen)
+    fold = layernorm_fold(B, None, None, bias)
+    assert torch.equal(fold["B"], B)
+    torch.testing.assert_close(fold["gw"].double(), B.double().sum(0), atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close(fold["c"], bias.float())
 
 
 # --------------------------------------------------------------------------- sm_90a compile

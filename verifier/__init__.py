@@ -87,9 +87,10 @@ be honest only there; the static stage's rules, which an accepted program
 passed, and human review are what hold it in a training run); that state it
 keeps across calls changes nothing after more calls than a check makes (the
 runner checks that each call leaves the module's values as it found them,
-``program.module_state``: a counter in a module-level list or tensor, a helper's
-default or a closure cell is refused at its first call; state kept where the
-module does not reach, an attribute of a catalogue object, is not seen); that it is right on inputs unlike the judge's draws (they follow the
+``program.module_state``: a counter in a module-level list or tensor, a
+helper's default or a closure cell is refused at its first call; state kept
+where the module does not reach, an attribute of a catalogue object, is not
+seen); that it is right on inputs unlike the judge's draws (they follow the
 task's declared distributions plus the edge rows, in code its author has read:
 a program that reads its inputs past the ``TorchAudit``, which runs in its own
 runner, can be right only on them).  A Report covers the stages it lists:

@@ -115,12 +115,17 @@ def _mistral_plan(attn: nn.Module) -> AttentionPlan:
     return AttentionPlan(window=getattr(attn.config, "sliding_window", None))
 
 
+def _attention_global(attn: nn.Module, name: str, default: Any = None) -> Any:
+    """What ``name`` is bound to in the module of ``attn``'s forward (its own rotation, a helper)."""
+    return inspect.unwrap(type(attn).forward).__globals__.get(name, default)
+
+
 def _ministral3_plan(attn: nn.Module) -> AttentionPlan:
     """Ministral 3's: the config's window, and q scaled per position after RoPE as its attention
     scales it (``get_llama_4_attn_scale`` of the attention's own module)."""
     rope = attn.config.rope_parameters
     beta, span = rope.get("llama_4_scaling_beta"), rope.get("original_max_position_embeddings")
-    scale = inspect.unwrap(type(attn).forward).__globals__["get_llama_4_attn_scale"]
+    scale = _attention_global(attn, "get_llama_4_attn_scale")
     return AttentionPlan(window=getattr(attn.config, "sliding_window", None),
                          query_scale=lambda position_ids: scale(position_ids, beta, span))
 
@@ -290,7 +295,7 @@ def llama_architecture(model: nn.Module, keep_mlp: bool = False) -> tuple[nn.Mod
             helpers = ((k, differing_global(type(attn).forward, f, ROTATION)) for f, k in firsts.items())
             kind, helper = next(((k, h) for k, h in helpers if h), ("", ""))
             if helper:
-                home = inspect.unwrap(type(attn).forward).__globals__.get("__name__", "its module")
+                home = _attention_global(attn, "__name__", "its module")
                 raise KernelError(f"{type(attn).__name__}.forward is the code of {kind} attention, but the {helper} "
                                   f"it calls ({home}) differs from {kind}: the patched layer would compute {kind} "
                                   "instead")
@@ -327,7 +332,7 @@ def llama_architecture(model: nn.Module, keep_mlp: bool = False) -> tuple[nn.Mod
         checks += [("decoder layer", layer, family.layer, whose(family.layer)),
                    *([] if keep_mlp else [("MLP", layer.mlp, family.mlp, whose(family.mlp))]),
                    *(("RMSNorm", getattr(attn, name), LlamaRMSNorm.forward, "LLaMA's") for name in family.norms)]
-        rotary = inspect.unwrap(type(attn).forward).__globals__.get("apply_rotary_pos_emb", apply_rotary_pos_emb)
+        rotary = _attention_global(attn, "apply_rotary_pos_emb", apply_rotary_pos_emb)
         attentions.append(dataclasses.replace(family.plan(attn), rotary=rotary))
     if unknown_norm is not None:
         raise KernelError(f"{type(unknown_norm).__name__}.forward computes something other than LLaMA's RMSNorm (or "

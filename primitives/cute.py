@@ -63,7 +63,7 @@ def _wrap_fn(epi: Epilogue) -> Any:
     reads_acc = epi.reads_acc  # a pass's fn takes no accumulator (its mainloop computes zeros)
     # In a pairs="acc" epilogue quack folds each reduction from a pair of lanes; one value per
     # pair (which the reference lowering takes as it is) goes as lanes that fold to it.
-    paired = {name: red for name, red in epi.reductions.items() if epi.pairs == "acc"}
+    paired = epi.reductions if epi.pairs == "acc" else {}
 
     def coda_epilogue(acc, **operands):  # noqa: ANN001, ANN202 - signature set below
         args = {names[k]: inbound(v) for k, v in operands.items()}

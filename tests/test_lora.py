@@ -63,6 +63,12 @@ def assert_like_peft(got: dict, hi: dict, lo: dict) -> None:
         llama_tests.assert_like_hf(*({k: d[k] for k in keys} for d in (got, hi, lo)), **factors)
 
 
+def assert_within_fp8_of_peft(got: dict, hi: dict) -> None:
+    """The fp8 MLP blocks' bar (:func:`test_llama.assert_within_fp8`) on every tensor a peft step gives."""
+    assert set(got) == set(hi)
+    llama_tests.assert_within_fp8(got, hi)
+
+
 def truth(base: torch.nn.Module, targets: list[str] | str, data: tuple | None = None) -> tuple[dict, dict]:
     """:func:`step` of the unpatched peft model in fp32 and in bf16 (the same adapters)."""
     return (step(with_lora(copy.deepcopy(base).float(), targets), data),
@@ -186,8 +192,7 @@ def test_an_fp8_lora_fine_tune_trains_within_fp8_error():
     base = tiny_llama()
     hi, _ = truth(base, ATTENTION)
     got = step(coda_agent.apply_to_llama(with_lora(copy.deepcopy(base).bfloat16(), ATTENTION), fp8_mlp=True))
-    assert set(got) == set(hi)
-    llama_tests.assert_within_fp8(got, hi)
+    assert_within_fp8_of_peft(got, hi)
 
 
 @pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
@@ -301,7 +306,6 @@ def test_a_lora_fine_tune_trains_like_peft_on_the_gpu(monkeypatch, family, targe
     hi, lo = truth(base, targets, data)
     got = step(drop_in.patch(with_lora(copy.deepcopy(base).bfloat16(), targets), **flags), data)
     if flags.get("fp8_mlp"):
-        assert set(got) == set(hi)
-        llama_tests.assert_within_fp8(got, hi)
+        assert_within_fp8_of_peft(got, hi)
     else:
         assert_like_peft(got, hi, lo)

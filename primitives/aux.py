@@ -36,7 +36,7 @@ from .dispatch import direct, mutated
 from .epilogue import epilogue
 from .errors import CatalogueError
 from .lowering import launching
-from .operands import RowVec, Tile
+from .operands import OUTPUT_DTYPES, RowVec, Tile
 from .passes import tile_pass
 from .reductions import col_sum
 
@@ -318,20 +318,58 @@ def deinterleave_columns(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @aux_kernel("zeros_like")
-def zeros_like(x: torch.Tensor) -> torch.Tensor:
-    """A zero-filled tensor like ``x``: the start of a gradient accumulated with
-    ``gemm(..., accumulate_into=...)``."""
-    return torch.zeros_like(need("x", x))
+def zeros_like(x: torch.Tensor, dtype: str = "") -> torch.Tensor:
+    """A zero-filled tensor of ``x``'s shape, in its dtype or ``dtype``: the start of a gradient
+    accumulated with ``gemm(..., accumulate_into=...)``."""
+    return torch.zeros(need("x", x).shape, dtype=_dtype("zeros_like", dtype, x), device=x.device)
 
 
 @aux_kernel("zeros")
-def zeros(n: int, like: torch.Tensor) -> torch.Tensor:
-    """A 1-D vector of ``n`` zeros in ``like``'s dtype, on its device: the padding of a per-row or
-    per-column vector built with :func:`concat_rows` (e.g. a RoPE frequency table whose last
-    columns of each head are not rotated: ``concat_rows([freq, zeros(d - r, freq), ...])``)."""
+def zeros(n: int, like: torch.Tensor, dtype: str = "") -> torch.Tensor:
+    """A 1-D vector of ``n`` zeros on ``like``'s device, in ``like``'s dtype or ``dtype``
+    (``"bf16"``, ``"fp32"``, ...): the padding of a per-row or per-column vector built with
+    :func:`concat_rows` (e.g. a RoPE frequency table whose last columns of each head are not
+    rotated: ``concat_rows([freq, zeros(d - r, freq), ...])``)."""
     if n < 0:
         raise CatalogueError(f"zeros: n is {n}; a vector's length is 0 or more")
-    return torch.zeros(n, dtype=need("like", like).dtype, device=like.device)
+    return torch.zeros(n, dtype=_dtype("zeros", dtype, need("like", like)), device=like.device)
+
+
+def _dtype(kernel: str, name: str, like: torch.Tensor) -> torch.dtype:
+    if not name:
+        return like.dtype
+    if name not in OUTPUT_DTYPES:
+        raise CatalogueError(f"{kernel}: dtype {name!r} is none of {', '.join(OUTPUT_DTYPES)}")
+    return OUTPUT_DTYPES[name]
+
+
+def _pad_backward(ctx: Any, g: torch.Tensor) -> tuple:
+    x = ctx.inputs[0]
+    return g[tuple(slice(0, n) for n in x.shape)].to(x.dtype), None, None
+
+
+@aux_kernel("pad", backward=_pad_backward)
+def _pad(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    out = x.new_zeros((rows, cols)[:x.dim()])
+    out[tuple(slice(0, n) for n in x.shape)] = x
+    return out
+
+
+def pad(x: torch.Tensor, rows: int | None = None, cols: int | None = None) -> torch.Tensor:
+    """A contiguous copy of a 1-D or 2-D ``x`` with zeros appended up to ``rows`` rows (and
+    ``cols`` columns); None keeps a size.  A GEMM needs every row stride a multiple of 16 bytes:
+    a router weight of 60 experts becomes ``pad(w_r, rows=64)`` (its 4 extra logits masked in the
+    epilogue, the result's columns ``[:, :60]`` read back), a vocabulary of 50257 ``pad(w, rows=50304)``.
+    The gradient of the copy is the gradient's first rows and columns."""
+    need("x", x)
+    if x.dim() not in (1, 2) or (x.dim() == 1 and cols is not None):
+        raise CatalogueError(f"pad: x has shape {tuple(x.shape)}; it pads a 1-D tensor's rows or a 2-D "
+                             "tensor's rows and columns")
+    want = [x.shape[0] if rows is None else rows, *([] if x.dim() == 1 else [x.shape[1] if cols is None else cols])]
+    for what, have, n in zip(("rows", "cols"), x.shape, want):
+        if not isinstance(n, int) or isinstance(n, bool) or n < have:
+            raise CatalogueError(f"pad: {what}={n!r}; it pads to a whole number at least x's {have}")
+    return _pad(x, want[0], want[-1])
 
 
 def _add_backward(ctx: Any, g: torch.Tensor) -> tuple:
@@ -375,4 +413,4 @@ def concat_rows(parts: list) -> torch.Tensor:
 
 
 AUX_KERNELS = (rms_rstd, rms_prepare, xent_loss, xent_grad_, column_index, to_fp32,
-               interleave_columns, deinterleave_columns, zeros_like, zeros, add, concat_rows)
+               interleave_columns, deinterleave_columns, zeros_like, zeros, pad, add, concat_rows)

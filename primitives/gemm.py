@@ -149,8 +149,9 @@ def _check_alignment(epi: Epilogue | None, A: torch.Tensor, B: torch.Tensor,
         if nbytes % 16:
             raise CatalogueError(
                 f"{caller}: {what} has rows of {nbytes} bytes; the mainloop's TMA copies need a multiple "
-                "of 16 bytes (8 elements of 16 bits, 16 of fp8). Pad that dimension (e.g. the "
-                "vocabulary or the hidden size) to a multiple of 8 (16 for fp8).")
+                "of 16 bytes (8 elements of 16 bits, 16 of fp8). Pad that dimension to a multiple of 8 "
+                "(16 for fp8) with `pad(x, rows=..., cols=...)` (zeros; mask what they add in the "
+                "epilogue and read back the first columns, `[:, :n]`), or pad the model's (the vocabulary).")
 
 
 def _sm_count(A: torch.Tensor) -> int:

@@ -458,6 +458,10 @@ def skeleton(name: str, reference: str, folder: Path, shapes: dict[str, dict[str
                       "rows, and what they feed),",
                       "# widen those gradients' rules alone, tolerances: {d<input>: {factor: 3, rel_norm: 0.06}}, "
                       "and keep the others tight."]
+    else:
+        floats = [k for k, (_, dtype) in inputs.items() if not dtype.startswith("int")]
+        lines.append(f"# gradients: {_flow(floats)}  <- uncomment (or --gradients) for a backward too: the "
+                     "inputs whose gradients it returns; as it stands the task is forward only")
     count = min(len(c.mnk) for c in calls.values())
     matmuls = [[symbolic({s: calls[s].mnk[i][j] for s in calls}, shapes)[0] for j in range(3)] for i in range(count)]
     hint = f"; the reference's forward runs {_flow(matmuls)}" if matmuls else ""

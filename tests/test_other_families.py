@@ -4,17 +4,19 @@ tasks new`, then a program from the catalogue), verified through the CLI on ever
 ``tests/tasks/families/`` holds one block each of BERT (post-LN: the normed sum is the output),
 Gemma (GeGLU MLP with the (1 + w) RMSNorm), Gemma-2 (the soft-capped LM-head cross-entropy),
 GPT-NeoX / GPT-J / Phi-2 (``neox``: the parallel-residual block around attention, one LayerNorm
-shared by both branches, forward and backward), OPT (LayerNorm with bias, ReLU MLP, biases; a
-kinked gradient with its own tolerance), partial RoPE (``partial_rope``: the QKV projection with
-biases, the first R of each head's columns rotated, forward and backward), Primer (squared-ReLU
-MLP) and the z-loss (``zloss``: the LM-head cross-entropy with label smoothing, PaLM's z-loss and
-ignored targets), each with its reference and a program; and slips of some of the programs
-(:data:`SLIPS`: the residual dropped, the soft-cap or its derivative left out, the z-loss left
-out, ignored rows counted, the shared LayerNorm's second gradient dropped, the inverse rotation
-turned the wrong way) that the verifier must reject.  On a GPU (marker ``gpu``) each block goes
-through the judge's GPU stages on every shape set, its largest at a real model's width.  They hold
-the spec, the catalogue and the verifier to classes of blocks the suites do not cover: a change that
-makes one of them inexpressible, or lets a slip through, fails here.
+shared by both branches, forward and backward), a mixture-of-experts router (``moe_router``: the
+softmax over 60 experts, a width no GEMM row takes unpadded, through ``pad``), OPT (LayerNorm with
+bias, ReLU MLP, biases; a kinked gradient with its own tolerance), partial RoPE (``partial_rope``:
+the QKV projection with biases, the first R of each head's columns rotated, forward and backward),
+Primer (squared-ReLU MLP) and the z-loss (``zloss``: the LM-head cross-entropy with label
+smoothing, PaLM's z-loss and ignored targets), each with its reference and a program; and slips of
+some of the programs (:data:`SLIPS`: the residual dropped, the soft-cap or its derivative left
+out, the z-loss left out, ignored rows counted, the router's padding experts counted, the shared
+LayerNorm's second gradient dropped, the inverse rotation turned the wrong way) that the verifier
+must reject.  On a GPU (marker ``gpu``) each block goes through the judge's GPU stages on every
+shape set, its largest at a real model's width.  They hold the spec, the catalogue and the
+verifier to classes of blocks the suites do not cover: a change that makes one of them
+inexpressible, or lets a slip through, fails here.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ FAMILIES = Path(__file__).parent / "tasks" / "families"
 TASKS = sorted(FAMILIES.glob("*/*.yaml"))
 # (family, name, [(what the program says, what the slip says)]): each pair is one edit of the program.
 SLIPS = [
+    ("moe_router", "padding_counted", [("lg = where(col < experts, acc, -1.0e30)", "lg = acc + 0.0 * col")]),
     ("gemma", "no_residual", [('return {"D": acc + residual}', 'return {"D": acc + 0.0 * residual}')]),
     ("gemma2", "no_cap_derivative", [('return {"D": p * dloss * (1.0 - t * t)}', 'return {"D": p * dloss}')]),
     ("gemma2", "no_cap", [("c = cap * tanh(acc * inv_cap)", "c = acc"),
@@ -57,8 +60,8 @@ def verify(task: Path, program: Path, tmp_path: Path, stages: str) -> dict:
 
 
 def test_every_family_is_here():
-    assert {t.parent.name for t in TASKS} == {"bert", "gemma", "gemma2", "neox", "opt", "partial_rope", "primer",
-                                                 "zloss"}
+    assert {t.parent.name for t in TASKS} == {"bert", "gemma", "gemma2", "moe_router", "neox", "opt",
+                                                 "partial_rope", "primer", "zloss"}
     assert {family for family, _, _ in SLIPS} <= {t.parent.name for t in TASKS}
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import importlib
 
+import re
+
 import pytest
 import torch
 from suite_checks import draw, task
@@ -213,6 +215,31 @@ def test_zeros_pads_a_vector_in_its_dtype_and_refuses_what_is_no_length():
         aux.zeros(-1, f)
     with pytest.raises(CatalogueError, match="like must be a tensor; got float"):
         aux.zeros(2, 1.0)
+
+
+def test_zeros_take_a_dtype_and_name_the_ones_there_are():
+    x = torch.randn(3, 4, dtype=torch.bfloat16)
+    assert aux.zeros(5, x, "fp32").dtype == torch.float32 and aux.zeros(5, x).dtype == torch.bfloat16
+    buf = aux.zeros_like(x, "fp32")
+    assert buf.shape == x.shape and buf.dtype == torch.float32 and not buf.any()
+    with pytest.raises(CatalogueError, match="zeros_like: dtype 'float32' is none of bf16, fp16, fp32"):
+        aux.zeros_like(x, "float32")
+
+
+def test_pad_appends_zeros_and_its_gradient_is_the_first_rows_and_columns():
+    w = torch.randn(60, 8, dtype=torch.float64, requires_grad=True)
+    p = aux.pad(w, rows=64)
+    assert p.shape == (64, 8) and p.is_contiguous() and torch.equal(p[:60], w) and not p[60:].any()
+    assert aux.pad(w, cols=16).shape == (60, 16) and aux.pad(w, 64, 16)[:, 8:].abs().sum() == 0
+    assert aux.pad(torch.ones(3), rows=8).tolist() == [1, 1, 1, 0, 0, 0, 0, 0]
+    assert torch.autograd.gradcheck(lambda t: aux.pad(t, rows=61, cols=9), (w,))
+    torch.library.opcheck(torch.ops.coda.pad.default, (w, 64, 8))
+    for bad, says in [(dict(rows=59), "pad: rows=59; it pads to a whole number at least x's 60"),
+                      (dict(cols=8.0 + 1), "pad: cols=9.0"), (dict(rows=True), "pad: rows=True")]:
+        with pytest.raises(CatalogueError, match=re.escape(says)):
+            aux.pad(w, **bad)
+    with pytest.raises(CatalogueError, match="pads a 1-D tensor's rows or a 2-D tensor's rows and columns"):
+        aux.pad(torch.ones(3), cols=4)
 
 
 def test_concat_rows_derivative_is_right():

@@ -204,6 +204,7 @@ class Call(torch.overrides.TorchFunctionMode):
     def __init__(self, storages: dict[int, str]) -> None:
         super().__init__()
         self.mnk: list[tuple[int, int, int]] = []
+        self.operands: list[tuple[str | None, str | None, bool]] = []  # per matmul: A's input, B's, B stored (N, K)
         self.storages = storages
         self.weights: dict[str, int] = {}
         self.kinks: list[str] = []
@@ -237,10 +238,25 @@ class Call(torch.overrides.TorchFunctionMode):
             if name == "linear":  # (.., K) x (N, K)
                 self.mnk.append((math.prod(a.shape[:-1]), b.shape[0], b.shape[1]))
                 self._weight(b, b.shape[1])
+                self.operands.append((self.storages.get(_storage(a)), self.storages.get(_storage(b)), True))
             elif a.dim() >= 2 and b.dim() >= 2:
                 self.mnk.append((math.prod(a.shape[:-1]), b.shape[-1], a.shape[-1]))
                 self._weight(b, a.shape[-1])
+                self.operands.append((self.storages.get(_storage(a)), self.storages.get(_storage(b)),
+                                      b.stride(-2) == 1 and b.stride(-1) != 1))  # w.t(): w is (N, K)
         return func(*args, **(kwargs or {}))
+
+    def backward_mnk(self, gradients: list[str]) -> list[tuple[int, int, int]]:
+        """The matmuls a backward runs for ``gradients``: per forward matmul (M, N, K), dA = dD B^T
+        (M, K, N) unless A is an input that gets no gradient, and dB = A^T dD unless B is: (N, K, M)
+        for a weight stored (N, K) as nn.Linear keeps it, else (K, N, M)."""
+        out = []
+        for (m, n, k), (a, b, b_nk) in zip(self.mnk, self.operands):
+            if a is None or a in gradients:
+                out.append((m, k, n))
+            if b is None or b in gradients:
+                out.append((n, k, m) if b_nk else (k, n, m))
+        return out
 
     def _weight(self, b: torch.Tensor, k: int) -> None:
         name = self.storages.get(_storage(b))
@@ -462,9 +478,13 @@ def skeleton(name: str, reference: str, folder: Path, shapes: dict[str, dict[str
         floats = [k for k, (_, dtype) in inputs.items() if not dtype.startswith("int")]
         lines.append(f"# gradients: {_flow(floats)}  <- uncomment (or --gradients) for a backward too: the "
                      "inputs whose gradients it returns; as it stands the task is forward only")
-    count = min(len(c.mnk) for c in calls.values())
-    matmuls = [[symbolic({s: calls[s].mnk[i][j] for s in calls}, shapes)[0] for j in range(3)] for i in range(count)]
-    hint = f"; the reference's forward runs {_flow(matmuls)}" if matmuls else ""
+    hint = ""
+    for says, of in (("; the reference's forward runs", lambda c: c.mnk),
+                     (", and its backward of those", lambda c: c.backward_mnk(gradients) if gradients else [])):
+        count = min(len(of(c)) for c in calls.values())
+        matmuls = [[symbolic({s: of(calls[s])[i][j] for s in calls}, shapes)[0] for j in range(3)]
+                   for i in range(count)]
+        hint += f"{says} {_flow(matmuls)}" if matmuls else ""
     lines.append(f"gemms: {_flow(f'{TODO} the GEMMs the fused program needs, as [[M, N, K], ...]' + hint)}")
     target = (f"{TODO} {{vs_gemm: 1.05, vs_compile: 1.2}} (fused / plain GEMM time at most, "
               "torch.compile / fused time at least), or remove the field for those defaults")

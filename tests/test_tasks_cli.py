@@ -56,6 +56,27 @@ def test_new_infers_outputs_dtypes_and_symbolic_shapes_and_leaves_todos(tmp_path
     assert Path("tasks/rows.yaml").read_text() == written  # nothing already written is lost
 
 
+def test_new_names_the_backward_gemms_of_the_gradients_asked_for(tmp_path, monkeypatch):
+    """Per forward matmul (M, N, K): dA (M, K, N), and dB (N, K, M) for a weight stored (N, K) as
+    nn.Linear keeps it or (K, N, M) for one stored (K, N); none for an input without a gradient.
+    Without --gradients the task is forward only, and the gradients line waits commented out."""
+    monkeypatch.chdir(tmp_path)
+    Path("ref.py").write_text("def two(x, w, b):\n    return {'y': (x @ w) @ b.t()}\n")
+    shapes = "--shapes", "small=T:64,H:32,I:48", "--shapes", "ragged=T:50,H:40,I:72"
+    r = cli("tasks", "new", "two", "--reference", "ref.py:two", "--input", "x=T,H", "--input", "w=H,I",
+            "--input", "b=H,I", *shapes, "--gradients", "x,w")
+    assert r.exit_code == 0, r.output
+    raw = yaml.safe_load(Path("two.yaml").read_text())
+    assert raw["gradients"] == ["x", "w"]
+    assert raw["gemms"].endswith("the reference's forward runs [[T, I, H], [T, H, I]], and its backward of those "
+                                 "[[T, H, I], [H, I, T], [T, I, H]]")
+    r = cli("tasks", "new", "fwd", "--reference", "ref.py:two", "--input", "x=T,H", "--input", "w=H,I",
+            "--input", "b=H,I", *shapes)
+    text = Path("fwd.yaml").read_text()
+    assert "gradients" not in yaml.safe_load(text) and "\n# gradients: [x, w, b]  <- uncomment" in text
+    assert yaml.safe_load(text)["gemms"].endswith("the reference's forward runs [[T, I, H], [T, H, I]]")
+
+
 def test_new_says_when_one_shape_set_cannot_tell_two_symbols_apart(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     Path("ref.py").write_text("def double(x):\n    return {'y': x.repeat(1, 2)}\n")

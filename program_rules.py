@@ -89,7 +89,10 @@ HOST_RULES: tuple[Rule, ...] = (
                       "`d<input>` names its caller reads and may skip the rest (`if \"dw\" in needs:` "
                       "around a frozen weight's gradient GEMM); each set a caller may ask for is verified. "
                       "Helper `def`s are fine. Default arguments are constants. "
-                      "`@epilogue` fns are declared at module level, never inside a function."),
+                      "`@epilogue` fns are declared at module level, never inside a function. Their body "
+                      "(and any helper it calls) applies operators (`+ - * / **`, comparisons) and the "
+                      "catalogue's math functions to its values, nothing else: no attributes (`.dtype`), "
+                      "slices, `len` or `str` of them (the compiled kernel's values have none)."),
     Rule("control flow", "`for` over `range(...)` or over a list (e.g. token chunks), `if` on Python values "
                          "(shapes, params), `assert`, `return`; Python builtins on numbers (`len`, `min`, `max`, "
                          "`int`, `range`, `zip`, `enumerate`). No `try`, `with`, classes, `global`/`nonlocal`, "

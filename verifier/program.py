@@ -237,6 +237,20 @@ _NEVER_IN_EPILOGUE = {"matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "addmm
                       "cumsum", "gather", "scatter", "index_select", "take"}
 
 
+# What an epilogue fn's own code may do to the tensors the reference lowering hands it: the
+# operators of its arithmetic and comparisons, elementwise (broadcasting a row vector against a
+# column vector is the tile's own shape).  The vocabulary (``exp``, ``where``, ``unpack``...) runs
+# as the catalogue's math.  No indexing, no metadata, no text: the cute lowering's values have
+# none of it, so an fn that reads it computes something else in each lowering.
+_EPILOGUE_MATH = frozenset(
+    f"{pre}{op}{post}" for op in ("add", "sub", "mul", "truediv", "div", "floordiv", "mod", "pow", "neg", "pos",
+                                  "abs", "lt", "le", "gt", "ge", "eq", "ne", "and", "or", "xor", "invert")
+    for pre, post in (("", ""), ("__", "__"), ("__r", "__"), ("r", ""))) | {"true_divide", "remainder",
+                                                                               "floor_divide", "positive",
+                                                                               "bitwise_and", "bitwise_or",
+                                                                               "bitwise_not", "logical_not"}
+
+
 def _basic_index(index: Any) -> bool:
     """Ints, slices, None and ... only: a free view (``x[r0:r1]``), not a gather."""
     items = index if isinstance(index, tuple) else (index,)
@@ -275,16 +289,20 @@ class TorchAudit(TorchFunctionMode):
       run outside a launch (the dry run of an epilogue declared inside forward, whose body can
       reach that call's tensors) and an epilogue declared inside forward and launched are the
       program's compute;
-    - even inside a launch, what no epilogue's math does (:data:`_NEVER_IN_EPILOGUE`: a matmul,
-      a tensor's text or Python number) is the program's compute: the lowering evaluates
-      ``vector_pass`` fns on whole host tensors, and a fn that reads its values can tell the
-      lowering (and the draw) apart."""
+    - even inside a launch, the fn's own code may only apply operators (:data:`_EPILOGUE_MATH`:
+      arithmetic and comparisons) and the vocabulary, and the vocabulary nothing an epilogue's
+      math never does (:data:`_NEVER_IN_EPILOGUE`: a matmul, a tensor's text or Python
+      number).  The lowering evaluates ``tile_pass`` and ``vector_pass`` fns on whole host
+      tensors: a fn that slices them, masks them, reads their length or their dtype's text
+      computes on the host, or tells the lowering (and the draw) apart."""
 
     def __init__(self, program_file: str, epilogues: frozenset[Any]):
         super().__init__()
         self.program_file = program_file
         self.epilogues = epilogues
         self.calls: list[tuple[int, str]] = []
+        self.in_epilogue: set[int] = set()  # lines of those calls that an epilogue fn's evaluation made
+        self._in_epilogue = False
         self._skip = _vocabulary_files()
         from coda_agent.primitives.lowering import inside_launch
 
@@ -293,32 +311,48 @@ class TorchAudit(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         name = getattr(func, "__name__", str(func))
-        if name not in _TORCH_OK and not (name == "__getitem__" and _basic_index(args[1] if len(args) > 1 else None)):
-            line = self._program_line(sys._getframe(1), name in _NEVER_IN_EPILOGUE)
-            if line is not None:
-                self.calls.append((line, name))
+        line = self._program_line(sys._getframe(1), name, name in _TORCH_OK or (
+            name == "__getitem__" and _basic_index(args[1] if len(args) > 1 else None)))
+        if line is not None:
+            self.calls.append((line, name))
+            if self._in_epilogue:
+                self.in_epilogue.add(line)
         return func(*args, **(kwargs or {}))
 
-    def _program_line(self, f: Any, never: bool = False) -> int | None:
-        """The program's line that made this PyTorch call (None: not the program's compute);
-        ``never``: a call no epilogue makes, the program's even inside a launch."""
+    def _program_line(self, f: Any, name: str, free: bool) -> int | None:
+        """The program's line that made the PyTorch call ``name`` (None: not the program's
+        compute); ``free``: metadata or a free view, which host code may touch."""
+        vocabulary = False
         while f is not None and (f.f_code.co_filename.startswith(self._torch_dir)
                                  or f.f_code.co_filename in self._skip):
+            vocabulary = vocabulary or f.f_code.co_filename in self._skip
             f = f.f_back
         if f is None or f.f_code.co_filename != self.program_file:
             return None
         entered = f  # the outermost of the program's frames the catalogue (or the contract) entered
         while entered.f_back is not None and entered.f_back.f_code.co_filename == self.program_file:
             entered = entered.f_back
-        if self._inside_launch() and entered.f_code in self.epilogues and not never:
-            return None
-        return f.f_lineno
+        if self._inside_launch() and entered.f_code in self.epilogues:
+            # The reference lowering evaluating an epilogue fn: the vocabulary's math, and the
+            # fn's own arithmetic; nothing the cute lowering's values lack (a view, a length,
+            # a dtype's text), with which the fn could tell the lowerings or the data apart.
+            allowed = name not in _NEVER_IN_EPILOGUE if vocabulary else name in _EPILOGUE_MATH
+            self._in_epilogue = not allowed
+            return None if allowed else f.f_lineno
+        self._in_epilogue = False
+        return None if free else f.f_lineno
 
     def verdict(self) -> CandidateError | None:
         if not self.calls:
             return None
         line, name = self.calls[0]
         ops = sorted({n for _, n in self.calls})
+        if line in self.in_epilogue:
+            return CandidateError(f"line {line}: an epilogue fn (or a helper it calls) applies `{name}` to its "
+                                  f"values (in all: {', '.join(ops[:8])}); inside an epilogue only operators "
+                                  "(+ - * / **, comparisons) and the catalogue's math functions apply: the "
+                                  "compiled kernel's values have no attributes, views, lengths or text, so an "
+                                  "fn that reads them computes something else on the GPU", line)
         return CandidateError(f"PyTorch compute in the program at line {line} (`{name}`; in all: "
                               f"{', '.join(ops[:8])}): forward/backward may only call catalogue "
                               "functions; move the math into an @epilogue or use an auxiliary "

@@ -119,6 +119,7 @@ def check(paths: List[Path] = typer.Argument(None, help="Task YAMLs or folders o
                                                         "LLaMA-3 suite].")) -> None:
     """Load each task as the verifier would and list every problem (TODOs included); exit 1 while any is left."""
     from coda_agent.tasks import SUITE_DIR
+    from coda_agent.tasks.skeleton import undrawn_values
     from coda_agent.tasks.spec import TaskSpecError, load_task, scan_suite
 
     problems = 0
@@ -131,7 +132,12 @@ def check(paths: List[Path] = typer.Argument(None, help="Task YAMLs or folders o
             except TaskSpecError as e:
                 found, errors = [], [e]
         for t in found:
-            typer.echo(f"ok: {t.name} ({t.path})")
+            undrawn = undrawn_values(t)
+            for problem in undrawn:
+                typer.echo(f"{t.path}: {problem}")
+            problems += bool(undrawn)
+            if not undrawn:
+                typer.echo(f"ok: {t.name} ({t.path})")
         for e in errors:
             typer.echo(str(e))
         problems += len(errors)

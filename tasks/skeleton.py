@@ -54,6 +54,7 @@ MATMULS = {"matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "linear", "addmm"
 NORMS = {"layer_norm": True, "group_norm": True, "rms_norm": False}
 # Losses whose second argument is a target index into the first's classes (dim 1, or 0 unbatched).
 LOSSES = {"cross_entropy", "nll_loss"}
+COMPARISONS = {"eq", "__eq__", "ne", "__ne__"}
 KINKS = {"relu", "relu_", "relu6", "threshold", "leaky_relu", "hardtanh", "clamp", "clamp_min", "clamp_max",
          "clip", "abs", "maximum", "minimum", "max", "min", "hardshrink", "softshrink"}
 
@@ -210,6 +211,7 @@ class Call(torch.overrides.TorchFunctionMode):
         self.kinks: list[str] = []
         self.norms: dict[str, str] = {}
         self.targets: dict[str, tuple[int, int]] = {}
+        self.specials: dict[str, set[int]] = {}  # integer inputs compared with a constant: value(s)
         self.outs: dict[str, torch.Tensor] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
@@ -226,6 +228,12 @@ class Call(torch.overrides.TorchFunctionMode):
                 named = self.storages.get(_storage(t)) if what and isinstance(t, torch.Tensor) else None
                 if named is not None:
                     self.norms.setdefault(named, what)
+        if name in COMPARISONS and len(args) == 2:  # an index input told apart at one value (an ignore_index)
+            named, value = (args[0], args[1]) if isinstance(args[0], torch.Tensor) else (args[1], args[0])
+            input_ = self.storages.get(_storage(named)) if isinstance(named, torch.Tensor) else None
+            if input_ is not None and not named.is_floating_point() and isinstance(value, int) \
+                    and not isinstance(value, bool):
+                self.specials.setdefault(input_, set()).add(value)
         if name in LOSSES and len(args) > 1 and isinstance(args[0], torch.Tensor):
             target = self.storages.get(_storage(args[1])) if isinstance(args[1], torch.Tensor) else None
             if target is not None:
@@ -490,3 +498,39 @@ def skeleton(name: str, reference: str, folder: Path, shapes: dict[str, dict[str
               "torch.compile / fused time at least), or remove the field for those defaults")
     lines.append(f"target: {_flow(target)}")
     return "\n".join(lines) + "\n"
+
+
+def undrawn_values(task: Any) -> list[str]:
+    """What the reference treats apart in an integer input but the task's draw never holds: a
+    cross-entropy's ignore_index, or a value it compares the input with (``target == -100``) that
+    is outside the input's ``randint`` range with no ``ignore`` drawing it.  A program that counts
+    those rows, or sends them a gradient, would pass every check."""
+    from .expr import eval_expr
+
+    spec = task.spec
+    binding = spec.shapes[spec.cpu_shape_set]
+    inputs = {k: (list(t.shape), t.dtype) for k, t in spec.inputs.items()}
+    try:
+        call = _run(task.reference_fn, inputs, dict(spec.params), binding, None)
+    except Exception:  # noqa: BLE001 - a reference that needs values: called on small CPU tensors
+        try:
+            call = _run(task.reference_fn, inputs, dict(spec.params), binding, torch.Generator().manual_seed(0))
+        except Exception:  # noqa: BLE001 - the verifier's reference stage reports a failing reference
+            return []
+    special = {k: set(v) for k, v in call.specials.items()}
+    for k, (_, ignore_index) in call.targets.items():
+        special.setdefault(k, set()).add(ignore_index)
+    problems = []
+    for k, values in sorted(special.items()):
+        init = spec.inputs[k].init
+        drawn = {init.ignore.value} if init.ignore is not None else set()
+        shape = spec.shape_of(spec.inputs[k], spec.cpu_shape_set)
+        high = (None if init.dist != "randint" else int(eval_expr(init.high, {n: float(v) for n, v in binding.items()}))
+                if init.high is not None else (shape[-1] if shape else 1))
+        missing = sorted(v for v in values if v not in drawn and not (high is not None and 0 <= v < high))
+        if missing:
+            problems.append(f"inputs.{k}.init: the reference treats {k} == {', '.join(map(str, missing))} apart "
+                            "(an ignore_index), "
+                            f"but no draw holds it; add ignore: {{value: {missing[0]}, fraction: 0.125}} so that "
+                            "a program counting those rows fails")
+    return problems

@@ -77,6 +77,25 @@ def test_new_names_the_backward_gemms_of_the_gradients_asked_for(tmp_path, monke
     assert yaml.safe_load(text)["gemms"].endswith("the reference's forward runs [[T, I, H], [T, H, I]]")
 
 
+def test_check_asks_for_the_values_the_reference_treats_apart_to_be_drawn(tmp_path):
+    """A cross-entropy's ignore_index (or an index compared with a constant) that no draw holds
+    lets a program that counts padding rows pass every check: `tasks check` names the fix."""
+    family = Path(__file__).parent / "tasks" / "families" / "gemma2"
+    for f in family.iterdir():
+        (tmp_path / f.name).write_text(f.read_text())
+    task = tmp_path / "softcap_xent.yaml"
+    assert cli("tasks", "check", task).exit_code == 0
+    task.write_text(task.read_text().replace(", ignore: {value: -100, fraction: 0.125}", ""))
+    r = cli("tasks", "check", task)
+    assert r.exit_code == 1 and ("inputs.target.init: the reference treats target == -100 apart (an ignore_index), "
+                                 "but no draw holds it; add ignore: {value: -100, fraction: 0.125}") in r.output
+    (tmp_path / "padded_ref.py").write_text((tmp_path / "softcap_ref.py").read_text().replace(
+        "F.cross_entropy(logits, target, reduction=\"none\")",
+        "torch.where(target == -7, 0.0, F.cross_entropy(logits, target.clamp(min=0), reduction=\"none\"))"))
+    task.write_text(task.read_text().replace("softcap_ref.py", "padded_ref.py"))
+    assert "target == -7 apart" in cli("tasks", "check", task).output  # a comparison counts too
+
+
 def test_new_says_when_one_shape_set_cannot_tell_two_symbols_apart(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     Path("ref.py").write_text("def double(x):\n    return {'y': x.repeat(1, 2)}\n")

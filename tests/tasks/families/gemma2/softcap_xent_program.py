@@ -3,8 +3,8 @@
 Per chunk: the logits GEMM writes the capped logits c = cap * tanh(acc / cap) in fp32 (the
 softmax of bf16-rounded logits near the cap would be off by a bf16 ulp of 30 in the exponent)
 with online_lse and the target logit; a tile pass writes
-dlogits = (exp(lg - lse) - onehot(target)) * dloss * (1 - (c / cap)^2) in bf16; then
-dx[chunk] = dlogits @ w and dw += dlogits^T @ x[chunk]."""
+dlogits = (exp(lg - lse) - onehot(target)) * dloss * (1 - (c / cap)^2) in bf16 (0 on the padding
+rows, target -100); then dx[chunk] = dlogits @ w and dw += dlogits^T @ x[chunk]."""
 from coda_agent.primitives import (ColVec, RowVec, Scalar, Tile, column_index, concat_rows, epilogue, exp,
                                    gemm, online_lse, select_col, tanh, tile_pass, to_fp32, where, xent_loss,
                                    zeros_like)
@@ -22,6 +22,7 @@ def capped_logits(acc, cap: Scalar, inv_cap: Scalar):
 def dcapped(lg: Tile, lse: ColVec, tgt: ColVec, dloss: ColVec, col: RowVec, inv_cap: Scalar):
     t = lg * inv_cap
     p = exp(lg - lse) - where(col == tgt, 1.0, 0.0)
+    p = where(tgt < 0.0, 0.0, p)  # a padding row (target -100) gets no gradient, as it gets no loss
     return {"D": p * dloss * (1.0 - t * t)}
 
 

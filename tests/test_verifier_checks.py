@@ -35,17 +35,20 @@ def test_inputs_are_fresh_and_never_zero(task):
     assert a["w"].shape == (128, 96) and a["w"].dtype == torch.bfloat16
 
 
-def test_edge_rows_are_exact_powers_of_two_on_activations_only(rms):
+def test_edge_rows_are_scaled_on_activations_only_tiny_large_and_between(rms):
     plain = make_inputs(rms.spec, "ragged", 7)
     edge = edge_inputs(rms.spec, "ragged", 7)
     for name in ("W0", "W1", "gamma"):  # weights and norm weights: untouched
         assert torch.equal(plain[name], edge[name])
-    ratio_x = (edge["x"].float() / plain["x"].float())[:, 0]
-    ratio_z = (edge["z"].float() / plain["z"].float())[:, 0]
-    assert set(ratio_x.unique().tolist()) == {TINY, 1.0, LARGE}  # exact in bf16
-    assert torch.equal(ratio_x, ratio_z)  # the same rows in every tensor of that many rows
-    tiny, large = (ratio_x == TINY).float().mean(), (ratio_x == LARGE).float().mean()
-    assert 0.05 < tiny < 0.2 and 0.05 < large < 0.2
+    ratio_x = (edge["x"].float() / plain["x"].float()).median(dim=1).values
+    ratio_z = (edge["z"].float() / plain["z"].float()).median(dim=1).values
+    assert torch.allclose(ratio_x, ratio_z, rtol=2 ** -7)  # the same rows in every tensor of that many rows
+    tiny, large, plain_rows = ((ratio_x == v).float().mean() for v in (TINY, LARGE, 1.0))  # exact in bf16
+    assert 0.05 < tiny < 0.2 and 0.05 < large < 0.2 and 0.6 < plain_rows < 0.85
+    between = ratio_x[(ratio_x != TINY) & (ratio_x != LARGE) & (ratio_x != 1.0)]
+    assert len(between) >= 10 and bool(((between > TINY) & (between < LARGE)).all())
+    octaves = between.log2().floor().unique()
+    assert len(octaves) >= 6  # magnitudes spread over the range, not a few fixed ones
 
 
 def test_aligned_gradient_rows_are_parallel_to_the_output():

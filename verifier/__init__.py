@@ -37,7 +37,7 @@ What each stage guarantees, and what it does not:
   small and ragged), one set beyond them (the ragged sizes grown by 256 and
   by a secret amount the judge draws per check, so that no checked size can
   be read off the task file: :mod:`.inputs`) and any the task names, each with
-  two fresh draws and one of edge rows (norms of 2^-12 and 2^5, gradients
+  two fresh draws and one of edge rows (norms of 2^-12, 2^5 and between, gradients
   along the output); a backward that declares ``needs`` is also asked, on
   each of those draws, for every smaller gradient set a caller may ask for
   (``kernels/contract.py``), each gradient asked for held to the reference.  Guaranteed

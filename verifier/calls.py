@@ -44,7 +44,7 @@ class Runner(Protocol):
                 max_bytes: int = 0) -> dict[str, Any]: ...
 
 
-DRAWS = {"seed": "fresh inputs", "edge": "edge rows (norms of 2^-12 and 2^5, gradients along the output)",
+DRAWS = {"seed": "fresh inputs", "edge": "edge rows (norms of 2^-12, 2^5 and between, gradients along the output)",
          "padded": "the first fresh inputs, which passed, now with each epilogue over whole tiles and padded "
                    "lanes as the kernel leaves them"}
 

@@ -10,8 +10,11 @@ distributions, not per task: every float input whose role is ``activation``,
 2**-12 (a row of tiny norm: ``eps`` outside the square root, a missing
 ``eps``, a division by the row's norm all show) and one in eight by 2**5
 (large magnitudes: a softmax or log-sum-exp without its maximum subtracted
-overflows), the same rows in every tensor with the same leading size.  Powers
-of two keep the scaled values exact in every dtype.  An fp8 input keeps its
+overflows), and one in eight by 2**u with u drawn uniformly between those two
+exponents (every magnitude in between: a program whose math changes with a
+row's statistic, ``where(rstd > 0.05, ...)``, is wrong on some row whatever
+band it picks), the same rows in every tensor with the same leading size.  The
+two fixed scales are powers of two, exact in every dtype.  An fp8 input keeps its
 declared distribution: its range is part of the task's scaling recipe.  For a task with a
 backward, :func:`aligned_grads` makes one row in eight of each upstream
 gradient parallel to the forward output: a normalisation's backward then
@@ -85,24 +88,26 @@ def make_grads(spec: TaskSpec, shape_set: str, seed: int, device: str = "cpu") -
     return out
 
 
-def _row_picks(rows: int, gen: torch.Generator, device: str) -> torch.Tensor:
-    """0 (plain), 1 (tiny) or 2 (large) per row, about one in eight each."""
-    u = torch.randint(0, 8, (rows,), generator=gen, device=device)
-    return torch.where(u == 0, 1, torch.where(u == 1, 2, 0))
+def _row_scales(rows: int, gen: torch.Generator, device: str) -> torch.Tensor:
+    """Each row's scale: about one in eight :data:`TINY`, one in eight :data:`LARGE`, one in eight
+    2**u with u uniform in [log2 TINY, log2 LARGE] (:data:`SPREAD`), the rest 1."""
+    pick = torch.randint(0, 8, (rows,), generator=gen, device=device)
+    lo, hi = math.log2(TINY), math.log2(LARGE)
+    spread = torch.exp2(lo + (hi - lo) * torch.rand(rows, generator=gen, device=device))
+    return torch.where(pick == 0, TINY, torch.where(pick == 1, LARGE, torch.where(pick == 2, spread, 1.0)))
 
 
 def edge_inputs(spec: TaskSpec, shape_set: str, seed: int, device: str = "cpu") -> dict[str, torch.Tensor]:
     """:func:`make_inputs` with rows of tiny and large norm (module docstring)."""
     inputs = make_inputs(spec, shape_set, seed, device)
     gen = torch.Generator(device=device).manual_seed(seed ^ 0xED6E)
-    picks: dict[int, torch.Tensor] = {}
+    scales: dict[int, torch.Tensor] = {}
     for name, t in spec.inputs.items():
         x = inputs[name]
         if t.role not in EDGE_ROLES or t.dtype not in FLOAT_DTYPES or x.ndim == 0 or x.shape[0] == 0:
             continue
-        pick = picks.setdefault(x.shape[0], _row_picks(x.shape[0], gen, device))
-        scale = torch.tensor([1.0, TINY, LARGE], device=device)[pick].reshape(-1, *([1] * (x.ndim - 1)))
-        inputs[name] = (x.float() * scale).to(x.dtype)
+        scale = scales.setdefault(x.shape[0], _row_scales(x.shape[0], gen, device))
+        inputs[name] = (x.float() * scale.reshape(-1, *([1] * (x.ndim - 1)))).to(x.dtype)
     return inputs
 
 

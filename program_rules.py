@@ -184,9 +184,10 @@ class StaticAllowList:
     attributes: frozenset[str]  # readable on non-catalogue values
     methods: frozenset[str]  # callable on non-catalogue values
     declarations: frozenset[str]  # catalogue calls a module-level constant may make
+    epilogue_math: frozenset[str]  # catalogue calls an @epilogue fn's body may make
 
 
 def static_allow_list() -> StaticAllowList:
     return StaticAllowList(CATALOGUE_MODULE, MATH_MODULE, frozenset(PROGRAM_API), frozenset(HARNESS_ONLY),
                            frozenset(TENSOR_ATTRIBUTES), frozenset(TENSOR_METHODS + CONTAINER_METHODS),
-                           frozenset(DECLARATIONS))
+                           frozenset(DECLARATIONS), frozenset(API["math inside epilogue fns"]))

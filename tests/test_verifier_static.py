@@ -67,6 +67,23 @@ def test_provenance_refusals(spec, module_level, body, forward, why):
     assert why in text, text
 
 
+@pytest.mark.parametrize("module_level,body,why", [
+    ("", "return {\"D\": acc + residual * len(residual)}", "`len(...)` is not the catalogue's epilogue math"),
+    ("", "return {\"D\": acc + residual.float()}", "`.float()` calls a method"),
+    ("", "return {\"D\": acc + residual[0]}", "indexing (`x[...]`)"),
+    ("", "return {\"D\": acc + (residual if acc.dtype else 0.0)}", "a Python branch or loop on values"),
+    ("", "return {\"D\": acc + sum(residual for _ in range(2))}", "`sum(...)` is not the catalogue's"),
+    ("", "return {\"D\": acc + sigmoid(*[residual])}", "unpacking with * is not epilogue math"),
+    ("def helper(v):\n    return v.sum()", "return {\"D\": acc + helper(residual)}",
+     "inside `helper`, which the @epilogue fn `add_residual` calls: `.sum()` calls a method"),
+])
+def test_an_epilogue_body_is_epilogue_math(spec, module_level, body, why):
+    """Both lowerings evaluate the body, the compiled kernel on values with no attributes, items,
+    length or truth value: a body that reads them computes something else on the GPU."""
+    text = "; ".join(map(str, check_source(_program(module_level, body), spec)))
+    assert why in text, text
+
+
 def test_a_program_too_deep_to_parse_is_refused_not_a_crash(spec):
     text = "; ".join(map(str, check_source("x = " + "(" * 5000 + "1" + ")" * 5000 + "\n", spec)))
     assert "cannot be read" in text or "syntax error" in text

@@ -1,5 +1,6 @@
 # stage: reference
 # expect: `if`
+# static: off
 from coda_agent.primitives import Tile, epilogue, gemm
 
 

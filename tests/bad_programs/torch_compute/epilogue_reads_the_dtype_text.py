@@ -1,5 +1,6 @@
 # stage: reference
 # expect: an epilogue fn (or a helper it calls) applies `__get__` to its values
+# static: off
 # task: out_proj_residual
 """the epilogue tells the reference lowering (torch tensors) from the compiled kernel (CuTe
 Float32 values) by the text of acc.dtype ("torch.float32" vs a cutlass type), with no tensor op:

@@ -1,5 +1,6 @@
 # stage: reference
 # expect: `__repr__`
+# static: off
 """An epilogue whose helper tells the lowering apart by its operand's text: under the reference
 lowering (a torch tensor) it adds the residual, in the compiled kernel (a CuTe value) it does not,
 so every CPU check sees a correct program."""

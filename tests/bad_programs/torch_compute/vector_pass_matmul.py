@@ -1,5 +1,6 @@
 # stage: reference
 # expect: an epilogue fn (or a helper it calls) applies `view` to its values
+# static: off
 """The forward GEMM as PyTorch's matmul inside a vector_pass fn's helper: a vector pass evaluates
 its fn on whole host tensors, and the inputs reach it packed into one flat ColVec."""
 from coda_agent.primitives import ColVec, Scalar, concat_rows, epilogue, gemm, vector_pass

@@ -1,5 +1,6 @@
 # stage: reference
 # expect: an epilogue fn (or a helper it calls) applies `view` to its values
+# static: off
 # task: out_proj_residual
 """the forward GEMM runs as PyTorch inside a vector_pass
 fn's helper, as a Python sum of K outer products (slices, broadcast `*`, builtin `sum`: none of

@@ -1,5 +1,6 @@
 # stage: reference
 # expect: an epilogue fn (or a helper it calls) applies `__len__` to its values
+# static: off
 # task: qk_norm_rope
 """A vector pass reads the positions into Python (a boolean mask and len) and shifts every position
 by one unless they look like the judge's uniform draw: wrong in every real batch, on either

@@ -119,7 +119,7 @@ def check(paths: List[Path] = typer.Argument(None, help="Task YAMLs or folders o
                                                         "LLaMA-3 suite].")) -> None:
     """Load each task as the verifier would and list every problem (TODOs included); exit 1 while any is left."""
     from coda_agent.tasks import SUITE_DIR
-    from coda_agent.tasks.skeleton import undrawn_values
+    from coda_agent.tasks.lint import undrawn_values
     from coda_agent.tasks.spec import TaskSpecError, load_task, scan_suite
 
     problems = 0

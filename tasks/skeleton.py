@@ -29,36 +29,20 @@ from __future__ import annotations
 import inspect
 import itertools
 import keyword
-import math
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-import torch
 import yaml
 
 from coda_agent.errors import CodaError
 
 from .dryrun import TORCH_DTYPES
-from .sources import ReferenceImportError, import_reference
 from .messages import DTYPE_ALIASES, TODO
+from .recorder import DTYPE_NAMES, Call, call_reference
+from .sources import ReferenceImportError, import_reference
 from .spec import Scalar
 
-DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 FAMILIES = "elementwise, pairwise, vector, tile, reduction, stateful"
-MATMULS = {"matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "linear", "addmm"}
-# Functions whose derivative jumps (ReLU and its kin): a gradient through one depends on which side
-# of the kink a rounding puts each value, so it is noisier than the reference's own rounding shows.
-# Normalisations -> whether they centre their input (a LayerNorm's centring is tested only by an
-# input whose mean is not 0); their weight is args[2], their bias args[3] (F.layer_norm, F.rms_norm,
-# F.group_norm).
-NORMS = {"layer_norm": True, "group_norm": True, "rms_norm": False}
-# Losses whose second argument is a target index into the first's classes (dim 1, or 0 unbatched).
-LOSSES = {"cross_entropy", "nll_loss"}
-COMPARISONS = {"eq", "__eq__", "ne", "__ne__"}
-KINKS = {"relu", "relu_", "relu6", "threshold", "leaky_relu", "hardtanh", "clamp", "clamp_min", "clamp_max",
-         "clip", "abs", "maximum", "minimum", "max", "min", "hardshrink", "softshrink"}
-
-
 def parse_shapes(specs: list[str]) -> dict[str, dict[str, int]]:
     """``["small=T:256,H:128", ...]`` -> ``{"small": {"T": 256, "H": 128}, ...}``."""
     out: dict[str, dict[str, int]] = {}
@@ -189,159 +173,6 @@ def symbolic(values: dict[str, int], shapes: dict[str, dict[str, int]]) -> tuple
     return f"{TODO} a shape expression giving {values}", []
 
 
-# --------------------------------------------------------------------------- calling the reference
-
-class Call(torch.overrides.TorchFunctionMode):
-    """What one call of the reference shows, recorded while it runs: its outputs (``outs``), the
-    (M, N, K) of every matmul (``mnk``, batch dims folded into M), the inputs that are a matmul's
-    right operand (a weight) with that matmul's K (``weights``: its fan-in), the functions called
-    whose derivative jumps (``kinks``), the inputs a normalisation reads (``norms``: its weight,
-    its bias, the input a LayerNorm centres) and the targets of a cross-entropy (``targets``: the
-    number of classes and the ignore_index).
-
-    An input is recognised by its storage, so a view (``w.t()``, ``w[0::2]``) or a detached
-    copy of it counts as the input."""
-
-    def __init__(self, storages: dict[int, str]) -> None:
-        super().__init__()
-        self.mnk: list[tuple[int, int, int]] = []
-        self.operands: list[tuple[str | None, str | None, bool]] = []  # per matmul: A's input, B's, B stored (N, K)
-        self.storages = storages
-        self.weights: dict[str, int] = {}
-        self.kinks: list[str] = []
-        self.norms: dict[str, str] = {}
-        self.targets: dict[str, tuple[int, int]] = {}
-        self.specials: dict[str, set[int]] = {}  # integer inputs compared with a constant: value(s)
-        self.outs: dict[str, torch.Tensor] = {}
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        name = getattr(func, "__name__", "")
-        if name in KINKS and name not in self.kinks:
-            self.kinks.append(name)
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        if name in NORMS and args and isinstance(args[0], torch.Tensor):
-            kw = kwargs or {}
-            parts = {"centred" if NORMS[name] else "": args[0],
-                     "norm_weight": kw.get("weight", args[2] if len(args) > 2 else None),
-                     "norm_bias": kw.get("bias", args[3] if len(args) > 3 and name != "rms_norm" else None)}
-            for what, t in parts.items():
-                named = self.storages.get(_storage(t)) if what and isinstance(t, torch.Tensor) else None
-                if named is not None:
-                    self.norms.setdefault(named, what)
-        if name in COMPARISONS and len(args) == 2:  # an index input told apart at one value (an ignore_index)
-            named, value = (args[0], args[1]) if isinstance(args[0], torch.Tensor) else (args[1], args[0])
-            input_ = self.storages.get(_storage(named)) if isinstance(named, torch.Tensor) else None
-            if input_ is not None and not named.is_floating_point() and isinstance(value, int) \
-                    and not isinstance(value, bool):
-                self.specials.setdefault(input_, set()).add(value)
-        if name in LOSSES and len(args) > 1 and isinstance(args[0], torch.Tensor):
-            target = self.storages.get(_storage(args[1])) if isinstance(args[1], torch.Tensor) else None
-            if target is not None:
-                classes = args[0].shape[1] if args[0].dim() > 1 else args[0].shape[0]
-                self.targets.setdefault(target, (classes, (kwargs or {}).get("ignore_index", -100)))
-        if name in MATMULS and len(tensors) >= 2:
-            a, b = tensors[-2:] if name == "addmm" else tensors[:2]
-            if name == "__rmatmul__":  # w.__rmatmul__(x) is x @ w
-                a, b = b, a
-            if name == "linear":  # (.., K) x (N, K)
-                self.mnk.append((math.prod(a.shape[:-1]), b.shape[0], b.shape[1]))
-                self._weight(b, b.shape[1])
-                self.operands.append((self.storages.get(_storage(a)), self.storages.get(_storage(b)), True))
-            elif a.dim() >= 2 and b.dim() >= 2:
-                self.mnk.append((math.prod(a.shape[:-1]), b.shape[-1], a.shape[-1]))
-                self._weight(b, a.shape[-1])
-                self.operands.append((self.storages.get(_storage(a)), self.storages.get(_storage(b)),
-                                      b.stride(-2) == 1 and b.stride(-1) != 1))  # w.t(): w is (N, K)
-        return func(*args, **(kwargs or {}))
-
-    def backward_mnk(self, gradients: list[str]) -> list[tuple[int, int, int]]:
-        """The matmuls a backward runs for ``gradients``: per forward matmul (M, N, K), dA = dD B^T
-        (M, K, N) unless A is an input that gets no gradient, and dB = A^T dD unless B is: (N, K, M)
-        for a weight stored (N, K) as nn.Linear keeps it, else (K, N, M)."""
-        out = []
-        for (m, n, k), (a, b, b_nk) in zip(self.mnk, self.operands):
-            if a is None or a in gradients:
-                out.append((m, k, n))
-            if b is None or b in gradients:
-                out.append((n, k, m) if b_nk else (k, n, m))
-        return out
-
-    def _weight(self, b: torch.Tensor, k: int) -> None:
-        name = self.storages.get(_storage(b))
-        if name is not None:
-            self.weights.setdefault(name, k)
-
-
-def _storage(t: torch.Tensor) -> int:
-    """One number per storage (a view shares its base's), meta tensors included."""
-    return t.untyped_storage()._cdata
-
-
-# A set whose inputs pass this many bytes (a GPU-sized set: the one performance is measured on)
-# is called on meta tensors, shapes and dtypes only, and on the CPU only if the reference
-# cannot run on meta tensors (a data-dependent op, .item()).
-META_SET_BYTES = 64 << 20
-
-
-def _shape(dims: list[str], binding: dict[str, int]) -> tuple[int, ...]:
-    from .expr import eval_expr
-
-    return tuple(int(eval_expr(d, binding)) for d in dims)
-
-
-def _draw(dims: list[str], dtype: str, binding: dict[str, int], gen: torch.Generator | None) -> torch.Tensor:
-    """A CPU tensor of random values, or with ``gen`` None an empty meta tensor."""
-    shape = _shape(dims, binding)
-    if gen is None:
-        return torch.empty(shape, dtype=TORCH_DTYPES[dtype], device="meta")
-    if dtype.startswith("int"):  # a valid index into the smallest dimension of the set
-        return torch.randint(0, min(binding.values()), shape, generator=gen).to(TORCH_DTYPES[dtype])
-    return torch.randn(shape, generator=gen).to(TORCH_DTYPES[dtype])
-
-
-def _call(fn: Callable, inputs: dict[str, tuple[list[str], str]], params: dict[str, Scalar],
-          binding: dict[str, int], set_name: str) -> Call:
-    size = sum(math.prod(_shape(dims, binding)) * TORCH_DTYPES[dtype].itemsize for dims, dtype in inputs.values())
-    if size > META_SET_BYTES:
-        try:
-            return _run(fn, inputs, params, binding, None)
-        except Exception:  # noqa: BLE001 - not every reference runs on meta tensors: call it for real
-            pass
-    try:
-        return _run(fn, inputs, params, binding, torch.Generator().manual_seed(0))
-    except CodaError:
-        raise
-    except Exception as e:  # noqa: BLE001 - the user's reference failing is theirs to see
-        raise CodaError(f"calling the reference on shape set {set_name} {binding} failed: {type(e).__name__}: "
-                        f"{e}; check the --input shapes and --param values") from None
-
-
-def _run(fn: Callable, inputs: dict[str, tuple[list[str], str]], params: dict[str, Scalar],
-         binding: dict[str, int], gen: torch.Generator | None) -> Call:
-    args = {k: _draw(dims, dtype, binding, gen) for k, (dims, dtype) in inputs.items()}
-    recorder = Call({_storage(t): k for k, t in args.items()})
-    with torch.no_grad(), recorder:
-        outs = fn(**args, **params)
-    if not isinstance(outs, dict) or not outs:
-        got = "an empty dict" if isinstance(outs, dict) else f"a {type(outs).__name__}"
-        raise CodaError(f"the reference returned {got}; a task reference returns a dict of its outputs, "
-                        "{'name': tensor, ...}")
-    for name, t in outs.items():
-        if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name):
-            raise CodaError(f"the reference's output {name!r} is not a Python name (a program returns and a "
-                            "backward takes d<output> by name); rename the key in the reference")
-        if name in inputs or name in params:
-            raise CodaError(f"the reference's output {name!r} is also an {'input' if name in inputs else 'param'}; "
-                            "rename the key in the reference (outputs, inputs and params are named apart)")
-        if not isinstance(t, torch.Tensor):
-            raise CodaError(f"the reference's output {name!r} is a {type(t).__name__}; return a tensor")
-        if t.dtype not in DTYPE_NAMES:
-            raise CodaError(f"the reference's output {name!r} is {t.dtype}; outputs are "
-                            f"{', '.join(TORCH_DTYPES)} (cast it in the reference)")
-    recorder.outs = outs
-    return recorder
-
-
 def _signature_inputs(fn: Callable, inputs: dict, params: dict) -> dict[str, Scalar]:
     """The params: ``--param`` values, then the reference's scalar keyword defaults (a default
     such as None stays the reference's own); every other parameter must be an ``--input``."""
@@ -415,7 +246,7 @@ def skeleton(name: str, reference: str, folder: Path, shapes: dict[str, dict[str
     for g in gradients:
         if g not in inputs or inputs[g][1].startswith("int"):
             raise CodaError(f"--gradients: {g!r} is not a float --input")
-    calls = {s: _call(fn, inputs, params, binding, s) for s, binding in shapes.items()}
+    calls = {s: call_reference(fn, inputs, params, binding, s) for s, binding in shapes.items()}
     first = next(iter(calls.values())).outs
     lines = ["# Written by `coda-agent tasks new` from the reference's outputs on each shape set.",
              "# Every TODO is for you to fill in; `coda-agent tasks check` lists what is left.",
@@ -498,39 +329,3 @@ def skeleton(name: str, reference: str, folder: Path, shapes: dict[str, dict[str
               "torch.compile / fused time at least), or remove the field for those defaults")
     lines.append(f"target: {_flow(target)}")
     return "\n".join(lines) + "\n"
-
-
-def undrawn_values(task: Any) -> list[str]:
-    """What the reference treats apart in an integer input but the task's draw never holds: a
-    cross-entropy's ignore_index, or a value it compares the input with (``target == -100``) that
-    is outside the input's ``randint`` range with no ``ignore`` drawing it.  A program that counts
-    those rows, or sends them a gradient, would pass every check."""
-    from .expr import eval_expr
-
-    spec = task.spec
-    binding = spec.shapes[spec.cpu_shape_set]
-    inputs = {k: (list(t.shape), t.dtype) for k, t in spec.inputs.items()}
-    try:
-        call = _run(task.reference_fn, inputs, dict(spec.params), binding, None)
-    except Exception:  # noqa: BLE001 - a reference that needs values: called on small CPU tensors
-        try:
-            call = _run(task.reference_fn, inputs, dict(spec.params), binding, torch.Generator().manual_seed(0))
-        except Exception:  # noqa: BLE001 - the verifier's reference stage reports a failing reference
-            return []
-    special = {k: set(v) for k, v in call.specials.items()}
-    for k, (_, ignore_index) in call.targets.items():
-        special.setdefault(k, set()).add(ignore_index)
-    problems = []
-    for k, values in sorted(special.items()):
-        init = spec.inputs[k].init
-        drawn = {init.ignore.value} if init.ignore is not None else set()
-        shape = spec.shape_of(spec.inputs[k], spec.cpu_shape_set)
-        high = (None if init.dist != "randint" else int(eval_expr(init.high, {n: float(v) for n, v in binding.items()}))
-                if init.high is not None else (shape[-1] if shape else 1))
-        missing = sorted(v for v in values if v not in drawn and not (high is not None and 0 <= v < high))
-        if missing:
-            problems.append(f"inputs.{k}.init: the reference treats {k} == {', '.join(map(str, missing))} apart "
-                            "(an ignore_index), "
-                            f"but no draw holds it; add ignore: {{value: {missing[0]}, fraction: 0.125}} so that "
-                            "a program counting those rows fails")
-    return problems

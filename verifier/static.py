@@ -27,7 +27,7 @@ float, and a parameter or local named ``fr`` elsewhere is a local value.
   and the exceptions a program may raise); every other builtin is refused
   with its reason (``open``: files; ``getattr``: reflection; ...).
 
-**Epilogue bodies** (:meth:`_Checker.check_epilogues`): an @epilogue fn, and every program
+**Epilogue bodies** (:mod:`.static_epilogue`): an @epilogue fn, and every program
 function it calls, is arithmetic, comparisons and calls of the catalogue's math on names and
 numbers (no attributes, indexing but of a module constant, builtins, branches or loops on
 values): both lowerings evaluate it, the compiled kernel on values that have none of those.
@@ -125,7 +125,9 @@ def check_source(source: str, spec: TaskSpec) -> list[Violation]:
         tree = ast.parse(source)
         checker = _Checker(tree)
         checker.check_module(tree)
-        checker.check_epilogues(tree)
+        from coda_agent.verifier.static_epilogue import check_epilogues  # it reads this module's bindings
+
+        check_epilogues(checker, tree)
         checker.check_contract(tree, spec)
     except SyntaxError as e:
         return [Violation(e.lineno or 1, f"syntax error: {e.msg}; fix the Python syntax")]
@@ -252,80 +254,6 @@ class _Checker(ast.NodeVisitor):
                 self.bad(stmt, f"module-level {type(stmt).__name__} statement: only imports, constants and "
                          "function definitions may appear at module level; move the code into forward/backward")
         self.visit(tree)
-
-    def check_epilogues(self, tree: ast.Module) -> None:
-        """The body of each module-level @epilogue fn, and of every program function it calls, is
-        epilogue math: assignments and returns of arithmetic, comparisons and calls (of the
-        vocabulary, ``math`` or those functions) on names and numbers, the fn's result a dict
-        display.  Both lowerings evaluate the same body, the compiled kernel on values that have
-        no attributes, items, length, text or truth value: a body that reads any of them
-        computes something else on the GPU (the audit catches what reaches a tensor at run time)."""
-        defs = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
-        todo = [(fn, fn.name) for fn in defs.values() if any(self._is_epilogue(d) for d in fn.decorator_list)]
-        seen: set[str] = set()
-        while todo:
-            fn, via = todo.pop()
-            if fn.name in seen:
-                continue
-            seen.add(fn.name)
-            who = "an @epilogue fn" if fn.name == via else f"`{fn.name}`, which the @epilogue fn `{via}` calls"
-            body = fn.body[1:] if fn.body and _docstring(fn.body[0]) else fn.body
-            for stmt in body:
-                whys = [(node, why) for node in ast.walk(stmt) if (why := self._not_epilogue_math(node))]
-                if whys:  # the outermost offence of a statement says it
-                    node, why = whys[0]
-                    self.violations.append(Violation(
-                        getattr(node, "lineno", stmt.lineno), f"inside {who}: {why}; an epilogue body is "
-                        "arithmetic, comparisons and calls of the catalogue's math (`where`, `maximum`, "
-                        "`unpack`...) on its values, since the compiled kernel's values are numbers per element"))
-                for node in ast.walk(stmt):
-                    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
-                            and self.module.get(node.func.id) == Binding("function") and node.func.id in defs:
-                        todo.append((defs[node.func.id], via))
-
-    def _is_epilogue(self, decorator: ast.expr) -> bool:
-        target = decorator.func if isinstance(decorator, ast.Call) else decorator
-        return isinstance(target, ast.Name) and self.module.get(target.id) == Binding("catalogue", "epilogue")
-
-    def _not_epilogue_math(self, node: ast.AST) -> str:
-        """Why ``node`` is no epilogue math ('' when it is)."""
-        if isinstance(node, (ast.Assign, ast.AugAssign, ast.Return, ast.BinOp, ast.UnaryOp, ast.Compare, ast.Name,
-                             ast.Tuple, ast.Dict, ast.keyword, ast.expr_context, ast.operator, ast.unaryop,
-                             ast.cmpop)):
-            if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
-                return "`not` asks a value for its truth; use where(cond, a, b)"
-            return ""
-        if isinstance(node, ast.Constant):
-            return "" if isinstance(node.value, (int, float, str)) and not isinstance(node.value, bool) \
-                else f"the constant {node.value!r} is no number"
-        if isinstance(node, ast.Attribute):
-            if isinstance(node.value, ast.Name) and self.resolve(node.value.id) == Binding("math"):
-                return ""
-            return f"`.{node.attr}` reads an attribute"
-        if isinstance(node, ast.Call):
-            f = node.func
-            if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) \
-                    and self.resolve(f.value.id) == Binding("math"):
-                return ""
-            if isinstance(f, ast.Attribute):
-                return f"`.{f.attr}()` calls a method"
-            if not isinstance(f, ast.Name):
-                return "a call of something other than a function by its name"
-            bound = self.resolve(f.id)
-            if bound is not None and (bound.kind in ("function", "math_function")
-                                      or (bound.kind == "catalogue" and bound.of in ALLOWED.epilogue_math)):
-                return ""
-            return f"`{f.id}(...)` is not the catalogue's epilogue math"
-        if isinstance(node, ast.Subscript):
-            if isinstance(node.value, ast.Name) and self.resolve(node.value.id) == Binding("constant"):
-                return ""  # a number from a module-level tuple of them
-            return "indexing (`x[...]`): a pair's lanes are unpack(pair), a tile's elements are the tile"
-        if isinstance(node, (ast.If, ast.IfExp, ast.BoolOp, ast.While, ast.For, ast.Match if hasattr(ast, "Match")
-                             else ast.If)):
-            return "a Python branch or loop on values; select with where(cond, a, b)"
-        what = {ast.GeneratorExp: "a generator", ast.ListComp: "a comprehension", ast.Lambda: "a lambda",
-                ast.JoinedStr: "an f-string", ast.List: "a list", ast.Starred: "unpacking with *"}
-        return f"{what.get(type(node), type(node).__name__)} is not epilogue math"
 
     def _constant_like(self, node: ast.expr) -> bool:
         """A value computed once from literals, math and catalogue declarations (no state)."""
@@ -531,10 +459,6 @@ class _Checker(ast.NodeVisitor):
         if len(extra) > len(a.defaults) + sum(d is not None for d in a.kw_defaults):
             self.bad(fn, f"{what} has parameters {extra} the verifier does not pass; its parameters "
                      f"must be ({', '.join(wanted)})")
-
-
-def _docstring(stmt: ast.stmt) -> bool:
-    return isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant) and isinstance(stmt.value.value, str)
 
 
 def _literal(node: ast.expr) -> bool:

@@ -113,6 +113,17 @@ def _relative(file: Path, folder: Path) -> str:
     return Path(os.path.relpath(file, folder)).as_posix()
 
 
+def _task_folders(paths: list[Path]) -> list[Path]:
+    """``paths`` with a folder that holds no task file replaced by its subfolders that do (a user's
+    folder of task folders), run directories aside."""
+    out = []
+    for path in paths:
+        subs = sorted(p for p in path.iterdir() if p.is_dir() and p.name != "runs" and any(p.glob("*.yaml"))) \
+            if path.is_dir() and not any(path.glob("*.yaml")) else []
+        out += subs or [path]
+    return out
+
+
 @tasks_app.command("check")
 @handle_errors
 def check(paths: List[Path] = typer.Argument(None, help="Task YAMLs or folders of them [the packaged "
@@ -123,7 +134,7 @@ def check(paths: List[Path] = typer.Argument(None, help="Task YAMLs or folders o
     from coda_agent.tasks.spec import TaskSpecError, load_task, scan_suite
 
     problems = 0
-    for path in paths or [SUITE_DIR]:
+    for path in _task_folders(paths or [SUITE_DIR]):
         if path.is_dir():
             found, errors = scan_suite(path)
         else:

@@ -156,21 +156,27 @@ def _candidates(symbols: list[str]) -> Iterator[str]:
         yield f"{a}-{b}"
 
 
-def symbolic(values: dict[str, int], shapes: dict[str, dict[str, int]]) -> tuple[str | int, list[str]]:
+def symbolic(values: dict[str, int], shapes: dict[str, dict[str, int]],
+             known: tuple[str, ...] = ()) -> tuple[str | int, list[str]]:
     """The simplest expression equal to ``values[set]`` in every shape set, and the others
-    that fit as well (an ambiguity a further shape set would settle).  A constant when
-    the dimension is the same everywhere and no expression gives it; ``TODO`` if nothing fits."""
+    that fit as well (an ambiguity a further shape set would settle): expressions of one or
+    two symbols, then the ``known`` ones (the inputs' own dimensions, ``3*NH*D``), their
+    small multiples and their sums.  A constant when the dimension is the same everywhere and no expression
+    gives it; ``TODO`` if nothing fits."""
     from .expr import eval_expr
 
     symbols = sorted(set.intersection(*(set(b) for b in shapes.values())), key=lambda s: (len(s), s))
+    known = tuple(dict.fromkeys(known))
+    exprs = itertools.chain(_candidates(symbols), known, (f"{k}*({e})" for e in known for k in range(2, 9)),
+                            (f"{a}+{b}" for a, b in itertools.combinations(known, 2)))
     # ``S//k`` fits only where k divides S: compared through the true quotient.
-    fits = [expr for expr in _candidates(symbols)
-            if all(eval_expr(expr.replace("//", "/"), b) == values[name] for name, b in shapes.items())]
+    fits = list(dict.fromkeys(expr for expr in exprs if all(
+        eval_expr(expr.replace("//", "/"), b) == values[name] for name, b in shapes.items())))
     if fits:
         return fits[0], fits[1:]
     if len(set(values.values())) == 1:
         return next(iter(values.values())), []
-    return f"{TODO} a shape expression giving {values}", []
+    return f"{TODO} a shape expression giving {', '.join(f'{v} on {k}' for k, v in values.items())}", []
 
 
 def _signature_inputs(fn: Callable, inputs: dict, params: dict) -> dict[str, Scalar]:
@@ -286,11 +292,12 @@ def skeleton(name: str, reference: str, folder: Path, shapes: dict[str, dict[str
         lines.append(f"  {k}: {_flow({**entry, 'init': init})}")
     if params:
         lines.append(f"params: {_flow(params)}")
+    known = tuple(d for dims, _ in inputs.values() for d in dims)  # the inputs' own dimensions
     lines.append("outputs:")
     for out, t in first.items():
         dims, notes = [], []
         for d in range(t.dim()):
-            expr, others = symbolic({s: calls[s].outs[out].shape[d] for s in calls}, shapes)
+            expr, others = symbolic({s: calls[s].outs[out].shape[d] for s in calls}, shapes, known)
             dims.append(expr)
             if others:
                 notes.append(f"{expr} could also be {', '.join(others[:3])}")
@@ -313,7 +320,7 @@ def skeleton(name: str, reference: str, folder: Path, shapes: dict[str, dict[str
                       "rows, and what they feed),",
                       "# widen those gradients' rules alone, tolerances: {d<input>: {factor: 3, rel_norm: 0.06}}, "
                       "and keep the others tight."]
-    else:
+    elif not any(f"d{k}" in first for k in inputs):  # a reference that returns gradients is one step, forward only
         floats = [k for k, (_, dtype) in inputs.items() if not dtype.startswith("int")]
         lines.append(f"# gradients: {_flow(floats)}  <- uncomment (or --gradients) for a backward too: the "
                      "inputs whose gradients it returns; as it stands the task is forward only")
@@ -321,7 +328,7 @@ def skeleton(name: str, reference: str, folder: Path, shapes: dict[str, dict[str
     for says, of in (("; the reference's forward runs", lambda c: c.mnk),
                      (", and its backward of those", lambda c: c.backward_mnk(gradients) if gradients else [])):
         count = min(len(of(c)) for c in calls.values())
-        matmuls = [[symbolic({s: of(calls[s])[i][j] for s in calls}, shapes)[0] for j in range(3)]
+        matmuls = [[symbolic({s: of(calls[s])[i][j] for s in calls}, shapes, known)[0] for j in range(3)]
                    for i in range(count)]
         hint += f"{says} {_flow(matmuls)}" if matmuls else ""
     lines.append(f"gemms: {_flow(f'{TODO} the GEMMs the fused program needs, as [[M, N, K], ...]' + hint)}")

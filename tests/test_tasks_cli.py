@@ -75,6 +75,26 @@ def test_new_names_the_backward_gemms_of_the_gradients_asked_for(tmp_path, monke
     text = Path("fwd.yaml").read_text()
     assert "gradients" not in yaml.safe_load(text) and "\n# gradients: [x, w, b]  <- uncomment" in text
     assert yaml.safe_load(text)["gemms"].endswith("the reference's forward runs [[T, I, H], [T, H, I]]")
+    Path("step.py").write_text("def step(x, w):\n    return {'y': x @ w, 'dx': x * 2}\n")
+    r = cli("tasks", "new", "step", "--reference", "step.py:step", "--input", "x=T,H", "--input", "w=H,H", *shapes[:2])
+    assert r.exit_code == 0 and "gradients" not in Path("step.yaml").read_text()  # it returns its gradients
+
+
+def test_check_reads_a_folder_of_task_folders():
+    families = Path(__file__).parent / "tasks" / "families"
+    r = cli("tasks", "check", families)
+    assert r.exit_code == 0, r.output
+    assert {line.split()[1] for line in r.output.splitlines() if line.startswith("ok: ")} >= {"moe_router", "post_ln"}
+
+
+def test_new_finds_output_sizes_among_the_inputs_dimensions(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    Path("ref.py").write_text("import torch\n\ndef qkv(x, w, g):\n"
+                              "    return {'both': torch.cat([x @ w.t(), x @ g.t()], dim=1)}\n")
+    r = cli("tasks", "new", "qkv", "--reference", "ref.py:qkv", "--input", "x=T,H", "--input", "w=3*NH*D,H",
+            "--input", "g=2*I,H", "--shapes", "small=T:64,H:32,NH:2,D:16,I:48", "--shapes", "r=T:50,H:40,NH:3,D:8,I:40")
+    assert r.exit_code == 0, r.output
+    assert yaml.safe_load(Path("qkv.yaml").read_text())["outputs"]["both"]["shape"] == ["T", "3*NH*D+2*I"]
 
 
 def test_check_asks_for_the_values_the_reference_treats_apart_to_be_drawn(tmp_path):

@@ -189,6 +189,11 @@ def test_patterns_small_helper():
     bad = torch.zeros(4, 6, dtype=torch.bool)
     bad[:, 1::2] = True
     assert pattern_of(bad, torch.zeros_like(bad), torch.zeros(4, 6), None, False).startswith("odd columns")
+    per_row = torch.zeros(300, dtype=torch.bool)  # a vector (a per-token loss) is one value per row
+    per_row[[58, 99]] = True
+    assert pattern_of(per_row, torch.zeros_like(per_row), torch.zeros(300), None, False) == "rows [58, 99]"
+    per_row[::8] = True
+    assert pattern_of(per_row, torch.zeros_like(per_row), torch.zeros(300), None, False).startswith("scattered")
 
 
 # --------------------------------------------------------------------------- speed in the verdict

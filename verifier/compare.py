@@ -134,7 +134,7 @@ def pattern_of(bad: torch.Tensor, nan: torch.Tensor, out: torch.Tensor, ref: tor
             return "all zeros" if v == 0 else f"constant ({v:g}) where the reference varies"
     if not bad.any():
         return "every element within the limit, but together too far off (the relative norm error)"
-    b = bad.reshape(-1, bad.shape[-1]) if bad.ndim >= 2 else bad.reshape(1, -1)
+    b = bad.reshape(-1, bad.shape[-1]) if bad.ndim >= 2 else bad.reshape(-1, 1)  # a vector: one value per row
     rows, cols = b.shape
     frac = float(b.float().mean())
     bad_rows = b.any(1).nonzero().flatten()
@@ -155,7 +155,7 @@ def pattern_of(bad: torch.Tensor, nan: torch.Tensor, out: torch.Tensor, ref: tor
             return "all" if frac > 0.9 else f"most elements ({frac:.0%})"
         if len(bad_rows) <= 4:
             return f"rows {bad_rows.tolist()}"
-        if len(bad_cols) <= 4:
+        if len(bad_cols) <= 4 and cols > 1:
             return f"columns {bad_cols.tolist()}"
         return f"scattered ({frac:.1%} of elements)"
     return ", ".join(parts) + f" ({frac:.1%} of elements)"

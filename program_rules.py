@@ -85,7 +85,8 @@ HOST_RULES: tuple[Rule, ...] = (
                          "assignment expressions (`:=`) anywhere."),
     Rule("functions", "`forward(<inputs and params by name>)` returns a dict holding every task output (extra "
                       "entries are state for backward); `backward(saved, d<output>...)` returns `d<input>` for "
-                      "each task gradient. A backward that adds a parameter `needs` is passed the set of "
+                      "each task gradient; `saved` holds forward's inputs and params by name and "
+                      "whatever else forward returned. A backward that adds a parameter `needs` is passed the set of "
                       "`d<input>` names its caller reads and may skip the rest (`if \"dw\" in needs:` "
                       "around a frozen weight's gradient GEMM); each set a caller may ask for is verified. "
                       "Helper `def`s are fine. Default arguments are constants. "
@@ -112,7 +113,9 @@ HOST_RULES: tuple[Rule, ...] = (
                          "`zeros_like` buffer) D is added into `buf` in place and `'D'` is `buf` itself; with "
                          "`out=buf` D is written over `buf` (D's shape and dtype; a buffer dead after this GEMM, "
                          "which may be a Tile or the PairedTile the epilogue reads, never A or B); either way the "
-                         "epilogue must return a D."),
+                         "epilogue must return a D. Results are dense row-major tensors: a column slice of "
+                         "one GEMM's D is a view, not a result (run one GEMM per part, over the weight's "
+                         "row slices)."),
 )
 
 

@@ -180,16 +180,18 @@ class Kernel:
     # ------------------------------------------------------------------ calling it
 
     def bind(self, args: tuple, kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-        """(inputs, params) from a call like the reference's: inputs positionally in the task's
-        order or by name, params by name (default: the task's values)."""
-        if len(args) > len(self.inputs):
-            raise KernelError(f"{self.name} takes {len(self.inputs)} inputs {list(self.inputs)}; got "
-                              f"{len(args)} positional arguments")
-        inputs = dict(zip(self.inputs, args))
+        """(inputs, params) from a call like the reference's: inputs, then params, positionally in
+        the task's order or by name (a param not given: the task's value)."""
         params = dict(self.params)
+        if len(args) > len(self.inputs) + len(params):
+            raise KernelError(f"{self.name} takes {len(self.inputs)} inputs {list(self.inputs)} and "
+                              f"{len(params)} params {list(params)}; got {len(args)} positional arguments")
+        inputs = dict(zip(self.inputs, args))
+        params.update(zip(params, args[len(self.inputs):]))
+        given = set(self.inputs[:len(args)]) | set(list(params)[:max(0, len(args) - len(self.inputs))])
         for k, v in kwargs.items():
-            if k in inputs:
-                raise KernelError(f"{self.name}: input {k!r} given twice")
+            if k in given:
+                raise KernelError(f"{self.name}: {'input' if k in inputs else 'param'} {k!r} given twice")
             if k in self.spec.inputs:
                 inputs[k] = v
             elif k in params:

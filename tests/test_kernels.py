@@ -164,7 +164,12 @@ def test_module_positional_call_and_params():
     a = layer(*inputs.values())["y"]
     b = kernel(**inputs, eps=1e-6)["y"]
     c = kernel(**inputs)["y"]  # the task's eps, 1e-5
-    assert torch.equal(a, b) and not torch.equal(a, c)
+    d = kernel(*inputs.values(), 1e-6)["y"]  # params follow the inputs, as in the reference's signature
+    assert torch.equal(a, b) and torch.equal(a, d) and not torch.equal(a, c)
+    with pytest.raises(KernelError, match="param 'eps' given twice"):
+        kernel(*inputs.values(), 1e-6, eps=1e-6)
+    with pytest.raises(KernelError, match=r"takes 4 inputs .* and 1 params \['eps'\]; got 6 positional"):
+        kernel(*inputs.values(), 1e-6, 2.0)
     assert kernel.function.__name__ == "MlpBlockFunction"
     assert issubclass(kernel.function, torch.autograd.Function)
     with pytest.raises(KernelError, match="has params \\['eps'\\]"):

@@ -230,7 +230,9 @@ def compile_result(kernels: list[dict[str, Any]], shape_set: str) -> StageResult
         details["sass_unavailable"] = True
     note = "; SASS gate NOT run (install nvidia-cuda-cuobjdump)" if details.get("sass_unavailable") else ""
     note += (f"; register spills in {', '.join(f'{e} ({n} STL/LDL)' for e, n in spills.items())}: "
-             "simplify the epilogue or keep fewer values live") if spills else ""
+             "keep fewer values live in the epilogue, or give that GEMM a cooperative tile, whose "
+             "threads hold more registers (`config=TileConfig(tile_m=128, tile_n=128, pingpong=False)`)"
+             ) if spills else ""
     note += (f"; slow-path CALLs in {', '.join(f'{e} ({n})' for e, n in calls.items())}: an IEEE "
              "division `a / b` calls a subroutine per element; write `a * reciprocal(b)`, or pass "
              "a precomputed reciprocal as a Scalar/vector") if calls else ""

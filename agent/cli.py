@@ -46,8 +46,8 @@ def solve(
                                                        "program) or replay (a recorded transcript)."),
     transcript: Optional[Path] = typer.Option(None, help="replay: a run directory or its transcript.jsonl."),
     samples: Optional[int] = typer.Option(None, "--samples", "-k", help="Independent trajectories, run in parallel."),
-    sets: Optional[str] = typer.Option(None, "--sets", help="Shape sets the verifier checks, comma-separated "
-                                                            "[the task's own]."),
+    sets: Optional[str] = typer.Option(None, "--sets", help="Shape sets the verifier's GPU stages check, "
+                                                            "comma-separated [the task's own]."),
     max_turns: Optional[int] = MAX_TURNS,
     max_tokens: Optional[int] = MAX_TOKENS,
     max_cost: Optional[float] = MAX_COST,

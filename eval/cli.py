@@ -44,8 +44,8 @@ def eval_batch(
     transcript: Optional[Path] = typer.Option(None, help="replay: an earlier batch directory; task T sample i "
                                                          "replays its T/sample-i."),
     resume: Optional[Path] = typer.Option(None, help="Finish a killed batch: runs/batch-<utc>/."),
-    sets: Optional[str] = typer.Option(None, "--sets", help="Shape sets the verifier checks, comma-separated "
-                                                            "[each task's own]."),
+    sets: Optional[str] = typer.Option(None, "--sets", help="Shape sets the verifier's GPU stages check, "
+                                                            "comma-separated [each task's own]."),
     max_turns: Optional[int] = MAX_TURNS,
     max_tokens: Optional[int] = MAX_TOKENS,
     max_cost: Optional[float] = MAX_COST,

@@ -127,6 +127,9 @@ class TaskSpec(_Strict):
     expert: str | None = None
     # The GEMMs the math needs, as [M, N, K] expressions: the speed of light.
     gemms: list[list[Expr]]
+    # Their operands' type where it is not the inputs' 16-bit one: a task whose GEMMs run in fp8
+    # (quantized inside the program or given so) is timed against fp8 GEMMs of those shapes.
+    gemm_dtype: Literal["fp8_e4m3"] | None = None
     cpu_shape_set: str = "small"
     # Shape sets the CPU checks run although they exceed the verifier's CPU size budget
     # (e.g. one that exercises a program's multi-chunk path); the small ones always run.

@@ -107,3 +107,27 @@ def test_on_the_gpu_the_fp8_tensor_cores_take_the_recipe_s_gemm():
         assert torch.equal(got, hw * sa[:, None] * sb[None, :]), fast
         rel = ((got.double() - exact).abs().max() / exact.abs().max()).item()
         assert 1e-7 < rel < (2 ** -6 if fast else 2 ** -9), (fast, rel)
+
+
+def test_fp8_tasks_are_timed_against_fp8_gemms(tmp_path):
+    """The speed of light of a task whose GEMMs run in fp8 is fp8 GEMMs of its shapes: against
+    bf16 ones an honest fp8 block ran 0.67x "the plain GEMMs" and was refused as impossibly fast."""
+    from coda_agent.tasks.spec import TaskSpecError
+
+    assert {_task(n).spec.gemm_dtype for n in TASKS} == {"fp8_e4m3"}
+    assert load_task(SUITE.parent / "llama3" / "mlp_block.yaml").spec.gemm_dtype is None
+    text = (SUITE / "swiglu_fwd_fp8.yaml").read_text().replace("gemm_dtype: fp8_e4m3", "gemm_dtype: fp8")
+    (tmp_path / "t.yaml").write_text(text)  # its reference is a module path: found from anywhere
+    with pytest.raises(TaskSpecError, match="gemm_dtype"):
+        load_task(tmp_path / "t.yaml")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Hopper)")
+def test_the_fp8_speed_of_light_runs_scaled_mm():
+    from coda_agent.verifier.timing import _plain_gemms
+
+    spec = _task("mlp_block_fp8").spec
+    outs = _plain_gemms(spec, "llama3-8b")()
+    assert [tuple(o.shape) for o in outs] == [(m, n) for m, n, _ in spec.gemm_shapes("llama3-8b")]
+    assert {o.dtype for o in outs} == {torch.bfloat16}

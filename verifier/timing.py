@@ -171,12 +171,26 @@ def _timing_set(check: Check) -> str:
     return max(named or sets, key=check.spec.flops)
 
 
-def _baselines(task: Task, spec: Any, case: Case, details: dict[str, Any]) -> dict[str, Callable[[], Any]]:
+def _plain_gemms(spec: Any, shape_set: str) -> Callable[[], Any]:
+    """The speed of light: the task's GEMMs, cuBLAS on the inputs' 16-bit type, or for a task whose
+    GEMMs run in fp8 (``gemm_dtype``) ``torch._scaled_mm`` on e4m3 with row-wise scales and fast
+    accumulation, the fastest fp8 GEMM PyTorch has."""
+    shapes = spec.gemm_shapes(shape_set)
+    if spec.gemm_dtype == "fp8_e4m3":
+        fp8, cuda = torch.float8_e4m3fn, {"device": "cuda"}
+        mats = [(torch.randn(m, k, **cuda).to(fp8), torch.randn(n, k, **cuda).to(fp8).t(),
+                 torch.rand(m, 1, **cuda) + 0.5, torch.rand(1, n, **cuda) + 0.5) for m, n, k in shapes]
+        return lambda: [torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, use_fast_accum=True)
+                        for a, b, sa, sb in mats]
     dtype = TORCH_DTYPES[next(iter(spec.inputs.values())).dtype]
     dtype = dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
-    mats = [(torch.randn(m, k, device="cuda", dtype=dtype), torch.randn(k, n, device="cuda", dtype=dtype))
-            for m, n, k in spec.gemm_shapes(case.shape_set)]
-    fns: dict[str, Callable[[], Any]] = {"gemm": lambda: [a @ b for a, b in mats]}
+    pairs = [(torch.randn(m, k, device="cuda", dtype=dtype), torch.randn(k, n, device="cuda", dtype=dtype))
+             for m, n, k in shapes]
+    return lambda: [a @ b for a, b in pairs]
+
+
+def _baselines(task: Task, spec: Any, case: Case, details: dict[str, Any]) -> dict[str, Callable[[], Any]]:
+    fns: dict[str, Callable[[], Any]] = {"gemm": _plain_gemms(spec, case.shape_set)}
     for base in spec.baselines:
         if base in ("eager", "compile"):
             try:

@@ -23,7 +23,8 @@ def undrawn_values(task: Any) -> list[str]:
         call = run_reference(task.reference_fn, inputs, dict(spec.params), binding, None)
     except Exception:  # noqa: BLE001 - a reference that needs values: called on small CPU tensors
         try:
-            call = run_reference(task.reference_fn, inputs, dict(spec.params), binding, torch.Generator().manual_seed(0))
+            call = run_reference(task.reference_fn, inputs, dict(spec.params), binding,
+                                 torch.Generator().manual_seed(0))
         except Exception:  # noqa: BLE001 - the verifier's reference stage reports a failing reference
             return []
     special = {k: set(v) for k, v in call.specials.items()}

@@ -74,6 +74,8 @@ def test_provenance_refusals(spec, module_level, body, forward, why):
     ("", "return {\"D\": acc + (residual if acc.dtype else 0.0)}", "a Python branch or loop on values"),
     ("", "return {\"D\": acc + sum(residual for _ in range(2))}", "`sum(...)` is not the catalogue's"),
     ("", "return {\"D\": acc + sigmoid(*[residual])}", "unpacking with * is not epilogue math"),
+    ("SCALES = (1.0, 2.0)", "return {\"D\": acc + residual * 0.0}\n\n\n@epilogue()\ndef shadow(acc, SCALES: Tile):\n"
+     "    return {\"D\": acc + SCALES[0]}", "indexing (`x[...]`)"),  # a parameter, not the module's tuple
     ("def helper(v):\n    return v.sum()", "return {\"D\": acc + helper(residual)}",
      "inside `helper`, which the @epilogue fn `add_residual` calls: `.sum()` calls a method"),
 ])

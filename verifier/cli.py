@@ -35,8 +35,9 @@ def verify(
     stages: str = typer.Option("", help="comma-separated subset of "
                                "static,reference,compile,correctness,launch_audit,performance"),
     sets: Optional[str] = typer.Option(None, "--sets", help="shape sets the GPU stages check, comma-separated "
-                                                            "(default: the task's own); the CPU reference stage checks every "
-                                                            "CPU-sized one and a size drawn past them"),
+                                                            "(default: the task's own); the CPU reference stage "
+                                                            "checks every CPU-sized one and a size drawn past "
+                                                            "them"),
     runs_dir: Path = typer.Option(Path("runs"), help="where the verdict's run directory goes"),
     save: bool = typer.Option(True, "--save/--no-save", help="write the verdict as a run directory "
                                                              "(for review and export)"),

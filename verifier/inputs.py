@@ -90,7 +90,7 @@ def make_grads(spec: TaskSpec, shape_set: str, seed: int, device: str = "cpu") -
 
 def _row_scales(rows: int, gen: torch.Generator, device: str) -> torch.Tensor:
     """Each row's scale: about one in eight :data:`TINY`, one in eight :data:`LARGE`, one in eight
-    2**u with u uniform in [log2 TINY, log2 LARGE] (:data:`SPREAD`), the rest 1."""
+    2**u with u uniform in [log2 TINY, log2 LARGE], the rest 1."""
     pick = torch.randint(0, 8, (rows,), generator=gen, device=device)
     lo, hi = math.log2(TINY), math.log2(LARGE)
     spread = torch.exp2(lo + (hi - lo) * torch.rand(rows, generator=gen, device=device))

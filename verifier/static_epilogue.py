@@ -15,10 +15,10 @@ whatever reaches a tensor.
 from __future__ import annotations
 
 import ast
-from typing import Any
+from typing import Any, Callable
 
 from coda_agent.program_rules import static_allow_list
-from coda_agent.verifier.static import Binding, Violation
+from coda_agent.verifier.static import LOCAL, Binding, Violation, _bound_in
 
 ALLOWED = static_allow_list()
 
@@ -36,8 +36,13 @@ def check_epilogues(checker: Any, tree: ast.Module) -> None:
         seen.add(fn.name)
         who = "an @epilogue fn" if fn.name == via else f"`{fn.name}`, which the @epilogue fn `{via}` calls"
         body = fn.body[1:] if fn.body and _docstring(fn.body[0]) else fn.body
+        local = _bound_in(fn).names  # its parameters and locals: values, whatever a module name says
+
+        def resolve(name: str) -> Binding | None:
+            return LOCAL if name in local else checker.module.get(name)
+
         for stmt in body:
-            whys = [(node, why) for node in ast.walk(stmt) if (why := _not_epilogue_math(checker, node))]
+            whys = [(node, why) for node in ast.walk(stmt) if (why := _not_epilogue_math(resolve, node))]
             if whys:  # the outermost offence of a statement says it
                 node, why = whys[0]
                 checker.violations.append(Violation(
@@ -55,7 +60,7 @@ def _is_epilogue(checker: Any, decorator: ast.expr) -> bool:
     return isinstance(target, ast.Name) and checker.module.get(target.id) == Binding("catalogue", "epilogue")
 
 
-def _not_epilogue_math(checker: Any, node: ast.AST) -> str:
+def _not_epilogue_math(resolve: Callable[[str], Binding | None], node: ast.AST) -> str:
     """Why ``node`` is no epilogue math ('' when it is)."""
     if isinstance(node, (ast.Assign, ast.AugAssign, ast.Return, ast.BinOp, ast.UnaryOp, ast.Compare, ast.Name,
                          ast.Tuple, ast.Dict, ast.keyword, ast.expr_context, ast.operator, ast.unaryop,
@@ -67,29 +72,28 @@ def _not_epilogue_math(checker: Any, node: ast.AST) -> str:
         return "" if isinstance(node.value, (int, float, str)) and not isinstance(node.value, bool) \
             else f"the constant {node.value!r} is no number"
     if isinstance(node, ast.Attribute):
-        if isinstance(node.value, ast.Name) and checker.resolve(node.value.id) == Binding("math"):
+        if isinstance(node.value, ast.Name) and resolve(node.value.id) == Binding("math"):
             return ""
         return f"`.{node.attr}` reads an attribute"
     if isinstance(node, ast.Call):
         f = node.func
         if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) \
-                and checker.resolve(f.value.id) == Binding("math"):
+                and resolve(f.value.id) == Binding("math"):
             return ""
         if isinstance(f, ast.Attribute):
             return f"`.{f.attr}()` calls a method"
         if not isinstance(f, ast.Name):
             return "a call of something other than a function by its name"
-        bound = checker.resolve(f.id)
+        bound = resolve(f.id)
         if bound is not None and (bound.kind in ("function", "math_function")
                                   or (bound.kind == "catalogue" and bound.of in ALLOWED.epilogue_math)):
             return ""
         return f"`{f.id}(...)` is not the catalogue's epilogue math"
     if isinstance(node, ast.Subscript):
-        if isinstance(node.value, ast.Name) and checker.resolve(node.value.id) == Binding("constant"):
+        if isinstance(node.value, ast.Name) and resolve(node.value.id) == Binding("constant"):
             return ""  # a number from a module-level tuple of them
         return "indexing (`x[...]`): a pair's lanes are unpack(pair), a tile's elements are the tile"
-    if isinstance(node, (ast.If, ast.IfExp, ast.BoolOp, ast.While, ast.For, ast.Match if hasattr(ast, "Match")
-                         else ast.If)):
+    if isinstance(node, (ast.If, ast.IfExp, ast.BoolOp, ast.While, ast.For, ast.Match)):
         return "a Python branch or loop on values; select with where(cond, a, b)"
     what = {ast.GeneratorExp: "a generator", ast.ListComp: "a comprehension", ast.Lambda: "a lambda",
             ast.JoinedStr: "an f-string", ast.List: "a list", ast.Starred: "unpacking with *"}

@@ -24,6 +24,9 @@ MATMULS = {"matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "linear", "addmm"
 NORMS = {"layer_norm": True, "group_norm": True, "rms_norm": False}
 # Losses whose second argument is a target index into the first's classes (dim 1, or 0 unbatched).
 LOSSES = {"cross_entropy", "nll_loss"}
+# An angle's functions (RoPE's): the inputs an angle is computed from are positions and frequencies.
+ROTATIONS = {"sin", "cos"}
+ADDS = {"add", "__add__", "__radd__"}
 # Comparisons that tell an integer input apart at one value (``target == -100``).
 COMPARISONS = {"eq", "__eq__", "ne", "__ne__"}
 # Functions whose derivative jumps (ReLU and its kin): a gradient through one depends on which side
@@ -37,13 +40,15 @@ class Call(torch.overrides.TorchFunctionMode):
     (M, N, K) of every matmul (``mnk``, batch dims folded into M), the inputs that are a matmul's
     right operand (a weight) with that matmul's K (``weights``: its fan-in), the functions called
     whose derivative jumps (``kinks``), the inputs a normalisation reads (``norms``: its weight,
-    its bias, the input a LayerNorm centres) and the targets of a cross-entropy (``targets``: the
-    number of classes and the ignore_index).
+    its bias, the input a LayerNorm centres, or a 1-D weight applied as ``1 + w``), the inputs
+    an angle of ``sin``/``cos`` is computed from (``rotary``: RoPE's positions and frequencies,
+    followed through the tensors computed from them) and the targets of a cross-entropy
+    (``targets``: the number of classes and the ignore_index).
 
     An input is recognised by its storage, so a view (``w.t()``, ``w[0::2]``) or a detached
     copy of it counts as the input."""
 
-    def __init__(self, storages: dict[int, str]) -> None:
+    def __init__(self, storages: dict[int, str], dims: dict[str, int] | None = None) -> None:
         super().__init__()
         self.mnk: list[tuple[int, int, int]] = []
         self.operands: list[tuple[str | None, str | None, bool]] = []  # per matmul: A's input, B's, B stored (N, K)
@@ -53,7 +58,11 @@ class Call(torch.overrides.TorchFunctionMode):
         self.norms: dict[str, str] = {}
         self.targets: dict[str, tuple[int, int]] = {}
         self.specials: dict[str, set[int]] = {}  # integer inputs compared with a constant: value(s)
+        self.rotary: set[str] = set()  # inputs an angle of sin/cos is computed from
+        self.dims: dict[str, int] = dims or {}  # each input's number of dimensions
         self.outs: dict[str, torch.Tensor] = {}
+        self._derived: dict[int, frozenset[str]] = {}  # a computed tensor's storage -> the inputs it is made of
+        self._keep: list[torch.Tensor] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         name = getattr(func, "__name__", "")
@@ -93,7 +102,24 @@ class Call(torch.overrides.TorchFunctionMode):
                 self._weight(b, a.shape[-1])
                 self.operands.append((self.storages.get(_storage(a)), self.storages.get(_storage(b)),
                                       b.stride(-2) == 1 and b.stride(-1) != 1))  # w.t(): w is (N, K)
-        return func(*args, **(kwargs or {}))
+        sources = frozenset().union(*(self._sources_of(t) for t in tensors))
+        if name in ROTATIONS and tensors:  # an angle: the inputs it is made of are positions and frequencies
+            self.rotary |= self._sources_of(tensors[0])
+        numbers = [a for a in args if isinstance(a, (int, float)) and not isinstance(a, bool)]
+        if name in ADDS and len(tensors) == 1 and numbers == [1] and len(sources) == 1:
+            (input_,) = sources  # 1 + w: a norm weight stored as its offset from 1 (Gemma's, LayerNorm1P)
+            if self.dims.get(input_) == 1:
+                self.norms.setdefault(input_, "offset_weight")
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor) and sources:
+            self._derived[_storage(out)] = sources
+            self._keep.append(out)  # alive until the call ends: no later tensor takes its storage's id
+        return out
+
+    def _sources_of(self, t: torch.Tensor) -> frozenset[str]:
+        """The inputs ``t`` is, or is computed from."""
+        named = self.storages.get(_storage(t))
+        return frozenset({named}) if named is not None else self._derived.get(_storage(t), frozenset())
 
     def backward_mnk(self, gradients: list[str]) -> list[tuple[int, int, int]]:
         """The matmuls a backward runs for ``gradients``: per forward matmul (M, N, K), dA = dD B^T
@@ -160,7 +186,7 @@ def call_reference(fn: Callable, inputs: dict[str, tuple[list[str], str]], param
 def run_reference(fn: Callable, inputs: dict[str, tuple[list[str], str]], params: dict[str, Scalar],
          binding: dict[str, int], gen: torch.Generator | None) -> Call:
     args = {k: _draw(dims, dtype, binding, gen) for k, (dims, dtype) in inputs.items()}
-    recorder = Call({_storage(t): k for k, t in args.items()})
+    recorder = Call({_storage(t): k for k, t in args.items()}, {k: t.dim() for k, t in args.items()})
     with torch.no_grad(), recorder:
         outs = fn(**args, **params)
     if not isinstance(outs, dict) or not outs:

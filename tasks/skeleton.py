@@ -13,7 +13,10 @@ Inputs are drawn from N(0, 1), except a matmul's right operand (a weight:
 ``x @ w``, ``F.linear(x, w)``, views of it included), drawn at
 ``1 / sqrt(K)``: products of the order of the inputs, so that what the
 reference adds to them (a residual, a bias) is larger than their rounding and a
-program that leaves it out fails.  A reference with a kink (``relu``,
+program that leaves it out fails; a normalisation's weights, biases and centred
+input, the inputs an angle of ``sin``/``cos`` is made of (positions and
+frequencies) and a cross-entropy's targets are drawn as what they are
+(:class:`.recorder.Call` sees each use).  A reference with a kink (``relu``,
 ``clamp``, ``abs``, ...) and gradients gets a comment on the tolerance of the
 gradients through it.
 
@@ -29,6 +32,7 @@ from __future__ import annotations
 import inspect
 import itertools
 import keyword
+import math
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -167,13 +171,15 @@ def symbolic(values: dict[str, int], shapes: dict[str, dict[str, int]],
 
     symbols = sorted(set.intersection(*(set(b) for b in shapes.values())), key=lambda s: (len(s), s))
     known = tuple(dict.fromkeys(known))
-    exprs = itertools.chain(_candidates(symbols), known, (f"{k}*({e})" for e in known for k in range(2, 9)),
-                            (f"{a}+{b}" for a, b in itertools.combinations(known, 2)))
-    # ``S//k`` fits only where k divides S: compared through the true quotient.
-    fits = list(dict.fromkeys(expr for expr in exprs if all(
-        eval_expr(expr.replace("//", "/"), b) == values[name] for name, b in shapes.items())))
-    if fits:
-        return fits[0], fits[1:]
+    tiers = (_candidates(symbols),  # the inputs' own dimensions only where no simpler expression fits
+             itertools.chain(known, (f"{k}*({e})" for e in known for k in range(2, 9)),
+                             (f"{a}+{b}" for a, b in itertools.combinations(known, 2))))
+    for exprs in tiers:
+        # ``S//k`` fits only where k divides S: compared through the true quotient.
+        fits = list(dict.fromkeys(expr for expr in exprs if all(
+            eval_expr(expr.replace("//", "/"), b) == values[name] for name, b in shapes.items())))
+        if fits:
+            return fits[0], fits[1:]
     if len(set(values.values())) == 1:
         return next(iter(values.values())), []
     return f"{TODO} a shape expression giving {', '.join(f'{v} on {k}' for k, v in values.items())}", []
@@ -221,11 +227,19 @@ def _fan_in(calls: dict[str, Call], shapes: dict[str, dict[str, int]]) -> dict[s
 
 # What a normalisation reads an input as -> (its role, its init), and why, for the file's comment.
 NORM_INITS = {"norm_weight": ("norm_weight", {"dist": "ones_plus_noise", "scale": 0.1}),
+              "offset_weight": ("norm_weight", {"dist": "normal", "scale": 0.1}),
               "norm_bias": ("norm_weight", {"dist": "normal", "scale": 0.5}),
-              "centred": ("", {"dist": "normal", "mean": 1.0, "scale": 1.0})}
+              "centred": ("", {"dist": "normal", "mean": 1.0, "scale": 1.0}),
+              "positions": ("index", {"dist": "randint", "high": 4096}),
+              "frequencies": ("table", {"dist": "uniform", "mean": 0.5, "scale": 0.5})}
 NORM_NOTES = {"norm_weight": "a norm's weight, drawn near 1 as a trained one is",
+              "offset_weight": "a norm's weight applied as 1 + w (Gemma's, LayerNorm1P), drawn near 0 as a "
+                               "trained one is",
               "norm_bias": "a norm's bias, drawn at 0.5 (a bias the program drops then shows)",
-              "centred": "a LayerNorm's input, drawn with mean 1 (at mean 0 its centring is barely tested)"}
+              "centred": "a LayerNorm's input, drawn with mean 1 (at mean 0 its centring is barely tested)",
+              "positions": "positions a rotation's angles are made of, drawn below 4096 (angles of every size: "
+                           "at N(0, 1) sin is nearly its angle and a wrong rotation passes)",
+              "frequencies": "a rotation's frequencies, drawn in (0, 1) as base ** (-2j / d) are"}
 
 
 def _targets(calls: dict[str, Call], shapes: dict[str, dict[str, int]]) -> dict[str, tuple[str, int]]:
@@ -233,6 +247,17 @@ def _targets(calls: dict[str, Call], shapes: dict[str, dict[str, int]]) -> dict[
     as an expression of the symbols and its ignore_index."""
     classes = _on_every_set(calls, shapes, lambda c: {k: v[0] for k, v in c.targets.items()})
     return {k: (expr, next(iter(calls.values())).targets[k][1]) for k, expr in classes.items()}
+
+
+def _rotary_roles(rotary: set[str], inputs: dict[str, tuple[list[str], str]], binding: dict[str, int]
+                  ) -> dict[str, str]:
+    """The inputs an angle is made of: positions (named so, else the largest) and frequencies."""
+    from .expr import eval_expr
+
+    size = {k: math.prod(eval_expr(d, {n: float(v) for n, v in binding.items()}) for d in inputs[k][0])
+            for k in rotary}
+    positions = {k for k in rotary if "pos" in k.lower()} or ({max(rotary, key=size.get)} if rotary else set())
+    return {k: "positions" if k in positions else "frequencies" for k in sorted(rotary)}
 
 
 def _flow(value: Any) -> str:
@@ -266,6 +291,8 @@ def skeleton(name: str, reference: str, folder: Path, shapes: dict[str, dict[str
                      "products are of the order of the other inputs (at scale 1 a term such as a residual "
                      "hides under their rounding, and a program that drops it passes)")
     norms = {k: v for k, v in next(iter(calls.values())).norms.items() if k not in fan_in}
+    norms.update(_rotary_roles(next(iter(calls.values())).rotary - set(fan_in) - set(norms), inputs,
+                               next(iter(shapes.values()))))
     targets = _targets(calls, shapes)
     if targets:
         lines.append(f"  # {', '.join(targets)}: a cross-entropy's target, drawn among its classes with one in "

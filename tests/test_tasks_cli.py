@@ -80,6 +80,28 @@ def test_new_names_the_backward_gemms_of_the_gradients_asked_for(tmp_path, monke
     assert r.exit_code == 0 and "gradients" not in Path("step.yaml").read_text()  # it returns its gradients
 
 
+def test_new_draws_rotary_inputs_and_offset_norm_weights_as_they_are_used(tmp_path, monkeypatch):
+    """Inputs an angle of sin/cos is made of (through the tensors computed from them) are drawn as
+    positions below 4096 and frequencies in (0, 1), not N(0, 1), where sin is nearly its angle; a
+    1-D weight applied as 1 + w (Gemma's, LayerNorm1P) is drawn near 0."""
+    monkeypatch.chdir(tmp_path)
+    Path("ref.py").write_text(
+        "import torch\n\n\ndef rope(x, positions, theta, w, eps=1e-6):\n"
+        "    xn = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps) * (1 + w.float())\n"
+        "    a = positions[:, None] * theta[None, :]\n"
+        "    e, o = xn[:, 0::2], xn[:, 1::2]\n"
+        "    y = torch.stack([e * a.cos() - o * a.sin(), e * a.sin() + o * a.cos()], -1)\n"
+        "    return {'y': y.flatten(1).to(x.dtype)}\n")
+    r = cli("tasks", "new", "rope", "--reference", "ref.py:rope", "--input", "x=T,D", "--input", "positions=T:fp32",
+            "--input", "theta=D//2:fp32", "--input", "w=D", "--shapes", "small=T:64,D:32", "--shapes", "r=T:50,D:48")
+    assert r.exit_code == 0, r.output
+    inputs = yaml.safe_load(Path("rope.yaml").read_text())["inputs"]
+    assert inputs["positions"]["role"] == "index" and inputs["positions"]["init"] == {"dist": "randint", "high": 4096}
+    assert inputs["theta"]["role"] == "table" and inputs["theta"]["init"]["dist"] == "uniform"
+    assert inputs["w"]["role"] == "norm_weight" and inputs["w"]["init"] == {"dist": "normal", "scale": 0.1}
+    assert inputs["x"]["init"] == {"dist": "normal", "scale": 1.0} and "role" not in inputs["x"]
+
+
 def test_check_reads_a_folder_of_task_folders():
     families = Path(__file__).parent / "tasks" / "families"
     r = cli("tasks", "check", families)

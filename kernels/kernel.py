@@ -186,9 +186,9 @@ class Kernel:
         if len(args) > len(self.inputs) + len(params):
             raise KernelError(f"{self.name} takes {len(self.inputs)} inputs {list(self.inputs)} and "
                               f"{len(params)} params {list(params)}; got {len(args)} positional arguments")
-        inputs = dict(zip(self.inputs, args))
-        params.update(zip(params, args[len(self.inputs):]))
-        given = set(self.inputs[:len(args)]) | set(list(params)[:max(0, len(args) - len(self.inputs))])
+        given = dict(zip([*self.inputs, *params], args))
+        inputs = {k: v for k, v in given.items() if k in self.spec.inputs}
+        params.update((k, v) for k, v in given.items() if k not in inputs)
         for k, v in kwargs.items():
             if k in given:
                 raise KernelError(f"{self.name}: {'input' if k in inputs else 'param'} {k!r} given twice")

@@ -77,6 +77,11 @@ class Init(_Strict):
                              f"{self.dist}; remove it, or draw the input with dist randint")
         return self
 
+    def randint_high(self, shape: tuple[int, ...], env: dict[str, float]) -> int:
+        """A ``randint`` draw's exclusive bound on a shape set (``env``, its binding): ``high``, else
+        the last dimension."""
+        return int(eval_expr(self.high, env)) if self.high is not None else (shape[-1] if shape else 1)
+
     def check(self, where: str, name: str, dtype: str, shape: tuple[int, ...], env: dict[str, float],
               set_name: str) -> None:
         """Raise the ValueError that names the fix if this init cannot be drawn for input ``name``
@@ -108,8 +113,7 @@ def draw(init: Init, shape: tuple[int, ...], dtype: torch.dtype, env: dict[str, 
     ``env`` (a shape set's binding), from ``gen`` on ``device``."""
     kw = dict(generator=gen, device=device)
     if init.dist == "randint":
-        high = int(eval_expr(init.high, env)) if init.high is not None else (shape[-1] if shape else 1)
-        x = torch.randint(0, max(high, 1), shape, **kw)
+        x = torch.randint(0, max(init.randint_high(shape, env), 1), shape, **kw)
         if init.ignore is not None:
             x = torch.where(torch.rand(shape, **kw) < init.ignore.fraction, init.ignore.value, x)
         return x.to(dtype)

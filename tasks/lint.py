@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
+from coda_agent.errors import CodaError
 
-from .expr import eval_expr
-from .recorder import run_reference
+from .recorder import call_reference
 
 
 def undrawn_values(task: Any) -> list[str]:
@@ -20,27 +19,22 @@ def undrawn_values(task: Any) -> list[str]:
     binding = spec.shapes[spec.cpu_shape_set]
     inputs = {k: (list(t.shape), t.dtype) for k, t in spec.inputs.items()}
     try:
-        call = run_reference(task.reference_fn, inputs, dict(spec.params), binding, None)
-    except Exception:  # noqa: BLE001 - a reference that needs values: called on small CPU tensors
-        try:
-            call = run_reference(task.reference_fn, inputs, dict(spec.params), binding,
-                                 torch.Generator().manual_seed(0))
-        except Exception:  # noqa: BLE001 - the verifier's reference stage reports a failing reference
-            return []
+        call = call_reference(task.reference_fn, inputs, dict(spec.params), binding, spec.cpu_shape_set)
+    except CodaError:  # the verifier's reference stage reports a failing reference
+        return []
     special = {k: set(v) for k, v in call.specials.items()}
     for k, (_, ignore_index) in call.targets.items():
         special.setdefault(k, set()).add(ignore_index)
+    env = {n: float(v) for n, v in binding.items()}
     problems = []
     for k, values in sorted(special.items()):
         init = spec.inputs[k].init
         drawn = {init.ignore.value} if init.ignore is not None else set()
-        shape = spec.shape_of(spec.inputs[k], spec.cpu_shape_set)
-        high = (None if init.dist != "randint" else int(eval_expr(init.high, {n: float(v) for n, v in binding.items()}))
-                if init.high is not None else (shape[-1] if shape else 1))
+        high = (init.randint_high(spec.shape_of(spec.inputs[k], spec.cpu_shape_set), env)
+                if init.dist == "randint" else None)
         missing = sorted(v for v in values if v not in drawn and not (high is not None and 0 <= v < high))
         if missing:
             problems.append(f"inputs.{k}.init: the reference treats {k} == {', '.join(map(str, missing))} apart "
-                            "(an ignore_index), "
-                            f"but no draw holds it; add ignore: {{value: {missing[0]}, fraction: 0.125}} so that "
-                            "a program counting those rows fails")
+                            f"(an ignore_index), but no draw holds it; add ignore: {{value: {missing[0]}, "
+                            "fraction: 0.125}} so that a program counting those rows fails")
     return problems

@@ -171,11 +171,11 @@ def call_reference(fn: Callable, inputs: dict[str, tuple[list[str], str]], param
     size = sum(math.prod(_shape(dims, binding)) * TORCH_DTYPES[dtype].itemsize for dims, dtype in inputs.values())
     if size > META_SET_BYTES:
         try:
-            return run_reference(fn, inputs, params, binding, None)
+            return _run(fn, inputs, params, binding, None)
         except Exception:  # noqa: BLE001 - not every reference runs on meta tensors: call it for real
             pass
     try:
-        return run_reference(fn, inputs, params, binding, torch.Generator().manual_seed(0))
+        return _run(fn, inputs, params, binding, torch.Generator().manual_seed(0))
     except CodaError:
         raise
     except Exception as e:  # noqa: BLE001 - the user's reference failing is theirs to see
@@ -183,7 +183,7 @@ def call_reference(fn: Callable, inputs: dict[str, tuple[list[str], str]], param
                         f"{e}; check the --input shapes and --param values") from None
 
 
-def run_reference(fn: Callable, inputs: dict[str, tuple[list[str], str]], params: dict[str, Scalar],
+def _run(fn: Callable, inputs: dict[str, tuple[list[str], str]], params: dict[str, Scalar],
          binding: dict[str, int], gen: torch.Generator | None) -> Call:
     args = {k: _draw(dims, dtype, binding, gen) for k, (dims, dtype) in inputs.items()}
     recorder = Call({_storage(t): k for k, t in args.items()}, {k: t.dim() for k, t in args.items()})

@@ -51,7 +51,7 @@ def host_ms(task: Any, rounds: int = 7, calls: int = 50) -> dict[str, Any]:
     grads = make_grads(spec, "small", seed=2, device="cpu") if spec.has_backward else None
 
     def call() -> Any:
-        return run(prog, inputs, dict(spec.params), grads, spec.outputs, spec.gradients)
+        return run(prog, inputs, spec.params_at("small"), grads, spec.outputs, spec.gradients)
 
     with mock.patch.object(torch.Tensor, "is_cuda", property(lambda t: True)), \
             mock.patch.object(_gemm, "_sm_count", lambda A: 132), \

@@ -71,7 +71,7 @@ def task_margins(task, draws: int, cap: float, rng: random.Random) -> list[dict]
             for draw in DRAWS:
                 case = draw_case(task, task.spec, shape_set, rng.randrange(1 << 31), "cpu", draw)
                 with lowering("reference"):
-                    got = run(prog, case.inputs, dict(task.spec.params), case.grads, task.spec.outputs,
+                    got = run(prog, case.inputs, case.params, case.grads, task.spec.outputs,
                               task.spec.gradients)
                 for name, hi in case.hi.items():
                     if hi.is_floating_point():

@@ -114,7 +114,7 @@ def bench_task(task: Any, shape_set: str, reps: int, tune: bool, device: str = "
     prog = load_program(task.expert_path.read_text(), task.name)
     low = "cute" if device == "cuda" else "reference"
     inputs = make_inputs(spec, shape_set, seed=int(time.time()) & 0xFFFF, device=device)
-    params = dict(spec.params)
+    params = spec.params_at(shape_set)
     grads = make_grads(spec, shape_set, seed=7, device=device) if spec.has_backward else {}
     row: dict[str, Any] = {"task": spec.name, "shape_set": shape_set, "shapes": spec.shapes[shape_set],
                            "gflop": spec.flops(shape_set) / 1e9}
@@ -144,7 +144,7 @@ def bench_task(task: Any, shape_set: str, reps: int, tune: bool, device: str = "
     ref = task.reference_fn
 
     def torch_run(fn: Callable) -> Callable[[], Any]:
-        return reference_call(fn, spec, inputs, grads if spec.has_backward else None)
+        return reference_call(fn, spec, inputs, grads if spec.has_backward else None, params)
 
     contenders: dict[str, Callable[[], Any]] = {
         "fused": fused, "gemm_cublas": lambda: [a @ b for a, b in mats], "gemm_quack": quack_gemms,

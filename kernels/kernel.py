@@ -58,6 +58,7 @@ from pydantic import ValidationError
 from coda_agent.errors import CodaError
 from coda_agent.primitives import CATALOGUE_VERSION, CatalogueError, load_program
 from coda_agent.primitives.operands import OUTPUT_DTYPES
+from coda_agent.tasks import params as param_rules
 from coda_agent.tasks.spec import ExprError, TaskSpec, eval_expr, expr_symbols
 
 from .contract import ContractError, call_backward, call_forward, takes_needs
@@ -100,6 +101,8 @@ class Kernel:
                                   f"{' and '.join(needed)}")
         self.inputs = tuple(spec.inputs)
         self.params = dict(spec.params)
+        # Params written as shape expressions (head_dim: D): worked out from the inputs' shapes.
+        self.shape_params = param_rules.shape_expressions(spec.params, {s for b in spec.shapes.values() for s in b})
         self.outputs = tuple(spec.outputs)
         self.gradients = tuple(spec.gradients)
         self.grad_outputs = tuple(spec.grad_outputs)
@@ -203,6 +206,14 @@ class Kernel:
         missing = [n for n in self.inputs if n not in inputs]
         if missing:
             raise KernelError(f"{self.name}: missing inputs {missing}")
+        unset = {k: e for k, e in self.shape_params.items() if params[k] == e}
+        if unset:
+            shapes = {n: tuple(v.shape) for n, v in inputs.items() if isinstance(v, torch.Tensor)}
+            try:
+                params.update(param_rules.from_shapes(unset, {n: t.shape for n, t in self.spec.inputs.items()},
+                                                      shapes))
+            except KeyError as e:
+                raise KernelError(f"{self.name}: {e.args[0]}") from None
         return {n: inputs[n] for n in self.inputs}, params
 
     def __call__(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:

@@ -59,9 +59,9 @@ def residual_rms(acc, residual: Tile, gamma: RowVec):
     return {"D": h * gamma, "h": h, "sqsum": h * h, "colsum": h}
 ''',
     "head statistic": '''
-@epilogue(pairs="acc", head_stats={"rstd": head_rstd(eps=1e-6)})
+@epilogue(pairs="acc", head_stats={"rstd": head_rstd()})
 def qk_norm_rope(acc, rstd: HeadStat, gamma: RowVec, cos_sin: Tile):
-    x1, x2 = unpack(acc * rstd * gamma)   # per-head RMSNorm; gemm(..., rstd=128) sets the head width
+    x1, x2 = unpack(acc * rstd * gamma)   # per-head RMSNorm; gemm(..., rstd=(128, eps)): head width, eps
     c, s = unpack(cos_sin)                # interleaved (cos, sin) per pair
     return {"D": pack(x1 * c - x2 * s, x1 * s + x2 * c)}
 ''',
@@ -150,7 +150,7 @@ def sample_epilogues() -> dict[str, tuple[object, dict]]:
     def partials(acc):
         return {"D": acc, "sq": acc * acc}
 
-    @_epilogue(head_stats={"rstd": head_rstd()})
+    @_epilogue(head_stats={"rstd": head_rstd(eps=1e-6)})
     def head(acc, rstd: HeadStat):
         return {"D": acc * rstd}
 

@@ -47,6 +47,7 @@ program loaded twice registers once.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import hashlib
 import inspect
 import textwrap
@@ -58,7 +59,7 @@ import torch
 from .errors import CatalogueError
 from .operands import KINDS, OUTPUT_DTYPES, HeadStat, Kind, PairedTile
 from .pair import Pair
-from .reductions import HeadRms, Reduction
+from .reductions import HeadRms, Reduction, positive_eps
 
 RESERVED = {"acc", "D", "c"}
 # Why: what the error says and the @epilogue contract documents.
@@ -135,6 +136,40 @@ class Epilogue:
     def index_operands(self) -> tuple[str, ...]:
         """Int operands consumed by select_col reductions (the fn never sees them)."""
         return tuple(r.index for r in self.reductions.values() if r.index is not None)
+
+    def call_eps(self, operands: dict[str, Any]) -> tuple[dict[str, Any], float | None]:
+        """(``operands`` with a head statistic's head width alone, the eps the call gives it).
+        A head statistic declared without eps (``head_rstd()``) takes it at the call,
+        ``rstd=(head_dim, eps)``; the launch runs :meth:`with_head_eps` of it.  None: no
+        head statistic, or one whose declaration fixes eps."""
+        if not self.head_stats:
+            return operands, None
+        (name, stat), = self.head_stats.items()  # the decorator allows one
+        value = operands.get(name)
+        if stat.eps is not None:
+            if isinstance(value, tuple):
+                raise CatalogueError(f"gemm: head statistic {name!r} fixes eps={stat.eps:g} in its declaration; "
+                                     f"pass the head width alone ({name}=head_dim), or declare head_rstd() "
+                                     f"without eps and pass {name}=(head_dim, eps) to take eps from the call")
+            return operands, None
+        if not (isinstance(value, tuple) and len(value) == 2):
+            raise CatalogueError(f"gemm: head statistic {name!r} is declared head_rstd() without eps, so the call "
+                                 f"gives it with the head width: gemm(..., {name}=(head_dim, eps)); got {value!r}")
+        return {**operands, name: value[0]}, positive_eps(value[1], f"gemm: head statistic {name!r}")
+
+    def with_head_eps(self, eps: float | None) -> "Epilogue":
+        """This epilogue with a call's eps declared (:meth:`call_eps`): one kernel per distinct
+        eps, made once, under a key of its own.  It is made inside the launch op, which
+        torch.compile does not trace, so a new eps under compile is no graph break."""
+        if eps is None:
+            return self
+        derived = self._lowered.get(("eps", eps))
+        if derived is None:
+            (name, stat), = self.head_stats.items()
+            derived = dataclasses.replace(self, head_stats={name: HeadRms(eps, stat.save)}, _lowered={})
+            derived.key = f"{self.key}@eps={eps!r}"
+            self._lowered[("eps", eps)] = derived
+        return derived
 
     def tile_arguments(self, acc: torch.Tensor, operands: dict[str, Any]) -> dict[str, Any]:
         """The fn's keyword arguments for one call on the whole fp32 (M, N)
@@ -262,7 +297,7 @@ def epilogue(outputs: dict[str, str] | None = None,
         for name, stat in head_stats.items():
             if not isinstance(stat, HeadRms):
                 raise CatalogueError(f"epilogue {fn.__name__!r}: head_stats[{name!r}] must be declared "
-                                     "with head_rstd(eps)", line=line)
+                                     "with head_rstd(eps), or head_rstd() to take eps at the call", line=line)
         if stat_params != set(head_stats):
             raise CatalogueError(
                 f"epilogue {fn.__name__!r}: every head_stats entry needs a `name: HeadStat` parameter "
@@ -357,8 +392,11 @@ def _register(epi: Epilogue) -> str:
 def _dry_run(epi: Epilogue) -> bool:
     """Call the fn once on tiny tensors; check the returned keys. Returns whether D is stored."""
     m, n = 2, 4
-    args = epi.tile_arguments(torch.randn(m, n), {name: kind.dry_run_value(m, n)
-                                                  for name, kind in epi.operands.items()})
+    # An eps given at each call (head_rstd()) is any positive number here: the dry run checks keys.
+    probe = dataclasses.replace(epi, head_stats={k: s if s.eps is not None else HeadRms(1e-6, s.save)
+                                                 for k, s in epi.head_stats.items()})
+    args = probe.tile_arguments(torch.randn(m, n), {name: kind.dry_run_value(m, n)
+                                                    for name, kind in epi.operands.items()})
     try:
         result = epi.fn(**args)
     except CatalogueError as e:

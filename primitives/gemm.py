@@ -206,6 +206,9 @@ def launch(epilogue: Epilogue | None, A: torch.Tensor, B: torch.Tensor, operands
     or "pass" for a tile pass): validation, the output dtype and
     buffers, and the custom op, which :func:`gemm` and
     :func:`coda_agent.primitives.passes.tile_pass` share."""
+    head_eps = None  # a head statistic's eps given at the call: travels with the scalars
+    if epilogue is not None:
+        operands, head_eps = epilogue.call_eps(operands)
     name = epilogue.name if epilogue is not None else PLAIN
     what = "tile_pass" if kind == "pass" else "gemm"
     if out_dtype is not None and out_dtype not in OUTPUT_DTYPES:
@@ -235,7 +238,7 @@ def launch(epilogue: Epilogue | None, A: torch.Tensor, B: torch.Tensor, operands
         mm = _mm_body if direct((A, B), differentiable=True) else torch.ops.coda.mm
         results = {"D": mm(A, B, dtype, cfg)}
     else:
-        tensors, scalars, ints = _pack(epilogue, operands)
+        tensors, scalars, ints = _pack(epilogue, operands, head_eps)
         if torch.is_grad_enabled() and any(t.requires_grad for t in (A, B, *tensors)):
             raise CatalogueError(f"{what}: a GEMM with an epilogue (or into a given tensor) has no derivative of "
                                  "its own; run the program's forward and backward through "
@@ -290,20 +293,24 @@ def _check_destination(epi: Epilogue | None, A: torch.Tensor, B: torch.Tensor, m
     return dest
 
 
-def _pack(epi: Epilogue | None, operands: dict[str, Any]) -> tuple[list, list[float], list[int]]:
-    """An epilogue's operands as the op's three lists, in declared order; index operands last."""
+def _pack(epi: Epilogue | None, operands: dict[str, Any], head_eps: float | None = None
+          ) -> tuple[list, list[float], list[int]]:
+    """An epilogue's operands as the op's three lists, in declared order; index operands last,
+    and a head statistic's eps given at the call (``Epilogue.call_eps``) after the scalars."""
     lists: dict[str, list] = {"tensors": [], "scalars": [], "ints": []}
     for name, kind in epi.operands.items() if epi is not None else ():
         lists[kind.op_argument].append(operands[name])
     lists["tensors"] += [operands[i] for i in epi.index_operands] if epi is not None else []
+    lists["scalars"] += [head_eps] if head_eps is not None else []
     return lists["tensors"], [float(v) for v in lists["scalars"]], [int(v) for v in lists["ints"]]
 
 
-def _unpack(epi: Epilogue, tensors: list, scalars: list, ints: list) -> dict[str, Any]:
+def _unpack(epi: Epilogue, tensors: list, scalars: list, ints: list) -> tuple[Epilogue, dict[str, Any]]:
+    """The epilogue the launch runs (with a call's head eps: ``Epilogue.with_head_eps``) and its operands."""
     lists = {"tensors": iter(tensors), "scalars": iter(scalars), "ints": iter(ints)}
     operands = {name: next(lists[kind.op_argument]) for name, kind in epi.operands.items()}
     operands.update({i: next(lists["tensors"]) for i in epi.index_operands})
-    return operands
+    return epi.with_head_eps(next(lists["scalars"], None)), operands
 
 
 def _result_names(epi: Epilogue | None, count: int) -> list[str]:
@@ -431,8 +438,7 @@ def _config(ints: list[int]) -> TileConfig | None:
 def _gemm_body(epilogue: str, A: torch.Tensor, B: torch.Tensor, tensors: list[torch.Tensor], scalars: list[float],
                ints: list[int], results: list[torch.Tensor], accumulate: bool, config: list[int],
                fast_accum: bool, kind: str) -> None:
-    epi = None if epilogue == PLAIN else registered(epilogue)
-    operands = _unpack(epi, tensors, scalars, ints) if epi is not None else {}
+    epi, operands = _unpack(registered(epilogue), tensors, scalars, ints) if epilogue != PLAIN else (None, {})
     _launch(epi, A, B, operands, dict(zip(_result_names(epi, len(results)), results)), accumulate,
             _config(config), fast_accum, kind)
 

@@ -313,7 +313,9 @@ class PairedTile(Kind):
 
 class HeadStat(Kind):
     """The per-head statistic of the element's head, declared in ``head_stats=``;
-    gemm takes the head width under its name (the kernel computes the values)."""
+    gemm takes the head width under its name (the kernel computes the values), or
+    ``(head_dim, eps)`` for a ``head_rstd()`` declared without eps (``Epilogue.call_eps``
+    splits that pair before any check here)."""
 
     op_argument = "ints"
 

@@ -25,8 +25,13 @@ Per-head statistics (family 4, finished in-kernel):
   ``head_dim`` adjacent columns (a head), ``rsqrt(mean(acc**2) + eps)`` of the
   *raw* accumulator, computed in a pre-pass over the tile before any store, so
   QK-norm needs one GEMM.  The head width is given at the call,
-  ``gemm(..., rstd=head_dim)``; it must divide N and the tile's N.  With
-  ``save=True`` gemm also returns it as (M, N / head_dim) fp32 (for backward).
+  ``gemm(..., rstd=head_dim)``; it must divide N and the tile's N.  Declared
+  without eps (``head_rstd()``), the call gives eps with the width,
+  ``gemm(..., rstd=(head_dim, eps))``: a model's (or a task's) eps is a value
+  of the call, not of the program.  The kernel still holds eps as a constant
+  (quack's statistic folds it in when it finishes), so each distinct eps is a
+  kernel of its own, compiled once.  With ``save=True`` gemm also returns it
+  as (M, N / head_dim) fp32 (for backward).
 
 Stateful transforms (family 5):
 
@@ -287,19 +292,26 @@ def select_col(index: str) -> Reduction:
 class HeadRms:
     """A declared per-head inverse RMS of the raw accumulator (see the module doc)."""
 
-    eps: float
+    eps: float | None  # None: given at each call with the head width
     save: bool = False
 
     def values(self, acc: torch.Tensor, head_dim: int) -> torch.Tensor:
         """(M, N / head_dim) inverse RMS of each row's heads, from the raw fp32 accumulator."""
+        assert self.eps is not None, "a launch declares an eps given at the call first (Epilogue.with_head_eps)"
         m, n = acc.shape
         return torch.rsqrt(acc.view(m, n // head_dim, head_dim).pow(2).mean(-1) + self.eps)
 
 
-def head_rstd(eps: float = 1e-6, *, save: bool = False) -> HeadRms:
+def positive_eps(eps: object, where: str) -> float:
+    """``eps`` as a float, or a CatalogueError naming ``where`` it was given."""
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+        raise CatalogueError(f"{where}: eps must be a positive number; got {eps!r}")
+    return float(eps)
+
+
+def head_rstd(eps: float | None = None, *, save: bool = False) -> HeadRms:
     """Per-(row, head) ``rsqrt(mean(acc**2 over the head's columns) + eps)``, read by a
-    ``HeadStat`` parameter, head width given at the call (``gemm(..., rstd=128)``);
+    ``HeadStat`` parameter.  With ``eps`` the head width alone is given at the call
+    (``gemm(..., rstd=128)``); without it, width and eps (``gemm(..., rstd=(128, eps))``).
     ``save=True`` also returns it (M, N / head_dim) fp32."""
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or eps <= 0:
-        raise CatalogueError(f"head_rstd: eps must be a positive number; got {eps!r}")
-    return HeadRms(float(eps), save)
+    return HeadRms(None if eps is None else positive_eps(eps, "head_rstd"), save)

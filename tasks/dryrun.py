@@ -110,7 +110,7 @@ def _call(task: Task, field: str, fn: Callable, set_name: str,
     if set_name != spec.cpu_shape_set or not fits:
         try:
             with torch.no_grad():
-                return _mapping(task, field, fn, fn(**meta, **spec.params, **extra(meta, None)))
+                return _mapping(task, field, fn, fn(**meta, **spec.params_at(set_name), **extra(meta, None)))
         except TaskSpecError:
             raise
         except Exception:  # noqa: BLE001 - not every reference runs on meta tensors: call it for real
@@ -120,7 +120,7 @@ def _call(task: Task, field: str, fn: Callable, set_name: str,
     args = {n: _draw(spec, t, set_name, gen) for n, t in spec.inputs.items()}
     try:
         with torch.no_grad():
-            out = fn(**args, **spec.params, **extra(args, gen))
+            out = fn(**args, **spec.params_at(set_name), **extra(args, gen))
     except Exception as e:  # noqa: BLE001 - the reference failing is the task's problem, shown in full
         binding = ", ".join(f"{k}: {v}" for k, v in spec.shapes[set_name].items())
         raise TaskSpecError(f"{task.path}: {field}: calling {getattr(fn, '__name__', fn)}() on shape set {set_name} "

@@ -33,13 +33,17 @@ COMPARISONS = {"eq", "__eq__", "ne", "__ne__"}
 # of the kink a rounding puts each value, so it is noisier than the reference's own rounding shows.
 KINKS = {"relu", "relu_", "relu6", "threshold", "leaky_relu", "hardtanh", "clamp", "clamp_min", "clamp_max",
          "clip", "abs", "maximum", "minimum", "max", "min", "hardshrink", "softshrink"}
+# What squares a value (relu(x) ** 2, Primer's squared ReLU): a kink whose every use is one of these
+# is smoothed, its derivative 2 * relu(x) continuous.
+SQUARES = {"pow", "pow_", "__pow__", "square", "square_"}
+MULS = {"mul", "mul_", "__mul__", "__rmul__"}
 
 
 class Call(torch.overrides.TorchFunctionMode):
     """What one call of the reference shows, recorded while it runs: its outputs (``outs``), the
     (M, N, K) of every matmul (``mnk``, batch dims folded into M), the inputs that are a matmul's
     right operand (a weight) with that matmul's K (``weights``: its fan-in), the functions called
-    whose derivative jumps (``kinks``), the inputs a normalisation reads (``norms``: its weight,
+    whose derivative jumps where their result is used unsquared (``kinks``), the inputs a normalisation reads (``norms``: its weight,
     its bias, the input a LayerNorm centres, or a 1-D weight applied as ``1 + w``), the inputs
     an angle of ``sin``/``cos`` is computed from (``rotary``: RoPE's positions and frequencies,
     followed through the tensors computed from them) and the targets of a cross-entropy
@@ -54,7 +58,7 @@ class Call(torch.overrides.TorchFunctionMode):
         self.operands: list[tuple[str | None, str | None, bool]] = []  # per matmul: A's input, B's, B stored (N, K)
         self.storages = storages
         self.weights: dict[str, int] = {}
-        self.kinks: list[str] = []
+        self._kinks: dict[int, list] = {}  # a kink's result's storage -> [name, squared uses, other uses]
         self.norms: dict[str, str] = {}
         self.targets: dict[str, tuple[int, int]] = {}
         self.specials: dict[str, set[int]] = {}  # integer inputs compared with a constant: value(s)
@@ -66,9 +70,8 @@ class Call(torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         name = getattr(func, "__name__", "")
-        if name in KINKS and name not in self.kinks:
-            self.kinks.append(name)
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        self._kink_uses(name, args, tensors)
         if name in NORMS and args and isinstance(args[0], torch.Tensor):
             kw = kwargs or {}
             parts = {"centred" if NORMS[name] else "": args[0],
@@ -111,10 +114,33 @@ class Call(torch.overrides.TorchFunctionMode):
             if self.dims.get(input_) == 1:
                 self.norms.setdefault(input_, "offset_weight")
         out = func(*args, **(kwargs or {}))
+        if name in KINKS:  # a result that is no tensor (max's values and indices) counts as used unsquared
+            self._kinks[_storage(out) if isinstance(out, torch.Tensor) else -len(self._kinks) - 1] = [
+                name, 0, 0 if isinstance(out, torch.Tensor) else 1]
+            self._keep.append(out)
         if isinstance(out, torch.Tensor) and sources:
             self._derived[_storage(out)] = sources
             self._keep.append(out)  # alive until the call ends: no later tensor takes its storage's id
         return out
+
+    def _kink_uses(self, name: str, args: tuple, tensors: list[torch.Tensor]) -> None:
+        """Count each use of a kink's result as squaring it (``x ** 2``, ``x * x``) or not."""
+        used = [_storage(t) for t in tensors if _storage(t) in self._kinks]
+        if not used:
+            return
+        exponent = args[1] if len(args) > 1 and isinstance(args[1], (int, float)) else None
+        squared = (name in SQUARES and (exponent is None and name.startswith("square") or (exponent or 0) >= 2)) or (
+            name in MULS and len(tensors) == 2 and len(set(map(_storage, tensors))) == 1)
+        for st in set(used):
+            self._kinks[st][1 if squared else 2] += 1
+
+    @property
+    def kinks(self) -> list[str]:
+        """The functions called whose derivative jumps, but those whose result is only ever squared;
+        a result the reference returns as it is counts as used unsquared."""
+        returned = {_storage(t) for t in self.outs.values() if isinstance(t, torch.Tensor)}
+        return list(dict.fromkeys(name for st, (name, squared, other) in self._kinks.items()
+                                  if other or not squared or st in returned))
 
     def _sources_of(self, t: torch.Tensor) -> frozenset[str]:
         """The inputs ``t`` is, or is computed from."""

@@ -46,16 +46,15 @@ from coda_agent.errors import CodaError
 
 from .expr import (Expr, ExprError, eval_expr, evaluate, expr_symbols, parse_expr,  # noqa: F401 - the
                    structural_symbols, value_text)  # verifier imports eval_expr and structural_symbols from here
+from . import params as param_rules
 from .inits import Init
 from .messages import TaskSpecError, read_yaml, task_name_problem, todo_fields, validation_messages
+from .params import Scalar
 from .sources import import_reference, reference_files, reference_source
 
 FLOAT_DTYPES = ("bf16", "fp16", "fp32")
 
 # --------------------------------------------------------------------------- the model
-
-Scalar = bool | int | float | str  # a param: any scalar a reference takes (eps, causal, activation name)
-
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -112,6 +111,10 @@ class TaskSpec(_Strict):
     families: list[Literal["elementwise", "pairwise", "vector", "tile", "reduction", "stateful"]]
     inputs: dict[str, TensorSpec]
     params: dict[str, Scalar] = Field(default_factory=dict)
+    # Float params the judge keeps as written (a rate bounded to [0, 1], a value the reference
+    # takes only as written); it varies every other float param per check
+    # (verifier/inputs.py, drawn_params), so a program takes them from its call.
+    fixed_params: list[str] = Field(default_factory=list)
     outputs: dict[str, TensorSpec]
     shapes: dict[str, dict[str, int]]
     reference: str
@@ -169,14 +172,7 @@ class TaskSpec(_Strict):
     @field_validator("params", mode="before")
     @classmethod
     def _check_params(cls, v: Any) -> Any:
-        # Without this a list or null param is four errors, one per member of the Scalar union.
-        if isinstance(v, dict):
-            for k, value in v.items():
-                if not isinstance(value, (bool, int, float, str)):
-                    what = "empty (null)" if value is None else f"a {type(value).__name__} ({value!r})"
-                    raise ValueError(f"{k} is {what}; a param is one number, true/false or string (give "
-                                     "a list's parts as separate params, or a tensor as an input)")
-        return v
+        return param_rules.coerce(v)
 
     @model_validator(mode="before")
     @classmethod
@@ -229,7 +225,7 @@ class TaskSpec(_Strict):
         overlap = set(self.inputs) & set(self.params)
         if overlap:
             raise ValueError(f"{sorted(overlap)} are both inputs and params; rename one")
-        self._check_param_symbols({s for binding in self.shapes.values() for s in binding})
+        param_rules.check(self.params, self.fixed_params, self.shapes)
         self._check_names()
         self._check_sizes()
         compared = [*self.outputs, *(f"d{g}" for g in self.gradients)]
@@ -239,23 +235,14 @@ class TaskSpec(_Strict):
                                  f"(compared tensors: {', '.join(compared)})")
         return self
 
-    def _check_param_symbols(self, symbols: set[str]) -> None:
-        """A string param written as a shape symbol (``head_dim: D``) would reach the reference as
-        the string "D": params hold one value for every shape set."""
-        for name, value in self.params.items():
-            if not isinstance(value, str):
-                continue
-            try:
-                used = expr_symbols(value)
-            except Exception:  # noqa: BLE001 - not an expression: a plain string param
-                continue
-            if used and used <= symbols:
-                raise ValueError(
-                    f"params.{name} is {value!r}, an expression of the shape symbols {sorted(used)}; a param holds "
-                    f"one value for every shape set, so the reference would be handed the string {value!r}. Read "
-                    f"the size from an input's shape in the reference and the program instead (e.g. {name} = "
-                    f"{next(iter(self.inputs))}.shape[-1]), or make params.{name} a number, the same on every "
-                    f"shape set")
+    @property
+    def varied_params(self) -> list[str]:
+        """The params the judge varies per check: the floats outside ``fixed_params``."""
+        return [n for n, v in self.params.items() if param_rules.varies(v) and n not in self.fixed_params]
+
+    def params_at(self, shape_set: str) -> dict[str, Scalar]:
+        """The params as a call on ``shape_set`` takes them (shape expressions evaluated)."""
+        return param_rules.at(self.params, self.shapes[shape_set])
 
     def _check_names(self) -> None:
         """Names the reference, the program and the backward take as keyword arguments."""

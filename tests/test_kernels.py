@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -174,6 +175,27 @@ def test_module_positional_call_and_params():
     assert issubclass(kernel.function, torch.autograd.Function)
     with pytest.raises(KernelError, match="has params \\['eps'\\]"):
         kernel.module(epsilon=1.0)
+
+
+def test_a_shape_param_comes_from_the_inputs_shapes():
+    """A param written as a shape expression (a GQA head width, a group size) is worked out from
+    the inputs a call is given, unless the call gives it; one that no input's shape holds is
+    refused with the fix."""
+    t = task("swiglu_fwd")
+    spec = t.path.read_text().replace("reference:", "params: {width: H, pairs: I, per_head: H // 8}\nreference:")
+    source = t.expert_path.read_text().replace(
+        "def forward(x, W_gu):", "def forward(x, W_gu, width, pairs, per_head):\n"
+                                "    assert (width, pairs, per_head) == (x.shape[1], W_gu.shape[1] // 2, x.shape[1] // 8)")
+    kernel = Kernel.from_source(source, spec)
+    inputs, _ = draw(t, "small", seed=3)
+    want = kernel(**inputs, width=inputs["x"].shape[1], pairs=inputs["W_gu"].shape[1] // 2,
+                  per_head=inputs["x"].shape[1] // 8)["y"]
+    assert torch.equal(kernel(**inputs)["y"], want) and torch.equal(kernel.module()(*inputs.values())["y"], want)
+    binds_q = re.sub(r"(\n  [\w-]+: \{)(T:)", r"\1Q: 8, \2", spec)  # every shape set binds Q
+    odd = Kernel.from_source(source, binds_q.replace("per_head: H // 8", "per_head: H // Q"))
+    with pytest.raises(KernelError, match=r"params.per_head is 'H // Q', and no input has Q as a whole dimension; "
+                                          r"pass per_head= explicitly"):
+        odd(**inputs)
 
 
 def test_bad_calls_name_the_input_and_the_fix():

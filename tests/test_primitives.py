@@ -232,6 +232,44 @@ def qkn(acc, rstd: HeadStat, gamma: RowVec):
             gemm(A, B[:, :96], P.qkn, gamma=gamma[:96], rstd=head_dim)
 
 
+def test_head_rstd_without_eps_takes_it_at_the_call(gen):
+    """head_rstd() leaves eps to the call, rstd=(head_dim, eps): each eps is an epilogue of its own
+    (its own key, so its own kernel), made once, and a new eps under torch.compile(fullgraph=True)
+    is no graph break (the launch op makes it); a declaration and a call that both give eps, or
+    neither, are refused with the fix."""
+    P = prog('''
+@epilogue(head_stats={"rstd": head_rstd()})
+def qkn(acc, rstd: HeadStat):
+    return {"D": acc * rstd}
+
+@epilogue(head_stats={"rstd": head_rstd(eps=1e-5)})
+def fixed(acc, rstd: HeadStat):
+    return {"D": acc * rstd}
+''')
+    M, N, K = 64, 128, 32
+    A, B, acc = operands_for(M, N, K, torch.bfloat16, gen)
+    A, B, acc = A * 1e-3, B, acc * 1e-3  # heads of tiny norm, where eps decides the result
+    heads = acc.view(M, 2, 64)
+    for eps in (1e-6, 1e-3):
+        want = (heads * torch.rsqrt(heads.pow(2).mean(-1, keepdim=True) + eps)).view(M, N)
+        close(gemm(A, B, P.qkn, rstd=(64, eps))["D"], want, torch.bfloat16)
+    ops, eps = P.qkn.call_eps({"rstd": (64, 1e-6)})
+    first, again, other = P.qkn.with_head_eps(eps), P.qkn.with_head_eps(1e-6), P.qkn.with_head_eps(1e-3)
+    assert ops == {"rstd": 64} and first is again and first.head_stats["rstd"].eps == 1e-6
+    assert len({P.qkn.key, first.key, other.key}) == 3 and P.fixed.call_eps({"rstd": 64}) == ({"rstd": 64}, None)
+    compiled = torch.compile(lambda a, b, eps: gemm(a, b, P.qkn, rstd=(64, eps))["D"], fullgraph=True,
+                             backend="aot_eager")
+    for eps in (1e-6, 3e-4):  # one eps the eager calls made, one new
+        assert torch.equal(compiled(A, B, eps), gemm(A, B, P.qkn, rstd=(64, eps))["D"])
+    with pytest.raises(CatalogueError, match=r"declared head_rstd\(\) without eps, so the call gives it .*"
+                                             r"rstd=\(head_dim, eps\)"):
+        gemm(A, B, P.qkn, rstd=64)
+    with pytest.raises(CatalogueError, match=r"fixes eps=1e-05 in its declaration; pass the head width alone"):
+        gemm(A, B, P.fixed, rstd=(64, 1e-6))
+    with pytest.raises(CatalogueError, match=r"eps must be a positive number; got 0"):
+        gemm(A, B, P.qkn, rstd=(64, 0))
+
+
 def test_head_stats_tile_whole_heads_up_to_the_widest_tile(gen):
     """Head widths a pingpong tile cannot hold run cooperative (Gemma's 256); wider ones are
     refused by name rather than by quack's tile check."""

@@ -33,8 +33,10 @@ def test_every_catalogue_example_compiles_for_sm90a_with_hgmma(family, gen):
     A, B = rand(M, K, dtype=torch.bfloat16), rand(K, N, dtype=torch.bfloat16)
     ops = {}
     for name, kind in epi.operands.items():
-        ops[name] = {"Scalar": 0.5, "HeadStat": 128}.get(kind.name) or rand(*kind.expected_shape(M, N),
-                                                                          dtype=torch.bfloat16)
+        if kind.name == "HeadStat":  # the head width, and eps where the declaration leaves it to the call
+            ops[name] = 128 if epi.head_stats[name].eps is not None else (128, 1e-6)
+        else:
+            ops[name] = 0.5 if kind.name == "Scalar" else rand(*kind.expected_shape(M, N), dtype=torch.bfloat16)
     for idx in epi.index_operands:
         ops[idx] = torch.randint(0, N, (M,), dtype=torch.int32)
 

@@ -78,8 +78,8 @@ def _record(entry: dict) -> None:
 def _operands(epi, M, N, dtype, gen):
     ops = {}
     for name, kind in epi.operands.items():
-        if kind is HeadStat:
-            ops[name] = 128  # the head width
+        if kind is HeadStat:  # the head width, and eps where the declaration leaves it to the call
+            ops[name] = 128 if epi.head_stats[name].eps is not None else (128, 1e-6)
         elif kind is Scalar:
             ops[name] = 0.75
         elif name == "pos":

@@ -110,12 +110,13 @@ BAD = {
                           r"fraction is 1.0; it is the share of entries ignored, strictly between 0 and 1"),
     "param is a list": ([("{approximate: tanh}", "{approximate: tanh, dims: [1, 2]}")], [],
                         r"params: dims is a list \(\[1, 2\]\); a param is one number, true/false or string"),
-    "param as a shape symbol": ([("{approximate: tanh}", "{approximate: tanh, width: H}")], [],
-                                r"params.width is 'H', an expression of the shape symbols \['H'\]; a param holds one "
-                                r"value for every shape set.*\(e.g. width = x.shape\[-1\]\), or make params.width "
-                                r"a number"),
-    "param as a symbol expression": ([("{approximate: tanh}", "{approximate: tanh, half: I // 2}")], [],
-                                     r"params.half is 'I // 2', an expression of the shape symbols \['I'\]"),
+    "shape param not whole": ([("{approximate: tanh}", "{approximate: tanh, width: H / 5}")], [],
+                              r"params.width: 'H / 5' is 6.4 on shape set small, not a whole number; a shape param "
+                              r"is a size or a count \(use // for floor division\)"),
+    "shape param of an unbound symbol": ([("{approximate: tanh}", "{approximate: tanh, width: H // Q}"),
+                                          ("small: {T: 64,", "small: {Q: 2, T: 64,")], [],
+                                         r"params.width: expression 'H // Q': unknown symbol 'Q' \(the shape set "
+                                         r"binds"),
     "param the reference lacks": ([("{approximate: tanh}", "{approximate: tanh, eps: 1.0e-6}")], [],
                                   r"reference: geglu\(\) takes no keyword argument 'eps' \(params gives it"),
     "argument the spec lacks": ([("params: {approximate: tanh}\n", "")], [('approximate="tanh"', "approximate")],
@@ -161,6 +162,13 @@ VALID = {
                                           'def geglu(x, w_gu, **kw):\n    approximate = kw["approximate"]')]),
     "a reference returning more": ([], [('return {"y":', 'return {"n": 3, "y":')]),
     "a reference beside a helper": ([], [("import torch.nn.functional as F", "from helper import F")]),
+    "a shape param": ([("{approximate: tanh}", "{approximate: tanh, width: H, half: I // 2}")],
+                      [('def geglu(x, w_gu, approximate="tanh"):',
+                        'def geglu(x, w_gu, width, half, approximate="tanh"):\n'
+                        '    assert (width, half) == (x.shape[1], w_gu.shape[1] // 4), (width, half)')],
+                      [("def forward(x, w_gu, approximate):",
+                        "def forward(x, w_gu, approximate, width, half):\n"
+                        "    assert (width, half) == (x.shape[1], w_gu.shape[1] // 4), (width, half)")]),
     "shape expressions": ([("y: {shape: [T, I]", "y: {shape: [T, 2*I//2]"),
                            ("scale: 1.0}}\n  w_gu", "scale: 1 / sqrt(H), mean: 0.5}}\n  w_gu")], []),
 }
@@ -210,6 +218,36 @@ def test_an_unusual_task_file_works(tmp_path, monkeypatch, variant):
     assert r.exit_code == 0 and r.output.startswith("ok: "), r.output
     r = cli("verify", "geglu.yaml", "prog.py", "--stages", "static,reference", "--no-save", "--no-cache")
     assert r.exit_code == 3 and "outcome: cpu_passed" in r.output, r.output
+
+
+SCALED = ([("params: {approximate: tanh}", "params: {approximate: tanh, scale: 5e-1}")],
+          [('def geglu(x, w_gu, approximate="tanh"):', 'def geglu(x, w_gu, approximate="tanh", scale=1.0):'),
+           (".to(x.dtype)}", "* scale).to(x.dtype)}"), ("return {\"y\": (", "return {\"y\": ((")])
+# The program of SCALED with the param typed in: y times 0.5 in a tile pass, `scale` unread.
+TYPED_IN = [("import epilogue,", "import Tile, epilogue, tile_pass,"),
+            ("@epilogue(", "@epilogue()\ndef half(y: Tile):\n    return {'D': y * 0.5}\n\n\n@epilogue("),
+            ("def forward(x, w_gu, approximate):", "def forward(x, w_gu, approximate, scale):"),
+            ('return {"y": gemm(x, w_gu, geglu)["y"]}',
+             'return {"y": tile_pass(half, y=gemm(x, w_gu, geglu)["y"])["D"]}')]
+
+
+@pytest.mark.parametrize("fixed", [False, True])
+def test_a_float_param_is_the_calls_and_a_program_that_types_it_in_fails(tmp_path, monkeypatch, fixed):
+    """The judge varies a float param (here written `5e-1`, which YAML 1.1 reads as a string and
+    the spec as the number): a program that multiplies by 0.5 instead of `scale` is right at the
+    written value only and is rejected, naming the param; a task that fixes the param
+    (`fixed_params`) keeps it as written, and the same program passes."""
+    yaml_edits, ref_edits = SCALED
+    yaml_edits = [*yaml_edits, ("target:", "fixed_params: [scale]\ntarget:")] if fixed else yaml_edits
+    path = write(tmp_path / "task", yaml_edits, ref_edits, TYPED_IN)
+    monkeypatch.chdir(path.parent)
+    r = cli("verify", "geglu.yaml", "prog.py", "--stages", "static,reference", "--no-save", "--no-cache")
+    if fixed:
+        assert r.exit_code == 3 and "outcome: cpu_passed" in r.output, r.output
+    else:
+        says = (r"`y` differs .* with params scale=0\.\d+ \(the task's values varied by the judge: a program "
+                r"takes its params from the call")
+        assert r.exit_code == 1 and re.search(says, r.output), r.output
 
 
 @pytest.mark.parametrize("folder", ["with space", "tâche ü"])

@@ -279,11 +279,16 @@ def test_new_draws_weights_at_their_fan_in_so_a_dropped_residual_fails(tmp_path,
 
 def test_new_says_when_gradients_pass_through_a_kink(tmp_path, monkeypatch):
     """ReLU's derivative jumps: a correct program's bias gradient can miss the default rule there
-    (OPT's MLP did), so the file says which rule to widen; a smooth reference gets no such note."""
+    (OPT's MLP did), so the file says which rule to widen; a smooth reference gets no such note, nor
+    does a squared ReLU (Primer's: its derivative 2 relu(x) is continuous), unless the ReLU's result
+    is also used unsquared."""
     monkeypatch.chdir(tmp_path)
-    Path("ref.py").write_text("import torch.nn.functional as F\n\n\ndef mlp(x, w1, b1):\n"
+    Path("ref.py").write_text("import torch\nimport torch.nn.functional as F\n\n\ndef mlp(x, w1, b1):\n"
                               "    return {'y': F.relu(F.linear(x, w1, b1))}\n\n\ndef smooth(x, w1, b1):\n"
-                              "    return {'y': F.gelu(F.linear(x, w1, b1))}\n")
+                              "    return {'y': F.gelu(F.linear(x, w1, b1))}\n\n\ndef squared(x, w1, b1):\n"
+                              "    r = F.relu(F.linear(x, w1, b1))\n    return {'y': r ** 2 + torch.square(r) + r * r}\n"
+                              "\n\ndef mixed(x, w1, b1):\n"
+                              "    r = F.relu(F.linear(x, w1, b1))\n    return {'y': r ** 2 + r}\n")
     args = ["--input", "x=T,H", "--input", "w1=I,H", "--input", "b1=I", "--shapes", "small=T:64,H:32,I:48",
             "--gradients", "x,w1,b1"]
     assert cli("tasks", "new", "mlp", "--reference", "ref.py:mlp", *args).exit_code == 0
@@ -293,6 +298,9 @@ def test_new_says_when_gradients_pass_through_a_kink(tmp_path, monkeypatch):
     assert cli("tasks", "new", "smooth", "--reference", "ref.py:smooth", *args).exit_code == 0
     assert cli("tasks", "new", "fwd", "--reference", "ref.py:mlp", *args[:-2]).exit_code == 0
     assert "derivative jumps" not in Path("smooth.yaml").read_text() + Path("fwd.yaml").read_text()
+    for name, kinked in (("squared", False), ("mixed", True)):
+        assert cli("tasks", "new", name, "--reference", f"ref.py:{name}", *args).exit_code == 0
+        assert ("derivative jumps" in Path(f"{name}.yaml").read_text()) is kinked, name
 
 
 LAYERNORM = '''import torch.nn as nn

@@ -58,6 +58,7 @@ class Case:
     hi: dict[str, torch.Tensor]
     lo: dict[str, torch.Tensor]
     needs: frozenset[str] | None = None  # the gradients backward is asked for (None: all of them)
+    params: dict[str, Any] = dataclasses.field(default_factory=dict)  # the params of the call
 
     def needing(self, spec: TaskSpec, needs: frozenset[str]) -> "Case":
         """This case with backward asked for ``needs`` alone: the references of the outputs and
@@ -67,17 +68,29 @@ class Case:
                                    lo={k: v for k, v in self.lo.items() if k not in left_out}, needs=needs)
 
 
-def draw_case(task: Task, spec: TaskSpec, shape_set: str, seed: int, device: str, draw: str = "seed") -> Case:
+def draw_case(task: Task, spec: TaskSpec, shape_set: str, seed: int, device: str, draw: str = "seed",
+              varied: dict[str, float] | None = None) -> Case:
     """Inputs for one call and the judge's references (fp64 on the CPU, fp32 on the GPU, and in
-    the inputs' own dtype for the rounding noise that sets the tolerance)."""
+    the inputs' own dtype for the rounding noise that sets the tolerance), with the task's
+    params on ``shape_set`` and the ``varied`` ones in their place
+    (:func:`~.inputs.drawn_params`)."""
     hi_dtype = torch.float64 if device == "cpu" else torch.float32
+    params = {**spec.params_at(shape_set), **(varied or {})}
     inputs = (edge_inputs if draw == "edge" else make_inputs)(spec, shape_set, seed, device)
     grads = make_grads(spec, shape_set, seed, device) if spec.has_backward else None
-    if grads is not None and draw == "edge":
-        grads = aligned_grads(grads, run_reference(_task_with(task, spec), inputs, None, hi_dtype), seed)
     ref_task = _task_with(task, spec)
-    return Case(shape_set, draw, inputs, grads, run_reference(ref_task, inputs, grads, hi_dtype),
-                run_reference(ref_task, inputs, grads, None))
+    if grads is not None and draw == "edge":
+        grads = aligned_grads(grads, run_reference(ref_task, inputs, None, hi_dtype, params=params), seed)
+    return Case(shape_set, draw, inputs, grads, run_reference(ref_task, inputs, grads, hi_dtype, params=params),
+                run_reference(ref_task, inputs, grads, None, params=params), params=params)
+
+
+def params_note(spec: TaskSpec, case: Case) -> str:
+    """The params a case's call had, where they are not the task's as written."""
+    written = spec.params_at(case.shape_set)
+    varied = ", ".join(f"{k}={v:.6g}" for k, v in case.params.items() if v != written[k])
+    return varied and (f", with params {varied} (the task's values varied by the judge: a program takes its "
+                       "params from the call, never writes their values in)")
 
 
 def _task_with(task: Task, spec: TaskSpec) -> Task:
@@ -96,7 +109,7 @@ def verdict(spec: TaskSpec, case: Case, got: dict[str, torch.Tensor], poisoned: 
         m = compare(name, case.shape_set, got[name], case.hi[name], case.lo[name], spec.tolerance_for(name),
                     poisoned=poisoned)
         if m is not None:
-            out.append(m.model_copy(update={"inputs": DRAWS[case.draw],
+            out.append(m.model_copy(update={"inputs": DRAWS[case.draw] + params_note(spec, case),
                                             "shape_set": set_label(spec, case.shape_set)}))
     return out
 
@@ -107,7 +120,7 @@ def _request_tensors(spec: TaskSpec, case: Case) -> list[tuple[str, torch.Tensor
 
 def _call_header(spec: TaskSpec, tag: str, case: Case) -> dict[str, Any]:
     return {"op": "call", "tag": tag, "backward": case.grads is not None, "padded": case.draw == "padded",
-            "shapes": result_shapes(spec, case.shape_set),
+            "shapes": result_shapes(spec, case.shape_set), "params": case.params,
             **({"needs": sorted(case.needs)} if case.needs is not None else {})}
 
 

@@ -24,7 +24,7 @@ import torch
 from coda_agent.tasks.spec import Task, load_task
 from coda_agent.verifier import sandbox
 from coda_agent.verifier.gpu_lock import gpu_lock
-from coda_agent.verifier.inputs import result_dtypes, with_beyond_set
+from coda_agent.verifier.inputs import drawn_params, result_dtypes, with_beyond_set
 from coda_agent.verifier.program import CandidateError
 from coda_agent.verifier.remote import Remote, RunnerTimeout, WallsTooHigh
 from coda_agent.verifier.report import GPU_STAGES, StageResult
@@ -39,7 +39,8 @@ class Check:
         self.judge = judge
         self.rng = random.SystemRandom()  # seeds, choices and sizes no process but the judge sees
         self.task: Task = load_task(req["task_path"])
-        self.spec = with_beyond_set(self.task.spec, self.rng)
+        self.spec = with_beyond_set(self.task.spec, self.rng)  # and the CPU's odd set
+        self.params = drawn_params(self.spec, self.rng)  # the varied params of the later draws
         self.source: str = req["source"]
         self.shape_sets: list[str] | None = req.get("shape_sets")
         self.reps: int = req["reps"]
@@ -57,7 +58,8 @@ class Check:
 
     def contract(self) -> dict[str, Any]:
         spec = self.spec
-        return {"inputs": list(spec.inputs), "params": dict(spec.params),
+        # A call's params travel with it; these serve the compile stage, on the CPU shape set.
+        return {"inputs": list(spec.inputs), "params": spec.params_at(spec.cpu_shape_set),
                 "outputs": {o: t.dtype for o, t in spec.outputs.items()}, "gradients": list(spec.gradients),
                 "grad_outputs": list(spec.grad_outputs), "result_dtypes": result_dtypes(spec)}
 

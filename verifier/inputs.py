@@ -21,6 +21,16 @@ gradient parallel to the forward output: a normalisation's backward then
 nearly cancels to zero on those rows, which is where a gradient computed as a
 difference of large terms in low precision goes wrong.
 
+**Params** (:func:`drawn_params`): the first fresh draw of every set calls
+the reference and the program with the task's params as written; the later
+draws with every float param the task does not fix (``fixed_params``) scaled
+by 2**u, |u| drawn between 1/4 and 1/2 once per check.  A program that writes
+a param's value into its code (an eps baked into a kernel, Granite's residual
+multiplier typed in as 0.22) instead of taking it from the call is right on
+the written value only, and the later draws show it; the draw is the judge's,
+so no program can list it.  Ints, bools and strings are counts, switches and
+names and stay as written.
+
 **Shape sets** (:func:`checked_sets`): every named set of the task that fits
 (on the GPU, by the device's *total* memory, so a program cannot starve the
 checks by holding memory; on the CPU, by :data:`CPU_SET_BYTES`, plus any the
@@ -42,17 +52,29 @@ Sizes a shape multiplies by another symbol (the head width ``D`` of
 ``NQ*D``) keep their value: they are the layout of a dimension, not its
 extent, and a head 384 wide is a model nobody trains (the head statistics
 need whole heads in one tile, which quack's tiles cap at 256 columns).
+
+On the CPU one more set is drawn (:func:`odd_set`): the CPU set with every
+size that no tensor needs aligned (:func:`free_symbols`: a token count, which
+is only ever a tensor's leading dimension) an odd number below its own.
+Every other set's sizes keep their alignment and start at the CPU set's, so
+without it every checked token count is a multiple of 8 and at least 256, and
+a program wrong at the others (``M % 8`` or ``M < 256`` in its host code: a
+decode step, a short prompt) passed.  It is the CPU's alone: the GPU stages
+check the sizes a task names.  An fp8 task has no such sizes: its backward
+GEMMs take the token count as K in both operands' contiguous dimension (fp8
+WGMMA reads K-major only), where TMA needs 16-byte rows.
 """
 
 from __future__ import annotations
 
 import math
 import random
+from typing import Any
 
 import torch
 
 from coda_agent.tasks.inits import draw
-from coda_agent.tasks.spec import FLOAT_DTYPES, TaskSpec, TensorSpec, structural_symbols
+from coda_agent.tasks.spec import FLOAT_DTYPES, TaskSpec, TensorSpec, expr_symbols, structural_symbols
 from coda_agent.verifier.wire import TORCH_DTYPES, nbytes
 
 EDGE_ROLES = ("activation", "residual", "saved", "grad")
@@ -62,6 +84,7 @@ GPU_MEMORY_FACTOR = 10  # a set fits when 10x its tensors in fp32 fit in the dev
 BEYOND = 256  # the beyond set adds one 256-wide chunk to every size of at least 128
 DRAWN = 256  # and then a secret growth below this (drawn_growth)
 ALIGN = 16  # the largest alignment step a drawn growth keeps (bytes of TMA rows of fp8 / 2-byte types)
+PARAM_SPREAD = (0.25, 0.5)  # a varied param is scaled by 2**u, |u| uniform in this range
 
 
 def _draw(spec: TaskSpec, t: TensorSpec, shape_set: str, gen: torch.Generator,
@@ -74,6 +97,14 @@ def make_inputs(spec: TaskSpec, shape_set: str, seed: int, device: str = "cpu") 
     """One tensor per spec input, drawn with ``seed`` on ``device``."""
     gen = torch.Generator(device=device).manual_seed(seed)
     return {name: _draw(spec, t, shape_set, gen, device) for name, t in spec.inputs.items()}
+
+
+def drawn_params(spec: TaskSpec, rng: random.Random) -> dict[str, float]:
+    """The varied params of a check's later draws (module docstring): each of
+    ``spec.varied_params`` scaled by 2**u, u drawn with ``rng`` (the judge's) with |u| in
+    :data:`PARAM_SPREAD`."""
+    return {name: spec.params[name] * 2.0 ** (rng.uniform(*PARAM_SPREAD) * rng.choice((-1.0, 1.0)))
+            for name in spec.varied_params}
 
 
 def make_grads(spec: TaskSpec, shape_set: str, seed: int, device: str = "cpu") -> dict[str, torch.Tensor]:
@@ -142,25 +173,28 @@ def upcast(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None, device: 
 
 
 def run_reference(task, inputs: dict[str, torch.Tensor], grads: dict[str, torch.Tensor] | None,
-                  dtype: torch.dtype | None, device: str | None = None) -> dict[str, torch.Tensor]:
+                  dtype: torch.dtype | None, device: str | None = None,
+                  params: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
     """The task's PyTorch reference, forward (+ backward when ``grads``), with the
-    float inputs cast to ``dtype`` (None: the inputs' own dtype).  Returns outputs and
+    float inputs cast to ``dtype`` (None: the inputs' own dtype) and ``params`` (None: the
+    task's as written, for a task without shape expressions among them).  Returns outputs and
     ``d<input>`` gradients in one dict."""
     spec = task.spec
+    params = spec.params if params is None else params
     x = upcast(inputs, dtype, device)
     g = upcast(grads, dtype, device) if grads else {}
     if grads and task.backward_reference_fn is None:
         for name in spec.gradients:
             x[name].requires_grad_(True)
     with torch.enable_grad() if grads else torch.no_grad():
-        outs = dict(task.reference_fn(**x, **spec.params))
+        outs = dict(task.reference_fn(**x, **params))
         missing = set(spec.outputs) - set(outs)
         if missing:
             raise RuntimeError(f"the task reference returned no {sorted(missing)}")
         result = {k: outs[k].detach() for k in spec.outputs}
         if grads:
             if task.backward_reference_fn is not None:
-                back = task.backward_reference_fn(**x, **spec.params, **g)
+                back = task.backward_reference_fn(**x, **params, **g)
                 result.update({f"d{n}": back[f"d{n}"].detach() for n in spec.gradients})
             else:
                 names = spec.grad_outputs
@@ -212,14 +246,19 @@ def drawn_growth(size: int, rng: random.Random) -> int:
             return extra
 
 
+def _structural(spec: TaskSpec) -> set[str]:
+    """The sizes that are a dimension's layout, not its extent (module docstring)."""
+    exprs = [e for t in (*spec.inputs.values(), *spec.outputs.values()) for e in t.shape]
+    exprs += [e for g in spec.gemms for e in g]
+    return set().union(*(structural_symbols(e) for e in exprs))
+
+
 def beyond_set(spec: TaskSpec, rng: random.Random | None = None) -> tuple[str, dict[str, int]]:
     """The set past the named ones: the ragged set (else the CPU set) with each size >= 128
     grown by 256, but the structural ones (module docstring), and with ``rng`` (the judge's)
     each grown further by :func:`drawn_growth`."""
     base = "ragged" if "ragged" in spec.shapes else spec.cpu_shape_set
-    exprs = [e for t in (*spec.inputs.values(), *spec.outputs.values()) for e in t.shape]
-    exprs += [e for g in spec.gemms for e in g]
-    kept = set().union(*(structural_symbols(e) for e in exprs))
+    kept = _structural(spec)
     binding = {k: v + BEYOND if v >= 128 and k not in kept else v for k, v in spec.shapes[base].items()}
     if rng is not None:  # one growth per distinct size: sizes a task binds equal stay equal
         growth = {v: drawn_growth(v, rng) for k, v in sorted(binding.items()) if v != spec.shapes[base][k]}
@@ -227,27 +266,63 @@ def beyond_set(spec: TaskSpec, rng: random.Random | None = None) -> tuple[str, d
     return f"{base}+{BEYOND}", binding
 
 
+def free_symbols(spec: TaskSpec) -> set[str]:
+    """The sizes no tensor needs aligned: in no tensor's last dimension but a vector's and in no
+    GEMM's N, the row length of its output (TMA moves rows whose length is a multiple of 16
+    bytes), and only ever a whole dimension (a size in ``R // 2`` is even, one in ``NQ*D`` a
+    layout: :func:`_structural`)."""
+    if spec.gemm_dtype is not None or any(t.dtype.startswith("fp8") for t in spec.inputs.values()):
+        return set()  # an fp8 GEMM's K is contiguous in both operands (module docstring)
+    tensors = [t.shape for t in (*spec.inputs.values(), *spec.outputs.values())]
+    dims = [e for shape in tensors for e in shape] + [e for g in spec.gemms for e in g]
+    used = {e for e in dims if isinstance(e, str) and e.isidentifier()}
+    parts = set().union(*(expr_symbols(e) for e in dims if not (isinstance(e, str) and e.isidentifier())))
+    rows = [shape[-1] for shape in tensors if len(shape) > 1] + [n for _, n, _ in spec.gemms]
+    return used - parts - set().union(*(expr_symbols(e) for e in rows))
+
+
+def odd_set(spec: TaskSpec, rng: random.Random | None = None) -> tuple[str, dict[str, int]] | None:
+    """The CPU's set of odd sizes (module docstring): the CPU set with each of
+    :func:`free_symbols` an odd number below its own there (drawn with ``rng``, the judge's;
+    without it the largest; sizes bound equal stay equal); None for a task without such sizes."""
+    free = free_symbols(spec)
+    base = spec.shapes[spec.cpu_shape_set]
+    if not free or any(base[k] < 2 for k in free):
+        return None
+    odd = {v: 2 * (rng.randrange(v // 2) if rng else (v - 1) // 2) + 1 for k, v in sorted(base.items()) if k in free}
+    return f"{spec.cpu_shape_set}+odd", {k: odd[v] if k in free else v for k, v in base.items()}
+
+
 def with_beyond_set(spec: TaskSpec, rng: random.Random | None = None) -> TaskSpec:
-    """``spec`` with :func:`beyond_set` among its shape sets (drawn with ``rng``: the judge's)."""
-    name, binding = beyond_set(spec, rng)
-    return spec.model_copy(update={"shapes": {**spec.shapes, name: binding}})
+    """``spec`` with :func:`beyond_set` among its shape sets, and :func:`odd_set` where the task has
+    free sizes (drawn with ``rng``: the judge's)."""
+    sets = dict([beyond_set(spec, rng)])
+    sets.update([odd] if (odd := odd_set(spec, rng)) else [])
+    return spec.model_copy(update={"shapes": {**spec.shapes, **sets}})
+
+
+def _drawn(spec: TaskSpec) -> set[str]:
+    """The names of the sets the judge draws (in ``spec`` or not)."""
+    odd = odd_set(spec)
+    return {beyond_set(spec)[0], *([odd[0]] if odd else [])}
 
 
 def set_label(spec: TaskSpec, shape_set: str) -> str:
-    """How a message names a set: the beyond set with its sizes (drawn per check, no file has them)."""
-    if shape_set != beyond_set(spec)[0]:
+    """How a message names a set: a drawn set with its sizes (drawn per check, no file has them)."""
+    if shape_set not in _drawn(spec):
         return shape_set
     return f"{shape_set} ({', '.join(f'{k}={v}' for k, v in spec.shapes[shape_set].items())})"
 
 
 def checked_sets(spec: TaskSpec, named: list[str] | None, device_bytes: int | None) -> tuple[list[str], list[str]]:
     """(sets to check, smallest first; named sets skipped as too large).  ``spec`` must hold the
-    beyond set (:func:`with_beyond_set`); ``named`` restricts the named sets (None: all);
-    ``device_bytes`` is the GPU's total memory, None for the CPU checks."""
+    drawn sets (:func:`with_beyond_set`); ``named`` restricts the named sets (None: all);
+    ``device_bytes`` is the GPU's total memory, None for the CPU checks (which add the odd set)."""
     beyond, _ = beyond_set(spec)
-    names = [s for s in spec.shapes if s != beyond and (named is None or s in named)]
+    names = [s for s in spec.shapes if s not in _drawn(spec) and (named is None or s in named)]
     if device_bytes is None:
         fits = [s for s in names if set_bytes(spec, s) <= CPU_SET_BYTES or s in spec.cpu_shape_sets]
+        fits += [odd[0]] if (odd := odd_set(spec)) and odd[0] in spec.shapes else []
     else:
         fits = [s for s in names if set_bytes(spec, s, itemsize=4) * GPU_MEMORY_FACTOR <= device_bytes]
     skipped = [s for s in names if s not in fits]

@@ -84,17 +84,19 @@ def load(source: str, tag: str) -> ModuleType:
 
 def call(contract: Contract, mod: ModuleType, inputs: dict[str, torch.Tensor],
          grads: dict[str, torch.Tensor] | None, audit: "TorchAudit | None" = None,
-         needs: list[str] | None = None) -> dict[str, Any]:
-    """forward (+ backward) by the contract (``kernels/contract.py``): the outputs and
-    ``d<input>`` gradients (those in ``needs``, when given) in one dict.  Each leaves the
-    module's values as it found them (:func:`module_state`)."""
+         needs: list[str] | None = None, params: dict[str, Any] | None = None) -> dict[str, Any]:
+    """forward (+ backward) by the contract (``kernels/contract.py``) with ``params`` (the
+    judge's for this call; None: the contract's): the outputs and ``d<input>`` gradients
+    (those in ``needs``, when given) in one dict.  Each leaves the module's values as it
+    found them (:func:`module_state`)."""
+    params = contract.params if params is None else {k: params[k] for k in contract.params}
     before = module_state(mod)
     with _as_candidate(mod.__file__, "forward"), audit or contextlib.nullcontext():
-        outs = call_forward(mod, inputs, contract.params, contract.outputs)
+        outs = call_forward(mod, inputs, params, contract.outputs)
     _same_state(mod, before, "forward")
     result = {o: outs[o] for o in contract.outputs}
     if grads is not None:
-        saved = saved_state(inputs, contract.params, outs)
+        saved = saved_state(inputs, params, outs)
         with _as_candidate(mod.__file__, "backward"), audit or contextlib.nullcontext():
             result.update(call_backward(mod, saved, grads, contract.gradients, needs))
         _same_state(mod, before, "backward")
@@ -388,18 +390,19 @@ def busy_ms(spans: list[tuple[str, float, float]], kernels: list[tuple[float, fl
 
 
 def profile(contract: Contract, mod: ModuleType, inputs: dict[str, torch.Tensor],
-            grads: dict[str, torch.Tensor] | None) -> dict[str, Any]:
-    """One call under torch.profiler and the launch ledger: what ran, where, and for how long."""
+            grads: dict[str, torch.Tensor] | None, params: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One call (with ``params``, as :func:`call`) under torch.profiler and the launch ledger:
+    what ran, where, and for how long."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     from coda_agent.primitives import launch_ledger
 
-    call(contract, mod, inputs, grads)  # warm-up: compile and autotune outside the profile
+    call(contract, mod, inputs, grads, params=params)  # warm-up: compile and autotune outside the profile
     torch.cuda.synchronize()
     audit = TorchAudit(mod.__file__, epilogue_codes(mod))
     with launch_ledger() as ledger, torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        call(contract, mod, inputs, grads, audit)
+        call(contract, mod, inputs, grads, audit, params=params)
         torch.cuda.synchronize()
     events = list(prof.events())
     cuda = torch.autograd.DeviceType.CUDA

@@ -83,7 +83,7 @@ def _run(st: State, req: dict, inputs: dict, grads: dict | None, audit: Any = No
     mod, lowering_name = st.programs[req["tag"]]
     # padded: the reference lowering folds a ragged tile's padded lanes as the kernel does
     with lowering(lowering_name), padded_lanes() if req.get("padded") else contextlib.nullcontext():
-        results = prog.call(st.contract, mod, inputs, grads, audit, req.get("needs"))
+        results = prog.call(st.contract, mod, inputs, grads, audit, req.get("needs"), req.get("params"))
     return prog.check_results(st.contract, results, req["shapes"], inputs, grads, st.device)
 
 
@@ -150,7 +150,7 @@ def _profile(st: State, req: dict, blobs: list[bytes]) -> tuple[dict, list]:
     inputs, grads = _tensors(st, req, blobs)
     mod, lowering_name = st.programs[req["tag"]]
     with lowering(lowering_name):
-        return prog.profile(st.contract, mod, inputs, grads), []
+        return prog.profile(st.contract, mod, inputs, grads, req.get("params")), []
 
 
 def _alloc(st: State, req: dict, blobs: list[bytes]) -> tuple[dict, list]:

@@ -16,7 +16,7 @@ import torch
 
 from coda_agent.kernels.contract import takes_needs
 from coda_agent.verifier.calls import Case, CpuCalls, GpuCalls, draw_case, verdict
-from coda_agent.verifier.inputs import beyond_set, checked_sets, set_label
+from coda_agent.verifier.inputs import beyond_set, checked_sets, odd_set, set_label
 from coda_agent.verifier.check import Check
 from coda_agent.verifier.program import CandidateError
 from coda_agent.verifier.report import Mismatch, StageResult
@@ -49,7 +49,8 @@ def _check_sets(check: Check, sets: list[str], device: str, call: Callable[[Case
                 determinism: bool, poisoned: bool, padded: bool = False,
                 seconds: dict[str, float] | None = None) -> StageResult | None:
     """Every set: two fresh draws and one of edge rows (no result may come out identical for
-    two different draws); with ``padded``, the first draw's case again with the epilogues run
+    two different draws; all but the first with the check's varied params,
+    :func:`~.inputs.drawn_params`); with ``padded``, the first draw's case again with the epilogues run
     over whole tiles (:func:`~coda_agent.primitives.lowering.padded_lanes`), where a reduction
     that folds padded lanes shows what the kernel would compute: the same inputs and references,
     so only the padded lanes differ from a call that passed (on a set whose sizes every tile
@@ -63,9 +64,10 @@ def _check_sets(check: Check, sets: list[str], device: str, call: Callable[[Case
         t0 = time.perf_counter()
         seen: list[tuple[Case, dict[str, torch.Tensor]]] = []
         draws = ["seed"] * SEEDS_PER_SET + ["edge"] + (["padded"] if padded else [])
-        for draw in draws:
+        for i, draw in enumerate(draws):  # the first draw with the task's params, the rest the check's
             case = (dataclasses.replace(seen[0][0], draw=draw) if draw == "padded"
-                    else draw_case(check.task, spec, shape_set, check.seed(), device, draw))
+                    else draw_case(check.task, spec, shape_set, check.seed(), device, draw,
+                                   varied=check.params if i else None))
             got = call(case)
             if seen and (same := _identical(seen[-1][1], got, seen[-1][0], case)):
                 return StageResult(name="reference", status="failed",
@@ -128,6 +130,14 @@ def _beyond_sizes(check: Check) -> dict[str, int]:
     return dict(check.spec.shapes[beyond_set(check.spec)[0]])
 
 
+def _drawn_details(check: Check) -> dict[str, Any]:
+    """What the judge drew for this check's CPU stage: the beyond and odd sets' sizes
+    (:mod:`.inputs`) and the varied params."""
+    odd = odd_set(check.spec)
+    return {"beyond_set": _beyond_sizes(check), "odd_set": dict(check.spec.shapes[odd[0]]) if odd else None,
+            "varied_params": check.params}
+
+
 def _what(check: Check) -> str:
     return "forward+backward" if check.spec.has_backward else "forward"
 
@@ -146,8 +156,7 @@ def reference(check: Check) -> StageResult:
     return StageResult(name="reference", status="passed",
                        message=f"matches the PyTorch reference on {', '.join(sets)} ({SEEDS_PER_SET} fresh draws "
                                f"and edge rows each, and whole tiles, {_what(check)}{_subsets_note(check)})",
-                       details={"shape_sets": sets, "tensors": sorted(check.spec.outputs),
-                                "beyond_set": _beyond_sizes(check)})
+                       details={"shape_sets": sets, "tensors": sorted(check.spec.outputs), **_drawn_details(check)})
 
 
 # --------------------------------------------------------------------------- 3. compile
@@ -297,7 +306,7 @@ def launch_audit(check: Check) -> StageResult:
     try:
         case = draw_case(check.task, spec, spec.cpu_shape_set, check.seed(), "cuda")
         prof = check.request({"op": "profile", "tag": "audit", "set": calls.load(case),
-                              "backward": case.grads is not None,
+                              "backward": case.grads is not None, "params": case.params,
                               "shapes": {k: list(v.shape) for k, v in case.hi.items()}})
     finally:
         calls.close()

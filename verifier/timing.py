@@ -206,24 +206,24 @@ def _torch_baseline(task: Task, case: Case, compiled: bool) -> Callable[[], Any]
     # dynamic=False: a judge that already compiled this reference at another shape
     # would otherwise recompile it with dynamic shapes, a slower baseline.
     ref = torch.compile(task.reference_fn, dynamic=False) if compiled else task.reference_fn
-    return reference_call(ref, task.spec, case.inputs, case.grads)
+    return reference_call(ref, task.spec, case.inputs, case.grads, case.params)
 
 
 def reference_call(fn: Callable[..., Any], spec: Any, inputs: dict[str, torch.Tensor],
-                   grads: dict[str, torch.Tensor] | None) -> Callable[[], Any]:
+                   grads: dict[str, torch.Tensor] | None, params: dict[str, Any]) -> Callable[[], Any]:
     """A PyTorch reference (eager or compiled) as a timed contender, on its own copies of
-    ``inputs``: forward, and given ``grads`` the backward autograd derives for the task's
+    ``inputs`` with ``params``: forward, and given ``grads`` the backward autograd derives for the task's
     ``gradients`` from the upstream gradients of its ``grad_outputs``.  The verifier's
     baselines and the benchmark's (``bench/run.py``) are this one call."""
     x = {k: v.detach().clone() for k, v in inputs.items()}
     if not grads:
-        return lambda: fn(**x, **spec.params)
+        return lambda: fn(**x, **params)
     for n in spec.gradients:
         x[n].requires_grad_(True)
     names = spec.grad_outputs
 
     def fwd_bwd() -> Any:
-        outs = fn(**x, **spec.params)
+        outs = fn(**x, **params)
         return torch.autograd.grad([outs[o] for o in names], [x[n] for n in spec.gradients],
                                    [grads[f"d{o}"] for o in names], allow_unused=True)
     return fwd_bwd
@@ -368,7 +368,7 @@ def _target(spec: Any, want: float) -> str:
 def _profile(check: Check, calls: GpuCalls, case: Case, t_gemm: float) -> dict[str, Any]:
     """Where the time goes, from one profiled call (the runner's report, for the feedback)."""
     prof = check.request({"op": "profile", "tag": "performance", "set": calls.load(case, key=0),
-                          "backward": case.grads is not None,
+                          "backward": case.grads is not None, "params": case.params,
                           "shapes": result_shapes(check.spec, case.shape_set)})
     kernel_ms = {str(k): float(v) for k, v in (prof.get("kernel_ms") or {}).items()
                  if type(v) in (int, float)}

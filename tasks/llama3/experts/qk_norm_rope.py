@@ -3,7 +3,8 @@
 q and k: one GEMM each whose epilogue reads the per-(row, head) inverse RMS of
 its own raw accumulator (``head_rstd``: the kernel computes
 rsqrt(mean(acc^2 over the head's D columns) + eps) in a pre-pass over the tile
-before any store; the head width is given at the call, ``rstd=D``), multiplies
+before any store; the head width and the task's eps are given at the call,
+``rstd=(D, eps)``), multiplies
 by it and by the head's gamma (RowVec: the (heads, D) table viewed flat, one
 value per output column) and rotates adjacent pairs (2j, 2j+1) by
 pos[t] * inv_freq[head, j] (pos a ColVec, the frequency a RowVec with each
@@ -17,10 +18,8 @@ sin/cos take the raw angle: the catalogue reduces it by 2*pi (positions reach 1e
 from coda_agent.primitives import (ColVec, HeadStat, RowVec, cos, epilogue, gemm, head_rstd,
                                    interleave_columns, pack, sin, unpack)
 
-EPS = 1e-6  # the task's eps: head_rstd bakes it into the kernel (checked in forward)
 
-
-@epilogue(pairs="acc", head_stats={"rstd": head_rstd(eps=EPS)})
+@epilogue(pairs="acc", head_stats={"rstd": head_rstd()})  # eps comes with the head width at the call
 def norm_rope(acc, rstd: HeadStat, gamma: RowVec, pos: ColVec, freq: RowVec):
     e, o = unpack(acc * rstd * gamma)
     f, _ = unpack(freq)
@@ -31,9 +30,8 @@ def norm_rope(acc, rstd: HeadStat, gamma: RowVec, pos: ColVec, freq: RowVec):
 
 
 def forward(x, wq, wk, wv, q_gamma, k_gamma, pos, inv_freq, eps):
-    assert eps == EPS, f"norm_rope is compiled for eps={EPS}; got {eps}"
     nq, d = q_gamma.shape
     freq = interleave_columns(inv_freq, inv_freq)  # (heads, D): each pair's frequency on both lanes
-    q = gemm(x, wq.t(), norm_rope, rstd=d, gamma=q_gamma.view(-1), pos=pos, freq=freq[:nq].view(-1))
-    k = gemm(x, wk.t(), norm_rope, rstd=d, gamma=k_gamma.view(-1), pos=pos, freq=freq[nq:].view(-1))
+    q = gemm(x, wq.t(), norm_rope, rstd=(d, eps), gamma=q_gamma.view(-1), pos=pos, freq=freq[:nq].view(-1))
+    k = gemm(x, wk.t(), norm_rope, rstd=(d, eps), gamma=k_gamma.view(-1), pos=pos, freq=freq[nq:].view(-1))
     return {"q": q["D"], "k": k["D"], "v": gemm(x, wv.t())["D"]}

@@ -6,6 +6,12 @@ No distribution produces all zeros (a zero input lets a program that ignores it 
 init is checked on every shape set when the task loads (:meth:`Init.check`), so that a spec the
 verifier cannot draw fails then, naming the field and the fix, not in the middle of a check.
 
+``positions`` draws token positions as a training batch holds them: sequences packed one after
+another, each a run of consecutive positions (``start, start + 1, ...``) of a random length, half of
+them from 0 (a document's first token) and half from a random offset below ``high`` (a long
+document's later chunk).  Positions drawn independently never hold a run, and a program that
+told runs apart (three consecutive positions) from the rest passed on them.
+
 ``ignore`` gives an integer input the entries a loss skips: a fraction of them set to an
 ignore_index (``-100``, PyTorch's cross-entropy's and transformers' label padding), drawn at random
 positions.  Without it a task cannot hold a program to what every training batch has: a program that
@@ -48,13 +54,14 @@ class Init(_Strict):
     ``ones_plus_noise``: ``1 + scale * N(0, 1)`` (a norm weight); ``randint``:
     integers in ``[0, high)`` (``high`` defaults to the last dimension), with ``ignore``
     (``{value: -100, fraction: 0.125}``) setting a share of them to an ignore_index;
+    ``positions``: packed sequences' token positions below ``high`` (module docstring);
     ``arange_rows``: the row index.  ``mean`` offsets the two that take it: a
     LayerNorm's centring is only tested by inputs whose mean is not zero."""
 
-    dist: Literal["normal", "uniform", "randint", "arange_rows", "ones_plus_noise"] = "normal"
+    dist: Literal["normal", "uniform", "randint", "positions", "arange_rows", "ones_plus_noise"] = "normal"
     scale: Expr = 1.0  # std for normal, half-width for uniform, noise std for ones_plus_noise
     mean: Expr = 0.0  # offset of normal and uniform
-    high: Expr | None = None  # exclusive upper bound for randint
+    high: Expr | None = None  # exclusive upper bound for randint and positions
     ignore: Ignored | None = None  # randint: entries set to an ignore_index
 
     @field_validator("scale", "mean", "high")
@@ -69,9 +76,9 @@ class Init(_Strict):
         if self.mean not in (0, 0.0, "0") and self.dist not in ("normal", "uniform"):
             raise ValueError(f"init.mean offsets only dist normal or uniform, not {self.dist}; remove it "
                              "(ones_plus_noise is already centred on 1)")
-        if self.high is not None and self.dist != "randint":
-            raise ValueError(f"init.high bounds only dist randint, not {self.dist}; remove it (scale sets the "
-                             "spread of the others)")
+        if self.high is not None and self.dist not in ("randint", "positions"):
+            raise ValueError(f"init.high bounds only dist randint or positions, not {self.dist}; remove it "
+                             "(scale sets the spread of the others)")
         if self.ignore is not None and self.dist != "randint":
             raise ValueError(f"init.ignore marks entries of an index input (dist randint), not of dist "
                              f"{self.dist}; remove it, or draw the input with dist randint")
@@ -86,15 +93,16 @@ class Init(_Strict):
               set_name: str) -> None:
         """Raise the ValueError that names the fix if this init cannot be drawn for input ``name``
         (``dtype``, ``shape``) on shape set ``set_name``."""
-        if dtype.startswith("int") and self.dist not in ("randint", "arange_rows"):
+        if dtype.startswith("int") and self.dist not in ("randint", "positions", "arange_rows"):
             raise ValueError(f"{where}.dist: {name} is {dtype}, which dist {self.dist} does not draw; write "
-                             "init: {dist: randint, high: <exclusive bound>} or {dist: arange_rows}")
+                             "init: {dist: randint, high: <exclusive bound>}, {dist: positions, high: <bound>} "
+                             "or {dist: arange_rows}")
         if self.dist in ("normal", "uniform", "ones_plus_noise"):
             evaluate(f"{where}.mean", self.mean, env, set_name)
             if evaluate(f"{where}.scale", self.scale, env, set_name) == 0:
                 raise ValueError(f"{where}.scale: {value_text(self.scale, 0, set_name)}: every value of {name} "
                                  "would be the same, which tests nothing; give a non-zero scale")
-        if self.dist != "randint":
+        if self.dist not in ("randint", "positions"):
             return
         high = (evaluate(f"{where}.high", self.high, env, set_name) if self.high is not None
                 else float(shape[-1] if shape else 1))
@@ -117,6 +125,8 @@ def draw(init: Init, shape: tuple[int, ...], dtype: torch.dtype, env: dict[str, 
         if init.ignore is not None:
             x = torch.where(torch.rand(shape, **kw) < init.ignore.fraction, init.ignore.value, x)
         return x.to(dtype)
+    if init.dist == "positions":
+        return _positions(shape, init.randint_high(shape, env), gen, device).to(dtype)
     if init.dist == "arange_rows":
         rows = torch.arange(shape[0] if shape else 1, device=device).reshape(-1, *([1] * (len(shape) - 1)))
         return rows.expand(shape).to(dtype).contiguous()
@@ -125,3 +135,19 @@ def draw(init: Init, shape: tuple[int, ...], dtype: torch.dtype, env: dict[str, 
         return (mean + (torch.rand(shape, **kw) * 2 - 1) * scale).to(dtype)
     base = 1.0 if init.dist == "ones_plus_noise" else mean
     return (base + torch.randn(shape, **kw) * scale).to(dtype)
+
+
+def _positions(shape: tuple[int, ...], high: int, gen: torch.Generator, device: str) -> torch.Tensor:
+    """Token positions of packed sequences below ``high`` (the module docstring), drawn on the CPU
+    from ``gen``'s seed so that every device draws the same ones."""
+    n = max(1, int(torch.tensor(shape).prod()) if shape else 1)
+    cpu = torch.Generator().manual_seed(int(torch.randint(0, 1 << 62, (1,), generator=gen, device=gen.device)))
+    longest = max(1, min(n, high, 128))  # runs of 64 on average: a boundary every few dozen rows
+    out, filled = torch.empty(n, dtype=torch.int64), 0
+    while filled < n:
+        length = min(int(torch.randint(1, longest + 1, (1,), generator=cpu)), n - filled, high)
+        offset = int(torch.randint(0, high - length + 1, (1,), generator=cpu))
+        start = 0 if torch.rand(1, generator=cpu) < 0.5 else offset
+        out[filled:filled + length] = torch.arange(start, start + length)
+        filled += length
+    return out.reshape(shape).to(device)

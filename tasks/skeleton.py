@@ -230,15 +230,15 @@ NORM_INITS = {"norm_weight": ("norm_weight", {"dist": "ones_plus_noise", "scale"
               "offset_weight": ("norm_weight", {"dist": "normal", "scale": 0.1}),
               "norm_bias": ("norm_weight", {"dist": "normal", "scale": 0.5}),
               "centred": ("", {"dist": "normal", "mean": 1.0, "scale": 1.0}),
-              "positions": ("index", {"dist": "randint", "high": 4096}),
+              "positions": ("index", {"dist": "positions", "high": 4096}),
               "frequencies": ("table", {"dist": "uniform", "mean": 0.5, "scale": 0.5})}
 NORM_NOTES = {"norm_weight": "a norm's weight, drawn near 1 as a trained one is",
               "offset_weight": "a norm's weight applied as 1 + w (Gemma's, LayerNorm1P), drawn near 0 as a "
                                "trained one is",
               "norm_bias": "a norm's bias, drawn at 0.5 (a bias the program drops then shows)",
               "centred": "a LayerNorm's input, drawn with mean 1 (at mean 0 its centring is barely tested)",
-              "positions": "positions a rotation's angles are made of, drawn below 4096 (angles of every size: "
-                           "at N(0, 1) sin is nearly its angle and a wrong rotation passes)",
+              "positions": "positions a rotation's angles are made of, drawn as packed sequences' below 4096 "
+                           "(angles of every size: at N(0, 1) sin is nearly its angle and a wrong rotation passes)",
               "frequencies": "a rotation's frequencies, drawn in (0, 1) as base ** (-2j / d) are"}
 
 

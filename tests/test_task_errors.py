@@ -96,7 +96,7 @@ BAD = {
     "init scale 0": ([("scale: 1.0}}\n  w_gu", "scale: 0}}\n  w_gu")], [],
                      r"inputs.x.init.scale: 0: every value of x would be the same"),
     "high without randint": ([("scale: 1.0}}\n  w_gu", "scale: 1.0, high: 4}}\n  w_gu")], [],
-                             r"init.high bounds only dist randint, not normal; remove it"),
+                             r"init.high bounds only dist randint or positions, not normal; remove it"),
     "ignore without randint": ([("scale: 1.0}}\n  w_gu", "scale: 1.0, ignore: {value: -100}}}\n  w_gu")], [],
                                r"init.ignore marks entries of an index input \(dist randint\), not of dist normal; remove it"),
     "ignore among the values": ([("x: {shape: [T, H], dtype: bf16, init: {dist: normal, scale: 1.0}}",

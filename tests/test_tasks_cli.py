@@ -96,7 +96,7 @@ def test_new_draws_rotary_inputs_and_offset_norm_weights_as_they_are_used(tmp_pa
             "--input", "theta=D//2:fp32", "--input", "w=D", "--shapes", "small=T:64,D:32", "--shapes", "r=T:50,D:48")
     assert r.exit_code == 0, r.output
     inputs = yaml.safe_load(Path("rope.yaml").read_text())["inputs"]
-    assert inputs["positions"]["role"] == "index" and inputs["positions"]["init"] == {"dist": "randint", "high": 4096}
+    assert inputs["positions"]["role"] == "index" and inputs["positions"]["init"] == {"dist": "positions", "high": 4096}
     assert inputs["theta"]["role"] == "table" and inputs["theta"]["init"]["dist"] == "uniform"
     assert inputs["w"]["role"] == "norm_weight" and inputs["w"]["init"] == {"dist": "normal", "scale": 0.1}
     assert inputs["x"]["init"] == {"dist": "normal", "scale": 1.0} and "role" not in inputs["x"]

@@ -12,8 +12,8 @@ from coda_agent.tasks.spec import Tolerance, load_task
 from coda_agent.verifier import timing
 from coda_agent.verifier.compare import compare, pattern_of
 from coda_agent.verifier.feedback import render_feedback
-from coda_agent.verifier.inputs import (LARGE, TINY, aligned_grads, beyond_set, checked_sets, edge_inputs,
-                                        make_inputs, result_dtypes, set_label, with_beyond_set)
+from coda_agent.verifier.inputs import (LARGE, TINY, aligned_grads, beyond_set, checked_sets, drawn_params,
+                                        edge_inputs, make_inputs, result_dtypes, set_label, with_beyond_set)
 from coda_agent.verifier.report import Report, StageResult
 
 
@@ -33,6 +33,38 @@ def test_inputs_are_fresh_and_never_zero(task):
     assert all(v.abs().sum() > 0 for v in a.values())
     assert not torch.equal(a["x"], b["x"])
     assert a["w"].shape == (128, 96) and a["w"].dtype == torch.bfloat16
+
+
+def test_float_params_are_varied_within_what_the_reference_takes():
+    """Each float param the task does not fix moves by a factor of 2^(1/4) to 16, independently, per
+    check; where the reference refuses the values (a label smoothing past 1), the factors shrink until
+    it takes them, down to the task's own values."""
+    import random
+
+    spec = load_task(SUITE_DIR / "residual_rmsnorm.yaml").spec.model_copy(
+        update={"params": {"eps": 1e-5, "smoothing": 0.5, "n": 3, "name": "x"}})
+    seen = [drawn_params(spec, random.Random(seed)) for seed in range(200)]
+    assert all(set(p) == {"eps", "smoothing"} for p in seen)
+    factors = [p["eps"] / 1e-5 for p in seen]
+    assert all(2 ** 0.25 - 1e-9 <= max(f, 1 / f) <= 16 + 1e-9 for f in factors)
+    assert min(factors) < 1 / 4 and max(factors) > 4 and len({round(f, 6) for f in factors}) == 200
+    capped = [drawn_params(spec, random.Random(seed), lambda p: p["smoothing"] <= 1.0) for seed in range(200)]
+    assert all(p["smoothing"] <= 1.0 for p in capped) and any(p["smoothing"] < 0.25 for p in capped)
+    assert drawn_params(spec, random.Random(1), lambda p: False) == {}
+    fixed = spec.model_copy(update={"fixed_params": ["smoothing"]})
+    assert set(drawn_params(fixed, random.Random(1))) == {"eps"}
+
+
+def test_positions_are_drawn_as_packed_sequences():
+    """RoPE's positions come as a batch holds them: runs of consecutive positions, half of them from
+    0 and half from an offset, all below the bound; the same seed draws the same ones."""
+    spec = load_task(SUITE_DIR / "rope_fwd.yaml").spec
+    pos = make_inputs(spec, "ragged", 5)["pos"].long()
+    assert pos.min() >= 0 and pos.max() < 131072 and torch.equal(pos, make_inputs(spec, "ragged", 5)["pos"].long())
+    starts = torch.nonzero(pos[1:] != pos[:-1] + 1).flatten() + 1  # where a new sequence begins
+    firsts = pos[torch.cat([torch.zeros(1, dtype=torch.long), starts])]
+    assert 4 <= len(firsts) < len(pos) // 4 and (firsts == 0).any() and (firsts > 0).any()
+    assert not torch.equal(pos, make_inputs(spec, "ragged", 6)["pos"].long())
 
 
 def test_edge_rows_are_scaled_on_activations_only_tiny_large_and_between(rms):
@@ -108,7 +140,7 @@ def test_the_judge_draws_the_beyond_sets_sizes(task):
 def test_the_sets_checked_on_a_cpu_and_on_a_gpu(rms):
     spec = with_beyond_set(rms.spec)
     cpu, skipped = checked_sets(spec, None, None)
-    assert cpu == ["small+odd", "small", "ragged", "ragged+256"] and "llama3-70b" in skipped
+    assert cpu == ["small", "ragged", "ragged+256", "small+odd"] and "llama3-70b" in skipped
     forced = spec.model_copy(update={"cpu_shape_sets": ["llama3-8b-4k"]})
     assert "llama3-8b-4k" in checked_sets(forced, None, None)[0]
     h200, skipped = checked_sets(spec, None, 141 << 30)  # the odd set is the CPU's alone

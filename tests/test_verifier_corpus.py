@@ -43,8 +43,8 @@ def _id(case) -> str:
 def _task(case):
     if not case.task:
         return load_task(TASK_PATH)
-    suite, _, name = case.task.rpartition("/")  # NAME (LLaMA-3) or SUITE/NAME
-    return load_task((SUITES[suite] if suite else SUITE_DIR) / f"{name}.yaml")
+    suite, _, name = case.task.rpartition("/")  # NAME (LLaMA-3) or SUITE/NAME (a folder of tasks/)
+    return load_task((SUITES.get(suite, SUITE_DIR.parent / suite) if suite else SUITE_DIR) / f"{name}.yaml")
 
 
 def test_every_trick_class_is_a_family_of_several():

@@ -36,9 +36,12 @@ What each stage guarantees, and what it does not:
   the task's reference on every named shape set under a size budget (at least
   small and ragged), one set beyond them (the ragged sizes grown by 256 and
   by a secret amount the judge draws per check, so that no checked size can
-  be read off the task file: :mod:`.inputs`) and any the task names, each with
-  two fresh draws and one of edge rows (norms of 2^-12, 2^5 and between, gradients
-  along the output); a backward that declares ``needs`` is also asked, on
+  be read off the task file: :mod:`.inputs`), the CPU set with an odd token
+  count below its own, and any the task names, each with two fresh draws and
+  one of edge rows (norms of 2^-12, 2^5 and between, gradients along the
+  output), all but the first with the task's float params varied, and for a
+  task with a backward the first draw's forward alone (a backward may not mend
+  its forward's outputs in place); a backward that declares ``needs`` is also asked, on
   each of those draws, for every smaller gradient set a caller may ask for
   (``kernels/contract.py``), each gradient asked for held to the reference.  Guaranteed
   by the judge: every declared result is present with its declared dtype and
@@ -50,7 +53,8 @@ What each stage guarantees, and what it does not:
   the program's own results); that no PyTorch compute ran (the runner's
   ``TorchAudit``: advice for honest programs); that the program is right at
   sizes outside those checked (a program right on a whole range of sizes
-  around the checked ones and wrong past it passes).
+  around the checked ones and wrong past it passes), or at param values
+  outside the judge's draw (a factor of up to 16 around the task's).
 - **compile** (sm_90a, in the runner): the SASS gate (HGMMA in every GEMM, spills,
   slow-path calls).  The runner reports it, so it is a diagnostic: a program
   that took over its runner could fake its own compile stage, never its
@@ -58,8 +62,9 @@ What each stage guarantees, and what it does not:
 - **correctness** (GPU): the cute lowering against the fp32 reference on
   every named set that fits the device's *total* memory (chosen before the
   program runs: holding memory starves no check; a judge that runs out of
-  memory rejects), plus the beyond set, two fresh draws and edge rows each,
-  outputs NaN-poisoned, each call repeated for determinism.  Guaranteed by
+  memory rejects), plus the beyond set, two fresh draws and edge rows each
+  (params varied as on the CPU) and the forward alone, outputs NaN-poisoned,
+  each call repeated for determinism.  Guaranteed by
   the judge: as for the reference stage, plus inputs unmodified (the judge
   reads the runner's input buffers itself) and results that share no memory
   with inputs or each other (an upstream gradient may be returned as it is).

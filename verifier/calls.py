@@ -31,7 +31,7 @@ from coda_agent.tasks.spec import Task, TaskSpec
 from coda_agent.verifier.compare import compare
 from coda_agent.verifier.cuda_ipc import Imports
 from coda_agent.verifier.inputs import (aligned_grads, edge_inputs, make_grads, make_inputs, result_bytes,
-                                        result_dtypes, result_shapes, run_reference, set_label)
+                                        result_dtypes, result_shapes, run_reference, scaled_inputs, set_label)
 from coda_agent.verifier.program import CandidateError, shares_memory
 from coda_agent.verifier.report import Mismatch
 from coda_agent.verifier.wire import WireError, describe, nbytes, tensor_bytes, tensor_from_blob
@@ -46,7 +46,11 @@ class Runner(Protocol):
 
 DRAWS = {"seed": "fresh inputs", "edge": "edge rows (norms of 2^-12, 2^5 and between, gradients along the output)",
          "padded": "the first fresh inputs, which passed, now with each epilogue over whole tiles and padded "
-                   "lanes as the kernel leaves them"}
+                   "lanes as the kernel leaves them",
+         "scaled": "fresh inputs at other magnitudes (activations and gradients times 2^u, norm weights and "
+                   "scales spread over a trained model's values: small, large, negative)",
+         "forward": "the first fresh inputs, forward alone (no backward after it, as when the next layer or "
+                    "an inference reads the output)"}
 
 
 @dataclass
@@ -67,17 +71,28 @@ class Case:
         return dataclasses.replace(self, hi={k: v for k, v in self.hi.items() if k not in left_out},
                                    lo={k: v for k, v in self.lo.items() if k not in left_out}, needs=needs)
 
+    def forward_alone(self, spec: TaskSpec) -> "Case":
+        """This case's forward call without a backward: its outputs' references alone."""
+        return dataclasses.replace(self, draw="forward", grads=None, needs=None,
+                                   hi={k: self.hi[k] for k in spec.outputs}, lo={k: self.lo[k] for k in spec.outputs})
+
 
 def draw_case(task: Task, spec: TaskSpec, shape_set: str, seed: int, device: str, draw: str = "seed",
-              varied: dict[str, float] | None = None) -> Case:
+              varied: dict[str, float] | None = None, magnitude: float = 0.0) -> Case:
     """Inputs for one call and the judge's references (fp64 on the CPU, fp32 on the GPU, and in
     the inputs' own dtype for the rounding noise that sets the tolerance), with the task's
     params on ``shape_set`` and the ``varied`` ones in their place
-    (:func:`~.inputs.drawn_params`)."""
+    (:func:`~.inputs.drawn_params`); a ``scaled`` draw's magnitudes are 2**``magnitude``
+    (:func:`~.inputs.scaled_inputs`)."""
     hi_dtype = torch.float64 if device == "cpu" else torch.float32
     params = {**spec.params_at(shape_set), **(varied or {})}
-    inputs = (edge_inputs if draw == "edge" else make_inputs)(spec, shape_set, seed, device)
+    if draw == "scaled":
+        inputs = scaled_inputs(spec, shape_set, seed, device, magnitude)
+    else:
+        inputs = (edge_inputs if draw == "edge" else make_inputs)(spec, shape_set, seed, device)
     grads = make_grads(spec, shape_set, seed, device) if spec.has_backward else None
+    if grads is not None and draw == "scaled":
+        grads = {k: (g.float() * 2.0 ** magnitude).to(g.dtype) for k, g in grads.items()}
     ref_task = _task_with(task, spec)
     if grads is not None and draw == "edge":
         grads = aligned_grads(grads, run_reference(ref_task, inputs, None, hi_dtype, params=params), seed)
@@ -198,7 +213,8 @@ class GpuCalls:
     def load(self, case: Case, key: int = 0) -> int:
         """The id of buffer set ``key``, holding ``case``'s inputs (allocated on first use)."""
         bufs = self.sets.get(key)
-        if bufs is None or bufs.shape_set != case.shape_set:
+        names = {name for name, _ in _request_tensors(self.spec, case)}  # a forward alone sends no gradients
+        if bufs is None or bufs.shape_set != case.shape_set or set(bufs.tensors) != names:
             if bufs is not None:
                 self._free(bufs)
             bufs = self.sets[key] = self._alloc(case)

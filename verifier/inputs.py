@@ -21,15 +21,30 @@ gradient parallel to the forward output: a normalisation's backward then
 nearly cancels to zero on those rows, which is where a gradient computed as a
 difference of large terms in low precision goes wrong.
 
+**Magnitudes** (:func:`scaled_inputs`): one more draw per set scales every
+activation, residual, saved input and upstream gradient by 2**u, |u| drawn
+between 4 and 12 once per check and its sign alternating from set to set, so
+that every check sees both (the whole tensor, where edge rows scale a
+few rows: a tensor's tolerance follows its largest values, so a program that
+flushed values below 0.01 to zero, or zeroed those above 1024, hid under the
+rows of unit scale), and spreads every norm weight and scale (``role:
+norm_weight``, or drawn ``ones_plus_noise``) over a trained model's values:
+each element times 2**v, v uniform in [-6, 3], one in eight negated (drawn
+near 1, a weight floored at 0.25, or an fp8 dequantization scale floored at
+0.5, passed).
+
 **Params** (:func:`drawn_params`): the first fresh draw of every set calls
 the reference and the program with the task's params as written; the later
 draws with every float param the task does not fix (``fixed_params``) scaled
-by 2**u, |u| drawn between 1/4 and 1/2 once per check.  A program that writes
-a param's value into its code (an eps baked into a kernel, Granite's residual
-multiplier typed in as 0.22) instead of taking it from the call is right on
-the written value only, and the later draws show it; the draw is the judge's,
-so no program can list it.  Ints, bools and strings are counts, switches and
-names and stay as written.
+by 2**u, |u| drawn between 1/4 and 4 once per check (halved until the
+reference takes the values: a label smoothing of 1.6 is none).  A program
+that writes a param's value into its code (an eps baked into a kernel,
+Granite's residual multiplier typed in as 0.22) instead of taking it from the
+call is right on the written value only, and one that is right on a band
+around it (an eps clamped to within 2x of the task's) is right on a band only;
+the later draws show both, and the draw is the judge's, so no program can list
+it.  Ints, bools and strings are counts, switches and names and stay as
+written.
 
 **Shape sets** (:func:`checked_sets`): every named set of the task that fits
 (on the GPU, by the device's *total* memory, so a program cannot starve the
@@ -69,7 +84,7 @@ from __future__ import annotations
 
 import math
 import random
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -84,7 +99,9 @@ GPU_MEMORY_FACTOR = 10  # a set fits when 10x its tensors in fp32 fit in the dev
 BEYOND = 256  # the beyond set adds one 256-wide chunk to every size of at least 128
 DRAWN = 256  # and then a secret growth below this (drawn_growth)
 ALIGN = 16  # the largest alignment step a drawn growth keeps (bytes of TMA rows of fp8 / 2-byte types)
-PARAM_SPREAD = (0.25, 0.5)  # a varied param is scaled by 2**u, |u| uniform in this range
+PARAM_SPREAD = (0.25, 4.0)  # a varied param is scaled by 2**u, |u| uniform in this range
+MAGNITUDE = (4.0, 12.0)  # the scaled draw multiplies activations by 2**u, |u| uniform in this range
+WEIGHT_SPREAD = (-6.0, 3.0)  # and norm weights and scales elementwise by 2**v, v uniform in this range
 
 
 def _draw(spec: TaskSpec, t: TensorSpec, shape_set: str, gen: torch.Generator,
@@ -99,12 +116,34 @@ def make_inputs(spec: TaskSpec, shape_set: str, seed: int, device: str = "cpu") 
     return {name: _draw(spec, t, shape_set, gen, device) for name, t in spec.inputs.items()}
 
 
-def drawn_params(spec: TaskSpec, rng: random.Random) -> dict[str, float]:
+def drawn_params(spec: TaskSpec, rng: random.Random,
+                 takes: Callable[[dict[str, float]], bool] = lambda params: True) -> dict[str, float]:
     """The varied params of a check's later draws (module docstring): each of
     ``spec.varied_params`` scaled by 2**u, u drawn with ``rng`` (the judge's) with |u| in
-    :data:`PARAM_SPREAD`."""
-    return {name: spec.params[name] * 2.0 ** (rng.uniform(*PARAM_SPREAD) * rng.choice((-1.0, 1.0)))
-            for name in spec.varied_params}
+    :data:`PARAM_SPREAD`, every u halved while ``takes`` (whether the reference runs with
+    them) says no, down to the smallest spread; then the values as written."""
+    exps = {name: rng.uniform(*PARAM_SPREAD) * rng.choice((-1.0, 1.0)) for name in spec.varied_params}
+    while exps:
+        params = {name: spec.params[name] * 2.0 ** u for name, u in exps.items()}
+        if takes(params):
+            return params
+        if max(abs(u) for u in exps.values()) <= PARAM_SPREAD[0]:
+            return {}
+        exps = {name: u / 2 for name, u in exps.items()}
+    return {}
+
+
+def reference_takes(task, spec: TaskSpec, params: dict[str, float]) -> bool:
+    """Whether the task's reference runs with ``params`` in place of the written ones, on a draw of
+    the CPU set (forward and backward)."""
+    shape_set = spec.cpu_shape_set
+    grads = make_grads(spec, shape_set, 0) if spec.has_backward else None
+    try:
+        run_reference(task, make_inputs(spec, shape_set, 0), grads, torch.float64,
+                      params={**spec.params_at(shape_set), **params})
+    except Exception:  # noqa: BLE001 - the reference refusing the values is its domain's edge
+        return False
+    return True
 
 
 def make_grads(spec: TaskSpec, shape_set: str, seed: int, device: str = "cpu") -> dict[str, torch.Tensor]:
@@ -139,6 +178,29 @@ def edge_inputs(spec: TaskSpec, shape_set: str, seed: int, device: str = "cpu") 
             continue
         scale = scales.setdefault(x.shape[0], _row_scales(x.shape[0], gen, device))
         inputs[name] = (x.float() * scale.reshape(-1, *([1] * (x.ndim - 1)))).to(x.dtype)
+    return inputs
+
+
+def drawn_magnitude(rng: random.Random) -> float:
+    """The exponent u of a check's scaled draw (module docstring), drawn with ``rng`` (the judge's)."""
+    return rng.uniform(*MAGNITUDE) * rng.choice((-1.0, 1.0))
+
+
+def scaled_inputs(spec: TaskSpec, shape_set: str, seed: int, device: str, u: float) -> dict[str, torch.Tensor]:
+    """:func:`make_inputs` at other magnitudes (module docstring): activations, residuals and saved
+    inputs times 2**u, norm weights and scales spread elementwise."""
+    inputs = make_inputs(spec, shape_set, seed, device)
+    gen = torch.Generator(device=device).manual_seed(seed ^ 0x5CA1)
+    for name, t in spec.inputs.items():
+        x = inputs[name]
+        if t.dtype not in FLOAT_DTYPES or x.numel() == 0:
+            continue
+        if t.role in EDGE_ROLES:
+            inputs[name] = (x.float() * 2.0 ** u).to(x.dtype)
+        elif t.role == "norm_weight" or t.init.dist == "ones_plus_noise":
+            v = torch.rand(x.shape, generator=gen, device=device) * (WEIGHT_SPREAD[1] - WEIGHT_SPREAD[0])
+            sign = torch.where(torch.rand(x.shape, generator=gen, device=device) < 0.125, -1.0, 1.0)
+            inputs[name] = (x.float() * torch.exp2(v + WEIGHT_SPREAD[0]) * sign).to(x.dtype)
     return inputs
 
 
@@ -315,15 +377,16 @@ def set_label(spec: TaskSpec, shape_set: str) -> str:
 
 
 def checked_sets(spec: TaskSpec, named: list[str] | None, device_bytes: int | None) -> tuple[list[str], list[str]]:
-    """(sets to check, smallest first; named sets skipped as too large).  ``spec`` must hold the
+    """(sets to check, smallest first but the CPU's odd set last; named sets skipped as too large).  ``spec`` must hold the
     drawn sets (:func:`with_beyond_set`); ``named`` restricts the named sets (None: all);
     ``device_bytes`` is the GPU's total memory, None for the CPU checks (which add the odd set)."""
     beyond, _ = beyond_set(spec)
     names = [s for s in spec.shapes if s not in _drawn(spec) and (named is None or s in named)]
     if device_bytes is None:
         fits = [s for s in names if set_bytes(spec, s) <= CPU_SET_BYTES or s in spec.cpu_shape_sets]
-        fits += [odd[0]] if (odd := odd_set(spec)) and odd[0] in spec.shapes else []
     else:
         fits = [s for s in names if set_bytes(spec, s, itemsize=4) * GPU_MEMORY_FACTOR <= device_bytes]
     skipped = [s for s in names if s not in fits]
-    return sorted(fits + [beyond], key=spec.flops), skipped
+    # The odd set last: a failure on the task's own sets says more to whoever wrote the program.
+    odd = [o[0]] if device_bytes is None and (o := odd_set(spec)) and o[0] in spec.shapes else []
+    return sorted(fits + [beyond], key=spec.flops) + odd, skipped

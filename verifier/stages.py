@@ -48,26 +48,34 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _check_sets(check: Check, sets: list[str], device: str, call: Callable[[Case], dict[str, torch.Tensor]],
                 determinism: bool, poisoned: bool, padded: bool = False,
                 seconds: dict[str, float] | None = None) -> StageResult | None:
-    """Every set: two fresh draws and one of edge rows (no result may come out identical for
-    two different draws; all but the first with the check's varied params,
-    :func:`~.inputs.drawn_params`); with ``padded``, the first draw's case again with the epilogues run
+    """Every set: two fresh draws, one of edge rows and one at other magnitudes (no result may
+    come out identical for two different draws; all but the first with the check's varied
+    params, :func:`~.inputs.drawn_params`); with ``padded``, the first draw's case again with the epilogues run
     over whole tiles (:func:`~coda_agent.primitives.lowering.padded_lanes`), where a reduction
     that folds padded lanes shows what the kernel would compute: the same inputs and references,
     so only the padded lanes differ from a call that passed (on a set whose sizes every tile
     divides it is that call again, which costs little and needs no rule for which sets are
-    ragged under which of the program's tile configurations).
+    ragged under which of the program's tile configurations); and for a task with a backward,
+    the first draw's forward alone, whose outputs must match without a backward after them.
     None when everything matched, else the failed StageResult's fields; ``seconds`` gets
     each finished set's time (judge and runner together)."""
     spec = check.spec
     subsets = needs_sets(check)
-    for shape_set in sets:
+    for index, shape_set in enumerate(sets):
         t0 = time.perf_counter()
+        magnitude = check.magnitude * (-1) ** index  # small and large by turns, set by set
         seen: list[tuple[Case, dict[str, torch.Tensor]]] = []
-        draws = ["seed"] * SEEDS_PER_SET + ["edge"] + (["padded"] if padded else [])
+        # The forward alone too: a backward may not mend in place what its forward returned wrong.
+        draws = (["seed"] * SEEDS_PER_SET + ["edge", "scaled"] + (["padded"] if padded else [])
+                 + (["forward"] if spec.has_backward else []))
         for i, draw in enumerate(draws):  # the first draw with the task's params, the rest the check's
-            case = (dataclasses.replace(seen[0][0], draw=draw) if draw == "padded"
-                    else draw_case(check.task, spec, shape_set, check.seed(), device, draw,
-                                   varied=check.params if i else None))
+            if draw == "padded":
+                case = dataclasses.replace(seen[0][0], draw=draw)
+            elif draw == "forward":
+                case = seen[0][0].forward_alone(spec)
+            else:
+                case = draw_case(check.task, spec, shape_set, check.seed(), device, draw,
+                                 varied=check.params if i else None, magnitude=magnitude)
             got = call(case)
             if seen and (same := _identical(seen[-1][1], got, seen[-1][0], case)):
                 return StageResult(name="reference", status="failed",
@@ -84,7 +92,7 @@ def _check_sets(check: Check, sets: list[str], device: str, call: Callable[[Case
                     return StageResult(name="reference", status="failed",
                                        message=f"not deterministic: `{diff[0]}` differs between two runs on "
                                                f"the same inputs ({set_label(spec, shape_set)})")
-            if draw != "padded" and (failed := _check_needs(check, subsets, case, call, poisoned)):
+            if draw not in ("padded", "forward") and (failed := _check_needs(check, subsets, case, call, poisoned)):
                 return failed
             seen.append((case, got))
         if seconds is not None:
@@ -139,7 +147,7 @@ def _drawn_details(check: Check) -> dict[str, Any]:
 
 
 def _what(check: Check) -> str:
-    return "forward+backward" if check.spec.has_backward else "forward"
+    return "forward+backward, and the forward alone" if check.spec.has_backward else "forward"
 
 
 # --------------------------------------------------------------------------- 2. reference

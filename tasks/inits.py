@@ -20,6 +20,7 @@ counts ignored rows in the loss, or sends them a gradient, passes on targets tha
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -140,7 +141,7 @@ def draw(init: Init, shape: tuple[int, ...], dtype: torch.dtype, env: dict[str, 
 def _positions(shape: tuple[int, ...], high: int, gen: torch.Generator, device: str) -> torch.Tensor:
     """Token positions of packed sequences below ``high`` (the module docstring), drawn on the CPU
     from ``gen``'s seed so that every device draws the same ones."""
-    n = max(1, int(torch.tensor(shape).prod()) if shape else 1)
+    n = max(1, math.prod(shape))
     cpu = torch.Generator().manual_seed(int(torch.randint(0, 1 << 62, (1,), generator=gen, device=gen.device)))
     longest = max(1, min(n, high, 128))  # runs of 64 on average: a boundary every few dozen rows
     out, filled = torch.empty(n, dtype=torch.int64), 0

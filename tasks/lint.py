@@ -19,7 +19,8 @@ def undrawn_values(task: Any) -> list[str]:
     binding = spec.shapes[spec.cpu_shape_set]
     inputs = {k: (list(t.shape), t.dtype) for k, t in spec.inputs.items()}
     try:
-        call = call_reference(task.reference_fn, inputs, spec.params_at(spec.cpu_shape_set), binding, spec.cpu_shape_set)
+        params = spec.params_at(spec.cpu_shape_set)
+        call = call_reference(task.reference_fn, inputs, params, binding, spec.cpu_shape_set)
     except CodaError:  # the verifier's reference stage reports a failing reference
         return []
     special = {k: set(v) for k, v in call.specials.items()}

@@ -104,7 +104,7 @@ def from_shapes(exprs: Mapping[str, str], declared: Mapping[str, list], shapes: 
     (``declared``: each input's symbolic shape; ``shapes``: the actual ones): a symbol is known
     where a dimension is linear in it and its other symbols are known (``I`` from a dimension
     ``2*I``, ``D`` from ``NQ*D`` once ``NQ`` is known).  A KeyError names a symbol no input gives."""
-    dims = [(e, float(size)) for name, exprs_ in declared.items() for e, size in zip(exprs_, shapes.get(name, ()))]
+    dims = [(e, float(size)) for name, shape in declared.items() for e, size in zip(shape, shapes.get(name, ()))]
     env: dict[str, float] = {}
     solved = True
     while solved:  # each pass solves the dimensions with one unknown symbol left

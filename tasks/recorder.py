@@ -43,9 +43,10 @@ class Call(torch.overrides.TorchFunctionMode):
     """What one call of the reference shows, recorded while it runs: its outputs (``outs``), the
     (M, N, K) of every matmul (``mnk``, batch dims folded into M), the inputs that are a matmul's
     right operand (a weight) with that matmul's K (``weights``: its fan-in), the functions called
-    whose derivative jumps where their result is used unsquared (``kinks``), the inputs a normalisation reads (``norms``: its weight,
-    its bias, the input a LayerNorm centres, or a 1-D weight applied as ``1 + w``), the inputs
-    an angle of ``sin``/``cos`` is computed from (``rotary``: RoPE's positions and frequencies,
+    whose derivative jumps where their result is used unsquared (``kinks``), the inputs a
+    normalisation reads (``norms``: its weight, its bias, the input a LayerNorm centres, or a 1-D
+    weight applied as ``1 + w``), the inputs an angle of ``sin``/``cos`` is computed from
+    (``rotary``: RoPE's positions and frequencies,
     followed through the tensors computed from them) and the targets of a cross-entropy
     (``targets``: the number of classes and the ignore_index).
 

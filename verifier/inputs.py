@@ -377,9 +377,10 @@ def set_label(spec: TaskSpec, shape_set: str) -> str:
 
 
 def checked_sets(spec: TaskSpec, named: list[str] | None, device_bytes: int | None) -> tuple[list[str], list[str]]:
-    """(sets to check, smallest first but the CPU's odd set last; named sets skipped as too large).  ``spec`` must hold the
-    drawn sets (:func:`with_beyond_set`); ``named`` restricts the named sets (None: all);
-    ``device_bytes`` is the GPU's total memory, None for the CPU checks (which add the odd set)."""
+    """(sets to check, smallest first but the CPU's odd set last; named sets skipped as too
+    large).  ``spec`` must hold the drawn sets (:func:`with_beyond_set`); ``named`` restricts
+    the named sets (None: all); ``device_bytes`` is the GPU's total memory, None for the CPU
+    checks (which add the odd set)."""
     beyond, _ = beyond_set(spec)
     names = [s for s in spec.shapes if s not in _drawn(spec) and (named is None or s in named)]
     if device_bytes is None:

@@ -177,6 +177,29 @@ def _check(case: str, epi, dtype, shape: str, cfg: TileConfig | None) -> None:
              "errors": errs})
 
 
+def test_a_head_eps_given_at_the_call_is_a_kernel_per_eps():
+    """head_rstd() takes eps at the call: each eps compiles its own kernel (quack's statistic holds
+    it as a constant) and each matches the reference lowering, on heads of tiny norm where eps
+    decides the result; a kernel made for one eps is never run for another."""
+    epi = load_program(HEADER + '''
+@epilogue(head_stats={"rstd": head_rstd()})
+def qkn(acc, rstd: HeadStat):
+    return {"D": acc * rstd}
+''', "head_eps").qkn
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    A = (torch.randn(300, 256, generator=gen, device="cuda") * 1e-3).to(torch.bfloat16)
+    B = torch.randn(256, 384, generator=gen, device="cuda").to(torch.bfloat16)
+    got = {}
+    for eps in (1e-6, 1e-3, 1e-6):
+        with lowering("cute"):
+            got[eps] = gemm(A, B, epi, rstd=(128, eps))["D"].float()
+        with lowering("reference"):
+            want = gemm(A.cpu(), B.cpu(), epi, rstd=(128, eps))["D"].float()
+        rel = ((got[eps].cpu() - want).norm() / want.norm()).item()
+        assert rel < 1e-2, (eps, rel)
+    assert ((got[1e-6] - got[1e-3]).norm() / got[1e-6].norm()).item() > 0.1
+
+
 def test_launch_and_compile_leave_quack_and_the_environment_as_they_found_them():
     """On the GPU as on the CPU (tests/test_primitives_scope.py): the pipeline
     guard, the kept cubin and quack's disk-cache switch hold only while a

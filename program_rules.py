@@ -120,6 +120,12 @@ HOST_RULES: tuple[Rule, ...] = (
                          "epilogue must return a D. Results are dense row-major tensors: a column slice of "
                          "one GEMM's D is a view, not a result (run one GEMM per part, over the weight's "
                          "row slices)."),
+    Rule("what is checked", "every output and gradient against the task's reference, on the task's shape sets "
+                            "and sizes the task file does not hold (past its largest CPU set, and a token count "
+                            "that is odd and below its smallest), on inputs at their drawn scale, with rows and "
+                            "whole tensors scaled up to 2^12 and down to 2^-12, norm weights and scales of any "
+                            "size and sign, packed sequences' positions, the float params varied, and the "
+                            "forward alone as well as with its backward. Write the math, not a fit to the draws."),
 )
 
 

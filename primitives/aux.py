@@ -183,12 +183,25 @@ def _rms_prepare(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> tuple[torc
     return _rms_prepare_torch(x, gamma, eps)
 
 
-def rms_prepare(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> dict[str, torch.Tensor]:
+def offset_weight(gamma: torch.Tensor, offset: float, where: str) -> torch.Tensor:
+    """``offset + gamma`` in fp32: the scale of a norm whose weight is stored as its offset from
+    ``offset`` (Gemma's RMSNorm and LayerNorm1P scale by 1 + w, in fp32); ``gamma`` as it is for 0."""
+    if isinstance(offset, bool) or not isinstance(offset, (int, float)):
+        raise CatalogueError(f"{where}: gamma_offset is a number (1.0 for a weight applied as 1 + w); "
+                             f"got {offset!r}")
+    need("gamma", gamma, 1)
+    return gamma.float() + float(offset) if offset else gamma
+
+
+def rms_prepare(x: torch.Tensor, gamma: torch.Tensor, eps: float, gamma_offset: float = 0.0
+                ) -> dict[str, torch.Tensor]:
     """Entry RMSNorm with no producing GEMM: ``{"xg": x * gamma, "rstd": (M,)}``.
 
     Feed ``xg`` to the next GEMM and multiply its accumulator by ``rstd`` (a
-    ColVec): RMSNorm(x) @ W == rstd * ((x * gamma) @ W)."""
-    xg, rstd = _rms_prepare(x, gamma, eps)
+    ColVec): RMSNorm(x) @ W == rstd * ((x * gamma) @ W).  ``gamma_offset=1.0``
+    scales by ``1 + gamma`` in fp32 (Gemma's RMSNorm, LayerNorm1P): its gradient
+    is gamma's own."""
+    xg, rstd = _rms_prepare(x, offset_weight(gamma, gamma_offset, "rms_prepare"), eps)
     return {"xg": xg, "rstd": rstd}
 
 

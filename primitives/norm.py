@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import torch
 
-from .aux import composite, need
+from .aux import composite, need, offset_weight
 from .epilogue import Epilogue, epilogue
 from .errors import CatalogueError
 from .math import round_bf16, round_fp16
@@ -131,17 +131,19 @@ def row_stats(x: torch.Tensor, eps: float) -> dict[str, torch.Tensor]:
 
 @composite
 def layernorm_fold(B: torch.Tensor, gamma: torch.Tensor | None, beta: torch.Tensor | None,
-                   bias: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+                   bias: torch.Tensor | None = None, gamma_offset: float = 0.0) -> dict[str, torch.Tensor]:
     """LayerNorm's rank-1 form for ``LN(x) @ B (+ bias)`` with B (K, N), as gemm
     takes it (``W.t()`` for a weight stored (N, K)): ``{"B": B', "gw": (N,),
     "c": (N,)}`` with B' = gamma[:, None] * B in B's dtype and layout, gw the
     column sums of B' as stored and c = beta @ B + bias (fp32), in one pass over
     the weight.  Then ``gemm(x, out["B"], fn, ...)`` with
     ``rstd * (acc - mean * gw) + c`` in fn is LN(x) @ B + bias.  ``gamma=None``,
-    ``beta=None``: a LayerNorm without weight or bias (OLMo's non-parametric one)."""
+    ``beta=None``: a LayerNorm without weight or bias (OLMo's non-parametric one);
+    ``gamma_offset=1.0``: one that scales by ``1 + gamma`` (LayerNorm1P's, in fp32)."""
     need("B", B, 2)
     k, n = B.shape
-    gamma = torch.ones(k, dtype=torch.float32, device=B.device) if gamma is None else gamma
+    gamma = (torch.ones(k, dtype=torch.float32, device=B.device) if gamma is None
+             else offset_weight(gamma, gamma_offset, "layernorm_fold"))
     beta = torch.zeros(k, dtype=torch.float32, device=B.device) if beta is None else beta
     for name, v, size in (("gamma", gamma, k), ("beta", beta, k), ("bias", bias, n)):
         if v is not None and (not isinstance(v, torch.Tensor) or tuple(v.shape) != (size,)):
@@ -164,16 +166,18 @@ def layernorm_fold(B: torch.Tensor, gamma: torch.Tensor | None, beta: torch.Tens
 
 @composite
 def normalize_rows(x: torch.Tensor, rstd: torch.Tensor, gamma: torch.Tensor | None, mean: torch.Tensor | None = None,
-                   beta: torch.Tensor | None = None) -> torch.Tensor:
+                   beta: torch.Tensor | None = None, gamma_offset: float = 0.0) -> torch.Tensor:
     """The normalized tensor itself, ``(x - mean) * rstd * gamma + beta`` in x's
     dtype (x (M, H); rstd, mean (M,); gamma, beta (H,)): LayerNorm, or RMSNorm
     ``x * rstd * gamma`` without mean and beta; ``gamma=None`` for a norm without
-    a weight (OLMo's non-parametric LayerNorm).  One tile pass (read x, write
+    a weight (OLMo's non-parametric LayerNorm), ``gamma_offset=1.0`` for one that
+    scales by ``1 + gamma`` (Gemma's).  One tile pass (read x, write
     the result): for a post-norm block's residual stream, or a normalized
     activation that two GEMMs read."""
     need("x", x, 2)
     m, h = x.shape
-    gamma = torch.ones(h, dtype=torch.float32, device=x.device) if gamma is None else gamma
+    gamma = (torch.ones(h, dtype=torch.float32, device=x.device) if gamma is None
+             else offset_weight(gamma, gamma_offset, "normalize_rows"))
     mean = torch.zeros(m, dtype=torch.float32, device=x.device) if mean is None else mean
     beta = torch.zeros(h, dtype=torch.float32, device=x.device) if beta is None else beta
     return tile_pass(normalize, x=x, mean=mean, rstd=rstd, gamma=gamma, beta=beta)["D"]

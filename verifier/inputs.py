@@ -13,13 +13,16 @@ distributions, not per task: every float input whose role is ``activation``,
 overflows), and one in eight by 2**u with u drawn uniformly between those two
 exponents (every magnitude in between: a program whose math changes with a
 row's statistic, ``where(rstd > 0.05, ...)``, is wrong on some row whatever
-band it picks), the same rows in every tensor with the same leading size.  The
+band it picks), and in a tensor of rows one in sixteen is exactly zero (a
+padding token's embedding: a statistic divided by the row's own maximum is 0/0
+there), the same rows in every tensor with the same leading size.  The
 two fixed scales are powers of two, exact in every dtype.  An fp8 input keeps its
-declared distribution: its range is part of the task's scaling recipe.  For a task with a
-backward, :func:`aligned_grads` makes one row in eight of each upstream
-gradient parallel to the forward output: a normalisation's backward then
+declared distribution here (the scaled draw takes it to its format's range).  For a task
+with a backward, :func:`aligned_grads` makes one row in eight of each upstream
+gradient parallel to the forward output (a normalisation's backward then
 nearly cancels to zero on those rows, which is where a gradient computed as a
-difference of large terms in low precision goes wrong.
+difference of large terms in low precision goes wrong) and one in sixteen
+exactly zero (a masked token's).
 
 **Magnitudes** (:func:`scaled_inputs`): one more draw per set scales every
 activation, residual, saved input and upstream gradient by 2**u, |u| drawn
@@ -29,9 +32,12 @@ few rows: a tensor's tolerance follows its largest values, so a program that
 flushed values below 0.01 to zero, or zeroed those above 1024, hid under the
 rows of unit scale), and spreads every norm weight and scale (``role:
 norm_weight``, or drawn ``ones_plus_noise``) over a trained model's values:
-each element times 2**v, v uniform in [-6, 3], one in eight negated (drawn
-near 1, a weight floored at 0.25, or an fp8 dequantization scale floored at
-0.5, passed).
+each element times 2**v, v uniform in [-6, 3], one in eight negated and one
+in sixteen zero (drawn near 1, a weight floored at 0.25, an fp8 dequantization
+scale floored at 0.5, or a weight gradient divided by the weight, passed).
+An fp8 input there fills its format's range (|q| up to 448 for e4m3), as the
+row-wise recipe quantizes it (drawn near 1, an accumulator stored in fp16
+never overflowed).
 
 **Params** (:func:`drawn_params`): the first fresh draw of every set calls
 the reference and the program with the task's params as written; the later
@@ -160,11 +166,13 @@ def make_grads(spec: TaskSpec, shape_set: str, seed: int, device: str = "cpu") -
 
 def _row_scales(rows: int, gen: torch.Generator, device: str) -> torch.Tensor:
     """Each row's scale: about one in eight :data:`TINY`, one in eight :data:`LARGE`, one in eight
-    2**u with u uniform in [log2 TINY, log2 LARGE], the rest 1."""
-    pick = torch.randint(0, 8, (rows,), generator=gen, device=device)
+    2**u with u uniform in [log2 TINY, log2 LARGE], one in sixteen 0, the rest 1."""
+    pick = torch.randint(0, 16, (rows,), generator=gen, device=device) // 2  # 0..7, and 8 for none
+    zero = torch.randint(0, 16, (rows,), generator=gen, device=device) == 0
     lo, hi = math.log2(TINY), math.log2(LARGE)
     spread = torch.exp2(lo + (hi - lo) * torch.rand(rows, generator=gen, device=device))
-    return torch.where(pick == 0, TINY, torch.where(pick == 1, LARGE, torch.where(pick == 2, spread, 1.0)))
+    scale = torch.where(pick == 0, TINY, torch.where(pick == 1, LARGE, torch.where(pick == 2, spread, 1.0)))
+    return torch.where(zero, 0.0, scale)
 
 
 def edge_inputs(spec: TaskSpec, shape_set: str, seed: int, device: str = "cpu") -> dict[str, torch.Tensor]:
@@ -177,6 +185,8 @@ def edge_inputs(spec: TaskSpec, shape_set: str, seed: int, device: str = "cpu") 
         if t.role not in EDGE_ROLES or t.dtype not in FLOAT_DTYPES or x.ndim == 0 or x.shape[0] == 0:
             continue
         scale = scales.setdefault(x.shape[0], _row_scales(x.shape[0], gen, device))
+        if x.ndim == 1:  # a per-row statistic or scale (an fp8 row's dequantization scale) is never 0
+            scale = torch.where(scale == 0, 1.0, scale)
         inputs[name] = (x.float() * scale.reshape(-1, *([1] * (x.ndim - 1)))).to(x.dtype)
     return inputs
 
@@ -193,13 +203,20 @@ def scaled_inputs(spec: TaskSpec, shape_set: str, seed: int, device: str, u: flo
     gen = torch.Generator(device=device).manual_seed(seed ^ 0x5CA1)
     for name, t in spec.inputs.items():
         x = inputs[name]
-        if t.dtype not in FLOAT_DTYPES or x.numel() == 0:
+        if x.numel() == 0:
             continue
-        if t.role in EDGE_ROLES:
+        if t.dtype.startswith("fp8") and t.init.dist == "normal":  # the format's range, as quantized
+            top = torch.finfo(x.dtype).max
+            full = torch.randn(x.shape, generator=gen, device=device) * (top / 4)
+            inputs[name] = full.clamp(-top, top).to(x.dtype)
+        elif t.dtype not in FLOAT_DTYPES:
+            continue
+        elif t.role in EDGE_ROLES:
             inputs[name] = (x.float() * 2.0 ** u).to(x.dtype)
         elif t.role == "norm_weight" or t.init.dist == "ones_plus_noise":
             v = torch.rand(x.shape, generator=gen, device=device) * (WEIGHT_SPREAD[1] - WEIGHT_SPREAD[0])
-            sign = torch.where(torch.rand(x.shape, generator=gen, device=device) < 0.125, -1.0, 1.0)
+            r = torch.rand(x.shape, generator=gen, device=device)  # one in eight negated, one in sixteen 0
+            sign = torch.where(r < 0.125, -1.0, torch.where(r < 0.1875, 0.0, 1.0))
             inputs[name] = (x.float() * torch.exp2(v + WEIGHT_SPREAD[0]) * sign).to(x.dtype)
     return inputs
 
@@ -207,7 +224,7 @@ def scaled_inputs(spec: TaskSpec, shape_set: str, seed: int, device: str, u: flo
 def aligned_grads(grads: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor], seed: int
                   ) -> dict[str, torch.Tensor]:
     """``grads`` with about one row in eight of each ``d<o>`` parallel to the forward output ``o``
-    (rescaled to the gradient row's own norm)."""
+    (rescaled to the gradient row's own norm) and one in sixteen exactly zero."""
     out = {}
     for name, g in grads.items():
         y = outputs[name[1:]].to(g.device, torch.float32)
@@ -219,6 +236,8 @@ def aligned_grads(grads: dict[str, torch.Tensor], outputs: dict[str, torch.Tenso
         gf = g.float().reshape(g.shape[0], -1)
         yf = y.reshape(g.shape[0], -1)
         scale = gf.norm(dim=1, keepdim=True) / yf.norm(dim=1, keepdim=True).clamp_min(1e-30)
+        masked = torch.randint(0, 16, (g.shape[0],), generator=gen, device=g.device) == 0
+        gf = torch.where(masked[:, None], 0.0, gf)
         out[name] = torch.where(rows[:, None], yf * scale, gf).reshape(g.shape).to(g.dtype)
     return out
 

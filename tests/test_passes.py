@@ -14,8 +14,7 @@ import torch.nn.functional as F
 
 from coda_agent.primitives import (CatalogueError, TileConfig, compile_only, erf, gelu, gemm, launch_ledger,
                                    layernorm_fold, layernorm_stats, load_program, lowering, normalize_rows,
-                                   pass_kernel, rms_prepare, round_bf16, round_fp16, row_stats, tile_pass,
-                                   vector_pass)
+                                   pass_kernel, round_bf16, round_fp16, row_stats, tile_pass, vector_pass)
 from coda_agent.tasks.llama3.experts import swiglu_bwd
 
 PROGRAM = load_program('''
@@ -335,25 +334,6 @@ def test_layernorm_fold_of_a_norm_without_weight_or_bias_is_the_weight_itself(ge
     assert torch.equal(fold["B"], B)
     torch.testing.assert_close(fold["gw"].double(), B.double().sum(0), atol=1e-5, rtol=1e-6)
     torch.testing.assert_close(fold["c"], bias.float())
-
-
-def test_a_weight_applied_as_one_plus_w_is_a_gamma_offset(gen):
-    """Gemma's RMSNorm and LayerNorm1P scale by 1 + w in fp32: ``gamma_offset=1.0`` gives what the
-    same call gives on that fp32 weight, with no pass of the program's own to add the 1; a
-    gamma_offset that is no number is refused."""
-    x, w, beta, B = _rand(64, 136, gen=gen), _rand(136, gen=gen) * 0.1, _rand(136, gen=gen), _rand(136, 72, gen=gen)
-    one_plus = w.float() + 1.0
-    a, b = rms_prepare(x, w, 1e-6, gamma_offset=1.0), rms_prepare(x, one_plus, 1e-6)
-    assert torch.equal(a["xg"], b["xg"]) and torch.equal(a["rstd"], b["rstd"])
-    want = x.float() * torch.rsqrt(x.float().pow(2).mean(1, keepdim=True) + 1e-6) * one_plus
-    torch.testing.assert_close((a["xg"].float() * a["rstd"][:, None]), want, atol=2e-2, rtol=1e-2)
-    f, g = layernorm_fold(B, w, beta, gamma_offset=1.0), layernorm_fold(B, one_plus, beta)
-    assert all(torch.equal(f[k], g[k]) for k in f)
-    st = row_stats(x, 1e-5)
-    assert torch.equal(normalize_rows(x, st["rstd"], w, mean=st["mean"], beta=beta, gamma_offset=1.0),
-                       normalize_rows(x, st["rstd"], one_plus, mean=st["mean"], beta=beta))
-    with pytest.raises(CatalogueError, match=r"rms_prepare: gamma_offset is a number \(1.0 for a weight applied"):
-        rms_prepare(x, w, 1e-6, gamma_offset="1")
 
 
 # --------------------------------------------------------------------------- sm_90a compile

@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
-from coda_agent.primitives import (CatalogueError, TileConfig, gemm, launch_ledger,
-                                   load_program, lowering, render_catalogue, tile_pass)
+from coda_agent.primitives import (CatalogueError, TileConfig, gemm, launch_ledger, layernorm_fold,
+                                   load_program, lowering, normalize_rows, render_catalogue, row_stats, tile_pass)
 from coda_agent.primitives import aux
 from coda_agent.primitives.catalogue import EXAMPLES
 
@@ -427,3 +427,24 @@ def test_reference_lowering_is_selectable_on_cpu(gen):
     with pytest.raises(CatalogueError, match="CUDA tensors"):
         with lowering("cute"):
             gemm(A, B)
+
+
+def test_a_weight_applied_as_one_plus_w_is_a_gamma_offset(gen):
+    """Gemma's RMSNorm and LayerNorm1P scale by 1 + w in fp32: ``gamma_offset=1.0`` gives what the
+    same call gives on that fp32 weight, with no pass of the program's own to add the 1; a
+    gamma_offset that is no number is refused."""
+    bf = torch.bfloat16
+    x, w, beta, B = (rand(64, 136, dtype=bf, gen=gen), rand(136, dtype=bf, gen=gen) * 0.1,
+                     rand(136, dtype=bf, gen=gen), rand(136, 72, dtype=bf, gen=gen))
+    one_plus = w.float() + 1.0
+    a, b = aux.rms_prepare(x, w, 1e-6, gamma_offset=1.0), aux.rms_prepare(x, one_plus, 1e-6)
+    assert torch.equal(a["xg"], b["xg"]) and torch.equal(a["rstd"], b["rstd"])
+    want = x.float() * torch.rsqrt(x.float().pow(2).mean(1, keepdim=True) + 1e-6) * one_plus
+    torch.testing.assert_close((a["xg"].float() * a["rstd"][:, None]), want, atol=2e-2, rtol=1e-2)
+    f, g = layernorm_fold(B, w, beta, gamma_offset=1.0), layernorm_fold(B, one_plus, beta)
+    assert all(torch.equal(f[k], g[k]) for k in f)
+    st = row_stats(x, 1e-5)
+    assert torch.equal(normalize_rows(x, st["rstd"], w, mean=st["mean"], beta=beta, gamma_offset=1.0),
+                       normalize_rows(x, st["rstd"], one_plus, mean=st["mean"], beta=beta))
+    with pytest.raises(CatalogueError, match=r"rms_prepare: gamma_offset is a number \(1.0 for a weight applied"):
+        aux.rms_prepare(x, w, 1e-6, gamma_offset="1")

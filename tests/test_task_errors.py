@@ -245,7 +245,7 @@ def test_a_float_param_is_the_calls_and_a_program_that_types_it_in_fails(tmp_pat
     if fixed:
         assert r.exit_code == 3 and "outcome: cpu_passed" in r.output, r.output
     else:
-        says = (r"`y` differs .* with params scale=0\.\d+ \(the task's values varied by the judge: a program "
+        says = (r"`y` differs .* with params scale=[\d.e+-]+ \(the task's values varied by the judge: a program "
                 r"takes its params from the call")
         assert r.exit_code == 1 and re.search(says, r.output), r.output
 

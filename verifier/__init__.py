@@ -37,11 +37,13 @@ What each stage guarantees, and what it does not:
   small and ragged), one set beyond them (the ragged sizes grown by 256 and
   by a secret amount the judge draws per check, so that no checked size can
   be read off the task file: :mod:`.inputs`), the CPU set with an odd token
-  count below its own, and any the task names, each with two fresh draws and
-  one of edge rows (norms of 2^-12, 2^5 and between, gradients along the
-  output), all but the first with the task's float params varied, and for a
-  task with a backward the first draw's forward alone (a backward may not mend
-  its forward's outputs in place); a backward that declares ``needs`` is also asked, on
+  count below its own, and any the task names, each with two fresh draws, one
+  of edge rows (norms of 2^-12, 2^5, between and 0, gradients along the output
+  or 0) and one at other magnitudes (activations 2^±[4,12], norm weights and
+  scales spread, fp8 inputs over their range), all but the first with the
+  task's float params varied, and for a task with a backward the first draw's
+  forward alone (a backward may not mend its forward's outputs in place); a
+  backward that declares ``needs`` is also asked, on
   each of those draws, for every smaller gradient set a caller may ask for
   (``kernels/contract.py``), each gradient asked for held to the reference.  Guaranteed
   by the judge: every declared result is present with its declared dtype and

@@ -123,8 +123,9 @@ HOST_RULES: tuple[Rule, ...] = (
     Rule("what is checked", "every output and gradient against the task's reference, on the task's shape sets "
                             "and sizes the task file does not hold (past its largest CPU set, and a token count "
                             "that is odd and below its smallest), on inputs at their drawn scale, with rows and "
-                            "whole tensors scaled up to 2^12 and down to 2^-12, norm weights and scales of any "
-                            "size and sign, packed sequences' positions, the float params varied, and the "
+                            "whole tensors scaled up to 2^12 and down to 2^-12 (zero rows, negated rows, "
+                            "centres moved), norm weights, scales, tables and biases of any size and sign, zeros "
+                            "included, packed sequences' positions, the float params varied, and the "
                             "forward alone as well as with its backward. Write the math, not a fit to the draws."),
 )
 

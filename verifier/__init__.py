@@ -39,8 +39,9 @@ What each stage guarantees, and what it does not:
   be read off the task file: :mod:`.inputs`), the CPU set with an odd token
   count below its own, and any the task names, each with two fresh draws, one
   of edge rows (norms of 2^-12, 2^5, between and 0, gradients along the output
-  or 0) and one at other magnitudes (activations 2^±[4,12], norm weights and
-  scales spread, fp8 inputs over their range), all but the first with the
+  or 0) and one at other magnitudes (activations 2^±[4,12], half the rows
+  negated, centres moved; norm weights, scales, tables and biases spread; fp8
+  inputs over their range), all but the first with the
   task's float params varied, and for a task with a backward the first draw's
   forward alone (a backward may not mend its forward's outputs in place); a
   backward that declares ``needs`` is also asked, on

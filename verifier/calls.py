@@ -48,9 +48,9 @@ DRAWS = {"seed": "fresh inputs",
          "edge": "edge rows (norms of 2^-12, 2^5, between and 0, gradients along the output or 0)",
          "padded": "the first fresh inputs, which passed, now with each epilogue over whole tiles and padded "
                    "lanes as the kernel leaves them",
-         "scaled": "fresh inputs at other magnitudes (activations and gradients times 2^u, norm weights and "
-                   "scales spread over a trained model's values: small, large, negative, zero; fp8 inputs over "
-                   "their format's range)",
+         "scaled": "fresh inputs at other magnitudes (activations and gradients times 2^u, half the rows "
+                   "negated, centres moved farther; norm weights, scales, tables and biases spread over a "
+                   "trained model's values: small, large, negative, zero; fp8 inputs over their format's range)",
          "forward": "the first fresh inputs, forward alone (no backward after it, as when the next layer or "
                     "an inference reads the output)"}
 

@@ -30,11 +30,18 @@ between 4 and 12 once per check and its sign alternating from set to set, so
 that every check sees both (the whole tensor, where edge rows scale a
 few rows: a tensor's tolerance follows its largest values, so a program that
 flushed values below 0.01 to zero, or zeroed those above 1024, hid under the
-rows of unit scale), and spreads every norm weight and scale (``role:
-norm_weight``, or drawn ``ones_plus_noise``) over a trained model's values:
-each element times 2**v, v uniform in [-6, 3], one in eight negated and one
-in sixteen zero (drawn near 1, a weight floored at 0.25, an fp8 dequantization
-scale floored at 0.5, or a weight gradient divided by the weight, passed).
+rows of unit scale); it negates about half the rows (the same rows in every
+tensor with the same leading size), and moves an input drawn around a centre
+(``mean``, or 1 for ``ones_plus_noise``) to a centre 4 to 64 times as far
+(a LayerNorm input drawn with a positive mean of about twice its spread
+passed a program that took the mean's absolute value, and one whose centring
+cancels badly at larger means).  It spreads every norm weight, scale, table
+and bias (``role: norm_weight``, ``table``, a vector ``weight``, or drawn
+``ones_plus_noise``) over a trained model's values: each element times 2**v,
+v uniform in [-6, 3], one in eight negated and one in sixteen zero (drawn near
+1, a weight floored at 0.25, an fp8 dequantization scale floored at 0.5, a
+weight gradient divided by the weight, or a rotation that dropped the pairs
+whose frequency is 0, as a LLaMA table's v columns are, passed).
 An fp8 input there fills its format's range (|q| up to 448 for e4m3), as the
 row-wise recipe quantizes it (drawn near 1, an accumulator stored in fp16
 never overflowed).
@@ -95,7 +102,7 @@ from typing import Any, Callable
 import torch
 
 from coda_agent.tasks.inits import draw
-from coda_agent.tasks.spec import FLOAT_DTYPES, TaskSpec, TensorSpec, expr_symbols, structural_symbols
+from coda_agent.tasks.spec import FLOAT_DTYPES, TaskSpec, TensorSpec, eval_expr, expr_symbols, structural_symbols
 from coda_agent.verifier.wire import TORCH_DTYPES, nbytes
 
 EDGE_ROLES = ("activation", "residual", "saved", "grad")
@@ -198,9 +205,12 @@ def drawn_magnitude(rng: random.Random) -> float:
 
 def scaled_inputs(spec: TaskSpec, shape_set: str, seed: int, device: str, u: float) -> dict[str, torch.Tensor]:
     """:func:`make_inputs` at other magnitudes (module docstring): activations, residuals and saved
-    inputs times 2**u, norm weights and scales spread elementwise."""
+    inputs farther from their centre, times 2**u, half their rows negated; norm weights, scales,
+    tables and biases spread elementwise; fp8 inputs over their format's range."""
     inputs = make_inputs(spec, shape_set, seed, device)
     gen = torch.Generator(device=device).manual_seed(seed ^ 0x5CA1)
+    signs: dict[int, torch.Tensor] = {}  # per leading size: the rows negated
+    farther = float(torch.exp2(2 + 4 * torch.rand(1, generator=gen, device=device)))
     for name, t in spec.inputs.items():
         x = inputs[name]
         if x.numel() == 0:
@@ -212,8 +222,14 @@ def scaled_inputs(spec: TaskSpec, shape_set: str, seed: int, device: str, u: flo
         elif t.dtype not in FLOAT_DTYPES:
             continue
         elif t.role in EDGE_ROLES:
-            inputs[name] = (x.float() * 2.0 ** u).to(x.dtype)
-        elif t.role == "norm_weight" or t.init.dist == "ones_plus_noise":
+            env = {k: float(v) for k, v in spec.shapes[shape_set].items()}
+            centre = 1.0 if t.init.dist == "ones_plus_noise" else float(eval_expr(t.init.mean, env))
+            xf = x.float() + centre * (farther - 1.0)  # the centre moved, the spread kept
+            sign = signs.setdefault(x.shape[0], torch.where(
+                torch.rand(x.shape[0], generator=gen, device=device) < 0.5, -1.0, 1.0))
+            inputs[name] = (xf * 2.0 ** u * sign.reshape(-1, *([1] * (x.ndim - 1)))).to(x.dtype)
+        elif t.role in ("norm_weight", "table") or t.init.dist == "ones_plus_noise" or (
+                t.role == "weight" and x.ndim == 1):
             v = torch.rand(x.shape, generator=gen, device=device) * (WEIGHT_SPREAD[1] - WEIGHT_SPREAD[0])
             r = torch.rand(x.shape, generator=gen, device=device)  # one in eight negated, one in sixteen 0
             sign = torch.where(r < 0.125, -1.0, torch.where(r < 0.1875, 0.0, 1.0))

@@ -9,8 +9,8 @@ verifier cannot draw fails then, naming the field and the fix, not in the middle
 ``positions`` draws token positions as a training batch holds them: sequences packed one after
 another, each a run of consecutive positions (``start, start + 1, ...``) of a random length, half of
 them from 0 (a document's first token) and half from a random offset below ``high`` (a long
-document's later chunk).  Positions drawn independently never hold a run, and a program that
-told runs apart (three consecutive positions) from the rest passed on them.
+document's later chunk).  Positions drawn independently never hold a run, so a program that
+tells runs apart (three consecutive positions) from the rest would pass on them.
 
 ``ignore`` gives an integer input the entries a loss skips: a fraction of them set to an
 ignore_index (``-100``, PyTorch's cross-entropy's and transformers' label padding), drawn at random

@@ -65,8 +65,8 @@ What each stage guarantees, and what it does not:
 - **correctness** (GPU): the cute lowering against the fp32 reference on
   every named set that fits the device's *total* memory (chosen before the
   program runs: holding memory starves no check; a judge that runs out of
-  memory rejects), plus the beyond set, two fresh draws and edge rows each
-  (params varied as on the CPU) and the forward alone, outputs NaN-poisoned,
+  memory rejects), plus the beyond set, two fresh draws, edge rows and other
+  magnitudes each (params varied as on the CPU) and the forward alone, outputs NaN-poisoned,
   each call repeated for determinism.  Guaranteed by
   the judge: as for the reference stage, plus inputs unmodified (the judge
   reads the runner's input buffers itself) and results that share no memory

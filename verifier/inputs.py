@@ -29,22 +29,22 @@ activation, residual, saved input and upstream gradient by 2**u, |u| drawn
 between 4 and 12 once per check and its sign alternating from set to set, so
 that every check sees both (the whole tensor, where edge rows scale a
 few rows: a tensor's tolerance follows its largest values, so a program that
-flushed values below 0.01 to zero, or zeroed those above 1024, hid under the
-rows of unit scale); it negates about half the rows (the same rows in every
-tensor with the same leading size), and moves an input drawn around a centre
-(``mean``, or 1 for ``ones_plus_noise``) to a centre 4 to 64 times as far
-(a LayerNorm input drawn with a positive mean of about twice its spread
-passed a program that took the mean's absolute value, and one whose centring
-cancels badly at larger means).  It spreads every norm weight, scale, table
-and bias (``role: norm_weight``, ``table``, a vector ``weight``, or drawn
-``ones_plus_noise``) over a trained model's values: each element times 2**v,
-v uniform in [-6, 3], one in eight negated and one in sixteen zero (drawn near
-1, a weight floored at 0.25, an fp8 dequantization scale floored at 0.5, a
-weight gradient divided by the weight, or a rotation that dropped the pairs
-whose frequency is 0, as a LLaMA table's v columns are, passed).
-An fp8 input there fills its format's range (|q| up to 448 for e4m3), as the
-row-wise recipe quantizes it (drawn near 1, an accumulator stored in fp16
-never overflowed).
+flushes values below 0.01 to zero, or zeroes those above 1024, hides under
+the rows of unit scale); it negates about half the rows (the same rows in
+every tensor with the same leading size), and moves an input drawn around a
+centre (``mean``, or 1 for ``ones_plus_noise``) to a centre 4 to 64 times as
+far (drawn with a positive mean of about twice its spread, a LayerNorm input
+lets through a program that takes the mean's absolute value, and one whose
+centring cancels badly at larger means).  It spreads every norm weight,
+scale, table and bias (``role: norm_weight``, ``table``, a vector ``weight``,
+or drawn ``ones_plus_noise``) over a trained model's values: each element
+times 2**v, v uniform in [-6, 3], one in eight negated and one in sixteen
+zero (drawn near 1, they let through a weight floored at 0.25, an fp8
+dequantization scale floored at 0.5, a weight gradient divided by the weight,
+and a rotation that drops the pairs whose frequency is 0, as a LLaMA table's
+v columns are).  An fp8 input there fills its format's range (|q| up to 448
+for e4m3), as the row-wise recipe quantizes it (drawn near 1, it never
+overflows an accumulator stored in fp16).
 
 **Params** (:func:`drawn_params`): the first fresh draw of every set calls
 the reference and the program with the task's params as written; the later
@@ -87,7 +87,7 @@ is only ever a tensor's leading dimension) an odd number below its own.
 Every other set's sizes keep their alignment and start at the CPU set's, so
 without it every checked token count is a multiple of 8 and at least 256, and
 a program wrong at the others (``M % 8`` or ``M < 256`` in its host code: a
-decode step, a short prompt) passed.  It is the CPU's alone: the GPU stages
+decode step, a short prompt) passes.  It is the CPU's alone: the GPU stages
 check the sizes a task names.  An fp8 task has no such sizes: its backward
 GEMMs take the token count as K in both operands' contiguous dimension (fp8
 WGMMA reads K-major only), where TMA needs 16-byte rows.

@@ -162,8 +162,9 @@ def reference(check: Check) -> StageResult:
     if failed is not None:
         return failed
     return StageResult(name="reference", status="passed",
-                       message=f"matches the PyTorch reference on {', '.join(sets)} ({SEEDS_PER_SET} fresh draws "
-                               f"and edge rows each, and whole tiles, {_what(check)}{_subsets_note(check)})",
+                       message=f"matches the PyTorch reference on {', '.join(sets)} ({SEEDS_PER_SET} fresh draws, "
+                               f"edge rows and other magnitudes each, and whole tiles, {_what(check)}"
+                               f"{_subsets_note(check)})",
                        details={"shape_sets": sets, "tensors": sorted(check.spec.outputs), **_drawn_details(check)})
 
 
@@ -295,9 +296,9 @@ def correctness(check: Check) -> StageResult:
     if failed is not None:
         return failed.model_copy(update={"name": "correctness", "details": {"shape_sets": sets}})
     return StageResult(name="correctness", status="passed",
-                       message=f"matches the fp32 reference on {', '.join(sets)} ({SEEDS_PER_SET} fresh draws and "
-                               f"edge rows each{_subsets_note(check)}, NaN-poisoned outputs, inputs unmodified, "
-                               "deterministic)"
+                       message=f"matches the fp32 reference on {', '.join(sets)} ({SEEDS_PER_SET} fresh draws, edge "
+                               f"rows and other magnitudes each{_subsets_note(check)}, NaN-poisoned outputs, "
+                               "inputs unmodified, deterministic)"
                                + (f"; NOT checked, too large for this GPU's {total / 2**30:.0f} GiB: "
                                   f"{', '.join(skipped)}" if skipped else ""),
                        details={"shape_sets": sets, "skipped_shape_sets": skipped, "seconds_by_set": seconds,

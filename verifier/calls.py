@@ -50,7 +50,8 @@ DRAWS = {"seed": "fresh inputs",
                    "lanes as the kernel leaves them",
          "scaled": "fresh inputs at other magnitudes (activations and gradients times 2^u, half the rows "
                    "negated, centres moved farther; norm weights, scales, tables and biases spread over a "
-                   "trained model's values: small, large, negative, zero; fp8 inputs over their format's range)",
+                   "trained model's values: small, large, negative, zero; weight matrices at 2^-6 to 4 times their "
+                   "scale; fp8 inputs over their format's range)",
          "forward": "the first fresh inputs, forward alone (no backward after it, as when the next layer or "
                     "an inference reads the output)"}
 

@@ -42,7 +42,10 @@ times 2**v, v uniform in [-6, 3], one in eight negated and one in sixteen
 zero (drawn near 1, they let through a weight floored at 0.25, an fp8
 dequantization scale floored at 0.5, a weight gradient divided by the weight,
 and a rotation that drops the pairs whose frequency is 0, as a LLaMA table's
-v columns are).  An fp8 input there fills its format's range (|q| up to 448
+v columns are).  A weight matrix is scaled whole by 2**w, w uniform in
+[-6, 2] (drawn at 1/sqrt(fan-in), a program that prunes weights below 2**-10
+loses next to nothing; a residual projection initialised at 0.02/sqrt(2L), a
+LoRA B matrix or an early step's weights lose most).  An fp8 input there fills its format's range (|q| up to 448
 for e4m3), as the row-wise recipe quantizes it (drawn near 1, it never
 overflows an accumulator stored in fp16).
 
@@ -115,6 +118,7 @@ ALIGN = 16  # the largest alignment step a drawn growth keeps (bytes of TMA rows
 PARAM_SPREAD = (0.25, 4.0)  # a varied param is scaled by 2**u, |u| uniform in this range
 MAGNITUDE = (4.0, 12.0)  # the scaled draw multiplies activations by 2**u, |u| uniform in this range
 WEIGHT_SPREAD = (-6.0, 3.0)  # and norm weights and scales elementwise by 2**v, v uniform in this range
+MATRIX_SCALE = (-6.0, 2.0)  # and each weight matrix by 2**w, w uniform in this range
 
 
 def _draw(spec: TaskSpec, t: TensorSpec, shape_set: str, gen: torch.Generator,
@@ -206,7 +210,8 @@ def drawn_magnitude(rng: random.Random) -> float:
 def scaled_inputs(spec: TaskSpec, shape_set: str, seed: int, device: str, u: float) -> dict[str, torch.Tensor]:
     """:func:`make_inputs` at other magnitudes (module docstring): activations, residuals and saved
     inputs farther from their centre, times 2**u, half their rows negated; norm weights, scales,
-    tables and biases spread elementwise; fp8 inputs over their format's range."""
+    tables and biases spread elementwise; weight matrices at another scale; fp8 inputs over their
+    format's range."""
     inputs = make_inputs(spec, shape_set, seed, device)
     gen = torch.Generator(device=device).manual_seed(seed ^ 0x5CA1)
     signs: dict[int, torch.Tensor] = {}  # per leading size: the rows negated
@@ -234,6 +239,9 @@ def scaled_inputs(spec: TaskSpec, shape_set: str, seed: int, device: str, u: flo
             r = torch.rand(x.shape, generator=gen, device=device)  # one in eight negated, one in sixteen 0
             sign = torch.where(r < 0.125, -1.0, torch.where(r < 0.1875, 0.0, 1.0))
             inputs[name] = (x.float() * torch.exp2(v + WEIGHT_SPREAD[0]) * sign).to(x.dtype)
+        elif t.role == "weight":  # a matrix: the whole of it at another scale
+            inputs[name] = (x.float() * float(torch.exp2(MATRIX_SCALE[0] + (MATRIX_SCALE[1] - MATRIX_SCALE[0])
+                                                         * torch.rand(1, generator=gen, device=device)))).to(x.dtype)
     return inputs
 
 

@@ -13,7 +13,7 @@ from coda_agent.verifier import timing
 from coda_agent.verifier.compare import compare, pattern_of
 from coda_agent.verifier.feedback import render_feedback
 from coda_agent.verifier.inputs import (LARGE, TINY, aligned_grads, beyond_set, checked_sets, drawn_params,
-                                        edge_inputs, make_inputs, result_dtypes, set_label, with_beyond_set)
+                                        edge_inputs, make_inputs, result_dtypes, set_label, with_drawn_sets)
 from coda_agent.verifier.report import Report, StageResult
 
 
@@ -132,14 +132,14 @@ def test_the_judge_draws_the_beyond_sets_sizes(task):
         assert drawn["H"] == drawn["K"] and drawn["T"] % 8 == 0
     heads = load(SUITE_DIR / "qk_norm_rope.yaml").spec
     assert beyond_set(heads, random.Random(1))[1]["D"] == heads.shapes["ragged"]["D"]
-    spec = with_beyond_set(task.spec, random.Random(3))
+    spec = with_drawn_sets(task.spec, random.Random(3))
     assert set_label(spec, "ragged+256") == "ragged+256 ({})".format(
         ", ".join(f"{k}={v}" for k, v in spec.shapes["ragged+256"].items()))
     assert set_label(spec, "ragged") == "ragged"
 
 
 def test_the_sets_checked_on_a_cpu_and_on_a_gpu(rms):
-    spec = with_beyond_set(rms.spec)
+    spec = with_drawn_sets(rms.spec)
     cpu, skipped = checked_sets(spec, None, None)
     assert cpu == ["small", "ragged", "ragged+256", "small+odd"] and "llama3-70b" in skipped
     forced = spec.model_copy(update={"cpu_shape_sets": ["llama3-8b-4k"]})

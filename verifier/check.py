@@ -25,7 +25,7 @@ from coda_agent.tasks.spec import Task, load_task
 from coda_agent.verifier import sandbox
 from coda_agent.verifier.gpu_lock import gpu_lock
 from coda_agent.verifier.inputs import (drawn_magnitude, drawn_params, reference_takes, result_dtypes,
-                                        with_beyond_set)
+                                        with_drawn_sets)
 from coda_agent.verifier.program import CandidateError
 from coda_agent.verifier.remote import Remote, RunnerTimeout, WallsTooHigh
 from coda_agent.verifier.report import GPU_STAGES, StageResult
@@ -40,7 +40,7 @@ class Check:
         self.judge = judge
         self.rng = random.SystemRandom()  # seeds, choices and sizes no process but the judge sees
         self.task: Task = load_task(req["task_path"])
-        self.spec = with_beyond_set(self.task.spec, self.rng)  # and the CPU's odd set
+        self.spec = with_drawn_sets(self.task.spec, self.rng)
         # The varied params of the later draws, within what the reference takes.
         self.params = drawn_params(self.spec, self.rng, lambda p: reference_takes(self.task, self.spec, p))
         self.magnitude = drawn_magnitude(self.rng)  # the scaled draw's exponent

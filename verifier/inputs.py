@@ -216,6 +216,7 @@ def scaled_inputs(spec: TaskSpec, shape_set: str, seed: int, device: str, u: flo
     gen = torch.Generator(device=device).manual_seed(seed ^ 0x5CA1)
     signs: dict[int, torch.Tensor] = {}  # per leading size: the rows negated
     farther = float(torch.exp2(2 + 4 * torch.rand(1, generator=gen, device=device)))
+    env = {k: float(v) for k, v in spec.shapes[shape_set].items()}
     for name, t in spec.inputs.items():
         x = inputs[name]
         if x.numel() == 0:
@@ -227,7 +228,6 @@ def scaled_inputs(spec: TaskSpec, shape_set: str, seed: int, device: str, u: flo
         elif t.dtype not in FLOAT_DTYPES:
             continue
         elif t.role in EDGE_ROLES:
-            env = {k: float(v) for k, v in spec.shapes[shape_set].items()}
             centre = 1.0 if t.init.dist == "ones_plus_noise" else float(eval_expr(t.init.mean, env))
             xf = x.float() + centre * (farther - 1.0)  # the centre moved, the spread kept
             sign = signs.setdefault(x.shape[0], torch.where(
@@ -398,7 +398,7 @@ def odd_set(spec: TaskSpec, rng: random.Random | None = None) -> tuple[str, dict
     return f"{spec.cpu_shape_set}+odd", {k: odd[v] if k in free else v for k, v in base.items()}
 
 
-def with_beyond_set(spec: TaskSpec, rng: random.Random | None = None) -> TaskSpec:
+def with_drawn_sets(spec: TaskSpec, rng: random.Random | None = None) -> TaskSpec:
     """``spec`` with :func:`beyond_set` among its shape sets, and :func:`odd_set` where the task has
     free sizes (drawn with ``rng``: the judge's)."""
     sets = dict([beyond_set(spec, rng)])
@@ -406,10 +406,11 @@ def with_beyond_set(spec: TaskSpec, rng: random.Random | None = None) -> TaskSpe
     return spec.model_copy(update={"shapes": {**spec.shapes, **sets}})
 
 
-def _drawn(spec: TaskSpec) -> set[str]:
-    """The names of the sets the judge draws (in ``spec`` or not)."""
+def _drawn(spec: TaskSpec) -> tuple[str, str | None]:
+    """The names of the sets the judge draws (in ``spec`` or not): the beyond set, the odd set
+    (None for a task without one)."""
     odd = odd_set(spec)
-    return {beyond_set(spec)[0], *([odd[0]] if odd else [])}
+    return beyond_set(spec)[0], odd[0] if odd else None
 
 
 def set_label(spec: TaskSpec, shape_set: str) -> str:
@@ -421,16 +422,16 @@ def set_label(spec: TaskSpec, shape_set: str) -> str:
 
 def checked_sets(spec: TaskSpec, named: list[str] | None, device_bytes: int | None) -> tuple[list[str], list[str]]:
     """(sets to check, smallest first but the CPU's odd set last; named sets skipped as too
-    large).  ``spec`` must hold the drawn sets (:func:`with_beyond_set`); ``named`` restricts
+    large).  ``spec`` must hold the drawn sets (:func:`with_drawn_sets`); ``named`` restricts
     the named sets (None: all); ``device_bytes`` is the GPU's total memory, None for the CPU
     checks (which add the odd set)."""
-    beyond, _ = beyond_set(spec)
-    names = [s for s in spec.shapes if s not in _drawn(spec) and (named is None or s in named)]
+    beyond, odd = _drawn(spec)
+    names = [s for s in spec.shapes if s not in (beyond, odd) and (named is None or s in named)]
     if device_bytes is None:
         fits = [s for s in names if set_bytes(spec, s) <= CPU_SET_BYTES or s in spec.cpu_shape_sets]
     else:
         fits = [s for s in names if set_bytes(spec, s, itemsize=4) * GPU_MEMORY_FACTOR <= device_bytes]
     skipped = [s for s in names if s not in fits]
     # The odd set last: a failure on the task's own sets says more to whoever wrote the program.
-    odd = [o[0]] if device_bytes is None and (o := odd_set(spec)) and o[0] in spec.shapes else []
-    return sorted(fits + [beyond], key=spec.flops) + odd, skipped
+    last = [odd] if device_bytes is None and odd in spec.shapes else []
+    return sorted(fits + [beyond], key=spec.flops) + last, skipped

@@ -10,7 +10,8 @@ The package is the repository's top level (see pyproject's ``package-dir``):
 - ``coda_agent.agent``: the LLM loop, model clients, budgets, run directories.
 - ``coda_agent.kernels``: accepted programs as PyTorch ops (``Kernel``,
   ``load_kernel``) and the Hugging Face drop-ins ``coda_agent.apply_to_llama``,
-  ``coda_agent.apply_to_gpt2`` and ``coda_agent.apply_to_gpt_neox``.
+  ``coda_agent.apply_to_gpt2`` and ``coda_agent.apply_to_gpt_neox`` (whole layers), and
+  ``coda_agent.apply_to_model`` (the SwiGLU MLPs and LM head of any other model).
 - ``coda_agent.eval``: batch evaluation, reports, review and export.
 - ``coda_agent.cli``: the ``coda-agent`` command.
 - two leaf modules any folder may use (they import nothing from the package):
@@ -19,7 +20,7 @@ The package is the repository's top level (see pyproject's ``package-dir``):
   catalogue text renders and the static stage enforces).
 
 Importing the package imports nothing else: ``apply_to_llama``,
-``apply_to_gpt2`` and ``apply_to_gpt_neox`` load the kernels (and transformers) on first use, and
+``apply_to_gpt2``, ``apply_to_gpt_neox`` and ``apply_to_model`` load the kernels (and transformers) on first use, and
 ``coda_agent.autotune`` (tile tuning for a patched model's GEMMs) the catalogue.
 """
 
@@ -39,6 +40,10 @@ def __getattr__(name: str):  # noqa: ANN202
         from .kernels.gpt_neox import apply_to_gpt_neox
 
         return apply_to_gpt_neox
+    if name == "apply_to_model":
+        from .kernels.modules import apply_to_model
+
+        return apply_to_model
     if name == "autotune":
         from .primitives.tuning import autotune
 

@@ -2,7 +2,8 @@
 
 Each model type transformers maps to a causal LM (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``) is
 built on the CPU from its default config, shrunk to a few layers of small widths, in bf16; each
-drop-in (``apply_to_llama``, ``apply_to_gpt2``, ``apply_to_gpt_neox``) then patches a copy, and
+drop-in of whole layers (``apply_to_llama``, ``apply_to_gpt2``, ``apply_to_gpt_neox``) then patches
+a copy, and where none of them takes the model, ``apply_to_model`` (its modules one by one); and
 where a refusal names a flag that keeps a part HF's (``pass swiglu=False``) or a config value
 (``build the model with resid_pdrop=0.0``), tries again with it, as a user would.  A patched
 model trains one step (the reference lowering) and its loss is set beside the unpatched model's
@@ -31,6 +32,7 @@ from typing import Any
 import torch
 
 DROP_INS = ("apply_to_llama", "apply_to_gpt2", "apply_to_gpt_neox")
+FALLBACK = "apply_to_model"  # tried where no drop-in of whole layers patches the model: the way on
 # The small widths, under every name configs give them (GPT-2's n_embd, T5-style d_model, ...).
 SMALL = dict(hidden_size=64, n_embd=64, d_model=64, num_hidden_layers=2, n_layer=2, num_layers=2, n_layers=2,
              num_attention_heads=4, n_head=4, num_heads=4, num_key_value_heads=2, intermediate_size=128, n_inner=128,
@@ -146,8 +148,10 @@ def judge(class_name: str, build_s: int) -> dict[str, Any]:
         want = hf_loss(model)
     except Exception as e:  # the small widths broke HF's own model (a top-k over fewer experts)
         return {"unbuilt": f"HF's own step fails at the small widths: {type(e).__name__}: {str(e)[:200]}"}
-    return {"params": params,
-            **{drop_in: patch_and_train(model, drop_in, want, class_name) for drop_in in DROP_INS}}
+    row = {drop_in: patch_and_train(model, drop_in, want, class_name) for drop_in in DROP_INS}
+    if not any(outcome["result"] == "patched" for outcome in row.values()):
+        row[FALLBACK] = patch_and_train(model, FALLBACK, want, class_name)
+    return {"params": params, **row}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,8 +177,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({k: (v["result"] if isinstance(v, dict) else v) for k, v in row.items()}), flush=True)
     judged = [r for r in rows if "unbuilt" not in r]
     summary = {"models": len(rows), "built": len(judged),
-               **{kind: sorted(f"{r['model_type']}:{d}{_flags(r[d])}" for r in judged for d in DROP_INS
-                               if r[d]["result"] == kind)
+               **{kind: sorted(f"{r['model_type']}:{d}{_flags(r[d])}" for r in judged for d in (*DROP_INS, FALLBACK)
+                               if d in r and r[d]["result"] == kind)
                   for kind in ("patched", "error")}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"summary": summary, "rows": rows}, indent=1))

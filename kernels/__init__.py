@@ -14,6 +14,7 @@
     coda_agent.apply_to_llama(model)   # a transformers LlamaForCausalLM (or Mistral, Qwen3), patched in place
     coda_agent.apply_to_gpt2(model)    # a transformers GPT2LMHeadModel, patched in place
     coda_agent.apply_to_gpt_neox(model)   # a transformers GPTNeoXForCausalLM (Pythia), patched in place
+    coda_agent.apply_to_model(model)   # any other model: its SwiGLU MLPs and LM head, module by module
 
 Layer map:
 
@@ -35,18 +36,22 @@ Layer map:
 - ``gpt2.py``: :func:`apply_to_gpt2`, the drop-in for GPT-2 (the GPT-2 suite's
   kernels over transposed views of its Conv1D weights; which models it takes);
 - ``gpt_neox.py``: :func:`apply_to_gpt_neox`, the drop-in for GPT-NeoX (Pythia): the same
-  kernels over its nn.Linear weights, with its parallel residual and partial RoPE.
+  kernels over its nn.Linear weights, with its parallel residual and partial RoPE;
+- ``modules.py``: :func:`apply_to_model`, for models no drop-in of whole layers takes: the
+  modules whose code is a kernel's (SwiGLU MLPs of LLaMA's or Phi-3's code, the LM head and
+  loss of LLaMA's causal LM code), one by one.
 
 The folder sits above ``tasks`` and below ``verifier`` in the import graph: it
 needs the catalogue and task specs only, so everything above may use it.
 Nothing here has an import-time side effect, and importing the folder imports
 none of its modules: each public name loads its own on first use, so the
 runner's ``contract`` costs no catalogue import, and transformers is imported
-only by the drop-ins (``llama.py``, ``gpt2.py``, ``gpt_neox.py``; the ``hf`` extra).
+only by the drop-ins (``llama.py``, ``gpt2.py``, ``gpt_neox.py``, ``modules.py``; the ``hf`` extra).
 """
 
 _LAZY = {"Kernel": "kernel", "KernelError": "kernel", "KernelModule": "kernel", "load_kernel": "source",
-         "apply_to_llama": "llama", "apply_to_gpt2": "gpt2", "apply_to_gpt_neox": "gpt_neox"}
+         "apply_to_llama": "llama", "apply_to_gpt2": "gpt2", "apply_to_gpt_neox": "gpt_neox",
+         "apply_to_model": "modules"}
 
 
 def __getattr__(name: str):  # noqa: ANN202 - each name loads its module on first use
@@ -58,4 +63,4 @@ def __getattr__(name: str):  # noqa: ANN202 - each name loads its module on firs
 
 
 __all__ = ["Kernel", "KernelError", "KernelModule", "apply_to_gpt2", "apply_to_gpt_neox", "apply_to_llama",
-           "load_kernel"]
+           "apply_to_model", "load_kernel"]

@@ -158,8 +158,9 @@ def contract_differs(kernel: Kernel, slot: Kernel) -> str:
 
 
 def refuse_patched(stack: nn.Module) -> None:
-    """Refuse a decoder stack a drop-in has patched (its flags say how)."""
-    flags = getattr(stack, "coda_flags", None)
+    """Refuse a model or decoder stack a drop-in has patched, whole or in part (the flags of the
+    first patched module in it say how)."""
+    flags = next((m.coda_flags for m in stack.modules() if hasattr(m, "coda_flags")), None)
     if flags is not None:
         raise KernelError(f"this model is already patched ({flags}); patch a fresh one")
 
@@ -177,9 +178,12 @@ GPT2_STACK = ("wte", "wpe", "h", "ln_f")
 GPT_NEOX_STACK = ("embed_in", "layers", "final_layer_norm")
 LLAMA_STACK = ("embed_tokens", "layers", "norm", "rotary_emb")
 
-# What a refusal of a model no drop-in patches ends with: the way on.
-NO_DROP_IN = ("; train it unpatched, or write tasks for its blocks (README, \"Write your own task\") and run "
-              "the accepted kernels with coda_agent.kernels.load_kernel")
+# What a refusal of a model no drop-in of whole layers patches ends with: the way on.  apply_to_model's
+# own refusals end with NO_KERNEL.
+NO_KERNEL = ("; train it unpatched, or write tasks for its blocks (README, \"Write your own task\") and run "
+             "the accepted kernels with coda_agent.kernels.load_kernel")
+NO_DROP_IN = ("; coda_agent.apply_to_model(model) patches the modules of it that are a kernel's code (SwiGLU "
+              "MLPs, LLaMA's LM head and loss), if any" + NO_KERNEL.replace("; train", "; else train", 1))
 
 
 def has_modules(model: Any, names: tuple[str, ...]) -> bool:
@@ -204,14 +208,14 @@ def refusal_hint(model: Any, patch: str, head: str = "", default: str = NO_DROP_
         return head
     for attr, stack, family, other in STACKS:
         if other != patch and has_modules(getattr(model, attr, model), stack):
-            why = _refusal_by(other, model)
+            why = refusal_by(other, model)
             if why is None:
                 return f"; it is built like {family}: coda_agent.{other}(model) patches those"
             return f"; it is built like {family}, but coda_agent.{other} refuses it too ({why}){default}"
     return default
 
 
-def _refusal_by(patch: str, model: Any) -> str | None:
+def refusal_by(patch: str, model: Any) -> str | None:
     """Why the drop-in ``patch`` refuses ``model`` even with every part it can keep HF's kept
     (the first clause of its refusal), or None where it takes it: its architecture check alone,
     which changes nothing."""

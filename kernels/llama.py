@@ -182,13 +182,19 @@ def apply_to_llama(model: LlamaForCausalLM | LlamaModel, *, rope: bool = True, r
         for layer, attention in zip(base.layers, attentions):
             _patch_layer(layer, plan, attention, freq)
     if fused_linear_cross_entropy and lm_kind:  # "" for a decoder stack without an LM head
-        model.coda_xent, model.coda_xent_frozen = chosen["lm_head_xent"], chosen["lm_head_xent_frozen"]
-        model.coda_logits_scale = float(model.config.logits_scaling) if lm_kind == "Granite's" else 1.0
-        model.coda_router_loss = lm_kind == "Mixtral's"
-        model.forward = PatchedForward(model, _causal_lm_forward)
+        patch_causal_lm(model, lm_kind, chosen["lm_head_xent"], chosen["lm_head_xent_frozen"])
     base.coda_flags = {"rope": rope, "rms_norm": rms_norm, "swiglu": swiglu,
                        "fused_linear_cross_entropy": fused_linear_cross_entropy, "fp8_mlp": fp8_mlp}
     return given_model
+
+
+def patch_causal_lm(model: nn.Module, kind: str, xent: Kernel, xent_frozen: Kernel) -> None:
+    """In training with labels, ``model``'s LM head and loss run as the fused kernels; ``kind``:
+    whose causal LM code its forward is (``families.CAUSAL_LMS``)."""
+    model.coda_xent, model.coda_xent_frozen = xent, xent_frozen
+    model.coda_logits_scale = float(model.config.logits_scaling) if kind == "Granite's" else 1.0
+    model.coda_router_loss = kind == "Mixtral's"
+    model.forward = PatchedForward(model, _causal_lm_forward)
 
 
 # --------------------------------------------------------------------------- weights

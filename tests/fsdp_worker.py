@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from dropin_models import MODELS  # noqa: E402
 
 LORA_TARGETS = {"llama": ["q_proj", "k_proj", "v_proj", "o_proj"], "gpt2": ["c_attn"],
-                "gpt_neox": ["query_key_value", "dense"]}
+                "gpt_neox": ["query_key_value", "dense"], "olmo2": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 
 
 def build(family: str) -> tuple[torch.nn.Module, object]:

@@ -319,17 +319,22 @@ def test_dropin_coverage_patches_or_refuses_each_model_it_builds(tmp_path):
     pytest.importorskip("transformers")
     coverage = _bench_module("dropin_coverage")
     out = tmp_path / "coverage.json"
-    assert coverage.main([str(out), "--models", "llama,gpt_neox,phi,gemma,gpt2,phi3,mellum"]) == 0
+    assert coverage.main([str(out), "--models", "llama,gpt_neox,phi,gemma,gpt2,phi3,mellum,olmo2"]) == 0
     report = json.loads(out.read_text())
     assert report["summary"]["patched"] == ["gemma:apply_to_llama(swiglu=False)",  # the flag its refusal named
                                             "gpt2:apply_to_gpt2(resid_pdrop=0.0)",  # the config value it named
                                             "gpt_neox:apply_to_gpt_neox", "llama:apply_to_llama",
                                             "mellum:apply_to_llama(swiglu=False)",  # a rotary without inv_freq
+                                            "olmo2:apply_to_model",  # no layer drop-in: its MLPs and LM head
                                             "phi3:apply_to_llama"]
     assert report["summary"]["error"] == []
     rows = {r["model_type"]: r for r in report["rows"]}
     llama = rows["llama"]["apply_to_llama"]
     assert abs(llama["loss"] - llama["hf_loss"]) < 0.02 * llama["hf_loss"]
     assert "train it unpatched" in rows["phi"]["apply_to_llama"]["message"]
+    assert "apply_to_model" not in rows["llama"]  # tried only where no drop-in of whole layers patches
+    # Phi-2's LM head has a bias (its refusal names the flag that keeps it HF's), and it has no SwiGLU MLP
+    assert rows["phi"]["apply_to_model"]["flags"] == {"fused_linear_cross_entropy": False}
+    assert rows["phi"]["apply_to_model"]["result"] == "refused"
     with pytest.raises(SystemExit):
         coverage.main([str(out), "--models", "no_such_model"])

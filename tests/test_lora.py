@@ -122,7 +122,8 @@ def test_lora_on_the_gpt2_suite_s_drop_ins_trains_like_peft(family, targets, fla
     assert_like_peft(got, hi, lo)
 
 
-TARGETS = {"llama": ATTENTION, "gpt2": ["c_attn", "c_proj"], "gpt_neox": ["query_key_value", "dense"]}
+TARGETS = {"llama": ATTENTION, "gpt2": ["c_attn", "c_proj"], "gpt_neox": ["query_key_value", "dense"],
+           "olmo2": ATTENTION}
 
 
 @pytest.mark.parametrize("family", MODELS)

@@ -115,6 +115,14 @@ def mlp_block(h, gamma, w_gu, w_down, eps):
     return {"y": h + (F.silu(g) * u) @ w_down.t()}
 
 
+def swiglu_mlp(x, w_gu, w_down):
+    """y = W_down(silu(g) * u), (g, u) = x @ W_gu^T (rows interleaved): a SwiGLU MLP alone, where
+    no norm or residual sits at its ends (a post-norm block's, OLMo-2's; a shared expert's)."""
+    g = x @ w_gu[0::2].t()
+    u = x @ w_gu[1::2].t()
+    return {"y": (F.silu(g) * u) @ w_down.t()}
+
+
 # --------------------------------------------------------------------------- task 12
 
 

@@ -1,0 +1,176 @@
+"""coda_agent.apply_to_model on transformers models that no drop-in of whole layers takes (tiny
+configs, CPU, the reference lowering), held to test_llama.py's bar: the loss, the logits and every
+gradient against the unpatched model in fp32, within twice HF's own bf16 error.
+
+The models differ from LLaMA where the layer drop-ins cannot follow (OLMo-2's post-norms and
+full-width q/k norms, Cohere's parallel block and LayerNorm, StableLM's LayerNorms and partial
+RoPE, Exaone 4's mix of norms), while their MLPs (and some LM heads) are LLaMA's code: those run
+as kernels, everything else stays HF's."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+from test_llama import assert_like_hf, batch, tiny, tiny_llama, train_and_eval, truth_of  # noqa: E402
+
+import coda_agent  # noqa: E402
+from coda_agent.kernels import KernelError  # noqa: E402
+from coda_agent.primitives import launch_ledger  # noqa: E402
+
+# family -> whether its LM head and loss run fused (its causal LM's forward is LLaMA's code)
+FAMILIES = {"Olmo2": True, "Cohere": False, "StableLm": False, "Exaone4": True}
+DEVICE = "cpu"
+
+
+def tiny_olmo2(seed: int = 0, **overrides) -> torch.nn.Module:
+    """OLMo-2 at the tiny LLaMA config's widths: post-norm layers, so apply_to_llama refuses it."""
+    return tiny("Olmo2", seed, **overrides).to(DEVICE)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_model_no_layer_drop_in_takes_trains_like_hf(family):
+    base = tiny(family)
+    with pytest.raises(KernelError):  # the whole-layer drop-in refuses it: that is this one's use
+        coda_agent.apply_to_llama(copy.deepcopy(base).bfloat16())
+    hi, lo = truth_of(base)
+    model = coda_agent.apply_to_model(copy.deepcopy(base).bfloat16())
+    layers = base.config.num_hidden_layers
+    assert model.coda_flags == {"swiglu_mlps": [f"model.layers.{i}.mlp" for i in range(layers)],
+                                "fused_linear_cross_entropy": FAMILIES[family]}
+    with launch_ledger() as launched:
+        got = train_and_eval(model)
+    assert_like_hf(got, hi, lo)
+    names = [launch.name for launch in launched]
+    # every MLP: forward in the training step and the eval pass, backward once
+    assert names.count("swiglu") == 2 * layers and names.count("dswiglu") == layers
+    assert ("logits_lse" in names) == FAMILIES[family]
+
+
+def test_a_phi3_mlp_and_a_model_a_layer_drop_in_takes():
+    """Phi-3's MLP keeps gate and up in one projection, in halves: fused into interleaved rows all
+    the same.  apply_to_llama takes Phi-3 and fuses more, which apply_to_model says."""
+    base = tiny("Phi3")
+    hi, lo = truth_of(base)
+    with pytest.warns(UserWarning, match=r"apply_to_llama\(model\) takes this model and also folds its norms"):
+        model = coda_agent.apply_to_model(copy.deepcopy(base).bfloat16())
+    assert model.coda_flags["fused_linear_cross_entropy"] and len(model.coda_flags["swiglu_mlps"]) == 2
+    assert_like_hf(train_and_eval(model), hi, lo)
+
+
+def test_state_dict_keeps_hf_keys_and_values():
+    hf = tiny_olmo2().bfloat16()
+    model = coda_agent.apply_to_model(copy.deepcopy(hf))
+    assert "model.layers.0.mlp.gate_up_proj.weight" in dict(model.named_parameters())
+    want, got = hf.state_dict(), model.state_dict()
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    other = tiny_olmo2(seed=5).bfloat16()  # an HF checkpoint loads into the patched model ...
+    model.load_state_dict(other.state_dict())
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in other.state_dict().items())
+    fresh = tiny_olmo2(seed=9).bfloat16()  # ... and the patched model's into an unpatched one
+    fresh.load_state_dict(model.state_dict())
+    ids, _ = batch()
+    with torch.no_grad():
+        a, b = model.eval()(ids).logits.float(), fresh.eval()(ids).logits.float()
+    assert (a - b).abs().max() < 0.05 * b.abs().max()
+
+
+def test_frozen_mlps_skip_their_weight_gradient_gemms():
+    """Frozen MLP weights (a fine-tune of the attention alone) compute no weight gradient: the MLP's
+    backward is its dx alone, without the store only W_down's gradient reads."""
+    from test_lora import step
+
+    def frozen(model: torch.nn.Module) -> torch.nn.Module:
+        for name, p in model.named_parameters():
+            p.requires_grad_(".mlp." not in name)
+        return model
+
+    base = tiny_olmo2()
+    hi, lo = step(frozen(copy.deepcopy(base).float())), step(frozen(copy.deepcopy(base).bfloat16()))
+    model = coda_agent.apply_to_model(frozen(copy.deepcopy(base).bfloat16()))
+    with launch_ledger() as launched:
+        got = step(model)
+    assert_like_hf(got, hi, lo)
+    names = [launch.name for launch in launched]
+    assert "dswiglu" not in names and names.count("dswiglu_frozen") == 2
+    assert not any(".mlp." in k for k in got)
+
+
+def test_an_mlp_no_token_reaches_returns_the_empty_result():
+    """A mixture of experts calls an expert with the tokens routed to it, none at times."""
+    model = coda_agent.apply_to_model(tiny_olmo2().bfloat16())
+    mlp = model.model.layers[0].mlp
+    x = torch.zeros(0, 128, dtype=torch.bfloat16, requires_grad=True)
+    y = mlp(x)
+    assert y.shape == (0, 128)
+    y.sum().backward()
+    assert mlp.gate_up_proj.weight.grad is not None and not mlp.gate_up_proj.weight.grad.any()
+
+
+def test_what_the_kernels_do_not_take_is_refused_with_the_fix():
+    with pytest.raises(KernelError, match=r"found none of SwiGLU MLPs or the LM head and loss in "
+                                          r"Gemma2ForCausalLM .*Gemma2MLP is LLaMA's MLP code with "
+                                          r"GELUTanh\w*, not SiLU.*Gemma2ForCausalLM.forward is not LLaMA's"):
+        coda_agent.apply_to_model(tiny("Gemma2").bfloat16())
+    with pytest.raises(KernelError, match=r"mlp.gate_proj.bias: MLP biases are not in the swiglu_mlp kernel; "
+                                          r"pass swiglu=False"):
+        coda_agent.apply_to_model(tiny_llama(mlp_bias=True).bfloat16())
+    # Cohere's head scales its logits (not LLaMA's code): with the MLPs off nothing is left
+    with pytest.raises(KernelError, match=r"found none of the LM head and loss in CohereForCausalLM"):
+        coda_agent.apply_to_model(tiny("Cohere").bfloat16(), swiglu=False)
+    parted = tiny_olmo2().bfloat16()
+    parted.model.layers[1].mlp.up_proj.weight.requires_grad_(False)
+    with pytest.raises(KernelError, match=r"model.layers.1.mlp: requires_grad differs across gate_proj, up_proj"):
+        coda_agent.apply_to_model(parted)
+    with pytest.raises(KernelError, match=r"kernels: 'mlp_block' is not a task the drop-in runs"):
+        coda_agent.apply_to_model(tiny_olmo2().bfloat16(), kernels={"mlp_block": "runs/x"})
+
+
+def test_a_model_is_patched_once_by_any_drop_in():
+    patched = coda_agent.apply_to_model(tiny_olmo2().bfloat16())
+    with pytest.raises(KernelError, match="already patched"):
+        coda_agent.apply_to_model(patched)
+    llama = coda_agent.apply_to_llama(tiny_llama().bfloat16())
+    with pytest.raises(KernelError, match="already patched"):
+        coda_agent.apply_to_model(llama)
+    with pytest.warns(UserWarning):
+        llama = coda_agent.apply_to_model(tiny_llama().bfloat16())
+    with pytest.raises(KernelError, match="already patched"):
+        coda_agent.apply_to_llama(llama)
+
+
+def test_lora_on_the_attention_trains_and_on_the_mlp_is_refused():
+    """The attention stays HF's, so peft's LoRA layers there train as they do unpatched; an adapter
+    inside the MLP kernel is refused with the flag that keeps the MLPs HF's."""
+    peft = pytest.importorskip("peft")
+    from test_lora import assert_like_peft, step, truth, with_lora
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    base = tiny_olmo2()
+    hi, lo = truth(base, targets, batch())
+    got = step(coda_agent.apply_to_model(with_lora(copy.deepcopy(base).bfloat16(), targets)))
+    assert any(k.startswith("d ") and "lora_A" in k for k in got)
+    assert_like_peft(got, hi, lo)
+    with pytest.raises(KernelError, match=r"mlp.gate_proj has LoRA adapters.*pass swiglu=False"):
+        coda_agent.apply_to_model(with_lora(tiny_olmo2().bfloat16(), ["gate_proj"]))
+    assert peft
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Hopper)")
+@pytest.mark.parametrize("family", ["Olmo2", "Cohere"])
+def test_a_model_no_layer_drop_in_takes_trains_like_hf_on_gpu(monkeypatch, family):
+    """The cute lowering: the swiglu_mlp kernel's GEMMs (and OLMo-2's fused LM head) inside HF's
+    layers on the GPU."""
+    import test_llama
+
+    monkeypatch.setattr(test_llama, "DEVICE", "cuda")
+    base = tiny(family)
+    hi, lo = truth_of(base)
+    with launch_ledger() as launched, torch.autograd.set_multithreading_enabled(False):
+        got = train_and_eval(coda_agent.apply_to_model(copy.deepcopy(base).bfloat16()))
+    assert_like_hf(got, hi, lo)
+    assert {"swiglu", "dswiglu"} <= {launch.name for launch in launched}

@@ -24,6 +24,12 @@ LLaMA config and a GPT-2 config go through the same timing, profile, memory and 
   parallel residual, RoPE on a quarter of each head, the exact GELU and the untied head of 50304
   tokens, as Pythia's; ``pythia-tiny`` for the dry run.  pythia-6.9b has gpt2-7b's widths, so
   their rows compare the two block layouts (and the two GELUs) on the same kernels.
+- **olmo2** (``Olmo2ForCausalLM``, ``apply_to_model``: no drop-in of whole layers takes OLMo-2's
+  post-norm layers, so its SwiGLU MLPs and its LM head and loss run as kernels and the rest stays
+  HF's): ``olmo2-1b`` (OLMo-2 1B widths: H 2048, I 8192, 16 heads of 128, V 100352, 4 of its 16
+  layers) and ``olmo2-7b`` (OLMo-2 7B widths: H 4096, I 11008, 32 heads of 128, 2 layers), 4 x 4096
+  tokens a step, as the LLaMA configs; ``olmo2-tiny`` for the dry run.  Liger patches it too
+  (``apply_liger_kernel_to_olmo2``).
 
 Layers: a few of each model's, so a compiled row's first step (inductor compiles every layer it
 traces) and the whole run fit the budget.  The counts put most of a step's GEMM work in the layers,
@@ -51,12 +57,14 @@ class Family:
     ``patch`` (CODA's drop-in on that model: ``(model, fp8_mlp, kernels)``), ``tiny`` (the config
     the dry run trains instead of any of the family's), ``refused``: the contenders that do not
     run on the family, with the reason, and ``lora_targets``: the projections a LoRA fine-tune
-    (``train_step --lora``) adapts, the attention's (the MLP block kernel runs its MLP whole)."""
+    (``train_step --lora``) adapts, the attention's (the MLP block kernel runs its MLP whole);
+    ``liger``: the Liger patch of the family (``liger_kernel.transformers``' function name)."""
     build: Callable[[dict[str, Any], int], Any]
     patch: Callable[[Any, bool, dict[str, Any] | None], None]
     tiny: str
     lora_targets: tuple[str, ...]
     refused: dict[str, str] = field(default_factory=dict)
+    liger: str = "apply_liger_kernel_to_llama"
 
 
 def register_causal_sdpa() -> str:
@@ -134,6 +142,23 @@ def _patch_gpt_neox(model: Any, fp8_mlp: bool, kernels: dict[str, Any] | None) -
     coda_agent.apply_to_gpt_neox(model, kernels=kernels)
 
 
+def _olmo2(widths: dict[str, Any], seq: int) -> Any:
+    from transformers import Olmo2Config, Olmo2ForCausalLM
+
+    cfg = Olmo2Config(**widths, max_position_embeddings=max(seq, 4096), rope_theta=500000.0, rms_norm_eps=1e-6,
+                      tie_word_embeddings=False, pad_token_id=None, bos_token_id=None, eos_token_id=None,
+                      attn_implementation=register_causal_sdpa())
+    return Olmo2ForCausalLM(cfg)
+
+
+def _patch_olmo2(model: Any, fp8_mlp: bool, kernels: dict[str, Any] | None) -> None:
+    import coda_agent
+
+    if fp8_mlp:
+        raise SystemExit("apply_to_model has no fp8 MLP")
+    coda_agent.apply_to_model(model, kernels=kernels)
+
+
 _NO_LIGER = ("Liger has no GPT-NeoX patch (its apply_liger_kernel_to_* patch RMSNorm, RoPE and SwiGLU models): "
              "the row would time HF's GPT-NeoX, the {} row again")
 _LIGER = ("Liger has no GPT-2 patch (its apply_liger_kernel_to_* patch RMSNorm, RoPE and SwiGLU models; GPT-2 "
@@ -152,6 +177,11 @@ FAMILIES: dict[str, Family] = {
         "compile_liger": _NO_LIGER.format("compile"),
         "coda_fp8": "apply_to_gpt_neox has no fp8 MLP (fp8_mlp is apply_to_llama's)",
         "compile_torchao_fp8": "no CODA fp8 row to set it against (apply_to_gpt_neox has no fp8 MLP); the fp8 "
+                               "comparison is the LLaMA configs'"}),
+    "olmo2": Family(_olmo2, _patch_olmo2, tiny="olmo2-tiny", lora_targets=("q_proj", "k_proj", "v_proj", "o_proj"),
+                    liger="apply_liger_kernel_to_olmo2", refused={
+        "coda_fp8": "apply_to_model has no fp8 MLP (fp8_mlp is apply_to_llama's)",
+        "compile_torchao_fp8": "no CODA fp8 row to set it against (apply_to_model has no fp8 MLP); the fp8 "
                                "comparison is the LLaMA configs'"})}
 
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -177,6 +207,12 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "pythia-tiny": dict(family="gpt_neox", hidden_size=128, intermediate_size=512, num_attention_heads=4,
                         num_hidden_layers=2, vocab_size=512, batch=2, seq=32),
     "gpt2-tiny": dict(family="gpt2", n_embd=128, n_inner=512, n_head=4, n_layer=2, vocab_size=512, batch=2, seq=32),
+    "olmo2-1b": dict(family="olmo2", hidden_size=2048, intermediate_size=8192, num_attention_heads=16,
+                     num_key_value_heads=16, vocab_size=100352, num_hidden_layers=4, batch=4, seq=4096),
+    "olmo2-7b": dict(family="olmo2", hidden_size=4096, intermediate_size=11008, num_attention_heads=32,
+                     num_key_value_heads=32, vocab_size=100352, num_hidden_layers=2, batch=4, seq=4096),
+    "olmo2-tiny": dict(family="olmo2", hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                       num_key_value_heads=4, vocab_size=512, num_hidden_layers=2, batch=2, seq=32),
 }
 
 

@@ -1,15 +1,16 @@
-"""A training step (forward, backward, AdamW) of a LLaMA-3, GPT-2 or GPT-NeoX model for every contender, on the H200.
+"""A training step (forward, backward, AdamW) of a LLaMA-3, GPT-2, GPT-NeoX or OLMo-2 model for every contender, on the H200.
 
 The question a training team asks: does the step get shorter, and does it fit
 in memory?  Each contender trains the same transformers model of a config
-(``bench/train_models.py``: ``LlamaForCausalLM``, ``GPT2LMHeadModel`` or ``GPTNeoXForCausalLM``, built from
+(``bench/train_models.py``: ``LlamaForCausalLM``, ``GPT2LMHeadModel``, ``GPTNeoXForCausalLM`` or ``Olmo2ForCausalLM``, built from
 a config, no download; bf16 master weights; attention through SDPA's flash
 kernel, see ``train_models.register_causal_sdpa``) on the same tokens:
 
 - ``eager``: plain PyTorch;  ``compile``: ``torch.compile(model)``;
-- ``liger``: Liger's kernels (``apply_liger_kernel_to_llama``: RoPE, RMSNorm,
+- ``liger``: Liger's kernels (``apply_liger_kernel_to_llama``, or OLMo-2's: RoPE, RMSNorm,
   SwiGLU, fused linear cross-entropy), eager;  ``compile_liger``: the same, compiled;
-- ``coda``: ``coda_agent.apply_to_llama(model)`` (``apply_to_gpt2`` for GPT-2, ``apply_to_gpt_neox`` for GPT-NeoX),
+- ``coda``: ``coda_agent.apply_to_llama(model)`` (``apply_to_gpt2`` for GPT-2, ``apply_to_gpt_neox`` for GPT-NeoX,
+  ``apply_to_model`` for OLMo-2: its MLPs and LM head),
   compiled around the custom ops;  ``coda_eager``: the same, not compiled;
 - ``coda_fp8``: ``apply_to_llama(model, fp8_mlp=True)`` (the MLP blocks' six
   GEMMs in fp8), compiled;  ``compile_torchao_fp8``: torchao's float8 training
@@ -104,7 +105,11 @@ PLAN = [("1b", "compile"), ("1b", "coda"), ("8b", "compile"), ("8b", "coda"), ("
         # GPT-NeoX's (Pythia's)
         ("pythia-1.4b", "compile"), ("pythia-1.4b", "coda"), ("pythia-6.9b", "compile"), ("pythia-6.9b", "coda"),
         ("pythia-1.4b", "eager"), ("pythia-6.9b", "eager"), ("pythia-1.4b", "coda_eager"),
-        ("pythia-6.9b", "coda_eager")]
+        ("pythia-6.9b", "coda_eager"),
+        # OLMo-2's (apply_to_model: its MLPs and LM head), against compile and Liger's OLMo-2 patch
+        ("olmo2-1b", "compile"), ("olmo2-1b", "coda"), ("olmo2-7b", "compile"), ("olmo2-7b", "coda"),
+        ("olmo2-1b", "compile_liger"), ("olmo2-7b", "compile_liger"), ("olmo2-1b", "eager"), ("olmo2-7b", "eager"),
+        ("olmo2-1b", "coda_eager"), ("olmo2-7b", "coda_eager")]
 MEASURED = tuple(dict.fromkeys(c for c, k in PLAN if k != "curve"))
 
 
@@ -117,11 +122,11 @@ def prepare(model: Any, config: str, contender: str, device: str, xent_mib: int 
     why = refusal(config, contender)
     if why:  # the driver never plans it; a direct call must not time something else under its name
         raise SystemExit(why)
-    if "liger" in contender:
-        from liger_kernel.transformers import apply_liger_kernel_to_llama
+    if "liger" in contender:  # the family's Liger patch (LLaMA's, OLMo-2's)
+        import liger_kernel.transformers as liger
 
-        apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
-                                    fused_linear_cross_entropy=True, model=model)
+        getattr(liger, family_of(config).liger)(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                                fused_linear_cross_entropy=True, model=model)
     if contender == "compile_torchao_fp8":  # torchao's float8 training, rowwise scales, the LM head left bf16
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 

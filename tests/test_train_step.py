@@ -262,3 +262,30 @@ def test_an_unknown_config_is_refused_by_name(bench_main, tmp_path, capsys):
         bench_main("train_step", "--dry-run", "--out", tmp_path, "--configs", "gpt2-xl,gpt2-8b")
     err = capsys.readouterr().err
     assert "--configs: no config gpt2-8b; the step measures 1b, 8b, gpt2-xl, gpt2-7b, pythia-1.4b, pythia-6.9b" in err, err
+
+
+def test_the_olmo2_configs_train_through_apply_to_model(tmp_path):
+    """OLMo-2, whose post-norm layers no drop-in of whole layers takes: its configs build at their
+    widths (meta device), and the dry run's CODA rows run its MLPs and LM head as the swiglu_mlp
+    and lm_head_xent kernels, compiled with no graph break; its fp8 rows are refused by name and
+    Liger's rows (its OLMo-2 patch) need CUDA."""
+    for config, widths in (("olmo2-1b", (2048, 8192, 16, 4)), ("olmo2-7b", (4096, 11008, 32, 2))):
+        with torch.device("meta"):
+            model, batch, seq = train_models.build(config, "meta", torch.bfloat16)
+        cfg = model.config
+        assert type(model).__name__ == "Olmo2ForCausalLM" and batch * seq == 16384 and cfg.vocab_size == 100352
+        assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_hidden_layers) == widths
+    assert train_models.family_of("olmo2-1b").liger == "apply_liger_kernel_to_olmo2"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(tmp_path), "--configs", "olmo2-7b",
+                           "--contenders", ",".join(train_step.CONTENDERS), "--steps", "1", "--warmup", "0"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads((tmp_path / "train_step.json").read_text())
+    rows = {r["contender"]: r for r in result["rows"]}
+    assert list(rows) == ["compile", "coda", "eager", "coda_eager"], result["rows"]
+    assert rows["compile"]["graph_breaks"] == 0 and rows["coda"]["graph_breaks"] == 0
+    for name in ("coda", "coda_eager"):
+        launches = rows[name]["where"]["coda_launches"]
+        assert launches["coda::gemm::swiglu"]["calls"] == launches["coda::gemm::dswiglu"]["calls"] == 2
+        assert launches["coda::gemm::logits_lse"]["calls"] >= 1, launches
+    assert {s["run"] for s in result["skipped"]} == {"olmo2-7b:coda_fp8", "olmo2-7b:compile_torchao_fp8"}

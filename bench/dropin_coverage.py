@@ -120,7 +120,9 @@ def patch_and_train(model: torch.nn.Module, drop_in: str, want: float, class_nam
     if not abs(loss.item() - want) <= LOSS_TOLERANCE * abs(want):
         return {"result": "error", "message": f"patched, its loss {loss.item():.4f} against HF's {want:.4f}",
                 "flags": flags, "config": fixes}
-    return {"result": "patched", "flags": flags, "config": fixes, "loss": loss.item(), "hf_loss": want}
+    parts = getattr(patched, "coda_flags", None)  # apply_to_model's: the MLPs it patched and the head
+    what = {} if parts is None else {"parts": {k: len(v) if isinstance(v, list) else v for k, v in parts.items()}}
+    return {"result": "patched", "flags": flags, "config": fixes, "loss": loss.item(), "hf_loss": want, **what}
 
 
 def _flags(outcome: dict[str, Any]) -> str:

@@ -1,12 +1,19 @@
 """What ``coda-agent tasks check`` finds in a task beyond its spec's validation: values the
-reference treats apart that the verifier's draws never hold (:func:`undrawn_values`)."""
+reference treats apart that the verifier's draws never hold (:func:`undrawn_values`), and float
+params the verifier can never vary because the reference refuses every value near the written one
+(:func:`unvaried_params`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from coda_agent.errors import CodaError
 
+from .dryrun import TORCH_DTYPES
+from .inits import draw
+from .params import PARAM_SPREAD
 from .recorder import call_reference
 
 
@@ -39,3 +46,32 @@ def undrawn_values(task: Any) -> list[str]:
                             f"(an ignore_index), but no draw holds it; add ignore: {{value: {missing[0]}, "
                             "fraction: 0.125}} so that a program counting those rows fails")
     return problems
+
+
+def unvaried_params(task: Any) -> list[str]:
+    """The float params the judge would keep as written on every check: the reference refuses the
+    param scaled by 2**(+-u) at the smallest spread the judge halves down to (``PARAM_SPREAD``), the
+    others as written.  A program that types such a value in would pass; either the value is a
+    constant of the task (``fixed_params`` says so), or the reference refuses values it should take."""
+    spec = task.spec
+    set_name = spec.cpu_shape_set
+    env = {k: float(v) for k, v in spec.shapes[set_name].items()}
+    gen = torch.Generator().manual_seed(0)
+    inputs = {n: draw(t.init, spec.shape_of(t, set_name), TORCH_DTYPES[t.dtype], env, gen)
+              for n, t in spec.inputs.items()}
+    written = spec.params_at(set_name)
+
+    def takes(name: str, value: float) -> bool:
+        try:
+            with torch.no_grad():
+                task.reference_fn(**inputs, **{**written, name: value})
+        except Exception:  # noqa: BLE001 - the reference refusing the value is what is asked
+            return False
+        return True
+
+    u = PARAM_SPREAD[0]
+    return [f"params.{name}: the reference refuses {name} = {written[name]!r} x 2^+-{u} (tried "
+            f"{written[name] * 2 ** -u:.6g} and {written[name] * 2 ** u:.6g}), so the verifier never varies it and a "
+            f"program that types the value in would pass; list it in fixed_params if it is a constant of the task, "
+            "else let the reference take nearby values"
+            for name in spec.varied_params if not any(takes(name, written[name] * 2.0 ** s) for s in (-u, u))]

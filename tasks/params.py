@@ -27,6 +27,9 @@ from typing import Any, Mapping
 from .expr import ExprError, eval_expr, expr_symbols
 
 Scalar = bool | int | float | str  # a param: any scalar a reference takes (eps, causal, activation name)
+# A varied param is scaled by 2**u with |u| uniform in this range; where the reference refuses the
+# values, u is halved down to the smallest spread, below which the values stay as written.
+PARAM_SPREAD = (0.25, 4.0)
 
 _NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)")  # what YAML 1.1 leaves a string: 1e-5
 

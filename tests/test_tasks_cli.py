@@ -400,3 +400,22 @@ def test_new_draws_a_cross_entropys_target_among_its_classes_with_padding(tmp_pa
     Path("xent.yaml").write_text(text)
     r = cli("tasks", "check", "xent.yaml")
     assert r.exit_code == 0, r.output
+
+
+def test_check_names_a_float_param_the_reference_takes_only_as_written(tmp_path):
+    """The judge varies each float param between draws and keeps the written value where the
+    reference refuses every nearby one: a program that typed it in would then pass.  `tasks check`
+    names such a param and the two ways on (fixed_params, or a reference that takes nearby values)."""
+    family = Path(__file__).parent / "tasks" / "families" / "gemma2"
+    for f in family.iterdir():
+        (tmp_path / f.name).write_text(f.read_text())
+    ref = tmp_path / "softcap_ref.py"  # a reference that asserts Gemma-2's cap
+    ref.write_text(ref.read_text().replace("    with torch.enable_grad():", "    assert cap == 30.0, cap\n"
+                                           "    with torch.enable_grad():", 1))
+    task = tmp_path / "softcap_xent.yaml"
+    r = cli("tasks", "check", task)
+    assert r.exit_code == 1 and ("params.cap: the reference refuses cap = 30.0 x 2^+-0.25 (tried 25.2269 and "
+                                 "35.6762), so the verifier never varies it") in r.output, r.output
+    assert "list it in fixed_params if it is a constant of the task" in r.output
+    task.write_text(task.read_text().replace("params: {cap: 30.0}", "params: {cap: 30.0}\nfixed_params: [cap]"))
+    assert cli("tasks", "check", task).exit_code == 0

@@ -105,6 +105,7 @@ from typing import Any, Callable
 import torch
 
 from coda_agent.tasks.inits import draw
+from coda_agent.tasks.params import PARAM_SPREAD
 from coda_agent.tasks.spec import FLOAT_DTYPES, TaskSpec, TensorSpec, eval_expr, expr_symbols, structural_symbols
 from coda_agent.verifier.wire import TORCH_DTYPES, nbytes
 
@@ -115,7 +116,6 @@ GPU_MEMORY_FACTOR = 10  # a set fits when 10x its tensors in fp32 fit in the dev
 BEYOND = 256  # the beyond set adds one 256-wide chunk to every size of at least 128
 DRAWN = 256  # and then a secret growth below this (drawn_growth)
 ALIGN = 16  # the largest alignment step a drawn growth keeps (bytes of TMA rows of fp8 / 2-byte types)
-PARAM_SPREAD = (0.25, 4.0)  # a varied param is scaled by 2**u, |u| uniform in this range
 MAGNITUDE = (4.0, 12.0)  # the scaled draw multiplies activations by 2**u, |u| uniform in this range
 WEIGHT_SPREAD = (-6.0, 3.0)  # and norm weights and scales elementwise by 2**v, v uniform in this range
 MATRIX_SCALE = (-6.0, 2.0)  # and each weight matrix by 2**w, w uniform in this range

@@ -22,6 +22,22 @@ def _swiglu_fwd(inp: dict, params: dict, grads: dict, dims: dict) -> Any:
     return LigerSiLUMulFunction.apply(gu[:, :i], gu[:, i:])
 
 
+def _gated_mlp(inp: dict, params: dict, grads: dict, dims: dict, gelu: bool = False) -> Any:
+    """A gated MLP forward and backward with Liger's fused activation-times-up (SwiGLU's, or GeGLU's
+    tanh GELU) between the gate, up and down GEMMs, as Liger's LigerSwiGLUMLP and LigerGEGLUMLP run."""
+    if gelu:
+        from liger_kernel.ops.geglu import LigerGELUMulFunction as Mul
+    else:
+        from liger_kernel.ops.swiglu import LigerSiLUMulFunction as Mul
+
+    x = inp["x"].detach().requires_grad_(True)
+    w_gu = inp["w_gu"].detach().requires_grad_(True)
+    w_down = inp["w_down"].detach().requires_grad_(True)
+    y = Mul.apply(x @ w_gu[0::2].t(), x @ w_gu[1::2].t()) @ w_down.t()
+    y.backward(grads["dy"])
+    return y
+
+
 def _residual_rmsnorm(inp: dict, params: dict, grads: dict, dims: dict) -> Any:
     from liger_kernel.ops.fused_add_rms_norm import LigerFusedAddRMSNormFunction
 
@@ -63,6 +79,8 @@ def _lm_head_xent_fwd(inp: dict, params: dict, grads: dict, dims: dict) -> Any:
 
 LIGER: dict[str, Callable[[dict, dict, dict, dict], Any]] = {
     "swiglu_fwd": _swiglu_fwd,
+    "swiglu_mlp": _gated_mlp,
+    "geglu_mlp": lambda inp, params, grads, dims: _gated_mlp(inp, params, grads, dims, gelu=True),
     "residual_rmsnorm": _residual_rmsnorm,
     "rope_fwd": _rope_fwd,
     "lm_head_xent": _lm_head_xent,

@@ -8,14 +8,15 @@ LayerNorm, StableLM's partial LayerNorms, a hybrid's linear-attention layers).  
 MLPs and LM head are often LLaMA's code all the same.  ``apply_to_model`` recognises those modules
 one by one, by their code (``families.same_code``) as the layer drop-ins recognise layers:
 
-- **SwiGLU MLPs**: a module whose forward is LLaMA's MLP (``down(act(gate(x)) * up(x))``) or
-  Phi-3's (one ``gate_up_proj``, gate and up in halves), with SiLU as its activation, runs as the
-  ``swiglu_mlp`` kernel: the gate/up GEMM's epilogue applies SwiGLU, the backward's dSwiGLU rides
-  in the epilogue of ``dy @ W_down``, and only the pre-activation is kept between the two.  Gate and
-  up are fused into one weight with interleaved rows, once, here (``fused_weights.relayout``: the
-  state dict keeps HF's keys).  Where the module sits does not matter: a post-norm block's MLP, a
-  mixture of experts' shared expert, every layer of a hybrid.  An MLP of that code with another
-  activation (Gemma-2's GeGLU) is not a SwiGLU and stays HF's.
+- **Gated MLPs**: a module whose forward is LLaMA's MLP (``down(act(gate(x)) * up(x))``) or
+  Phi-3's (one ``gate_up_proj``, gate and up in halves) runs as the kernel of its activation:
+  SiLU's ``swiglu_mlp``, GELU's tanh form (Gemma's ``gelu_pytorch_tanh``, probed by value:
+  ``dropin.gelu_form``) ``geglu_mlp``.  The gate/up GEMM's epilogue applies the activation, the
+  backward's derivative rides in the epilogue of ``dy @ W_down``, and only the pre-activation is
+  kept between the two.  Gate and up are fused into one weight with interleaved rows, once, here
+  (``fused_weights.relayout``: the state dict keeps HF's keys).  Where the module sits does not
+  matter: a post-norm block's MLP, a mixture of experts' shared expert, every layer of a hybrid.
+  An MLP of that code with another activation (the exact GELU, xIELU) stays HF's.
 - **The LM head and loss**: where the causal LM's forward is LLaMA's, Granite's or Mixtral's code
   (``families.CAUSAL_LMS``) and its loss is HF's causal-LM loss, training with labels runs the
   fused LM head + cross-entropy (``lm_head_xent``; no full logits, ``logits`` is None, as with
@@ -23,7 +24,8 @@ one by one, by their code (``families.same_code``) as the layer drop-ins recogni
   Cohere) is other code, and keeps HF's head.
 
 Everything else stays HF's (attention, norms, embeddings), and torch.compile compiles it around the
-kernels' custom ops.  What was patched is ``model.coda_flags`` (the MLPs by name); each patched
+kernels' custom ops.  What was patched is ``model.coda_flags`` (the MLPs by name, under their
+kernel's task); each patched
 MLP holds ``coda_flags`` too, so no drop-in patches it again.  A module of a recognised kind that
 holds what its kernel does not take (biases, LoRA adapters, gate and up frozen apart) is refused
 with the flag that keeps it HF's; a model with nothing to patch is refused, naming what was looked
@@ -44,12 +46,13 @@ from transformers.models.llama.modeling_llama import LlamaMLP
 from transformers.models.phi3.modeling_phi3 import Phi3MLP
 
 from .adapters import lora_of, peft_base
-from .dropin import (NO_KERNEL, STACKS, PatchedForward, refusal_by, check_lm_head, check_slots, refuse_patched,
-                     refuse_wrapped, require_kernel_dtypes, slot_kernel, suite_kernel)
+from .dropin import (NO_KERNEL, STACKS, PatchedForward, check_lm_head, check_slots, gelu_form, refusal_by,
+                     refuse_patched, refuse_wrapped, require_kernel_dtypes, slot_kernel, suite_kernel)
 from .families import CAUSAL_LMS, same_code
 from .kernel import Kernel, KernelError
 
-SLOTS = ("swiglu_mlp", "lm_head_xent", "lm_head_xent_frozen")
+MLP_TASKS = ("swiglu_mlp", "geglu_mlp")
+SLOTS = (*MLP_TASKS, "lm_head_xent", "lm_head_xent_frozen")
 SILU = (nn.SiLU, ACT2CLS["silu"])
 
 # An MLP's code -> (its activation's name, its projections, the fused weight's row maps).
@@ -57,20 +60,21 @@ _MLPS = {"LLaMA's": (LlamaMLP.forward, "act_fn", ("gate_proj", "up_proj")),
          "Phi-3's": (Phi3MLP.forward, "activation_fn", ("gate_up_proj",))}
 
 
-def apply_to_model(model: nn.Module, *, swiglu: bool = True, fused_linear_cross_entropy: bool = True,
+def apply_to_model(model: nn.Module, *, mlp: bool = True, fused_linear_cross_entropy: bool = True,
                    kernels: dict[str, Kernel | str | Path] | None = None) -> nn.Module:
-    """Patch ``model`` in place (see the module docstring) and return it.  ``swiglu``: the SwiGLU
+    """Patch ``model`` in place (see the module docstring) and return it.  ``mlp``: the gated
     MLPs; ``fused_linear_cross_entropy``: the LM head and loss; ``kernels``: an accepted program
-    for a slot (``swiglu_mlp``, ``lm_head_xent``, ``lm_head_xent_frozen``) instead of the suite's."""
+    for a slot (``swiglu_mlp``, ``geglu_mlp``, ``lm_head_xent``, ``lm_head_xent_frozen``) instead of
+    the suite's."""
     given_model, model = model, peft_base(model)
     refuse_wrapped(model, "apply_to_model")
     refuse_patched(model)
     require_kernel_dtypes(model, "apply_to_model")
     check_slots(kernels, SLOTS)
-    mlps, passed = _swiglu_mlps(model) if swiglu else ({}, [])
+    mlps, passed = _gated_mlps(model) if mlp else ({}, [])
     head = _causal_lm(model) if fused_linear_cross_entropy else None
     if not mlps and head is None:
-        looked = [what for what, on in (("SwiGLU MLPs", swiglu), ("the LM head and loss", fused_linear_cross_entropy))
+        looked = [what for what, on in (("gated MLPs", mlp), ("the LM head and loss", fused_linear_cross_entropy))
                   if on]
         why = "; ".join(passed + ([_head_refusal(model)] if fused_linear_cross_entropy else []))
         raise KernelError(f"apply_to_model found none of {' or '.join(looked) or 'nothing (every flag is off)'} in "
@@ -81,24 +85,25 @@ def apply_to_model(model: nn.Module, *, swiglu: bool = True, fused_linear_cross_
         warnings.warn(f"coda_agent.{whole}(model) takes this model and also folds its norms, RoPE and residual "
                       "adds into the GEMMs; apply_to_model patches its MLPs and LM head only", stacklevel=2)
     chosen = {name: slot_kernel(name, (kernels or {}).get(name), suite_kernel(name)) for name in SLOTS}
-    for name, (module, kind) in mlps.items():
-        _patch_mlp(module, kind, chosen["swiglu_mlp"])
+    for name, (module, kind, task) in mlps.items():
+        _patch_mlp(module, kind, task, chosen[task])
     if head is not None:
         from .llama import patch_causal_lm  # the LLaMA drop-in's patched causal LM, whose code this one is
 
         patch_causal_lm(model, head, chosen["lm_head_xent"], chosen["lm_head_xent_frozen"])
-    model.coda_flags = {"swiglu_mlps": sorted(mlps), "fused_linear_cross_entropy": head is not None}
+    model.coda_flags = {**{task: sorted(n for n, (_, _, t) in mlps.items() if t == task) for task in MLP_TASKS},
+                        "fused_linear_cross_entropy": head is not None}
     return given_model
 
 
 # --------------------------------------------------------------------------- what qualifies
 
 
-def _swiglu_mlps(model: nn.Module) -> tuple[dict[str, tuple[nn.Module, str]], list[str]]:
-    """({name: (module, kind)} for every SwiGLU MLP, [why the MLP-like modules that are not one
-    are passed by]); refuses, naming the fix, an MLP that is one but holds what the kernel does
-    not take."""
-    found: dict[str, tuple[nn.Module, str]] = {}
+def _gated_mlps(model: nn.Module) -> tuple[dict[str, tuple[nn.Module, str, str]], list[str]]:
+    """({name: (module, kind, its kernel's task)} for every gated MLP a kernel computes, [why the
+    MLPs of that code that are not are passed by]); refuses, naming the fix, one that a kernel
+    computes but that holds what the kernel does not take."""
+    found: dict[str, tuple[nn.Module, str, str]] = {}
     passed: list[str] = []
     for name, module in model.named_modules():
         kind = next((k for k, (fn, _, _) in _MLPS.items() if same_code(type(module).forward, fn)), None)
@@ -106,37 +111,43 @@ def _swiglu_mlps(model: nn.Module) -> tuple[dict[str, tuple[nn.Module, str]], li
             continue
         _, act_name, parts = _MLPS[kind]
         act = getattr(module, act_name, None)
-        if not isinstance(act, SILU):
+        task = "swiglu_mlp" if isinstance(act, SILU) else "geglu_mlp" if _gelu(act) == "tanh" else None
+        if task is None:
             if len(passed) < 3:
-                passed.append(f"{type(module).__name__} is {kind} MLP code with {type(act).__name__}, not SiLU")
+                passed.append(f"{type(module).__name__} is {kind} MLP code with {type(act).__name__}, neither SiLU "
+                              "nor GELU's tanh form")
             continue
-        _check_mlp(module, name or type(module).__name__, parts)
-        found[name] = (module, kind)
+        _check_mlp(module, name or type(module).__name__, parts, task)
+        found[name] = (module, kind, task)
     return found, passed
 
 
-def _check_mlp(module: nn.Module, where: str, parts: tuple[str, ...]) -> None:
+def _gelu(act: Any) -> str | None:
+    return gelu_form(act) if isinstance(act, nn.Module) else None
+
+
+def _check_mlp(module: nn.Module, where: str, parts: tuple[str, ...], task: str) -> None:
     projections = (*parts, "down_proj")
     for p in projections:
         m = getattr(module, p, None)
         if lora_of(m) is not None:
-            raise KernelError(f"{where}.{p} has LoRA adapters, and the swiglu_mlp kernel runs the whole MLP; pass "
-                              "swiglu=False to keep HF's MLPs (the adapters train there)")
+            raise KernelError(f"{where}.{p} has LoRA adapters, and the {task} kernel runs the whole MLP; pass "
+                              "mlp=False to keep HF's MLPs (the adapters train there)")
         if type(m) is not nn.Linear:
-            raise KernelError(f"{where}.{p} is {type(m).__name__}, not nn.Linear: the swiglu_mlp kernel reads its "
-                              "weight; patch the unwrapped bf16 model, or pass swiglu=False")
+            raise KernelError(f"{where}.{p} is {type(m).__name__}, not nn.Linear: the {task} kernel reads its "
+                              "weight; patch the unwrapped bf16 model, or pass mlp=False")
         if m.bias is not None:
-            raise KernelError(f"{where}.{p}.bias: MLP biases are not in the swiglu_mlp kernel; pass swiglu=False "
-                              "to keep HF's MLPs")
+            raise KernelError(f"{where}.{p}.bias: MLP biases are not in the {task} kernel; pass mlp=False to keep "
+                              "HF's MLPs")
     frozen = {p: getattr(module, p).weight.requires_grad for p in parts}
     if len(set(frozen.values())) > 1:
         raise KernelError(f"{where}: requires_grad differs across {', '.join(parts)} ({frozen}); apply_to_model fuses "
                           "them into one parameter, which trains or freezes as a whole: freeze or unfreeze them "
-                          "together first, or pass swiglu=False")
+                          "together first, or pass mlp=False")
     width, inter = module.down_proj.weight.shape
     if width % 8 or inter % 8:
         raise KernelError(f"{where}: hidden size {width} and intermediate size {inter} must be multiples of 8 (a "
-                          "GEMM row of 16 bytes); pass swiglu=False to keep HF's MLPs")
+                          "GEMM row of 16 bytes); pass mlp=False to keep HF's MLPs")
 
 
 def _causal_lm(model: nn.Module) -> str | None:
@@ -175,23 +186,23 @@ def _halves(w: torch.Tensor) -> tuple[torch.Tensor]:
     return (torch.cat((w[0::2], w[1::2])),)
 
 
-def _patch_mlp(module: nn.Module, kind: str, kernel: Kernel) -> None:
+def _patch_mlp(module: nn.Module, kind: str, task: str, kernel: Kernel) -> None:
     from .fused_weights import relayout
 
     parts = _MLPS[kind][2]
     relayout(module, "gate_up_proj", parts, _interleave, _split_pair if len(parts) == 2 else _halves)
     module.coda_mlp = kernel
-    module.coda_flags = {"swiglu_mlp": True}
+    module.coda_flags = {task: True}
     module.forward = PatchedForward(module, _mlp_forward)
 
 
 def _mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The MLP's forward as the swiglu_mlp kernel, on any leading shape."""
+    """The MLP's forward as its kernel, on any leading shape."""
     w_gu, w_down = self.gate_up_proj.weight, self.down_proj.weight
     rows = x.reshape(-1, x.shape[-1])
     if rows.shape[0] == 0:  # an expert no token was routed to: no GEMM to launch, the same empty result
         g, u = _split_pair(w_gu)
-        return (nn.functional.silu(rows @ g.t()) * (rows @ u.t())) @ w_down.t()
+        return (rows @ g.t() * (rows @ u.t())) @ w_down.t()
     y = self.coda_mlp(rows.contiguous(), w_gu, w_down)["y"]
     return y.view(*x.shape[:-1], w_down.shape[0])
 

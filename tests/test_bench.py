@@ -333,7 +333,8 @@ def test_dropin_coverage_patches_or_refuses_each_model_it_builds(tmp_path):
     assert abs(llama["loss"] - llama["hf_loss"]) < 0.02 * llama["hf_loss"]
     assert "train it unpatched" in rows["phi"]["apply_to_llama"]["message"]
     assert "apply_to_model" not in rows["llama"]  # tried only where no drop-in of whole layers patches
-    assert rows["olmo2"]["apply_to_model"]["parts"] == {"swiglu_mlps": 2, "fused_linear_cross_entropy": True}
+    assert rows["olmo2"]["apply_to_model"]["parts"] == {"swiglu_mlp": 2, "geglu_mlp": 0,
+                                                           "fused_linear_cross_entropy": True}
     # Phi-2's LM head has a bias (its refusal names the flag that keeps it HF's), and it has no SwiGLU MLP
     assert rows["phi"]["apply_to_model"]["flags"] == {"fused_linear_cross_entropy": False}
     assert rows["phi"]["apply_to_model"]["result"] == "refused"

@@ -4,8 +4,9 @@ gradient against the unpatched model in fp32, within twice HF's own bf16 error.
 
 The models differ from LLaMA where the layer drop-ins cannot follow (OLMo-2's post-norms and
 full-width q/k norms, Cohere's parallel block and LayerNorm, StableLM's LayerNorms and partial
-RoPE, Exaone 4's mix of norms), while their MLPs (and some LM heads) are LLaMA's code: those run
-as kernels, everything else stays HF's."""
+RoPE, Exaone 4's mix of norms, Gemma-2's sandwich norms and soft-caps), while their MLPs (and some
+LM heads) are LLaMA's code: those run as kernels (SwiGLU's, or Gemma's GeGLU), everything else
+stays HF's."""
 
 from __future__ import annotations
 
@@ -21,8 +22,10 @@ import coda_agent  # noqa: E402
 from coda_agent.kernels import KernelError  # noqa: E402
 from coda_agent.primitives import launch_ledger  # noqa: E402
 
-# family -> whether its LM head and loss run fused (its causal LM's forward is LLaMA's code)
-FAMILIES = {"Olmo2": True, "Cohere": False, "StableLm": False, "Exaone4": True}
+# family -> its MLPs' kernel, and whether its LM head and loss run fused (its causal LM's forward is
+# LLaMA's code; Gemma-2's soft-caps its logits, Cohere's scales them)
+FAMILIES = {"Olmo2": ("swiglu_mlp", True), "Cohere": ("swiglu_mlp", False), "StableLm": ("swiglu_mlp", False),
+            "Exaone4": ("swiglu_mlp", True), "Gemma2": ("geglu_mlp", False)}
 DEVICE = "cpu"
 
 
@@ -39,15 +42,18 @@ def test_a_model_no_layer_drop_in_takes_trains_like_hf(family):
     hi, lo = truth_of(base)
     model = coda_agent.apply_to_model(copy.deepcopy(base).bfloat16())
     layers = base.config.num_hidden_layers
-    assert model.coda_flags == {"swiglu_mlps": [f"model.layers.{i}.mlp" for i in range(layers)],
-                                "fused_linear_cross_entropy": FAMILIES[family]}
+    task, head = FAMILIES[family]
+    assert model.coda_flags == {"swiglu_mlp": [], "geglu_mlp": [],
+                                task: [f"model.layers.{i}.mlp" for i in range(layers)],
+                                "fused_linear_cross_entropy": head}
     with launch_ledger() as launched:
         got = train_and_eval(model)
     assert_like_hf(got, hi, lo)
     names = [launch.name for launch in launched]
     # every MLP: forward in the training step and the eval pass, backward once
-    assert names.count("swiglu") == 2 * layers and names.count("dswiglu") == layers
-    assert ("logits_lse" in names) == FAMILIES[family]
+    act = task.split("_")[0]
+    assert names.count(act) == 2 * layers and names.count(f"d{act}") == layers
+    assert ("logits_lse" in names) == head
 
 
 def test_a_phi3_mlp_and_a_model_a_layer_drop_in_takes():
@@ -57,7 +63,7 @@ def test_a_phi3_mlp_and_a_model_a_layer_drop_in_takes():
     hi, lo = truth_of(base)
     with pytest.warns(UserWarning, match=r"apply_to_llama\(model\) takes this model and also folds its norms"):
         model = coda_agent.apply_to_model(copy.deepcopy(base).bfloat16())
-    assert model.coda_flags["fused_linear_cross_entropy"] and len(model.coda_flags["swiglu_mlps"]) == 2
+    assert model.coda_flags["fused_linear_cross_entropy"] and len(model.coda_flags["swiglu_mlp"]) == 2
     assert_like_hf(train_and_eval(model), hi, lo)
 
 
@@ -111,16 +117,17 @@ def test_an_mlp_no_token_reaches_returns_the_empty_result():
 
 
 def test_what_the_kernels_do_not_take_is_refused_with_the_fix():
-    with pytest.raises(KernelError, match=r"found none of SwiGLU MLPs or the LM head and loss in "
-                                          r"Gemma2ForCausalLM .*Gemma2MLP is LLaMA's MLP code with "
-                                          r"GELUTanh\w*, not SiLU.*Gemma2ForCausalLM.forward is not LLaMA's"):
-        coda_agent.apply_to_model(tiny("Gemma2").bfloat16())
+    with pytest.raises(KernelError, match=r"found none of gated MLPs or the LM head and loss in "
+                                          r"Gemma2ForCausalLM .*Gemma2MLP is LLaMA's MLP code with GELUActivation, "
+                                          r"neither SiLU nor GELU's tanh form.*Gemma2ForCausalLM.forward is not "
+                                          r"LLaMA's"):
+        coda_agent.apply_to_model(tiny("Gemma2", hidden_activation="gelu").bfloat16())
     with pytest.raises(KernelError, match=r"mlp.gate_proj.bias: MLP biases are not in the swiglu_mlp kernel; "
-                                          r"pass swiglu=False"):
+                                          r"pass mlp=False"):
         coda_agent.apply_to_model(tiny_llama(mlp_bias=True).bfloat16())
     # Cohere's head scales its logits (not LLaMA's code): with the MLPs off nothing is left
     with pytest.raises(KernelError, match=r"found none of the LM head and loss in CohereForCausalLM"):
-        coda_agent.apply_to_model(tiny("Cohere").bfloat16(), swiglu=False)
+        coda_agent.apply_to_model(tiny("Cohere").bfloat16(), mlp=False)
     parted = tiny_olmo2().bfloat16()
     parted.model.layers[1].mlp.up_proj.weight.requires_grad_(False)
     with pytest.raises(KernelError, match=r"model.layers.1.mlp: requires_grad differs across gate_proj, up_proj"):
@@ -154,17 +161,17 @@ def test_lora_on_the_attention_trains_and_on_the_mlp_is_refused():
     got = step(coda_agent.apply_to_model(with_lora(copy.deepcopy(base).bfloat16(), targets)))
     assert any(k.startswith("d ") and "lora_A" in k for k in got)
     assert_like_peft(got, hi, lo)
-    with pytest.raises(KernelError, match=r"mlp.gate_proj has LoRA adapters.*pass swiglu=False"):
+    with pytest.raises(KernelError, match=r"mlp.gate_proj has LoRA adapters.*pass mlp=False"):
         coda_agent.apply_to_model(with_lora(tiny_olmo2().bfloat16(), ["gate_proj"]))
     assert peft
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Hopper)")
-@pytest.mark.parametrize("family", ["Olmo2", "Cohere"])
+@pytest.mark.parametrize("family", ["Olmo2", "Cohere", "Gemma2"])
 def test_a_model_no_layer_drop_in_takes_trains_like_hf_on_gpu(monkeypatch, family):
-    """The cute lowering: the swiglu_mlp kernel's GEMMs (and OLMo-2's fused LM head) inside HF's
-    layers on the GPU."""
+    """The cute lowering: the swiglu_mlp and geglu_mlp kernels' GEMMs (and OLMo-2's fused LM head)
+    inside HF's layers on the GPU."""
     import test_llama
 
     monkeypatch.setattr(test_llama, "DEVICE", "cuda")
@@ -173,4 +180,5 @@ def test_a_model_no_layer_drop_in_takes_trains_like_hf_on_gpu(monkeypatch, famil
     with launch_ledger() as launched, torch.autograd.set_multithreading_enabled(False):
         got = train_and_eval(coda_agent.apply_to_model(copy.deepcopy(base).bfloat16()))
     assert_like_hf(got, hi, lo)
-    assert {"swiglu", "dswiglu"} <= {launch.name for launch in launched}
+    act = FAMILIES[family][0].split("_")[0]
+    assert {act, f"d{act}"} <= {launch.name for launch in launched}

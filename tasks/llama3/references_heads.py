@@ -123,6 +123,14 @@ def swiglu_mlp(x, w_gu, w_down):
     return {"y": (F.silu(g) * u) @ w_down.t()}
 
 
+def geglu_mlp(x, w_gu, w_down):
+    """y = W_down(gelu_tanh(g) * u), (g, u) = x @ W_gu^T (rows interleaved): Gemma's gated MLP
+    (``gelu_pytorch_tanh``)."""
+    g = x @ w_gu[0::2].t()
+    u = x @ w_gu[1::2].t()
+    return {"y": (F.gelu(g, approximate="tanh") * u) @ w_down.t()}
+
+
 # --------------------------------------------------------------------------- task 12
 
 

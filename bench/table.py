@@ -39,11 +39,13 @@ def geomean(values: list[float]) -> float:
 
 BACKWARD = ("swiglu_bwd", "rmsnorm_bwd", "rope_bwd", "layernorm_bwd", "gelu_bwd")  # backward math, one direction
 BLOCKS = ("mlp_block", "llama3_block", "gpt2_block")  # forward + backward of a whole block
+# forward-only tasks whose outputs are a training step's gradients (the fused LM heads)
+TRAINING_STEPS = ("lm_head_xent", "lm_head_xent_frozen", "lm_head_xent_softcap", "lm_head_xent_softcap_frozen")
 
 
 def _kind(task: str) -> str:
     return ("block" if task in BLOCKS else "backward"
-            if task in BACKWARD or task in ("lm_head_xent", "lm_head_xent_frozen") else "forward")
+            if task in BACKWARD or task in TRAINING_STEPS else "forward")
 
 
 def _gib(row: dict, key: str) -> str:

@@ -1,9 +1,10 @@
-"""A training step (forward, backward, AdamW) of a LLaMA-3, GPT-2, GPT-NeoX or OLMo-2 model for every contender, on the H200.
+"""A training step (forward, backward, AdamW) of a LLaMA-3, GPT-2, GPT-NeoX or OLMo-2 model for every
+contender, on the H200.
 
 The question a training team asks: does the step get shorter, and does it fit
 in memory?  Each contender trains the same transformers model of a config
-(``bench/train_models.py``: ``LlamaForCausalLM``, ``GPT2LMHeadModel``, ``GPTNeoXForCausalLM`` or ``Olmo2ForCausalLM``, built from
-a config, no download; bf16 master weights; attention through SDPA's flash
+(``bench/train_models.py``: ``LlamaForCausalLM``, ``GPT2LMHeadModel``, ``GPTNeoXForCausalLM`` or
+``Olmo2ForCausalLM``, built from a config, no download; bf16 master weights; attention through SDPA's flash
 kernel, see ``train_models.register_causal_sdpa``) on the same tokens:
 
 - ``eager``: plain PyTorch;  ``compile``: ``torch.compile(model)``;

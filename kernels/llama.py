@@ -188,10 +188,12 @@ def apply_to_llama(model: LlamaForCausalLM | LlamaModel, *, rope: bool = True, r
     return given_model
 
 
-def patch_causal_lm(model: nn.Module, kind: str, xent: Kernel, xent_frozen: Kernel) -> None:
+def patch_causal_lm(model: nn.Module, kind: str, xent: Kernel, xent_frozen: Kernel, softcap: float | None = None
+                    ) -> None:
     """In training with labels, ``model``'s LM head and loss run as the fused kernels; ``kind``:
-    whose causal LM code its forward is (``families.CAUSAL_LMS``)."""
-    model.coda_xent, model.coda_xent_frozen = xent, xent_frozen
+    whose causal LM code its forward is (``families.CAUSAL_LMS``, or Gemma-2's, which soft-caps
+    the logits by ``softcap``: the kernels then take it as their ``cap``)."""
+    model.coda_xent, model.coda_xent_frozen, model.coda_softcap = xent, xent_frozen, softcap
     model.coda_logits_scale = float(model.config.logits_scaling) if kind == "Granite's" else 1.0
     model.coda_router_loss = kind == "Mixtral's"
     model.forward = PatchedForward(model, _causal_lm_forward)
@@ -393,7 +395,8 @@ def _causal_lm_forward(self: LlamaForCausalLM, input_ids: torch.Tensor | None = 
                        past_key_values: Any = None, inputs_embeds: torch.Tensor | None = None,
                        labels: torch.Tensor | None = None, use_cache: bool | None = None,
                        logits_to_keep: int | torch.Tensor = 0, **kwargs: Any) -> CausalLMOutputWithPast:
-    """LlamaForCausalLM.forward; in training with labels, LM head + loss is the fused kernel."""
+    """LlamaForCausalLM.forward (or Granite's, Mixtral's, Gemma-2's, whose code it follows by the flags
+    ``patch_causal_lm`` sets); in training with labels, LM head + loss is the fused kernel."""
     shift_labels = kwargs.pop("shift_labels", None)
     if not (self.training and (labels is not None or shift_labels is not None)):
         if shift_labels is not None:
@@ -413,7 +416,7 @@ def _causal_lm_forward(self: LlamaForCausalLM, input_ids: torch.Tensor | None = 
     if self.coda_logits_scale != 1.0:  # Granite divides the logits: the same as dividing h
         hidden = hidden / self.coda_logits_scale
     loss = causal_lm_loss(hidden, self.lm_head.weight, labels, shift_labels, self.coda_xent,
-                          kwargs.get("num_items_in_batch"), self.coda_xent_frozen)
+                          kwargs.get("num_items_in_batch"), self.coda_xent_frozen, self.coda_softcap)
     if not router:
         return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=outputs.past_key_values,
                                       hidden_states=outputs.hidden_states, attentions=outputs.attentions)

@@ -176,29 +176,31 @@ def attention_input(h: torch.Tensor, gamma: torch.Tensor | None, w_qkv: torch.Te
 
 
 class LinearCrossEntropy(torch.autograd.Function):
-    """apply(x, w, target, kernel, denominator) -> the scalar loss sum(loss) / denominator."""
+    """apply(x, w, target, kernel, denominator, cap) -> the scalar loss sum(loss) / denominator;
+    ``cap``: the soft-cap of the logits a soft-capping kernel takes (Gemma-2's), else None."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, target: torch.Tensor, kernel: Kernel,
-                denominator: torch.Tensor) -> torch.Tensor:
+                denominator: torch.Tensor, cap: float | None = None) -> torch.Tensor:
         dloss = (target != IGNORE_INDEX).float() / denominator
-        out = kernel.forward({"x": x, "w": w, "target": target, "dloss": dloss}, {})
+        out = kernel.forward({"x": x, "w": w, "target": target, "dloss": dloss}, {} if cap is None else {"cap": cap})
         ctx.save_for_backward(out["dx"], *((out["dw"],) if "dw" in out else ()))  # a frozen head's kernel: no dw
         return out["loss"].sum() / denominator
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         dx, *dw = ctx.saved_tensors
-        return dx * grad, dw[0] * grad if dw else None, None, None, None
+        return dx * grad, dw[0] * grad if dw else None, None, None, None, None
 
 
 def linear_cross_entropy(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor, kernel: Kernel,
                          num_items_in_batch: torch.Tensor | int | None = None,
-                         frozen: Kernel | None = None) -> torch.Tensor:
+                         frozen: Kernel | None = None, cap: float | None = None) -> torch.Tensor:
     """HF's causal-LM loss (targets already shifted; ``IGNORE_INDEX`` rows ignored) without
     the logits: the mean over the counted rows, or the sum over ``num_items_in_batch``.  A
     frozen head (LoRA's base, a frozen tied embedding) runs ``frozen`` (an lm_head_xent_frozen
-    kernel, which skips the weight gradient's GEMM) when given."""
+    kernel, which skips the weight gradient's GEMM) when given.  ``cap``: the logits' soft-cap,
+    for kernels that take one (lm_head_xent_softcap)."""
     if frozen is not None and not w.requires_grad:
         kernel = frozen
     if num_items_in_batch is None:
@@ -210,7 +212,7 @@ def linear_cross_entropy(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor,
     # operands, with the gradient flowing back through the cast.
     lowered = autocast_inputs(kernel.spec, {"x": x, "w": w})
     with autocast_off(x):
-        return LinearCrossEntropy.apply(lowered["x"], lowered["w"], target, kernel, denominator)
+        return LinearCrossEntropy.apply(lowered["x"], lowered["w"], target, kernel, denominator, cap)
 
 
 def fused_lm_forward(model: Any, stack: Any, output: type, input_ids: torch.Tensor | None, inputs: dict[str, Any],
@@ -235,11 +237,11 @@ def fused_lm_forward(model: Any, stack: Any, output: type, input_ids: torch.Tens
 def causal_lm_loss(hidden: torch.Tensor, w: torch.Tensor, labels: torch.Tensor | None,
                    shift_labels: torch.Tensor | None, kernel: Kernel,
                    num_items_in_batch: torch.Tensor | int | None = None,
-                   frozen: Kernel | None = None) -> torch.Tensor:
+                   frozen: Kernel | None = None, cap: float | None = None) -> torch.Tensor:
     """HF's causal-LM loss (``ForCausalLMLoss``) of the LM head ``w`` over ``hidden`` (batch,
     tokens, H), by the fused kernel: ``labels`` shifted one token left (the last one ignored),
-    or ``shift_labels`` as given."""
+    or ``shift_labels`` as given; ``cap``: the logits' soft-cap (:func:`linear_cross_entropy`)."""
     if shift_labels is None:
         shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
     return linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), w, shift_labels.reshape(-1).to(hidden.device),
-                                kernel, num_items_in_batch, frozen)
+                                kernel, num_items_in_batch, frozen, cap)

@@ -20,8 +20,9 @@ one by one, by their code (``families.same_code``) as the layer drop-ins recogni
 - **The LM head and loss**: where the causal LM's forward is LLaMA's, Granite's or Mixtral's code
   (``families.CAUSAL_LMS``) and its loss is HF's causal-LM loss, training with labels runs the
   fused LM head + cross-entropy (``lm_head_xent``; no full logits, ``logits`` is None, as with
-  Liger), as ``apply_to_llama``'s does.  A forward that softcaps or scales the logits (Gemma-2,
-  Cohere) is other code, and keeps HF's head.
+  Liger), as ``apply_to_llama``'s does.  Gemma-2's code (Gemma-3's, VaultGemma's, NanoChat's)
+  soft-caps the logits by ``final_logit_softcapping``, which ``lm_head_xent_softcap`` takes as
+  its ``cap``.  A forward that scales the logits otherwise (Cohere's) keeps HF's head.
 
 Everything else stays HF's (attention, norms, embeddings), and torch.compile compiles it around the
 kernels' custom ops.  What was patched is ``model.coda_flags`` (the MLPs by name, under their
@@ -42,6 +43,7 @@ import torch
 from torch import nn
 from transformers.activations import ACT2CLS
 from transformers.loss.loss_utils import ForCausalLMLoss
+from transformers.models.gemma2.modeling_gemma2 import Gemma2ForCausalLM
 from transformers.models.llama.modeling_llama import LlamaMLP
 from transformers.models.phi3.modeling_phi3 import Phi3MLP
 
@@ -52,7 +54,9 @@ from .families import CAUSAL_LMS, same_code
 from .kernel import Kernel, KernelError
 
 MLP_TASKS = ("swiglu_mlp", "geglu_mlp")
-SLOTS = (*MLP_TASKS, "lm_head_xent", "lm_head_xent_frozen")
+SLOTS = (*MLP_TASKS, "lm_head_xent", "lm_head_xent_frozen", "lm_head_xent_softcap", "lm_head_xent_softcap_frozen")
+# Causal LMs whose forward soft-caps the logits (config.final_logit_softcapping) before HF's loss
+SOFTCAP_LMS = {"Gemma-2's": Gemma2ForCausalLM.forward}
 SILU = (nn.SiLU, ACT2CLS["silu"])
 
 # An MLP's code -> (its activation's name, its projections, the fused weight's row maps).
@@ -64,8 +68,7 @@ def apply_to_model(model: nn.Module, *, mlp: bool = True, fused_linear_cross_ent
                    kernels: dict[str, Kernel | str | Path] | None = None) -> nn.Module:
     """Patch ``model`` in place (see the module docstring) and return it.  ``mlp``: the gated
     MLPs; ``fused_linear_cross_entropy``: the LM head and loss; ``kernels``: an accepted program
-    for a slot (``swiglu_mlp``, ``geglu_mlp``, ``lm_head_xent``, ``lm_head_xent_frozen``) instead of
-    the suite's."""
+    for a slot (:data:`SLOTS`) instead of the suite's."""
     given_model, model = model, peft_base(model)
     refuse_wrapped(model, "apply_to_model")
     refuse_patched(model)
@@ -90,7 +93,9 @@ def apply_to_model(model: nn.Module, *, mlp: bool = True, fused_linear_cross_ent
     if head is not None:
         from .llama import patch_causal_lm  # the LLaMA drop-in's patched causal LM, whose code this one is
 
-        patch_causal_lm(model, head, chosen["lm_head_xent"], chosen["lm_head_xent_frozen"])
+        cap = getattr(model.config, "final_logit_softcapping", None) if head in SOFTCAP_LMS else None
+        xent = "lm_head_xent" if cap is None else "lm_head_xent_softcap"
+        patch_causal_lm(model, head, chosen[xent], chosen[f"{xent}_frozen"], None if cap is None else float(cap))
     model.coda_flags = {**{task: sorted(n for n, (_, _, t) in mlps.items() if t == task) for task in MLP_TASKS},
                         "fused_linear_cross_entropy": head is not None}
     return given_model
@@ -151,8 +156,9 @@ def _check_mlp(module: nn.Module, where: str, parts: tuple[str, ...], task: str)
 
 
 def _causal_lm(model: nn.Module) -> str | None:
-    """Whose causal LM ``model`` is (a key of ``CAUSAL_LMS``) if its LM head and loss can run fused."""
-    kind = next((k for k, fn in CAUSAL_LMS.items() if same_code(type(model).forward, fn)), None)
+    """Whose causal LM ``model`` is (a key of ``CAUSAL_LMS`` or :data:`SOFTCAP_LMS`) if its LM head
+    and loss can run fused."""
+    kind = next((k for k, fn in {**CAUSAL_LMS, **SOFTCAP_LMS}.items() if same_code(type(model).forward, fn)), None)
     if kind is None or not isinstance(getattr(model, "model", None), nn.Module) \
             or getattr(model, "loss_function", None) is not ForCausalLMLoss:
         return None
@@ -164,9 +170,9 @@ def _head_refusal(model: nn.Module) -> str:
     if not hasattr(model, "lm_head"):
         return f"{type(model).__name__} has no lm_head"
     if getattr(model, "loss_function", None) is not ForCausalLMLoss and any(
-            same_code(type(model).forward, fn) for fn in CAUSAL_LMS.values()):
+            same_code(type(model).forward, fn) for fn in (*CAUSAL_LMS.values(), *SOFTCAP_LMS.values())):
         return f"its loss is {getattr(model, 'loss_type', None)!r}, not HF's causal-LM loss"
-    return f"{type(model).__name__}.forward is not LLaMA's, Granite's or Mixtral's causal LM code"
+    return f"{type(model).__name__}.forward is not LLaMA's, Granite's, Mixtral's or Gemma-2's causal LM code"
 
 
 # --------------------------------------------------------------------------- the patch

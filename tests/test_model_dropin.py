@@ -22,10 +22,10 @@ import coda_agent  # noqa: E402
 from coda_agent.kernels import KernelError  # noqa: E402
 from coda_agent.primitives import launch_ledger  # noqa: E402
 
-# family -> its MLPs' kernel, and whether its LM head and loss run fused (its causal LM's forward is
-# LLaMA's code; Gemma-2's soft-caps its logits, Cohere's scales them)
-FAMILIES = {"Olmo2": ("swiglu_mlp", True), "Cohere": ("swiglu_mlp", False), "StableLm": ("swiglu_mlp", False),
-            "Exaone4": ("swiglu_mlp", True), "Gemma2": ("geglu_mlp", False)}
+# family -> its MLPs' kernel, and its LM head's logits epilogue where the head and loss run fused (its
+# causal LM's forward is LLaMA's code, or Gemma-2's, which soft-caps the logits; Cohere's scales them)
+FAMILIES = {"Olmo2": ("swiglu_mlp", "logits_lse"), "Cohere": ("swiglu_mlp", None), "StableLm": ("swiglu_mlp", None),
+            "Exaone4": ("swiglu_mlp", "logits_lse"), "Gemma2": ("geglu_mlp", "capped_logits")}
 DEVICE = "cpu"
 
 
@@ -45,7 +45,7 @@ def test_a_model_no_layer_drop_in_takes_trains_like_hf(family):
     task, head = FAMILIES[family]
     assert model.coda_flags == {"swiglu_mlp": [], "geglu_mlp": [],
                                 task: [f"model.layers.{i}.mlp" for i in range(layers)],
-                                "fused_linear_cross_entropy": head}
+                                "fused_linear_cross_entropy": head is not None}
     with launch_ledger() as launched:
         got = train_and_eval(model)
     assert_like_hf(got, hi, lo)
@@ -53,7 +53,29 @@ def test_a_model_no_layer_drop_in_takes_trains_like_hf(family):
     # every MLP: forward in the training step and the eval pass, backward once
     act = task.split("_")[0]
     assert names.count(act) == 2 * layers and names.count(f"d{act}") == layers
-    assert ("logits_lse" in names) == head
+    assert [n for n in names if n in ("logits_lse", "capped_logits")] == ([head] if head else [])
+
+
+@pytest.mark.parametrize("cap", [5.0, None])
+def test_gemma2s_soft_capped_logits_train_like_hf(cap):
+    """Gemma-2's head soft-caps the logits by ``final_logit_softcapping``, the fused head's ``cap``
+    (the tied head scaled up so that the logits reach beyond the cap: uncapped, the loss is 73,
+    capped at 5, 8.9); without a cap its head is LLaMA's, the plain kernel."""
+    def bent(model: torch.nn.Module) -> torch.nn.Module:
+        with torch.no_grad():
+            model.lm_head.weight.mul_(30.0)
+        return model
+
+    base = bent(tiny("Gemma2", final_logit_softcapping=cap))
+    hi, lo = truth_of(base)
+    # the cap bends these logits: uncapped they reach 85
+    assert hi["logits"].abs().max() > 50 if cap is None else hi["logits"].abs().max() <= cap
+    model = coda_agent.apply_to_model(copy.deepcopy(base).bfloat16())
+    assert model.coda_softcap == cap
+    with launch_ledger() as launched:
+        got = train_and_eval(model)
+    assert_like_hf(got, hi, lo)
+    assert ("capped_logits" if cap else "logits_lse") in {launch.name for launch in launched}
 
 
 def test_a_phi3_mlp_and_a_model_a_layer_drop_in_takes():
@@ -118,10 +140,10 @@ def test_an_mlp_no_token_reaches_returns_the_empty_result():
 
 def test_what_the_kernels_do_not_take_is_refused_with_the_fix():
     with pytest.raises(KernelError, match=r"found none of gated MLPs or the LM head and loss in "
-                                          r"Gemma2ForCausalLM .*Gemma2MLP is LLaMA's MLP code with GELUActivation, "
-                                          r"neither SiLU nor GELU's tanh form.*Gemma2ForCausalLM.forward is not "
+                                          r"CohereForCausalLM .*CohereMLP is LLaMA's MLP code with GELUActivation, "
+                                          r"neither SiLU nor GELU's tanh form.*CohereForCausalLM.forward is not "
                                           r"LLaMA's"):
-        coda_agent.apply_to_model(tiny("Gemma2", hidden_activation="gelu").bfloat16())
+        coda_agent.apply_to_model(tiny("Cohere", hidden_act="gelu").bfloat16())
     with pytest.raises(KernelError, match=r"mlp.gate_proj.bias: MLP biases are not in the swiglu_mlp kernel; "
                                           r"pass mlp=False"):
         coda_agent.apply_to_model(tiny_llama(mlp_bias=True).bfloat16())

@@ -1,5 +1,5 @@
 """Suite B of the LLaMA-3 tasks: QK-norm + RoPE, LM head + cross-entropy (forward,
-and the fused training step), the MLP sub-block, and a SwiGLU or GeGLU MLP alone.
+and the fused training step, with soft-capped logits too), the MLP sub-block, and a SwiGLU or GeGLU MLP alone.
 
 For every task (its spec and the static stage: tests/test_suite_specs.py): the expert program
 matches the task reference on the CPU shape sets under the reference lowering
@@ -17,7 +17,8 @@ from suite_checks import draw, load_expert, mutant_problems, problems, run_progr
 from suite_checks import task as _task
 
 
-TASKS = ["qk_norm_rope", "lm_head_xent_fwd", "lm_head_xent", "lm_head_xent_frozen", "mlp_block", "swiglu_mlp",
+TASKS = ["qk_norm_rope", "lm_head_xent_fwd", "lm_head_xent", "lm_head_xent_frozen", "lm_head_xent_softcap",
+         "lm_head_xent_softcap_frozen", "mlp_block", "swiglu_mlp",
          "geglu_mlp", "llama3_block"]
 CPU_SETS = ["small", "ragged"]
 

@@ -104,6 +104,31 @@ def lm_head_xent_frozen(x, w, target, dloss):
     return {"loss": loss.detach(), "dx": dx}
 
 
+def _capped(logits: torch.Tensor, cap: float) -> torch.Tensor:
+    """Gemma-2's final-logit soft-capping, cap * tanh(logits / cap), in at least fp32."""
+    return cap * torch.tanh(_hi(logits) / cap)
+
+
+def lm_head_xent_softcap(x, w, target, dloss, cap):
+    """lm_head_xent with soft-capped logits (Gemma-2, Gemma-3): loss = CE(cap * tanh(x @ w^T / cap),
+    target) per row, and the gradients of sum(dloss * loss) with respect to x and w."""
+    with torch.enable_grad():
+        xg = x.detach().requires_grad_(True)
+        wg = w.detach().requires_grad_(True)
+        loss, _ = _xent_rows(_capped(xg @ wg.t(), cap), target)
+        dx, dw = torch.autograd.grad(loss, (xg, wg), dloss.to(loss.dtype))
+    return {"loss": loss.detach(), "dx": dx, "dw": dw}
+
+
+def lm_head_xent_softcap_frozen(x, w, target, dloss, cap):
+    """lm_head_xent_softcap with the head frozen: the per-row loss and dx alone."""
+    with torch.enable_grad():
+        xg = x.detach().requires_grad_(True)
+        loss, _ = _xent_rows(_capped(xg @ w.detach().t(), cap), target)
+        (dx,) = torch.autograd.grad(loss, (xg,), dloss.to(loss.dtype))
+    return {"loss": loss.detach(), "dx": dx}
+
+
 # --------------------------------------------------------------------------- task 11
 
 

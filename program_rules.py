@@ -101,7 +101,8 @@ HOST_RULES: tuple[Rule, ...] = (
     Rule("control flow", "`for` over `range(...)` or over a list (e.g. token chunks), `if` on Python values "
                          "(shapes, params), `assert`, `return`; Python builtins on numbers (`len`, `min`, `max`, "
                          "`int`, `range`, `zip`, `enumerate`). No `try`, `with`, classes, `global`/`nonlocal`, "
-                         "`async`, dunder names."),
+                         "`async`, dunder names. No value read as text (`str()`, f-strings, `%`) but in an "
+                         "`assert` message or a `raise`: a program computes the same on every device and rank."),
     Rule("containers", "dicts and lists the function builds itself (`outs = {}`, `parts = []`, "
                        f"{_dotted(CONTAINER_METHODS, True)}); item assignment only into those, never into an "
                        "input, `saved` or a tensor."),

@@ -245,11 +245,14 @@ def xent_grad_(logits: torch.Tensor, lse: torch.Tensor, target: torch.Tensor,
 
     ``logits`` is one (rows, V) chunk in bf16/fp16; ``lse`` the finished
     log-sum-exp per row (fp32); ``dloss`` the per-row loss gradient.  The
-    softmax is of the stored logits: ``exp(x - lse)`` renormalised by its row
-    sum, because ``lse`` comes from the GEMM's fp32 accumulator and the stored
-    logits are rounded (at logits of about 100 a bf16 rounding moves
-    ``exp(x - lse)`` by a quarter, and the row's probabilities no longer sum to
-    one: the verifier's edge rows check this).  Rows whose
+    softmax is of the stored logits, ``exp(x - m) / sum(exp(x - m))`` with ``m``
+    their row maximum, not ``exp(x - lse)``: ``lse`` comes from the GEMM's fp32
+    accumulator and the stored logits are rounded (at logits of about 100 a
+    bf16 rounding moves ``exp(x - lse)`` by a quarter, and the row's
+    probabilities no longer sum to one: the verifier's edge rows check this;
+    past logits of about 2^14 a rounding moves a logit above ``lse`` by more
+    than fp32's exp can take, and ``exp(x - lse)`` overflows).  ``lse`` stays an
+    argument: the loss is read off it (:func:`xent_loss`).  Rows whose
     target is ``ignore_index`` become 0; a target outside [0, V) subtracts no
     one-hot.  Returns ``logits`` (now dlogits), ready to be the A operand of
     dX = dlogits @ W and the B operand of dW = X^T @ dlogits."""
@@ -260,8 +263,8 @@ def xent_grad_(logits: torch.Tensor, lse: torch.Tensor, target: torch.Tensor,
 def _xent_grad_torch(logits: torch.Tensor, lse: torch.Tensor, target: torch.Tensor,
                      dloss: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
     """The CPU path of :func:`xent_grad_` (same math as the Triton kernel, in
-    fp32: ``(exp(x - lse) / sum(exp(x - lse)) - onehot) * scale``), in row blocks
-    that bound the fp32 temporary; no host synchronisation."""
+    fp32: ``(exp(x - m) / sum(exp(x - m)) - onehot) * scale``, ``m`` the row's
+    maximum), in row blocks that bound the fp32 temporary; no host synchronisation."""
     rows, vocab = logits.shape
     if rows == 0 or vocab == 0:
         return logits
@@ -271,7 +274,7 @@ def _xent_grad_torch(logits: torch.Tensor, lse: torch.Tensor, target: torch.Tens
         blk = logits[r0:r0 + step]
         n = blk.shape[0]
         p = blk.float()
-        p.sub_(lse[r0:r0 + n, None].float()).exp_()
+        p.sub_(p.amax(1, keepdim=True)).exp_()
         p.div_(p.sum(1, keepdim=True))
         t = target[r0:r0 + n].long()
         valid = (t >= 0) & (t < vocab)

@@ -1,7 +1,7 @@
 """``xent_grad_``: the PyTorch path (CPU: the reference lowering and CI) and the
 Triton kernel (CUDA tensors) compute the same thing,
 ``logits <- (softmax(logits) - onehot(target)) * scale`` in place (the softmax
-as ``exp(logits - lse)`` renormalised by its row sum), with
+of the stored logits, ``exp(logits - m)`` over its row sum, ``m`` the row's maximum), with
 ``scale = dloss`` (0 on ``ignore_index`` rows) and no one-hot for a target
 outside [0, V).
 
@@ -40,7 +40,8 @@ def _case(rows, vocab, dtype, seed=0, device="cpu"):
 
 def _expected(logits, lse, target, dloss, ignore_index=-100):
     rows, vocab = logits.shape
-    p = torch.exp(logits.float() - lse.float()[:, None])
+    x = logits.float()
+    p = torch.exp(x - x.amax(1, keepdim=True))
     p = p / p.sum(1, keepdim=True)
     for r in range(rows):
         t = int(target[r])
@@ -74,6 +75,22 @@ def test_the_probabilities_of_rounded_large_logits_sum_to_one():
     got[torch.arange(8), target] += 1.0  # back to the probabilities
     torch.testing.assert_close(got.sum(1), torch.ones(8), atol=0.02, rtol=0)
     assert (torch.exp(exact.to(torch.bfloat16).float() - lse[:, None]).sum(1) - 1).abs().max() > 0.1
+
+
+def test_logits_past_exps_range_give_probabilities_not_nan():
+    """Past logits of about 2^14 a bf16 rounding moves a stored logit above the accumulator's lse by
+    more than exp's range (exp(x - lse) overflows to inf, and inf / inf is NaN): the softmax is
+    taken against the stored row's maximum instead."""
+    g = torch.Generator().manual_seed(7)
+    exact = torch.randn(8, 1000, generator=g) * 2.0 ** 17
+    lse = torch.logsumexp(exact, 1)
+    stored = exact.to(torch.bfloat16)
+    assert (stored.float() - lse[:, None]).amax() > 88  # fp32's exp overflows past 88.7
+    target = torch.randint(0, 1000, (8,), generator=g)
+    got = aux.xent_grad_(stored, lse, target, torch.ones(8)).float()
+    assert torch.isfinite(got).all()
+    got[torch.arange(8), target] += 1.0
+    torch.testing.assert_close(got.sum(1), torch.ones(8), atol=0.02, rtol=0)
 
 
 def test_torch_path_on_a_row_slice_and_custom_ignore_index():
@@ -116,9 +133,9 @@ _INTERPRET = textwrap.dedent("""
     from coda_agent.primitives.aux import _xent_grad_torch
     from coda_agent.primitives.xent_triton import xent_grad_triton
     g = torch.Generator().manual_seed(0)
-    for dt in (torch.bfloat16, torch.float16):
+    for dt, scale in ((torch.bfloat16, 3.0), (torch.float16, 3.0), (torch.bfloat16, 2.0 ** 17)):
         for rows, vocab in ((37, 300), (5, 5000), (3, 4099)):
-            x = (torch.randn(rows, vocab, generator=g) * 3).to(dt)
+            x = (torch.randn(rows, vocab, generator=g) * scale).to(dt)  # 2^17: past exp's range from lse
             lse = torch.logsumexp(x.float(), 1)
             t = torch.randint(0, vocab, (rows,), generator=g)
             t[0] = -100
@@ -126,7 +143,7 @@ _INTERPRET = textwrap.dedent("""
             d = torch.randn(rows, generator=g)
             a = xent_grad_triton(x.clone(), lse, t, d)
             b = _xent_grad_torch(x.clone(), lse, t, d)
-            assert a.dtype == dt and bool((a[0] == 0).all())
+            assert a.dtype == dt and bool((a[0] == 0).all()) and bool(torch.isfinite(a).all())
             tol = dict(atol=1e-6, rtol=2 ** -7) if dt == torch.bfloat16 else dict(atol=1e-7, rtol=2e-3)
             torch.testing.assert_close(a.float(), b.float(), **tol)
     print("ok")

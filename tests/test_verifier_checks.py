@@ -141,11 +141,11 @@ def test_the_judge_draws_the_beyond_sets_sizes(task):
 def test_the_sets_checked_on_a_cpu_and_on_a_gpu(rms):
     spec = with_drawn_sets(rms.spec)
     cpu, skipped = checked_sets(spec, None, None)
-    assert cpu == ["small", "ragged", "ragged+256", "small+odd"] and "llama3-70b" in skipped
+    assert cpu == ["small", "ragged", "ragged+256", "small+odd", "small+short"] and "llama3-70b" in skipped
     forced = spec.model_copy(update={"cpu_shape_sets": ["llama3-8b-4k"]})
     assert "llama3-8b-4k" in checked_sets(forced, None, None)[0]
-    h200, skipped = checked_sets(spec, None, 141 << 30)  # the odd set is the CPU's alone
-    assert skipped == [] and set(h200) == set(spec.shapes) - {"small+odd"} and h200[-1] == "llama3-70b"
+    h200, skipped = checked_sets(spec, None, 141 << 30)  # the small sets are the CPU's alone
+    assert skipped == [] and set(h200) == set(spec.shapes) - {"small+odd", "small+short"} and h200[-1] == "llama3-70b"
     small_gpu, skipped = checked_sets(spec, None, 24 << 30)
     assert "llama3-70b" in skipped and "llama3-1b" in small_gpu
     named, _ = checked_sets(spec, ["small"], 141 << 30)

@@ -46,6 +46,8 @@ def forward(x, w, r):
      "fr = [gemm(x, w, add_residual, residual=r)[\"D\"] for _ in range(1)]\n    return {\"y\": fr[0]}"),
     ("", "return {\"D\": acc + residual}",
      "n = len(x.shape)\n    assert n == 2, f\"{n} dims\"\n    return {\"y\": gemm(x, w, add_residual, residual=r)[\"D\"]}"),
+    ("", "return {\"D\": acc + residual}",
+     "if len(x.shape) != 2:\n        raise ValueError(\"x is \" + str(x.shape))\n    return {\"y\": x}"),
 ])
 def test_honest_constructs_pass(spec, module_level, body, forward):
     assert check_source(_program(module_level, body, forward), spec) == []
@@ -61,6 +63,12 @@ def test_honest_constructs_pass(spec, module_level, body, forward):
     ("", "return {\"D\": acc + residual}", "return {\"y\": id(x)}", "`id`: dynamic code"),
     ("", "return {\"D\": acc + residual}", "return {\"y\": frobnicate(x)}", "neither defined in the program"),
     ("gemm = 3", "return {\"D\": acc + residual}", "", "bound twice at module level"),
+    # a value read as text (the device a rank runs on): only an error's message may hold one
+    ("", "return {\"D\": acc + residual}", "d = str(x.device)\n    return {\"y\": x}", "`str`: a program reads no "
+     "value as text"),
+    ("", "return {\"D\": acc + residual}", "d = f\"{x.device}\"\n    return {\"y\": x}", "an f-string with a value "
+     "outside an error's message"),
+    ("", "return {\"D\": acc + residual}", "d = \"%s\" % (x.device,)\n    return {\"y\": x}", "%-formatting"),
 ])
 def test_provenance_refusals(spec, module_level, body, forward, why):
     text = "; ".join(map(str, check_source(_program(module_level, body, forward), spec)))

@@ -84,13 +84,15 @@ Sizes a shape multiplies by another symbol (the head width ``D`` of
 extent, and a head 384 wide is a model nobody trains (the head statistics
 need whole heads in one tile, which quack's tiles cap at 256 columns).
 
-On the CPU one more set is drawn (:func:`odd_set`): the CPU set with every
-size that no tensor needs aligned (:func:`free_symbols`: a token count, which
-is only ever a tensor's leading dimension) an odd number below its own.
-Every other set's sizes keep their alignment and start at the CPU set's, so
-without it every checked token count is a multiple of 8 and at least 256, and
-a program wrong at the others (``M % 8`` or ``M < 256`` in its host code: a
-decode step, a short prompt) passes.  It is the CPU's alone: the GPU stages
+On the CPU two more sets are drawn: the CPU set with every size that no
+tensor needs aligned (:func:`free_symbols`: a token count, which is only ever
+a tensor's leading dimension) an odd number below its own (:func:`odd_set`),
+and those sizes short and aligned (:func:`short_set`: a multiple of 8 below the
+CPU set's, a few decode steps' or a short prompt's).  Every other set's
+sizes keep their alignment and start at the CPU set's, so without them every
+checked token count is a multiple of 8 and at least 256, and a program wrong
+at the others (``M % 8`` or ``M < 256`` in its host code: a decode step, a
+short prompt) passes.  It is the CPU's alone: the GPU stages
 check the sizes a task names.  An fp8 task has no such sizes: its backward
 GEMMs take the token count as K in both operands' contiguous dimension (fp8
 WGMMA reads K-major only), where TMA needs 16-byte rows.
@@ -398,40 +400,55 @@ def odd_set(spec: TaskSpec, rng: random.Random | None = None) -> tuple[str, dict
     return f"{spec.cpu_shape_set}+odd", {k: odd[v] if k in free else v for k, v in base.items()}
 
 
+def short_set(spec: TaskSpec, rng: random.Random | None = None) -> tuple[str, dict[str, int]] | None:
+    """The CPU's set of short aligned sizes (module docstring): the CPU set with each of
+    :func:`free_symbols` a multiple of 8 below its own there (drawn with ``rng``, the judge's;
+    without it 8); None for a task without such sizes."""
+    free = free_symbols(spec)
+    base = spec.shapes[spec.cpu_shape_set]
+    if not free or any(base[k] < 16 for k in free):
+        return None
+    sizes = {v: 8 * (rng.randrange(1, (v - 1) // 8 + 1) if rng else 1) for k, v in sorted(base.items()) if k in free}
+    return f"{spec.cpu_shape_set}+short", {k: sizes[v] if k in free else v for k, v in base.items()}
+
+
+def small_sets(spec: TaskSpec, rng: random.Random | None = None) -> list[tuple[str, dict[str, int]]]:
+    """The CPU's drawn sets below the CPU set's sizes: :func:`odd_set` and :func:`short_set`."""
+    return [s for s in (odd_set(spec, rng), short_set(spec, rng)) if s is not None]
+
+
 def with_drawn_sets(spec: TaskSpec, rng: random.Random | None = None) -> TaskSpec:
-    """``spec`` with :func:`beyond_set` among its shape sets, and :func:`odd_set` where the task has
-    free sizes (drawn with ``rng``: the judge's)."""
-    sets = dict([beyond_set(spec, rng)])
-    sets.update([odd] if (odd := odd_set(spec, rng)) else [])
+    """``spec`` with :func:`beyond_set` among its shape sets, and :func:`small_sets` where the task
+    has free sizes (drawn with ``rng``: the judge's)."""
+    sets = dict([beyond_set(spec, rng), *small_sets(spec, rng)])
     return spec.model_copy(update={"shapes": {**spec.shapes, **sets}})
 
 
-def _drawn(spec: TaskSpec) -> tuple[str, str | None]:
-    """The names of the sets the judge draws (in ``spec`` or not): the beyond set, the odd set
-    (None for a task without one)."""
-    odd = odd_set(spec)
-    return beyond_set(spec)[0], odd[0] if odd else None
+def _drawn(spec: TaskSpec) -> tuple[str, list[str]]:
+    """The names of the sets the judge draws (in ``spec`` or not): the beyond set, the small sets."""
+    return beyond_set(spec)[0], [name for name, _ in small_sets(spec)]
 
 
 def set_label(spec: TaskSpec, shape_set: str) -> str:
     """How a message names a set: a drawn set with its sizes (drawn per check, no file has them)."""
-    if shape_set not in _drawn(spec):
+    beyond, small = _drawn(spec)
+    if shape_set != beyond and shape_set not in small:
         return shape_set
     return f"{shape_set} ({', '.join(f'{k}={v}' for k, v in spec.shapes[shape_set].items())})"
 
 
 def checked_sets(spec: TaskSpec, named: list[str] | None, device_bytes: int | None) -> tuple[list[str], list[str]]:
-    """(sets to check, smallest first but the CPU's odd set last; named sets skipped as too
+    """(sets to check, smallest first but the CPU's small sets last; named sets skipped as too
     large).  ``spec`` must hold the drawn sets (:func:`with_drawn_sets`); ``named`` restricts
     the named sets (None: all); ``device_bytes`` is the GPU's total memory, None for the CPU
-    checks (which add the odd set)."""
-    beyond, odd = _drawn(spec)
-    names = [s for s in spec.shapes if s not in (beyond, odd) and (named is None or s in named)]
+    checks (which add the small sets)."""
+    beyond, small = _drawn(spec)
+    names = [s for s in spec.shapes if s != beyond and s not in small and (named is None or s in named)]
     if device_bytes is None:
         fits = [s for s in names if set_bytes(spec, s) <= CPU_SET_BYTES or s in spec.cpu_shape_sets]
     else:
         fits = [s for s in names if set_bytes(spec, s, itemsize=4) * GPU_MEMORY_FACTOR <= device_bytes]
     skipped = [s for s in names if s not in fits]
-    # The odd set last: a failure on the task's own sets says more to whoever wrote the program.
-    last = [odd] if device_bytes is None and odd in spec.shapes else []
+    # The small sets last: a failure on the task's own sets says more to whoever wrote the program.
+    last = [s for s in small if s in spec.shapes] if device_bytes is None else []
     return sorted(fits + [beyond], key=spec.flops) + last, skipped

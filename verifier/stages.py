@@ -16,7 +16,7 @@ import torch
 
 from coda_agent.kernels.contract import takes_needs
 from coda_agent.verifier.calls import Case, CpuCalls, GpuCalls, draw_case, verdict
-from coda_agent.verifier.inputs import beyond_set, checked_sets, odd_set, set_label
+from coda_agent.verifier.inputs import beyond_set, checked_sets, set_label, small_sets
 from coda_agent.verifier.check import Check
 from coda_agent.verifier.program import CandidateError
 from coda_agent.verifier.report import Mismatch, StageResult
@@ -139,11 +139,10 @@ def _beyond_sizes(check: Check) -> dict[str, int]:
 
 
 def _drawn_details(check: Check) -> dict[str, Any]:
-    """What the judge drew for this check's CPU stage: the beyond and odd sets' sizes
+    """What the judge drew for this check's CPU stage: the beyond and small sets' sizes
     (:mod:`.inputs`) and the varied params."""
-    odd = odd_set(check.spec)
-    return {"beyond_set": _beyond_sizes(check), "odd_set": dict(check.spec.shapes[odd[0]]) if odd else None,
-            "varied_params": check.params}
+    small = {name: dict(check.spec.shapes[name]) for name, _ in small_sets(check.spec)}
+    return {"beyond_set": _beyond_sizes(check), "small_sets": small, "varied_params": check.params}
 
 
 def _what(check: Check) -> str:

@@ -25,7 +25,10 @@ float, and a parameter or local named ``fr`` elsewhere is a local value.
   else (``.float()`` is PyTorch compute, ``.gi_frame`` a way out).
 - **builtins**: the allow-list :data:`BUILTINS` (``len``, ``range``, ``min``...,
   and the exceptions a program may raise); every other builtin is refused
-  with its reason (``open``: files; ``getattr``: reflection; ...).
+  with its reason (``open``: files; ``getattr``: reflection; ``str``: a value
+  read as text, as are f-strings and %-formatting with values, outside an
+  assert's message or a raise: the name of the device a rank runs on is the
+  one text the runtime audit cannot see read; ...).
 
 **Epilogue bodies** (:mod:`.static_epilogue`): an @epilogue fn, and every program
 function it calls, is arithmetic, comparisons and calls of the catalogue's math on names and
@@ -63,9 +66,10 @@ from coda_agent.tasks.spec import TaskSpec
 
 ALLOWED = static_allow_list()  # the program rules table: the same one the catalogue text renders
 BUILTINS = {"abs", "all", "any", "bool", "dict", "divmod", "enumerate", "float", "int", "isinstance", "len",
-            "list", "max", "min", "pow", "print", "range", "reversed", "round", "sorted", "str", "sum",
+            "list", "max", "min", "pow", "print", "range", "reversed", "round", "sorted", "sum",
             "tuple", "zip", "None", "True", "False", "ArithmeticError", "AssertionError", "NotImplementedError",
             "RuntimeError", "TypeError", "ValueError"}
+MESSAGE_BUILTINS = {"str", "repr", "format"}  # text, allowed only inside an error's message
 MATH_NAMES = frozenset(n for n in dir(math) if not n.startswith("_"))
 
 _WHY = {
@@ -75,6 +79,8 @@ _WHY = {
     "dynamic": "dynamic code and reflection are not allowed; call catalogue functions directly",
     "introspection": "introspection of the harness is not allowed",
     "threads": "threads and async are not allowed; a program is straight-line catalogue calls",
+    "text": "a program reads no value as text (a device's name, a tensor's contents, a dtype's): what it "
+            "computes is the same on every device, rank and input",
 }
 BANNED_NAMES = {
     **dict.fromkeys(["torch", "triton", "cutlass", "quack"], "torch"),
@@ -88,6 +94,7 @@ BANNED_NAMES = {
                      "SystemExit", "KeyboardInterrupt", "BaseException", "Exception"], "dynamic"),
     **dict.fromkeys(["inspect", "gc", "traceback", "weakref", "frame"], "introspection"),
     **dict.fromkeys(["threading", "concurrent", "asyncio", "multiprocessing", "signal"], "threads"),
+    "str": "text",
 }
 _SCOPES = (ast.FunctionDef, ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
 _BANNED_STATEMENTS = {
@@ -192,6 +199,7 @@ class _Checker(ast.NodeVisitor):
         self.module: dict[str, Binding] = {}
         self.scopes: list[_Scope] = []
         self.call_targets: set[int] = set()  # ids of Attribute nodes that are called (`x.items()`)
+        self.in_message = 0  # inside an assert's message or a raise: text there steers nothing
         self._bind_module(tree)
 
     def bad(self, node: ast.AST, message: str) -> None:
@@ -354,7 +362,8 @@ class _Checker(ast.NodeVisitor):
     def visit_Name(self, node: ast.Name) -> None:
         if _is_dunder(node.id):
             self.bad(node, f"`{node.id}`: dunder names are not allowed in programs")
-        elif isinstance(node.ctx, ast.Load) and self.resolve(node.id) is None and node.id not in BUILTINS:
+        elif isinstance(node.ctx, ast.Load) and self.resolve(node.id) is None and node.id not in BUILTINS \
+                and not (self.in_message and node.id in MESSAGE_BUILTINS):
             kind = BANNED_NAMES.get(node.id)
             self.bad(node, f"`{node.id}`: {_WHY[kind]}" if kind else
                      f"`{node.id}` is neither defined in the program nor imported from the catalogue, and is "
@@ -383,6 +392,32 @@ class _Checker(ast.NodeVisitor):
             self.bad(node, f"attribute `.{node.attr}` on a non-catalogue object: only "
                      f"{', '.join('.' + a for a in sorted(ALLOWED.attributes))} may be read; use a catalogue "
                      "primitive for the rest")
+        self.generic_visit(node)
+
+    # Text is allowed where it can only be an error's message: an assert's, or what a raise raises.
+    def visit_Assert(self, node: ast.Assert) -> None:
+        self.visit(node.test)
+        self._message(node.msg)
+
+    def visit_Raise(self, node: ast.Raise) -> None:
+        self._message(node.exc)
+        self._message(node.cause)
+
+    def _message(self, node: ast.AST | None) -> None:
+        if node is not None:
+            self.in_message += 1
+            self.visit(node)
+            self.in_message -= 1
+
+    def visit_JoinedStr(self, node: ast.JoinedStr) -> None:
+        if not self.in_message and any(isinstance(v, ast.FormattedValue) for v in node.values):
+            self.bad(node, f"an f-string with a value outside an error's message: {_WHY['text']}")
+        self.generic_visit(node)
+
+    def visit_BinOp(self, node: ast.BinOp) -> None:
+        if not self.in_message and isinstance(node.op, ast.Mod) and isinstance(node.left, ast.Constant) \
+                and isinstance(node.left.value, str):
+            self.bad(node, f"%-formatting a string outside an error's message: {_WHY['text']}")
         self.generic_visit(node)
 
     def visit_NamedExpr(self, node: ast.NamedExpr) -> None:

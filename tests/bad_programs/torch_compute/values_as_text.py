@@ -1,5 +1,6 @@
 # stage: reference
 # expect: `__repr__`
+# static: off
 """Reads a tensor's values on the host through its text (str() of a tensor; float() of an element
 is refused), and drops the residual where an input the verifier's draws never produce appears."""
 from coda_agent.primitives import Tile, epilogue, gemm

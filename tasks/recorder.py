@@ -24,6 +24,7 @@ MATMULS = {"matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "linear", "addmm"
 NORMS = {"layer_norm": True, "group_norm": True, "rms_norm": False}
 # Losses whose second argument is a target index into the first's classes (dim 1, or 0 unbatched).
 LOSSES = {"cross_entropy", "nll_loss"}
+GATHERS = {"gather"}  # gather(scores, 1, index): an index input picking one column of each row's scores
 # An angle's functions (RoPE's): the inputs an angle is computed from are positions and frequencies.
 ROTATIONS = {"sin", "cos"}
 ADDS = {"add", "__add__", "__radd__"}
@@ -47,8 +48,10 @@ class Call(torch.overrides.TorchFunctionMode):
     normalisation reads (``norms``: its weight, its bias, the input a LayerNorm centres, or a 1-D
     weight applied as ``1 + w``), the inputs an angle of ``sin``/``cos`` is computed from
     (``rotary``: RoPE's positions and frequencies,
-    followed through the tensors computed from them) and the targets of a cross-entropy
-    (``targets``: the number of classes and the ignore_index).
+    followed through the tensors computed from them), the targets of a cross-entropy
+    (``targets``: the number of classes and the ignore_index), and the (rows, classes) scores an
+    integer input of one dimension picks a column of, by a loss or a ``gather`` (``scores``: the
+    logits a target indexes, as computed in this call).
 
     An input is recognised by its storage, so a view (``w.t()``, ``w[0::2]``) or a detached
     copy of it counts as the input."""
@@ -63,6 +66,7 @@ class Call(torch.overrides.TorchFunctionMode):
         self.norms: dict[str, str] = {}
         self.targets: dict[str, tuple[int, int]] = {}
         self.specials: dict[str, set[int]] = {}  # integer inputs compared with a constant: value(s)
+        self.scores: dict[str, torch.Tensor] = {}  # a 1-D integer input -> the (rows, classes) it indexes
         self.rotary: set[str] = set()  # inputs an angle of sin/cos is computed from
         self.dims: dict[str, int] = dims or {}  # each input's number of dimensions
         self.outs: dict[str, torch.Tensor] = {}
@@ -93,6 +97,12 @@ class Call(torch.overrides.TorchFunctionMode):
             if target is not None:
                 classes = args[0].shape[1] if args[0].dim() > 1 else args[0].shape[0]
                 self.targets.setdefault(target, (classes, (kwargs or {}).get("ignore_index", -100)))
+                self._scores(args[0], self._sources_of(args[1]))
+        if name in GATHERS and len(args) > 1 and isinstance(args[0], torch.Tensor):
+            kw = kwargs or {}
+            dim, index = (args[1] if len(args) > 1 else kw.get("dim")), (args[2] if len(args) > 2 else kw.get("index"))
+            if isinstance(index, torch.Tensor) and dim in (1, -1):
+                self._scores(args[0], self._sources_of(index))
         if name in MATMULS and len(tensors) >= 2:
             a, b = tensors[-2:] if name == "addmm" else tensors[:2]
             if name == "__rmatmul__":  # w.__rmatmul__(x) is x @ w
@@ -123,6 +133,14 @@ class Call(torch.overrides.TorchFunctionMode):
             self._derived[_storage(out)] = sources
             self._keep.append(out)  # alive until the call ends: no later tensor takes its storage's id
         return out
+
+    def _scores(self, scores: torch.Tensor, sources: frozenset[str]) -> None:
+        """``scores`` (rows, classes) as what each 1-D integer input of ``sources`` indexes."""
+        if scores.dim() != 2 or not scores.is_floating_point() or scores.is_meta:
+            return
+        for name in sources:
+            if self.dims.get(name) == 1:
+                self.scores.setdefault(name, scores.detach())
 
     def _kink_uses(self, name: str, args: tuple, tensors: list[torch.Tensor]) -> None:
         """Count each use of a kink's result as squaring it (``x ** 2``, ``x * x``) or not."""
@@ -191,6 +209,14 @@ def _draw(dims: list[str], dtype: str, binding: dict[str, int], gen: torch.Gener
     if dtype.startswith("int"):  # a valid index into the smallest dimension of the set
         return torch.randint(0, min(binding.values()), shape, generator=gen).to(TORCH_DTYPES[dtype])
     return torch.randn(shape, generator=gen).to(TORCH_DTYPES[dtype])
+
+
+def recorded(fn: Callable, args: dict[str, torch.Tensor], params: dict[str, Scalar]) -> Call:
+    """What calling ``fn`` on ``args`` (tensors the caller drew) and ``params`` shows."""
+    recorder = Call({_storage(t): k for k, t in args.items()}, {k: t.dim() for k, t in args.items()})
+    with torch.no_grad(), recorder:
+        recorder.outs = fn(**args, **params)
+    return recorder
 
 
 def call_reference(fn: Callable, inputs: dict[str, tuple[list[str], str]], params: dict[str, Scalar],

@@ -30,8 +30,9 @@ import torch
 from coda_agent.tasks.spec import Task, TaskSpec
 from coda_agent.verifier.compare import compare
 from coda_agent.verifier.cuda_ipc import Imports
-from coda_agent.verifier.inputs import (aligned_grads, edge_inputs, make_grads, make_inputs, result_bytes,
-                                        result_dtypes, result_shapes, run_reference, scaled_inputs, set_label)
+from coda_agent.verifier.inputs import (aligned_grads, edge_inputs, make_grads, make_inputs, predicted_targets,
+                                        result_bytes, result_dtypes, result_shapes, run_reference, scaled_inputs,
+                                        set_label)
 from coda_agent.verifier.program import CandidateError, shares_memory
 from coda_agent.verifier.report import Mismatch
 from coda_agent.verifier.wire import WireError, describe, nbytes, tensor_bytes, tensor_from_blob
@@ -45,7 +46,8 @@ class Runner(Protocol):
 
 
 DRAWS = {"seed": "fresh inputs",
-         "edge": "edge rows (norms of 2^-12, 2^5, between and 0, gradients along the output or 0)",
+         "edge": "edge rows (norms of 2^-12, 2^5, between and 0, gradients along the output or 0, targets the "
+                 "reference predicts)",
          "padded": "the first fresh inputs, which passed, now with each epilogue over whole tiles and padded "
                    "lanes as the kernel leaves them",
          "scaled": "fresh inputs at other magnitudes (activations and gradients times 2^u, half the rows "
@@ -93,10 +95,12 @@ def draw_case(task: Task, spec: TaskSpec, shape_set: str, seed: int, device: str
         inputs = scaled_inputs(spec, shape_set, seed, device, magnitude)
     else:
         inputs = (edge_inputs if draw == "edge" else make_inputs)(spec, shape_set, seed, device)
+    ref_task = _task_with(task, spec)
+    if draw in ("edge", "scaled"):
+        inputs = predicted_targets(ref_task, inputs, params, seed)
     grads = make_grads(spec, shape_set, seed, device) if spec.has_backward else None
     if grads is not None and draw == "scaled":
         grads = {k: (g.float() * 2.0 ** magnitude).to(g.dtype) for k, g in grads.items()}
-    ref_task = _task_with(task, spec)
     if grads is not None and draw == "edge":
         grads = aligned_grads(grads, run_reference(ref_task, inputs, None, hi_dtype, params=params), seed)
     return Case(shape_set, draw, inputs, grads, run_reference(ref_task, inputs, grads, hi_dtype, params=params),

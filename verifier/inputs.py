@@ -24,6 +24,14 @@ nearly cancels to zero on those rows, which is where a gradient computed as a
 difference of large terms in low precision goes wrong) and one in sixteen
 exactly zero (a masked token's).
 
+**Predicted targets** (:func:`predicted_targets`): in the edge and scaled
+draws, about one row in four of a cross-entropy's target is the class the
+reference's own scores rank first on those inputs.  Drawn uniformly, a target
+is almost never the one a model predicts, so p(target) never nears 1, and a
+program that drops the gradient of the tokens a model already predicts well
+(half the tokens of a trained LM) passed; with the edge rows' and the scaled
+draw's magnitudes, predicted rows span confident and uncertain.
+
 **Magnitudes** (:func:`scaled_inputs`): one more draw per set scales every
 activation, residual, saved input and upstream gradient by 2**u, |u| drawn
 between 4 and 12 once per check and its sign alternating from set to set, so
@@ -108,6 +116,7 @@ import torch
 
 from coda_agent.tasks.inits import draw
 from coda_agent.tasks.params import PARAM_SPREAD
+from coda_agent.tasks.recorder import recorded
 from coda_agent.tasks.spec import FLOAT_DTYPES, TaskSpec, TensorSpec, eval_expr, expr_symbols, structural_symbols
 from coda_agent.verifier.wire import TORCH_DTYPES, nbytes
 
@@ -245,6 +254,32 @@ def scaled_inputs(spec: TaskSpec, shape_set: str, seed: int, device: str, u: flo
             inputs[name] = (x.float() * float(torch.exp2(MATRIX_SCALE[0] + (MATRIX_SCALE[1] - MATRIX_SCALE[0])
                                                          * torch.rand(1, generator=gen, device=device)))).to(x.dtype)
     return inputs
+
+
+def predicted_targets(task, inputs: dict[str, torch.Tensor], params: dict[str, Any], seed: int
+                      ) -> dict[str, torch.Tensor]:
+    """``inputs`` with about one row in four of each target (a 1-D ``role: index`` input the
+    reference picks a column of each row's scores with: a cross-entropy's target) set to the class
+    the reference's own scores rank first on these inputs (module docstring); an ignored row stays
+    ignored."""
+    spec = task.spec
+    names = [k for k, t in spec.inputs.items() if t.role == "index" and inputs[k].dim() == 1
+             and not inputs[k].is_floating_point()]
+    if not names:
+        return inputs
+    try:
+        scores = recorded(task.reference_fn, inputs, params).scores
+    except Exception:  # noqa: BLE001 - the reference refusing these inputs is the stage's to report
+        return inputs
+    out = dict(inputs)
+    gen = torch.Generator(device=next(iter(inputs.values())).device.type).manual_seed(seed ^ 0x7A46)
+    for name in names:
+        s, t = scores.get(name), inputs[name]
+        if s is None or s.shape[0] != t.shape[0]:
+            continue
+        pick = (torch.randint(0, 4, t.shape, generator=gen, device=t.device) == 0) & (t >= 0) & (t < s.shape[1])
+        out[name] = torch.where(pick, s.argmax(1).to(t.device, t.dtype), t)
+    return out
 
 
 def aligned_grads(grads: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor], seed: int

@@ -66,9 +66,8 @@ def test_honest_constructs_pass(spec, module_level, body, forward):
     # a value read as text (the device a rank runs on): only an error's message may hold one
     ("", "return {\"D\": acc + residual}", "d = str(x.device)\n    return {\"y\": x}", "`str`: a program reads no "
      "value as text"),
-    ("", "return {\"D\": acc + residual}", "d = f\"{x.device}\"\n    return {\"y\": x}", "an f-string with a value "
-     "outside an error's message"),
-    ("", "return {\"D\": acc + residual}", "d = \"%s\" % (x.device,)\n    return {\"y\": x}", "%-formatting"),
+    ("", "return {\"D\": acc + residual}", "d = f\"{x.device}\"\n    return {\"y\": x}", "a value formatted as text"),
+    ("", "return {\"D\": acc + residual}", "d = \"%s\" % (x.device,)\n    return {\"y\": x}", "a value formatted as text"),
 ])
 def test_provenance_refusals(spec, module_level, body, forward, why):
     text = "; ".join(map(str, check_source(_program(module_level, body, forward), spec)))

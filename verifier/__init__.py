@@ -37,9 +37,10 @@ What each stage guarantees, and what it does not:
   small and ragged), one set beyond them (the ragged sizes grown by 256 and
   by a secret amount the judge draws per check, so that no checked size can
   be read off the task file: :mod:`.inputs`), the CPU set with an odd token
-  count below its own, and any the task names, each with two fresh draws, one
+  count below its own and one with a short aligned count (a multiple of 8
+  below it), and any the task names, each with two fresh draws, one
   of edge rows (norms of 2^-12, 2^5, between and 0, gradients along the output
-  or 0) and one at other magnitudes (activations 2^±[4,12], half the rows
+  or 0, a cross-entropy target in four the class the reference predicts) and one at other magnitudes (activations 2^±[4,12], half the rows
   negated, centres moved; norm weights, scales, tables and biases spread; fp8
   inputs over their range), all but the first with the
   task's float params varied, and for a task with a backward the first draw's
@@ -101,7 +102,14 @@ where the module does not reach, an attribute of a catalogue object, is not
 seen); that it is right on inputs unlike the judge's draws (they follow the
 task's declared distributions plus the edge rows, in code its author has read:
 a program that reads its inputs past the ``TorchAudit``, which runs in its own
-runner, can be right only on them).  A Report covers the stages it lists:
+runner, can be right only on them; every draw scales whole rows or whole
+tensors, so no element stands more than about 5 times its row's RMS, where
+trained models' hidden states hold outlier features at 20 to 60 times and
+massive activations near 10^3: a program that clips there passes (a draw
+with outlier channels rejected the honest GPT-2 MLP block in 10 of 16 checks:
+the LayerNorm rank-1 fold loses accuracy there, so that draw waits on the fold);
+that it is right at a token count none of the sets holds (one, a decode
+step's, is the odd set's one time in 128).  A Report covers the stages it lists:
 ``cpu_passed`` of a ``stages`` subset means every stage that ran passed, so
 what a run directory's verdict backs (``coda_agent.kernels.source.unbacked``:
 the program's sha256, the outcome, the task, the static and reference stages

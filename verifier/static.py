@@ -25,10 +25,9 @@ float, and a parameter or local named ``fr`` elsewhere is a local value.
   else (``.float()`` is PyTorch compute, ``.gi_frame`` a way out).
 - **builtins**: the allow-list :data:`BUILTINS` (``len``, ``range``, ``min``...,
   and the exceptions a program may raise); every other builtin is refused
-  with its reason (``open``: files; ``getattr``: reflection; ``str``: a value
-  read as text, as are f-strings and %-formatting with values, outside an
-  assert's message or a raise: the name of the device a rank runs on is the
-  one text the runtime audit cannot see read; ...).
+  with its reason (``open``: files; ``getattr``: reflection; ``str``, f-strings
+  and ``%`` outside an error's message: a device's name is the one text the
+  runtime audit cannot see read; ...).
 
 **Epilogue bodies** (:mod:`.static_epilogue`): an @epilogue fn, and every program
 function it calls, is arithmetic, comparisons and calls of the catalogue's math on names and
@@ -93,8 +92,7 @@ BANNED_NAMES = {
                      "help", "ctypes", "pickle", "id", "hash", "callable", "iter", "next", "format", "repr",
                      "SystemExit", "KeyboardInterrupt", "BaseException", "Exception"], "dynamic"),
     **dict.fromkeys(["inspect", "gc", "traceback", "weakref", "frame"], "introspection"),
-    **dict.fromkeys(["threading", "concurrent", "asyncio", "multiprocessing", "signal"], "threads"),
-    "str": "text",
+    **dict.fromkeys(["threading", "concurrent", "asyncio", "multiprocessing", "signal"], "threads"), "str": "text",
 }
 _SCOPES = (ast.FunctionDef, ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
 _BANNED_STATEMENTS = {
@@ -332,6 +330,8 @@ class _Checker(ast.NodeVisitor):
             name = getattr(node, "name", "")
             self.bad(node, (f"class `{name}`: " if isinstance(node, ast.ClassDef) else "")
                      + _BANNED_STATEMENTS[type(node)])
+        if not self.in_message and _formats_text(node):  # an f-string with a value, or `"..." % value`
+            self.bad(node, f"a value formatted as text outside an error's message: {_WHY['text']}")
         super().generic_visit(node)
 
     def visit_FunctionDef(self, node: ast.FunctionDef) -> None:
@@ -394,31 +394,18 @@ class _Checker(ast.NodeVisitor):
                      "primitive for the rest")
         self.generic_visit(node)
 
-    # Text is allowed where it can only be an error's message: an assert's, or what a raise raises.
-    def visit_Assert(self, node: ast.Assert) -> None:
+    def visit_Assert(self, node: ast.Assert) -> None:  # text is allowed where it can only be an error's message
         self.visit(node.test)
         self._message(node.msg)
 
     def visit_Raise(self, node: ast.Raise) -> None:
-        self._message(node.exc)
-        self._message(node.cause)
+        self._message(node.exc, node.cause)
 
-    def _message(self, node: ast.AST | None) -> None:
-        if node is not None:
-            self.in_message += 1
+    def _message(self, *nodes: ast.AST | None) -> None:
+        self.in_message += 1
+        for node in filter(None, nodes):
             self.visit(node)
-            self.in_message -= 1
-
-    def visit_JoinedStr(self, node: ast.JoinedStr) -> None:
-        if not self.in_message and any(isinstance(v, ast.FormattedValue) for v in node.values):
-            self.bad(node, f"an f-string with a value outside an error's message: {_WHY['text']}")
-        self.generic_visit(node)
-
-    def visit_BinOp(self, node: ast.BinOp) -> None:
-        if not self.in_message and isinstance(node.op, ast.Mod) and isinstance(node.left, ast.Constant) \
-                and isinstance(node.left.value, str):
-            self.bad(node, f"%-formatting a string outside an error's message: {_WHY['text']}")
-        self.generic_visit(node)
+        self.in_message -= 1
 
     def visit_NamedExpr(self, node: ast.NamedExpr) -> None:
         # A walrus binds a name where no assignment statement is (a decorator's arguments, a
@@ -507,3 +494,7 @@ def _literal(node: ast.expr) -> bool:
 def _is_dunder(name: str) -> bool:
     return name.startswith("__") and name.endswith("__") and len(name) > 4
 
+
+def _formats_text(node: ast.AST) -> bool:
+    return (isinstance(node, ast.JoinedStr) and any(isinstance(v, ast.FormattedValue) for v in node.values)) or (
+        isinstance(node, ast.BinOp) and type(node.op) is ast.Mod and isinstance(getattr(node.left, "value", 0), str))

@@ -26,11 +26,10 @@ one by one, by their code (``families.same_code``) as the layer drop-ins recogni
 
 Everything else stays HF's (attention, norms, embeddings), and torch.compile compiles it around the
 kernels' custom ops.  What was patched is ``model.coda_flags`` (the MLPs by name, under their
-kernel's task); each patched
-MLP holds ``coda_flags`` too, so no drop-in patches it again.  A module of a recognised kind that
-holds what its kernel does not take (biases, LoRA adapters, gate and up frozen apart) is refused
-with the flag that keeps it HF's; a model with nothing to patch is refused, naming what was looked
-for and what its modules are instead.
+kernel's task); each patched MLP holds ``coda_flags`` too, so no drop-in patches it again.  A
+module of a recognised kind that holds what its kernel does not take (biases, LoRA adapters, gate
+and up frozen apart) is refused with the flag that keeps it HF's; a model with nothing to patch is
+refused, naming what was looked for and what its modules are instead.
 """
 
 from __future__ import annotations
@@ -59,7 +58,7 @@ SLOTS = (*MLP_TASKS, "lm_head_xent", "lm_head_xent_frozen", "lm_head_xent_softca
 SOFTCAP_LMS = {"Gemma-2's": Gemma2ForCausalLM.forward}
 SILU = (nn.SiLU, ACT2CLS["silu"])
 
-# An MLP's code -> (its activation's name, its projections, the fused weight's row maps).
+# Whose MLP code -> (its forward, its activation's attribute, the projections fused into gate_up_proj).
 _MLPS = {"LLaMA's": (LlamaMLP.forward, "act_fn", ("gate_proj", "up_proj")),
          "Phi-3's": (Phi3MLP.forward, "activation_fn", ("gate_up_proj",))}
 

@@ -98,7 +98,7 @@ class Call(torch.overrides.TorchFunctionMode):
                 classes = args[0].shape[1] if args[0].dim() > 1 else args[0].shape[0]
                 self.targets.setdefault(target, (classes, (kwargs or {}).get("ignore_index", -100)))
                 self._scores(args[0], self._sources_of(args[1]))
-        if name in GATHERS and len(args) > 1 and isinstance(args[0], torch.Tensor):
+        if name in GATHERS and args and isinstance(args[0], torch.Tensor):
             kw = kwargs or {}
             dim, index = (args[1] if len(args) > 1 else kw.get("dim")), (args[2] if len(args) > 2 else kw.get("index"))
             if isinstance(index, torch.Tensor) and dim in (1, -1):

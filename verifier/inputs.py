@@ -100,7 +100,7 @@ CPU set's, a few decode steps' or a short prompt's).  Every other set's
 sizes keep their alignment and start at the CPU set's, so without them every
 checked token count is a multiple of 8 and at least 256, and a program wrong
 at the others (``M % 8`` or ``M < 256`` in its host code: a decode step, a
-short prompt) passes.  It is the CPU's alone: the GPU stages
+short prompt) passes.  They are the CPU's alone: the GPU stages
 check the sizes a task names.  An fp8 task has no such sizes: its backward
 GEMMs take the token count as K in both operands' contiguous dimension (fp8
 WGMMA reads K-major only), where TMA needs 16-byte rows.

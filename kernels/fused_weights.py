@@ -53,6 +53,25 @@ def relayout(module: nn.Module, fused: str, parts: tuple[str, ...], fuse: Any, s
             set_submodule(module, p, FusedPart(module, hooks, i))
 
 
+# A gated MLP's gate and up rows fused for its kernels, [g0, u0, g1, u1, ...] (adjacent GEMM columns
+# are one pair), from two weights or from one in halves (Phi-3's gate_up_proj): ``relayout``'s fuse
+# and split.
+def interleave_rows(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    return torch.stack((g, u), dim=1).reshape(2 * g.shape[0], -1)
+
+
+def split_interleaved(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return w[0::2], w[1::2]
+
+
+def interleave_halves(w: torch.Tensor) -> torch.Tensor:
+    return interleave_rows(*w.chunk(2))
+
+
+def halves_from_interleaved(w: torch.Tensor) -> tuple[torch.Tensor]:
+    return (torch.cat((w[0::2], w[1::2])),)
+
+
 def set_submodule(module: nn.Module, path: str, child: nn.Module | None) -> None:
     """``module.<path> = child`` for a dotted path; None deletes it."""
     parent, _, name = path.rpartition(".")

@@ -114,7 +114,7 @@ from .adapters import base_path, lora_delta, lora_of, peft_base, plus
 from .dropin import PatchedForward, check_slots, record_attention, refuse_patched, slot_kernel, suite_kernel
 from .families import (AttentionPlan, check_model, head_dim, llama_architecture, rotation_layout,
                        tables_are_llamas)
-from .fused_weights import relayout
+from .fused_weights import halves_from_interleaved, interleave_halves, interleave_rows, relayout, split_interleaved
 from .kernel import Kernel, KernelError
 from .llama_ops import attention_input, causal_lm_loss
 
@@ -231,30 +231,14 @@ def _split_qkv(w: torch.Tensor, plan: LayerPlan) -> tuple[torch.Tensor, ...]:
     return q.contiguous(), k.contiguous(), v.contiguous()
 
 
-def _interleave_rows(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    return torch.stack((g, u), dim=1).reshape(2 * g.shape[0], -1)
-
-
-# The fused projections' row maps (``relayout``'s fuse and split), Phi-3's from its own fused
-# layouts: [q; k; v] and [gate; up] in halves.
+# The fused QKV projection's row maps (``relayout``'s fuse and split), Phi-3's from its own fused
+# layout [q; k; v] (gate and up: ``fused_weights``).
 def _fuse_hf_qkv(w: torch.Tensor, plan: LayerPlan) -> torch.Tensor:
     return _fuse_qkv(*_hf_qkv_rows(w, plan), plan)
 
 
 def _split_hf_qkv(w: torch.Tensor, plan: LayerPlan) -> tuple[torch.Tensor]:
     return (torch.cat(_split_qkv(w, plan)),)
-
-
-def _interleave_halves(w: torch.Tensor) -> torch.Tensor:
-    return _interleave_rows(*w.chunk(2))
-
-
-def _halves_from_interleaved(w: torch.Tensor) -> tuple[torch.Tensor]:
-    return (torch.cat((w[0::2], w[1::2])),)
-
-
-def _split_interleaved(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return w[0::2], w[1::2]
 
 
 def _rope_lanes(base: LlamaModel, plan: LayerPlan) -> torch.Tensor:
@@ -277,9 +261,9 @@ def _patch_layer(layer: nn.Module, plan: LayerPlan, attention: AttentionPlan, fr
     if freq is not None and attention.rotates:
         attn.register_buffer("coda_rope_freq", freq, persistent=False)
     if plan.swiglu and attention.fused:
-        relayout(layer.mlp, "gate_up_proj", ("gate_up_proj",), _interleave_halves, _halves_from_interleaved)
+        relayout(layer.mlp, "gate_up_proj", ("gate_up_proj",), interleave_halves, halves_from_interleaved)
     elif plan.swiglu:
-        relayout(layer.mlp, "gate_up_proj", ("gate_proj", "up_proj"), _interleave_rows, _split_interleaved)
+        relayout(layer.mlp, "gate_up_proj", ("gate_proj", "up_proj"), interleave_rows, split_interleaved)
     layer.coda_plan, layer.coda_attention = plan, attention
     layer.forward = PatchedForward(layer, _layer_forward)
 

@@ -50,6 +50,7 @@ from .adapters import lora_of, peft_base
 from .dropin import (NO_KERNEL, STACKS, PatchedForward, check_lm_head, check_slots, gelu_form, refusal_by,
                      refuse_patched, refuse_wrapped, require_kernel_dtypes, slot_kernel, suite_kernel)
 from .families import CAUSAL_LMS, same_code
+from .fused_weights import halves_from_interleaved, interleave_halves, interleave_rows, relayout, split_interleaved
 from .kernel import Kernel, KernelError
 
 MLP_TASKS = ("swiglu_mlp", "geglu_mlp")
@@ -177,25 +178,12 @@ def _head_refusal(model: nn.Module) -> str:
 # --------------------------------------------------------------------------- the patch
 
 
-def _interleave(*parts: torch.Tensor) -> torch.Tensor:
-    """Gate and up (two weights, or Phi-3's one in halves) -> rows [g0, u0, g1, u1, ...]."""
-    g, u = parts if len(parts) == 2 else parts[0].chunk(2)
-    return torch.stack((g, u), dim=1).reshape(2 * g.shape[0], -1)
-
-
-def _split_pair(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return w[0::2], w[1::2]
-
-
-def _halves(w: torch.Tensor) -> tuple[torch.Tensor]:
-    return (torch.cat((w[0::2], w[1::2])),)
-
-
 def _patch_mlp(module: nn.Module, kind: str, task: str, kernel: Kernel) -> None:
-    from .fused_weights import relayout
-
     parts = _MLPS[kind][2]
-    relayout(module, "gate_up_proj", parts, _interleave, _split_pair if len(parts) == 2 else _halves)
+    if len(parts) == 2:
+        relayout(module, "gate_up_proj", parts, interleave_rows, split_interleaved)
+    else:  # Phi-3's gate_up_proj, gate and up in halves
+        relayout(module, "gate_up_proj", parts, interleave_halves, halves_from_interleaved)
     module.coda_mlp = kernel
     module.coda_flags = {task: True}
     module.forward = PatchedForward(module, _mlp_forward)
@@ -206,7 +194,7 @@ def _mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     w_gu, w_down = self.gate_up_proj.weight, self.down_proj.weight
     rows = x.reshape(-1, x.shape[-1])
     if rows.shape[0] == 0:  # an expert no token was routed to: no GEMM to launch, the same empty result
-        g, u = _split_pair(w_gu)
+        g, u = split_interleaved(w_gu)
         return (rows @ g.t() * (rows @ u.t())) @ w_down.t()
     y = self.coda_mlp(rows.contiguous(), w_gu, w_down)["y"]
     return y.view(*x.shape[:-1], w_down.shape[0])

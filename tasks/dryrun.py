@@ -117,7 +117,7 @@ def _call(task: Task, field: str, fn: Callable, set_name: str,
             if not fits:
                 return None  # too large for a CPU call: the verifier calls it where it fits
     gen = torch.Generator().manual_seed(0)
-    args = {n: _draw(spec, t, set_name, gen) for n, t in spec.inputs.items()}
+    args = {n: draw_input(spec, t, set_name, gen) for n, t in spec.inputs.items()}
     try:
         with torch.no_grad():
             out = fn(**args, **spec.params_at(set_name), **extra(args, gen))
@@ -138,7 +138,7 @@ def _mapping(task: Task, field: str, fn: Callable, out: Any) -> Mapping:
                         f"returns its outputs by name, e.g. return {{{first!r}: {first}}}")
 
 
-def _draw(spec: TaskSpec, t: Any, set_name: str, gen: torch.Generator) -> torch.Tensor:
+def draw_input(spec: TaskSpec, t: Any, set_name: str, gen: torch.Generator) -> torch.Tensor:
     """Values drawn as the spec's init says (``inits.draw``, as the verifier draws them)."""
     env = {k: float(v) for k, v in spec.shapes[set_name].items()}
     return draw(t.init, spec.shape_of(t, set_name), TORCH_DTYPES[t.dtype], env, gen)

@@ -11,8 +11,7 @@ import torch
 
 from coda_agent.errors import CodaError
 
-from .dryrun import TORCH_DTYPES
-from .inits import draw
+from .dryrun import draw_input
 from .params import PARAM_SPREAD
 from .recorder import call_reference
 
@@ -55,10 +54,8 @@ def unvaried_params(task: Any) -> list[str]:
     constant of the task (``fixed_params`` says so), or the reference refuses values it should take."""
     spec = task.spec
     set_name = spec.cpu_shape_set
-    env = {k: float(v) for k, v in spec.shapes[set_name].items()}
     gen = torch.Generator().manual_seed(0)
-    inputs = {n: draw(t.init, spec.shape_of(t, set_name), TORCH_DTYPES[t.dtype], env, gen)
-              for n, t in spec.inputs.items()}
+    inputs = {n: draw_input(spec, t, set_name, gen) for n, t in spec.inputs.items()}
     written = spec.params_at(set_name)
 
     def takes(name: str, value: float) -> bool:

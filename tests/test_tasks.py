@@ -194,7 +194,7 @@ def test_ignored_targets_are_drawn_as_the_spec_says_everywhere(tmp_path):
     kept = torch.cat([d[d != -100] for d in draws])
     assert kept.min().item() >= 0 and kept.max().item() < 48 and kept.unique().numel() > 40
     gen = torch.Generator().manual_seed(7)
-    t = dryrun._draw(spec, spec.inputs["t"], "small", gen)
+    t = dryrun.draw_input(spec, spec.inputs["t"], "small", gen)
     assert t.dtype == torch.int64 and set(t.unique().tolist()) - set(range(48)) <= {-100}
 
 

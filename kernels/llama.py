@@ -10,8 +10,9 @@ model of a family built from LLaMA's modules:
 - Phi-3, Phi-3.5 and Phi-4: q, k and v in one projection and gate and up in another, which the
   patch re-lays out; residual dropouts, which must be off; RoPE on part of each head (Phi-4-mini),
   which stays HF's;
-- Gemma: RMSNorms that scale by 1 + w, folded into the QKV GEMM as such; its GeGLU MLP stays
-  HF's (``swiglu=False``);
+- Gemma: RMSNorms that scale by 1 + w, folded into the QKV GEMM as such; the MLP block kernel's
+  norm scales by w, so its GeGLU MLP runs alone, as the ``geglu_mlp`` kernel, between HF's
+  post-attention norm and residual add (``swiglu=False`` keeps HF's MLP);
 - SmolLM3: the same, with some layers that skip RoPE;
 - Seed-OSS: LLaMA's modules with q, k and v biases and a dropout on what the attention and the
   MLP add to the residual stream, which must be off (``residual_dropout=0.0``);
@@ -60,7 +61,8 @@ its epilogue, the out_proj_residual kernel):
 - ``swiglu``: post-attention RMSNorm + SwiGLU MLP + residual as the mlp_block
   kernel, with gate/up fused into one weight whose rows interleave
   ``[g0, u0, g1, u1, ...]`` (adjacent GEMM columns are one pair).  It owns that
-  RMSNorm, so it needs ``rms_norm``.
+  RMSNorm, so it needs ``rms_norm``; where that norm is Gemma's, the MLP alone
+  runs as the gated MLP kernel of its activation (``coda_flags["mlp_alone"]``).
 - ``fused_linear_cross_entropy``: in training with labels, LM head + loss as the
   lm_head_xent kernel (no full logits; ``logits`` is None, as with Liger); a frozen head
   (LoRA's base, a frozen tied embedding) runs lm_head_xent_frozen, which computes no dw.
@@ -117,6 +119,7 @@ from .families import (AttentionPlan, check_model, head_dim, llama_architecture,
 from .fused_weights import halves_from_interleaved, interleave_halves, interleave_rows, relayout, split_interleaved
 from .kernel import Kernel, KernelError
 from .llama_ops import attention_input, causal_lm_loss
+from .modules import check_gated_mlp, patch_gated_mlp
 
 SWAPPABLE = ("out_proj_residual", "mlp_block", "lm_head_xent", "lm_head_xent_frozen")
 
@@ -137,6 +140,12 @@ class LayerPlan:
     head_dim: int
     norm_offset: float = 0.0  # Gemma's RMSNorm scales by 1 + w
     rope_layout: str = "halves"  # the columns the rotation pairs (families.ROTATIONS): halves are permuted to pairs
+    mlp_alone: bool = False  # swiglu: the MLP module runs its gated MLP kernel, the norm and residual HF's
+
+    @property
+    def block(self) -> bool:
+        """Whether the post-attention norm, the MLP and the residual add run as the MLP block kernel."""
+        return self.swiglu and not self.mlp_alone
 
     @property
     def permutes(self) -> bool:
@@ -158,10 +167,15 @@ def apply_to_llama(model: LlamaForCausalLM | LlamaModel, *, rope: bool = True, r
     # partial_rotary_factor), it stays HF's.
     layout = rotation_layout(base, attentions) if rope and not any(a.qk_norm for a in attentions) else None
     rope = layout is not None
-    if norm_offset and swiglu:
-        raise KernelError("this model's RMSNorms scale by (1 + weight) (Gemma's), which the MLP block kernel "
-                          "(mlp_block) does not take; pass swiglu=False to keep HF's MLP and its norm")
-    if swiglu and not rms_norm:
+    # Gemma's RMSNorms scale by 1 + w, which the MLP block kernel does not take: its MLP alone runs
+    # as the kernel of its activation, the norm and the residual add stay HF's.
+    mlp_alone = swiglu and bool(norm_offset)
+    if mlp_alone and (fp8_mlp or "mlp_block" in (kernels or {})):
+        raise KernelError("this model's RMSNorms scale by (1 + weight) (Gemma's), which the MLP block kernels "
+                          "(mlp_block, mlp_block_fp8) do not take: its MLP runs alone as the gated MLP kernel "
+                          "of its activation; drop fp8_mlp and kernels['mlp_block'], or pass swiglu=False to "
+                          "keep HF's MLP")
+    if swiglu and not rms_norm and not mlp_alone:
         raise KernelError("swiglu=True runs the post-attention RMSNorm, the SwiGLU MLP and the residual add as "
                           "one kernel (mlp_block), so it needs rms_norm=True")
     if fp8_mlp and not swiglu:
@@ -169,7 +183,10 @@ def apply_to_llama(model: LlamaForCausalLM | LlamaModel, *, rope: bool = True, r
     if fp8_mlp and "mlp_block" in (kernels or {}):
         raise KernelError("fp8_mlp=True and kernels['mlp_block'] both choose the MLP block's kernel; give one")
     cfg = base.config
-    check_model(model, base, cfg, rope, swiglu, xent=fused_linear_cross_entropy and bool(lm_kind))  # names the fix
+    # names the fix; an MLP that runs alone is checked as one (modules.check_gated_mlp)
+    check_model(model, base, cfg, rope, swiglu and not mlp_alone, xent=fused_linear_cross_entropy and bool(lm_kind))
+    mlps = [check_gated_mlp(layer.mlp, f"layers.{i}.mlp", "swiglu=False") for i, layer in enumerate(base.layers)
+            ] if mlp_alone else [None] * len(base.layers)
     rope = rope and tables_are_llamas(base)
     check_slots(kernels, SWAPPABLE)
     given = {**(kernels or {}), **({"mlp_block": suite_kernel("mlp_block_fp8", FP8_SUITE)} if fp8_mlp else {})}
@@ -177,13 +194,13 @@ def apply_to_llama(model: LlamaForCausalLM | LlamaModel, *, rope: bool = True, r
     if rms_norm or rope or swiglu:
         plan = LayerPlan(rms_norm, rope, swiglu, chosen["out_proj_residual"], chosen["mlp_block"],
                          cfg.rms_norm_eps, cfg.num_attention_heads, cfg.num_key_value_heads, head_dim(cfg),
-                         norm_offset, layout or "halves")
+                         norm_offset, layout or "halves", mlp_alone)
         freq = _rope_lanes(base, plan) if rope else None
-        for layer, attention in zip(base.layers, attentions):
-            _patch_layer(layer, plan, attention, freq)
+        for layer, attention, mlp in zip(base.layers, attentions, mlps):
+            _patch_layer(layer, plan, attention, freq, mlp)
     if fused_linear_cross_entropy and lm_kind:  # "" for a decoder stack without an LM head
         patch_causal_lm(model, lm_kind, chosen["lm_head_xent"], chosen["lm_head_xent_frozen"])
-    base.coda_flags = {"rope": rope, "rms_norm": rms_norm, "swiglu": swiglu,
+    base.coda_flags = {"rope": rope, "rms_norm": rms_norm, "swiglu": swiglu, "mlp_alone": mlp_alone,
                        "fused_linear_cross_entropy": fused_linear_cross_entropy, "fp8_mlp": fp8_mlp}
     return given_model
 
@@ -248,7 +265,8 @@ def _rope_lanes(base: LlamaModel, plan: LayerPlan) -> torch.Tensor:
     return torch.cat((lanes.repeat(plan.heads), lanes.repeat(plan.kv_heads), v))
 
 
-def _patch_layer(layer: nn.Module, plan: LayerPlan, attention: AttentionPlan, freq: torch.Tensor | None) -> None:
+def _patch_layer(layer: nn.Module, plan: LayerPlan, attention: AttentionPlan, freq: torch.Tensor | None,
+                 mlp: tuple[str, str] | None) -> None:
     attn = layer.self_attn
     # Under LoRA a projection's weight is its base layer's (adapters.py): that part is fused, and the
     # LoRA layer stays, its adapters beside the kernel; Phi-3's fused weight takes the base's place.
@@ -260,7 +278,9 @@ def _patch_layer(layer: nn.Module, plan: LayerPlan, attention: AttentionPlan, fr
                   partial(_fuse_qkv, plan=plan), partial(_split_qkv, plan=plan))
     if freq is not None and attention.rotates:
         attn.register_buffer("coda_rope_freq", freq, persistent=False)
-    if plan.swiglu and attention.fused:
+    if mlp is not None:  # (whose MLP code, its kernel's task): the MLP alone, as that kernel
+        patch_gated_mlp(layer.mlp, *mlp)
+    elif plan.swiglu and attention.fused:
         relayout(layer.mlp, "gate_up_proj", ("gate_up_proj",), interleave_halves, halves_from_interleaved)
     elif plan.swiglu:
         relayout(layer.mlp, "gate_up_proj", ("gate_proj", "up_proj"), interleave_rows, split_interleaved)
@@ -318,7 +338,7 @@ def _layer_forward(self: nn.Module, hidden_states: torch.Tensor, attention_mask:
     # a residual scale (Granite's) multiplies the weights whose products the epilogues add, once a
     # call (a weight-sized product; autograd carries the scale to their gradients).
     scale = extra.residual_scale
-    w_o, w_down = attn.o_proj.weight.t(), self.mlp.down_proj.weight if plan.swiglu else None
+    w_o, w_down = attn.o_proj.weight.t(), self.mlp.down_proj.weight if plan.block else None
     if scale != 1.0:
         w_o, w_down = w_o * scale, None if w_down is None else w_down * scale
     residual = h if attn.o_proj.bias is None else h + attn.o_proj.bias * scale
@@ -326,10 +346,10 @@ def _layer_forward(self: nn.Module, hidden_states: torch.Tensor, attention_mask:
     term = lora_delta(attn.o_proj, out)  # LoRA's term joins the residual the epilogue adds
     residual = plus(residual, None if term is None else term * scale)
     h1 = plan.out_proj(out, w_o, residual)["y"]
-    if plan.swiglu:
+    if plan.block:
         h2 = plan.mlp(h1, self.post_attention_layernorm.weight, self.mlp.gate_up_proj.weight, w_down,
                       eps=plan.eps)["y"]
-    else:  # HF's MLP, on (batch, tokens, hidden) as HF calls it (a mixture of experts needs that)
+    else:  # HF's MLP module (or Gemma's, patched as its kernel), on (batch, tokens, hidden) as HF calls it
         h1 = h1.view(b, t, dim)
         h2 = h1 + self.mlp(self.post_attention_layernorm(h1)) * scale
     return h2.view(b, t, dim)

@@ -111,48 +111,76 @@ def _gated_mlps(model: nn.Module) -> tuple[dict[str, tuple[nn.Module, str, str]]
     found: dict[str, tuple[nn.Module, str, str]] = {}
     passed: list[str] = []
     for name, module in model.named_modules():
-        kind = next((k for k, (fn, _, _) in _MLPS.items() if same_code(type(module).forward, fn)), None)
+        kind, task = _recognised(module)
         if kind is None:
             continue
-        _, act_name, parts = _MLPS[kind]
-        act = getattr(module, act_name, None)
-        task = "swiglu_mlp" if isinstance(act, SILU) else "geglu_mlp" if _gelu(act) == "tanh" else None
         if task is None:
             if len(passed) < 3:
+                act = getattr(module, _MLPS[kind][1], None)
                 passed.append(f"{type(module).__name__} is {kind} MLP code with {type(act).__name__}, neither SiLU "
                               "nor GELU's tanh form")
             continue
-        _check_mlp(module, name or type(module).__name__, parts, task)
+        _check_mlp(module, name or type(module).__name__, _MLPS[kind][2], task)
         found[name] = (module, kind, task)
     return found, passed
+
+
+def check_gated_mlp(module: nn.Module, where: str, flag: str) -> tuple[str, str]:
+    """(whose MLP code, its kernel's task) for one gated MLP that a layer drop-in runs alone (its
+    norm and residual outside it); refuses, naming ``flag`` as the way to keep HF's, an MLP that
+    no kernel computes or that holds what its kernel does not take.  A drop-in checks every
+    layer's before it patches any (:func:`patch_gated_mlp`)."""
+    kind, task = _recognised(module)
+    if kind is None or task is None:
+        act = getattr(module, _MLPS[kind][1], None) if kind else None
+        raise KernelError(f"{where} is {type(module).__name__} with {type(act).__name__}: no kernel of the suite "
+                          f"computes it (LLaMA's or Phi-3's MLP code with SiLU or GELU's tanh form); pass {flag} "
+                          "to keep HF's MLP")
+    _check_mlp(module, where, _MLPS[kind][2], task, flag)
+    return kind, task
+
+
+def patch_gated_mlp(module: nn.Module, kind: str, task: str) -> None:
+    """Patch one gated MLP that :func:`check_gated_mlp` took as the suite's kernel of ``task``."""
+    _patch_mlp(module, kind, task, suite_kernel(task))
+
+
+def _recognised(module: nn.Module) -> tuple[str | None, str | None]:
+    """(whose MLP code ``module``'s forward is, the task of the kernel that computes it), each None
+    where there is none."""
+    kind = next((k for k, (fn, _, _) in _MLPS.items() if same_code(type(module).forward, fn)), None)
+    if kind is None:
+        return None, None
+    act = getattr(module, _MLPS[kind][1], None)
+    return kind, "swiglu_mlp" if isinstance(act, SILU) else "geglu_mlp" if _gelu(act) == "tanh" else None
 
 
 def _gelu(act: Any) -> str | None:
     return gelu_form(act) if isinstance(act, nn.Module) else None
 
 
-def _check_mlp(module: nn.Module, where: str, parts: tuple[str, ...], task: str) -> None:
+def _check_mlp(module: nn.Module, where: str, parts: tuple[str, ...], task: str, flag: str = "mlp=False") -> None:
     projections = (*parts, "down_proj")
     for p in projections:
         m = getattr(module, p, None)
         if lora_of(m) is not None:
             raise KernelError(f"{where}.{p} has LoRA adapters, and the {task} kernel runs the whole MLP; pass "
-                              "mlp=False to keep HF's MLPs (the adapters train there)")
+                              f"{flag} to keep HF's MLPs (the adapters train there)")
         if type(m) is not nn.Linear:
             raise KernelError(f"{where}.{p} is {type(m).__name__}, not nn.Linear: the {task} kernel reads its "
-                              "weight; patch the unwrapped bf16 model, or pass mlp=False")
+                              f"weight; patch the unwrapped bf16 model, or pass {flag}")
         if m.bias is not None:
-            raise KernelError(f"{where}.{p}.bias: MLP biases are not in the {task} kernel; pass mlp=False to keep "
+            raise KernelError(f"{where}.{p}.bias: MLP biases are not in the {task} kernel; pass {flag} to keep "
                               "HF's MLPs")
     frozen = {p: getattr(module, p).weight.requires_grad for p in parts}
     if len(set(frozen.values())) > 1:
-        raise KernelError(f"{where}: requires_grad differs across {', '.join(parts)} ({frozen}); apply_to_model fuses "
+        raise KernelError(f"{where}: requires_grad differs across {', '.join(parts)} ({frozen}); the kernel fuses "
                           "them into one parameter, which trains or freezes as a whole: freeze or unfreeze them "
-                          "together first, or pass mlp=False")
+                          f"together first, or pass {flag}")
     width, inter = module.down_proj.weight.shape
     if width % 8 or inter % 8:
         raise KernelError(f"{where}: hidden size {width} and intermediate size {inter} must be multiples of 8 (a "
-                          "GEMM row of 16 bytes); pass mlp=False to keep HF's MLPs")
+                          f"GEMM row of 16 bytes); pass {flag} to keep HF's MLPs")
 
 
 def _causal_lm(model: nn.Module) -> str | None:

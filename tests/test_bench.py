@@ -312,7 +312,7 @@ def test_gemm_energy_dry_run_times_cublas_and_every_tile_of_the_pool(tmp_path):
 
 def test_dropin_coverage_patches_or_refuses_each_model_it_builds(tmp_path):
     """bench/dropin_coverage.py on real transformers models: each drop-in patches its own family
-    (to HF's loss; Gemma with the flag its first refusal names, GPT-2 rebuilt with the config value
+    (to HF's loss; GPT-2 rebuilt with the config value
     its refusal names, Phi-3 with its padding id moved into the small vocabulary, Mellum, whose
     rotary embedding keeps no frequency table) and refuses the others with a KernelError; an
     unknown model type is refused."""
@@ -321,7 +321,7 @@ def test_dropin_coverage_patches_or_refuses_each_model_it_builds(tmp_path):
     out = tmp_path / "coverage.json"
     assert coverage.main([str(out), "--models", "llama,gpt_neox,phi,gemma,gpt2,phi3,mellum,olmo2"]) == 0
     report = json.loads(out.read_text())
-    assert report["summary"]["patched"] == ["gemma:apply_to_llama(swiglu=False)",  # the flag its refusal named
+    assert report["summary"]["patched"] == ["gemma:apply_to_llama",  # its GeGLU MLP alone, as geglu_mlp
                                             "gpt2:apply_to_gpt2(resid_pdrop=0.0)",  # the config value it named
                                             "gpt_neox:apply_to_gpt_neox", "llama:apply_to_llama",
                                             "mellum:apply_to_llama(swiglu=False)",  # a rotary without inv_freq

@@ -189,18 +189,38 @@ def test_a_seed_oss_model_without_residual_dropout_trains_like_hf(overrides, fla
     assert_like_hf(got, hi, lo)
 
 
-def test_a_gemma_model_trains_like_hf_with_its_mlp_kept():
+@pytest.mark.parametrize("swiglu", [True, False])
+def test_a_gemma_model_trains_like_hf(swiglu):
     """Gemma's RMSNorm scales by 1 + w (in fp32) and its MLP is GeGLU: the input norm folds into
-    the QKV GEMM with that scale, RoPE and the output projection are the suite's, the MLP and
-    its norm stay HF's (swiglu=False, which the refusal above asks for)."""
+    the QKV GEMM with that scale, RoPE and the output projection are the suite's; the MLP block
+    kernel's norm scales by w, so the MLP runs alone as the geglu_mlp kernel between HF's norm and
+    residual add, and swiglu=False keeps HF's MLP."""
     base = tiny("Gemma")
     hi, lo = train_and_eval(copy.deepcopy(base).float()), train_and_eval(copy.deepcopy(base).bfloat16())
-    model = coda_agent.apply_to_llama(copy.deepcopy(base).bfloat16(), swiglu=False)
+    model = coda_agent.apply_to_llama(copy.deepcopy(base).bfloat16(), swiglu=swiglu)
     assert model.model.layers[0].coda_plan.norm_offset == 1.0
+    assert model.model.coda_flags["mlp_alone"] is swiglu
+    assert set(model.state_dict()) == set(base.state_dict())  # HF's keys, gate and up apart
     with launch_ledger() as launched:
         got = train_and_eval(model)
-    assert {"norm_rope", "rmsnorm_dx", "add_residual", "logits_lse"} <= {launch.name for launch in launched}
+    names = {launch.name for launch in launched}
+    assert {"norm_rope", "rmsnorm_dx", "add_residual", "logits_lse"} <= names
+    assert ({"geglu", "dgeglu"} <= names) is swiglu and "norm_swiglu" not in names
     assert_like_hf(got, hi, lo)
+    with pytest.raises(KernelError, match=r"MLP block kernels \(mlp_block, mlp_block_fp8\) do not take: .* "
+                                          r"drop fp8_mlp .* or pass swiglu=False"):
+        coda_agent.apply_to_llama(copy.deepcopy(base).bfloat16(), fp8_mlp=True)
+
+
+def test_a_gemma_mlp_the_kernel_does_not_take_is_refused_before_anything_is_patched():
+    """The last layer's gate frozen apart from its up: refused with the flag that keeps HF's MLP,
+    and no layer is left patched."""
+    model = copy.deepcopy(tiny("Gemma")).bfloat16()
+    model.model.layers[-1].mlp.gate_proj.weight.requires_grad_(False)
+    with pytest.raises(KernelError, match=r"layers.1.mlp: requires_grad differs .* or pass swiglu=False"):
+        coda_agent.apply_to_llama(model)
+    assert not any(hasattr(m, "coda_flags") or hasattr(m, "coda_plan") for m in model.modules())
+    assert coda_agent.apply_to_llama(model, swiglu=False).model.coda_flags["mlp_alone"] is False
 
 
 # Every expert routed (top-k = all): a top-2 choice can flip between bf16 runs at a near tie, which
@@ -254,7 +274,6 @@ def test_heads_wider_than_the_model_train_like_hf(family):
 
 
 @pytest.mark.parametrize(("family", "overrides", "refusal"), [
-    ("Gemma", {}, r"RMSNorms scale by \(1 \+ weight\) \(Gemma's\), which the MLP block kernel .* pass swiglu=False"),
     ("Cohere", {}, r"CohereAttention.forward is not LLaMA's, Mistral's"),
     ("Olmo2", {}, r"Olmo2Attention.forward is not LLaMA's, Mistral's, Ministral 3's, Qwen3's, Qwen2's, SmolLM3's, "
                   r"Phi-3's, Hunyuan's or Seed-OSS's attention"),
@@ -263,7 +282,7 @@ def test_heads_wider_than_the_model_train_like_hf(family):
     ("SeedOss", {"residual_dropout": 0.1}, r"layers.0.self_attn.residual_dropout = 0.1: .* residual_dropout=0.0"),
     # LLaMA's attention and a partial interleaved rotation (kept HF's), but a LayerNorm and a ReLU^2 MLP
     ("Nemotron", {}, r"NemotronMLP differs from LLaMA's mlp in \['gate_proj'\]: .* pass swiglu=False"),
-], ids=["Gemma", "Cohere", "Olmo2", "Gemma2", "Phi3-dropout", "SeedOss-dropout", "Nemotron"])
+], ids=["Cohere", "Olmo2", "Gemma2", "Phi3-dropout", "SeedOss-dropout", "Nemotron"])
 def test_a_model_that_is_not_llama_s_modules_is_refused_by_what_differs(family, overrides, refusal):
     """Every module the patch replaces must compute what LLaMA's does, read from its code: a model
     with a (1 + w) RMSNorm, logit scaling, softcapped or post-normed attention would

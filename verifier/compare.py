@@ -20,6 +20,11 @@ weight gradient dW = dY^T X shows why: one rounding of a row of dY moves a
 whole row of dW, so its errors' mean averages over the rows, not the elements
 (gpt2_block's dw_proj: 5x the independent-error estimate).
 
+Where one element carries most of a tensor's noise (a weight gradient's
+column fed by an outlier channel), the reference's error there is one sample,
+and the max rule is a coin toss; a result that fails by the size of its
+errors alone is judged again with more samples of that noise (:mod:`.noise`).
+
 The pattern (odd columns, ragged last rows, NaN...) is the most useful thing in
 the feedback: it points at the pairing, the masking or the unwritten tile.
 """
@@ -29,6 +34,7 @@ from __future__ import annotations
 import torch
 
 from coda_agent.tasks.spec import Tolerance
+from coda_agent.verifier.noise import SIGMAS, Noise
 from coda_agent.verifier.report import Mismatch
 
 TILE = 128  # rows/columns past the last full tile of this size are the "ragged edge"
@@ -36,8 +42,11 @@ BIAS_Z = 8.0  # standard errors of the mean that rounding noise may reach
 
 
 def compare(name: str, shape_set: str, out, hi: torch.Tensor, lo: torch.Tensor, tol: Tolerance,
-            poisoned: bool = False) -> Mismatch | None:
-    """None when ``out`` passes; else a Mismatch saying where it differs."""
+            poisoned: bool = False, noise: Noise | None = None) -> Mismatch | None:
+    """None when ``out`` passes; else a Mismatch saying where it differs.  ``noise``: more
+    samples of the reference's own noise (:mod:`.noise`, the second look): each element may
+    also err by ``factor * SIGMAS`` of its own noise RMS, and the norm and bias rules take the
+    samples' largest."""
     if not isinstance(out, torch.Tensor):
         return Mismatch(tensor=name, shape_set=shape_set, max_abs_err=float("inf"), allowed=0.0,
                         pattern=f"not a tensor ({type(out).__name__})")
@@ -59,15 +68,17 @@ def compare(name: str, shape_set: str, out, hi: torch.Tensor, lo: torch.Tensor, 
     diff = (o - h).abs()
     nan = torch.isnan(o) & ~torch.isnan(h)
     diff = torch.where(torch.isnan(h) & torch.isnan(o), torch.zeros_like(diff), diff)
-    bad = (diff > allowed) | nan
+    bar = allowed if noise is None else torch.clamp_min(tol.factor * SIGMAS * noise.rms.to(h.device, work),
+                                                        allowed)
+    bad = (diff > bar) | nan
     hnorm = max(float(torch.linalg.vector_norm(torch.nan_to_num(h))), 1e-30)
     rel = float(torch.linalg.vector_norm(torch.nan_to_num(diff, nan=0.0, posinf=0.0))) / hnorm
-    rel_lo = float(torch.linalg.vector_norm(lo_err)) / hnorm
+    rel_lo = max(float(torch.linalg.vector_norm(lo_err)), noise.norm if noise else 0.0) / hnorm
     if nan.any():
         rel = float("nan")
     if bad.any() or not rel <= max(tol.rel_norm, tol.factor * rel_lo):
         return _mismatch(name, shape_set, diff, bad, nan, allowed, rel, o, poisoned=poisoned, ref=h)
-    return _bias(name, shape_set, o, h, lo.to(h.device, work), tol, rel)
+    return _bias(name, shape_set, o, h, lo.to(h.device, work), tol, rel, noise)
 
 
 def mean_noise(e: torch.Tensor, n: int) -> float:
@@ -84,7 +95,7 @@ def mean_noise(e: torch.Tensor, n: int) -> float:
 
 
 def _bias(name: str, shape_set: str, o: torch.Tensor, h: torch.Tensor, lo: torch.Tensor, tol: Tolerance,
-          rel: float) -> Mismatch | None:
+          rel: float, noise: Noise | None = None) -> Mismatch | None:
     finite = torch.isfinite(h) & torch.isfinite(lo)
     n = int(finite.sum())
     if n == 0:
@@ -94,8 +105,10 @@ def _bias(name: str, shape_set: str, o: torch.Tensor, h: torch.Tensor, lo: torch
     ref_err = torch.where(finite, lo - h, zero)
     mean = float(err.sum()) / n
     scale = (float(torch.where(finite, h, zero).square().sum()) / n) ** 0.5
-    allowed = max(tol.factor * abs(float(ref_err.sum()) / n), BIAS_Z * mean_noise(ref_err, n),
-                  tol.bias * scale) + tol.floor
+    ref_mean, ref_se = abs(float(ref_err.sum()) / n), mean_noise(ref_err, n)
+    if noise is not None:
+        ref_mean, ref_se = max(ref_mean, noise.mean), max(ref_se, noise.se)
+    allowed = max(tol.factor * ref_mean, BIAS_Z * ref_se, tol.bias * scale) + tol.floor
     if abs(mean) <= allowed:
         return None
     return Mismatch(tensor=name, shape_set=shape_set, max_abs_err=float(err.abs().max()), allowed=allowed,

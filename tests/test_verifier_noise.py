@@ -36,6 +36,17 @@ def test_the_edge_draw_gives_hidden_states_outlier_channels():
     assert zero.any() and bool((edge["z"][zero] == 0).all())
 
 
+def test_a_backwards_saved_hidden_state_has_them_and_its_row_statistics_do_not():
+    """rmsnorm_bwd reads the forward's pre-norm x as ``saved``: its outlier channels are there (a
+    backward that clips them was let through), its per-row r and s are drawn as ever."""
+    spec = load_task(SUITE_DIR / "rmsnorm_bwd.yaml").spec
+    plain, edge = make_inputs(spec, "ragged", 3), edge_inputs(spec, "ragged", 3)
+    rows = (edge["x"].float() / plain["x"].float()).median(dim=1).values == 1.0
+    cols = (edge["x"][rows] != plain["x"][rows]).any(0).nonzero().flatten()
+    assert 1 <= len(cols) <= 3 and edge["x"][rows][:, cols].float().abs().mean() > 6
+    assert bool((edge["r"] != 0).all())  # a per-row scale: edge rows, never outliers nor 0
+
+
 def test_nudged_inputs_move_by_an_ulp_at_most():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(4096, generator=g).to(torch.bfloat16)

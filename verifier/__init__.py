@@ -108,7 +108,12 @@ task's declared distributions plus the edge rows, in code its author has read:
 a program that reads its inputs past the ``TorchAudit``, which runs in its own
 runner, can be right only on them; the edge draw's outlier channels reach 64
 times the rest of a row, where massive activations reach 10^3: a program that
-clips past 64 times passes);
+clips past 64 times passes; and the max and norm rules are per tensor, so in
+the edge draw its outlier channels and large rows set both bars for every
+element: a program that rounds only rows holding an outlier to a 9-bit grid
+of the row's maximum, 4 to 5% RMS error on their other channels, passes at the
+CPU sets' widths, H of 128 to 700 (red-team round 8); rules per row on each
+row's own noise would hold it, and are not yet in);
 that it is right at a token count none of the sets holds (one, a decode
 step's, is the odd set's one time in 128).  A Report covers the stages it lists:
 ``cpu_passed`` of a ``stages`` subset means every stage that ran passed, so

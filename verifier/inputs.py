@@ -17,9 +17,9 @@ band it picks), and in a tensor of rows one in sixteen is exactly zero (a
 padding token's embedding: a statistic divided by the row's own maximum is 0/0
 there), the same rows in every tensor with the same leading size.  The
 two fixed scales are powers of two, exact in every dtype.  Before the rows are
-scaled, one to three channels of every activation and residual (the same
-columns in every tensor of that width) are shifted by the tensor's spread one
-way and scaled by 8 to 64 (:func:`outlier_channels`): a trained model's hidden
+scaled, one to three channels of every hidden state (an activation, a residual,
+a backward's saved copy: the same columns in every tensor of that width) are shifted by the tensor's spread one
+way and scaled by 8 to 64 (:mod:`.outliers`): a trained model's hidden
 states hold outlier features of one sign down the tokens at 20 to 60 times the
 rest, and no other draw puts an element past about 5 times its row's RMS, so
 a program that clips there (at 6 times the row's RMS) passed.  An fp8 input keeps its
@@ -124,12 +124,10 @@ from coda_agent.tasks.inits import draw
 from coda_agent.tasks.params import PARAM_SPREAD
 from coda_agent.tasks.recorder import recorded
 from coda_agent.tasks.spec import FLOAT_DTYPES, TaskSpec, TensorSpec, eval_expr, expr_symbols, structural_symbols
+from coda_agent.verifier.outliers import outlier_channels
 from coda_agent.verifier.wire import TORCH_DTYPES, nbytes
 
 EDGE_ROLES = ("activation", "residual", "saved", "grad")
-OUTLIER_ROLES = ("activation", "residual")  # a hidden state's roles: the tensors outlier features live in
-OUTLIERS = (1, 3)  # channels per last size the edge draw makes outliers, at least and at most
-OUTLIER_SCALE = (3.0, 6.0)  # each scaled by 2**u, u uniform in this range (8 to 64 times)
 TINY, LARGE = 2.0 ** -12, 2.0 ** 5
 CPU_SET_BYTES = 64 << 20  # inputs + outputs a CPU check draws per shape set, at most
 GPU_MEMORY_FACTOR = 10  # a set fits when 10x its tensors in fp32 fit in the device's total memory
@@ -204,34 +202,6 @@ def _row_scales(rows: int, gen: torch.Generator, device: str) -> torch.Tensor:
     spread = torch.exp2(lo + (hi - lo) * torch.rand(rows, generator=gen, device=device))
     scale = torch.where(pick == 0, TINY, torch.where(pick == 1, LARGE, torch.where(pick == 2, spread, 1.0)))
     return torch.where(zero, 0.0, scale)
-
-
-def outlier_channels(spec: TaskSpec, inputs: dict[str, torch.Tensor], gen: torch.Generator
-                     ) -> dict[str, torch.Tensor]:
-    """``inputs`` with :data:`OUTLIERS` channels of every activation and residual (module
-    docstring): the same columns in every tensor with the same last size, each shifted by the
-    tensor's spread one way and scaled by 2**u, u uniform in :data:`OUTLIER_SCALE`."""
-    out = dict(inputs)
-    picked: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-    for name, t in spec.inputs.items():
-        x = inputs[name]
-        if t.role not in OUTLIER_ROLES or t.dtype not in FLOAT_DTYPES or x.ndim < 2 or x.shape[-1] < 8 \
-                or x.numel() == 0:
-            continue
-        n = x.shape[-1]
-        if n not in picked:
-            cols = torch.randperm(n, generator=gen, device=gen.device)[:int(torch.randint(
-                OUTLIERS[0], OUTLIERS[1] + 1, (1,), generator=gen, device=gen.device))]
-            lo, hi = OUTLIER_SCALE
-            scale = torch.exp2(lo + (hi - lo) * torch.rand(len(cols), generator=gen, device=gen.device))
-            sign = torch.where(torch.rand(len(cols), generator=gen, device=gen.device) < 0.5, -1.0, 1.0)
-            picked[n] = (cols, scale, sign)
-        cols, scale, sign = (v.to(x.device) for v in picked[n])
-        xf = x.float().clone()
-        spread = float(xf.std()) if xf.numel() > 1 else 1.0
-        xf[..., cols] = (xf[..., cols] + sign * spread) * scale
-        out[name] = xf.to(x.dtype)
-    return out
 
 
 def edge_inputs(spec: TaskSpec, shape_set: str, seed: int, device: str = "cpu") -> dict[str, torch.Tensor]:

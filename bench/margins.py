@@ -15,7 +15,7 @@ judged margin is the larger of the two (a grown error passes when either look
 passes it).
 
 Runs on the CPU with the reference lowering, on the shape sets the reference
-stage checks (``small`` and ``ragged``, fresh draws and edge rows)::
+stage checks (``small`` and ``ragged``, fresh draws, outlier channels and edge rows)::
 
     python3 bench/margins.py OUT.json [--suites llama3,gpt2,llama3_fp8] [--tasks A,B] [--draws 20]
 
@@ -37,7 +37,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 SETS = ("small", "ragged")
-DRAWS = ("seed", "edge")
+DRAWS = ("seed", "outliers", "edge")
 SECOND_LOOK_BELOW = 2.0  # first-look margins under this are measured with the second look too
 
 

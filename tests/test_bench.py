@@ -277,7 +277,7 @@ def test_margins_measure_each_output_with_the_judges_own_comparison(tmp_path, mo
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert {r["output"] for r in rows} == {"y", "pre"}
-    assert all(1.0 < r["min_margin"] <= r["median_margin"] and r["samples"] == 4 for r in rows), rows
+    assert all(1.0 < r["min_margin"] <= r["median_margin"] and r["samples"] == 6 for r in rows), rows
     assert all(r["rule"] for r in rows if r["min_margin"] < 8.0), rows
     assert all(r["min_judged"] >= r["min_margin"] for r in rows), rows  # the second look only adds
     monkeypatch.syspath_prepend(str(ROOT / "bench"))

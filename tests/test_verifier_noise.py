@@ -1,4 +1,4 @@
-"""The edge draw's outlier channels, and the second look that judges an element carrying most of
+"""The outlier draw's channels, and the second look that judges an element carrying most of
 a tensor's noise against more samples of the reference's own (verifier/noise.py)."""
 
 from __future__ import annotations
@@ -12,39 +12,36 @@ from coda_agent.tasks import SUITE_DIR
 from coda_agent.tasks.spec import Tolerance, load_task
 from coda_agent.verifier.calls import draw_case, verdict
 from coda_agent.verifier.compare import compare
-from coda_agent.verifier.inputs import edge_inputs, make_inputs
+from coda_agent.verifier.inputs import make_inputs
 from coda_agent.verifier.noise import Noise, nudged
+from coda_agent.verifier.outliers import outlier_inputs
 
 
-def test_the_edge_draw_gives_hidden_states_outlier_channels():
+def test_the_outlier_draw_gives_hidden_states_outlier_channels():
     """One to three channels of every activation and residual, the same in tensors of one width,
     at 8 to 64 times the rest and one sign down the tokens (a trained model's outlier features);
-    weights untouched, a padding token's row still zero."""
+    weights untouched, every other column as drawn."""
     spec = load_task(SUITE_DIR / "residual_rmsnorm.yaml").spec
-    plain, edge = make_inputs(spec, "ragged", 7), edge_inputs(spec, "ragged", 7)
-    rows = (edge["x"].float() / plain["x"].float()).median(dim=1).values == 1.0  # rows kept at their scale
-    cols = {name: (edge[name][rows] != plain[name][rows]).any(0).nonzero().flatten().tolist() for name in ("x", "z")}
+    plain, drawn = make_inputs(spec, "ragged", 7), outlier_inputs(spec, "ragged", 7)
+    cols = {name: (drawn[name] != plain[name]).any(0).nonzero().flatten().tolist() for name in ("x", "z")}
     assert cols["x"] == cols["z"] and 1 <= len(cols["x"]) <= 3, cols
     for name in ("x", "z"):
         rest = plain[name].float().square().mean().sqrt()
         for c in cols[name]:
-            v = edge[name][rows, c].float()
+            v = drawn[name][:, c].float()
             assert v.abs().mean() > 6 * rest
             assert max((v > 0).float().mean(), (v < 0).float().mean()) > 0.75  # one sign down the tokens
-    assert torch.equal(plain["W1"], edge["W1"]) and torch.equal(plain["gamma"], edge["gamma"])
-    zero = (edge["x"] == 0).all(dim=1)
-    assert zero.any() and bool((edge["z"][zero] == 0).all())
+    assert torch.equal(plain["W1"], drawn["W1"]) and torch.equal(plain["gamma"], drawn["gamma"])
 
 
 def test_a_backwards_saved_hidden_state_has_them_and_its_row_statistics_do_not():
     """rmsnorm_bwd reads the forward's pre-norm x as ``saved``: its outlier channels are there (a
     backward that clips them was let through), its per-row r and s are drawn as ever."""
     spec = load_task(SUITE_DIR / "rmsnorm_bwd.yaml").spec
-    plain, edge = make_inputs(spec, "ragged", 3), edge_inputs(spec, "ragged", 3)
-    rows = (edge["x"].float() / plain["x"].float()).median(dim=1).values == 1.0
-    cols = (edge["x"][rows] != plain["x"][rows]).any(0).nonzero().flatten()
-    assert 1 <= len(cols) <= 3 and edge["x"][rows][:, cols].float().abs().mean() > 6
-    assert bool((edge["r"] != 0).all())  # a per-row scale: edge rows, never outliers nor 0
+    plain, drawn = make_inputs(spec, "ragged", 3), outlier_inputs(spec, "ragged", 3)
+    cols = (drawn["x"] != plain["x"]).any(0).nonzero().flatten()
+    assert 1 <= len(cols) <= 3 and drawn["x"][:, cols].float().abs().mean() > 6
+    assert torch.equal(drawn["r"], plain["r"]) and torch.equal(drawn["s"], plain["s"])  # per-row statistics
 
 
 def test_nudged_inputs_move_by_an_ulp_at_most():
@@ -85,7 +82,7 @@ def test_an_element_that_carries_the_noise_is_judged_by_more_samples_of_it():
     assert compare("dgamma", "s", quiet, hi, lo, tol, noise=noise) is not None
 
 
-def test_the_gpt2_mlp_blocks_expert_passes_every_edge_draw_the_first_look_alone_fails():
+def test_the_gpt2_mlp_blocks_expert_passes_every_outlier_draw_the_first_look_alone_fails():
     """The honest expert's dgamma at an outlier channel's column errs as much as the reference
     does, and in about one draw in twenty more than twice the reference's one sample there: the verdict's second
     look passes every such draw (and the first-look failures are there to be judged)."""
@@ -93,7 +90,7 @@ def test_the_gpt2_mlp_blocks_expert_passes_every_edge_draw_the_first_look_alone_
     mod = load_expert(t)
     first_look = 0
     for seed in range(40):
-        case = draw_case(t, t.spec, "ragged", 100 + seed, "cpu", "edge")
+        case = draw_case(t, t.spec, "ragged", 100 + seed, "cpu", "outliers")
         with lowering("reference"):
             got = run_program(t, mod, {k: v.clone() for k, v in case.inputs.items()}, case.grads)
         got = {k: got[k] for k in case.hi}
@@ -105,12 +102,12 @@ def test_the_gpt2_mlp_blocks_expert_passes_every_edge_draw_the_first_look_alone_
     assert first_look
 
 
-def test_clipping_at_six_rms_passes_fresh_draws_and_fails_the_edge_draws():
+def test_clipping_at_six_rms_passes_plain_fresh_draws_and_fails_the_outlier_draws():
     """What catches the clipper (tests/bad_programs/extreme/clips_outliers.py) is the outlier
     channels: no element of the other draws stands past six times its row's RMS."""
     t = task("mlp_block", "gpt2")
     mod = load_expert(t, (CORPUS / "extreme" / "clips_outliers.py").read_text())
-    for draw, fails in (("seed", False), ("edge", True)):
+    for draw, fails in (("seed", False), ("outliers", True)):
         case = draw_case(t, t.spec, "ragged", 5, "cpu", draw)
         with lowering("reference"):
             got = run_program(t, mod, {k: v.clone() for k, v in case.inputs.items()}, case.grads)

@@ -38,9 +38,10 @@ What each stage guarantees, and what it does not:
   by a secret amount the judge draws per check, so that no checked size can
   be read off the task file: :mod:`.inputs`), the CPU set with an odd token
   count below its own and one with a short aligned count (a multiple of 8
-  below it), and any the task names, each with two fresh draws, one
-  of edge rows (norms of 2^-12, 2^5, between and 0, one to three outlier
-  channels at 8 to 64 times, gradients along the output
+  below it), and any the task names, each with two fresh draws (the second
+  with one to three outlier channels at 8 to 64 times in every hidden state,
+  :mod:`.outliers`), one
+  of edge rows (norms of 2^-12, 2^5, between and 0, gradients along the output
   or 0, a cross-entropy target in four the class the reference predicts) and one at other magnitudes (activations 2^±[4,12], half the rows
   negated, centres moved; norm weights, scales, tables and biases spread; fp8
   inputs over their range), all but the first with the
@@ -106,11 +107,12 @@ where the module does not reach, an attribute of a catalogue object, is not
 seen); that it is right on inputs unlike the judge's draws (they follow the
 task's declared distributions plus the edge rows, in code its author has read:
 a program that reads its inputs past the ``TorchAudit``, which runs in its own
-runner, can be right only on them; the edge draw's outlier channels reach 64
-times the rest of a row, where massive activations reach 10^3: a program that
-clips past 64 times passes; and the max and norm rules are per tensor, so in
-the edge draw its outlier channels and large rows set both bars for every
-element: a program that rounds only rows holding an outlier to a 9-bit grid
+runner, can be right only on them; the outlier channels reach 64 times the
+rest of a row, where massive activations reach 10^3: a program that clips past
+64 times passes, and a task whose GEMMs run in fp8 gets none yet
+(:mod:`.outliers`); and the max and norm rules are per tensor, so the outlier
+channels set both bars for every element of their draw: a program that rounds
+only rows holding an outlier to a 9-bit grid
 of the row's maximum, 4 to 5% RMS error on their other channels, passes at the
 CPU sets' widths, H of 128 to 700 (red-team round 8); rules per row on each
 row's own noise would hold it, and are not yet in);

@@ -35,6 +35,7 @@ from coda_agent.verifier.inputs import (aligned_grads, edge_inputs, make_grads, 
                                         result_bytes, result_dtypes, result_shapes, run_reference, scaled_inputs,
                                         set_label)
 from coda_agent.verifier.noise import Noise, sample_noise
+from coda_agent.verifier.outliers import outlier_inputs
 from coda_agent.verifier.program import CandidateError, shares_memory
 from coda_agent.verifier.report import Mismatch
 from coda_agent.verifier.wire import WireError, describe, nbytes, tensor_bytes, tensor_from_blob
@@ -48,8 +49,9 @@ class Runner(Protocol):
 
 
 DRAWS = {"seed": "fresh inputs",
-         "edge": "edge rows (norms of 2^-12, 2^5, between and 0; one to three outlier channels at 8 to 64 "
-                 "times; gradients along the output or 0, targets the "
+         "outliers": "fresh inputs with outlier channels (one to three channels of every hidden state at 8 to "
+                     "64 times the rest, one sign down the tokens, as trained models' features are)",
+         "edge": "edge rows (norms of 2^-12, 2^5, between and 0, gradients along the output or 0, targets the "
                  "reference predicts)",
          "padded": "the first fresh inputs, which passed, now with each epilogue over whole tiles and padded "
                    "lanes as the kernel leaves them",
@@ -109,7 +111,7 @@ def draw_case(task: Task, spec: TaskSpec, shape_set: str, seed: int, device: str
     if draw == "scaled":
         inputs = scaled_inputs(spec, shape_set, seed, device, magnitude)
     else:
-        inputs = (edge_inputs if draw == "edge" else make_inputs)(spec, shape_set, seed, device)
+        inputs = {"edge": edge_inputs, "outliers": outlier_inputs}.get(draw, make_inputs)(spec, shape_set, seed, device)
     ref_task = _task_with(task, spec)
     if draw in ("edge", "scaled"):
         inputs = predicted_targets(ref_task, inputs, params, seed)

@@ -16,13 +16,9 @@ row's statistic, ``where(rstd > 0.05, ...)``, is wrong on some row whatever
 band it picks), and in a tensor of rows one in sixteen is exactly zero (a
 padding token's embedding: a statistic divided by the row's own maximum is 0/0
 there), the same rows in every tensor with the same leading size.  The
-two fixed scales are powers of two, exact in every dtype.  Before the rows are
-scaled, one to three channels of every hidden state (an activation, a residual,
-a backward's saved copy: the same columns in every tensor of that width) are shifted by the tensor's spread one
-way and scaled by 8 to 64 (:mod:`.outliers`): a trained model's hidden
-states hold outlier features of one sign down the tokens at 20 to 60 times the
-rest, and no other draw puts an element past about 5 times its row's RMS, so
-a program that clips there (at 6 times the row's RMS) passed.  An fp8 input keeps its
+two fixed scales are powers of two, exact in every dtype.  (Outlier channels,
+a trained model's hidden-state features at 20 to 60 times the rest of a row,
+are a fresh draw of their own: :mod:`.outliers`.)  An fp8 input keeps its
 declared distribution here (the scaled draw takes it to its format's range).  For a task
 with a backward, :func:`aligned_grads` makes one row in eight of each upstream
 gradient parallel to the forward output (a normalisation's backward then
@@ -124,7 +120,6 @@ from coda_agent.tasks.inits import draw
 from coda_agent.tasks.params import PARAM_SPREAD
 from coda_agent.tasks.recorder import recorded
 from coda_agent.tasks.spec import FLOAT_DTYPES, TaskSpec, TensorSpec, eval_expr, expr_symbols, structural_symbols
-from coda_agent.verifier.outliers import outlier_channels
 from coda_agent.verifier.wire import TORCH_DTYPES, nbytes
 
 EDGE_ROLES = ("activation", "residual", "saved", "grad")
@@ -205,10 +200,9 @@ def _row_scales(rows: int, gen: torch.Generator, device: str) -> torch.Tensor:
 
 
 def edge_inputs(spec: TaskSpec, shape_set: str, seed: int, device: str = "cpu") -> dict[str, torch.Tensor]:
-    """:func:`make_inputs` with outlier channels and rows of tiny and large norm (module
-    docstring)."""
+    """:func:`make_inputs` with rows of tiny and large norm (module docstring)."""
+    inputs = make_inputs(spec, shape_set, seed, device)
     gen = torch.Generator(device=device).manual_seed(seed ^ 0xED6E)
-    inputs = outlier_channels(spec, make_inputs(spec, shape_set, seed, device), gen)
     scales: dict[int, torch.Tensor] = {}
     for name, t in spec.inputs.items():
         x = inputs[name]

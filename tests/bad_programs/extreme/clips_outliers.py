@@ -1,10 +1,10 @@
 # stage: reference
-# expect: edge rows
+# expect: outlier channels
 # task: gpt2/mlp_block
 """GPT-2's MLP block with its input clipped at 6 times the row's RMS before the LayerNorm's
 GEMM (a guard against overflow, or outliers cut for a narrower format): no draw that scales
 whole rows or tensors puts an element there, but a trained model's outlier features and
-massive activations are 20 to 1000 times it, and the edge draw's outlier channels are 8 to 64."""
+massive activations are 20 to 1000 times it, and the outlier draw's channels are 8 to 64."""
 
 from coda_agent.primitives import (ColVec, RowVec, Scalar, Tile, col_sum, epilogue, erf, exp, gelu, gemm,
                                    layernorm_fold, maximum, minimum, row_stats, row_sum, tile_pass, vector_pass)

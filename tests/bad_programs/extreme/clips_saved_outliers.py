@@ -1,9 +1,9 @@
 # stage: reference
-# expect: edge rows
+# expect: outlier channels
 # task: rmsnorm_bwd
 """RMSNorm's backward with the saved pre-norm x clipped at 6 times its row's RMS before the
 epilogue reads it: a backward sees the hidden state as a saved input, and its outlier channels
-are the forward's (the edge draw makes them outliers in saved tensors too)."""
+are the forward's (the outlier draw makes them outliers in saved tensors too)."""
 
 from coda_agent.primitives import (ColVec, RowVec, Scalar, Tile, epilogue, gemm, maximum, minimum, row_stats,
                                    row_sum, tile_pass)

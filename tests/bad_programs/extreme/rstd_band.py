@@ -1,10 +1,10 @@
 # stage: reference
-# expect: with edge rows
+# expect: with outlier channels || with edge rows
 # task: residual_rmsnorm
 """y scaled by 1.25 x the true inverse RMS on rows whose RMS lies between 2 and 20: the fresh
 draws' rows have RMS ~1.41 and the fixed edge rows 2^-12 or 2^5 times that, so only the edge rows
 scaled between those two (every magnitude, drawn per row) land in the band, as real residual
-streams do."""
+streams do; and the outlier draw's rows, whose outlier channels raise their RMS into it."""
 
 from coda_agent.primitives import ColVec, RowVec, Tile, col_sum, epilogue, gemm, rms_rstd, where
 

@@ -114,8 +114,11 @@ rest of a row, where massive activations reach 10^3: a program that clips past
 channels set both bars for every element of their draw: a program that rounds
 only rows holding an outlier to a 9-bit grid
 of the row's maximum, 4 to 5% RMS error on their other channels, passes at the
-CPU sets' widths, H of 128 to 700 (red-team round 8); rules per row on each
-row's own noise would hold it, and are not yet in);
+CPU sets' widths, H of 128 to 700 (red-team round 8); a rule on each row's and
+column's median error against the reference's median noise there rejects it,
+but honest experts stand as far off in some lines (GPT-2's ln_qkv dx: 23 times
+the reference's median noise in a row, second look included, where its row sums
+round otherwise), so no such rule is in);
 that it is right at a token count none of the sets holds (one, a decode
 step's, is the odd set's one time in 128).  A Report covers the stages it lists:
 ``cpu_passed`` of a ``stages`` subset means every stage that ran passed, so

@@ -109,10 +109,10 @@ task's declared distributions plus the edge rows, in code its author has read:
 a program that reads its inputs past the ``TorchAudit``, which runs in its own
 runner, can be right only on them; the outlier channels reach 64 times the
 rest of a row, where massive activations reach 10^3: a program that clips past
-64 times passes (:mod:`.outliers`); and the max and norm rules are per tensor, so the outlier
-channels set both bars for every element of their draw: a program that rounds
-only rows holding an outlier to a 9-bit grid
-of the row's maximum, 4 to 5% RMS error on their other channels, passes at the
+64 times passes (:mod:`.outliers`); and the max and norm rules are per
+tensor, so the outlier channels set both bars for every element of their draw:
+a program that rounds only rows holding an outlier to a 9-bit grid of the
+row's maximum, 4 to 5% RMS error on their other channels, passes at the
 CPU sets' widths, H of 128 to 700 (red-team round 8); a rule on each row's and
 column's median error against the reference's median noise there rejects it,
 but honest experts stand as far off in some lines (GPT-2's ln_qkv dx: 23 times

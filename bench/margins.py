@@ -6,7 +6,8 @@ rejected, a red CI.  This measures the margin with the judge's own comparison
 (:func:`coda_agent.verifier.compare.compare`), not a copy of its rules: for each
 output of each draw, the largest factor by which the program's error
 ``out - ref_hi`` could grow and still pass (bisected between 1 and ``--cap``),
-and the rule the grown error breaks first.  A margin under 1.5 is worth a look:
+and the rule the grown error breaks first (a program the bars reject gets the factor below 1
+that its error would have to shrink by to pass).  A margin under 1.5 is worth a look:
 the tolerance's noise model or the expert's rounding.  The judge gives a result
 that fails its first look a second one against more samples of the reference's
 noise (:mod:`coda_agent.verifier.noise`), so an output whose first-look margin
@@ -15,9 +16,11 @@ judged margin is the larger of the two (a grown error passes when either look
 passes it).
 
 Runs on the CPU with the reference lowering, on the shape sets the reference
-stage checks (``small`` and ``ragged``, fresh draws, outlier channels and edge rows)::
+stage checks (``small`` and ``ragged``; fresh draws, outlier channels, edge rows and
+other magnitudes, the last with params varied as the judge varies them)::
 
     python3 bench/margins.py OUT.json [--suites llama3,gpt2,llama3_fp8] [--tasks A,B] [--draws 20]
+    python3 bench/margins.py OUT.json --program BAD.py --tasks SUITE/NAME   # how far a cheat stands
 
 OUT.json gets one row per (task, output): the smallest first-look margin seen,
 its shape set and draw, the rule at that margin, the median margin, and the
@@ -37,7 +40,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 SETS = ("small", "ragged")
-DRAWS = ("seed", "outliers", "edge")
+DRAWS = ("seed", "outliers", "edge", "scaled")
 SECOND_LOOK_BELOW = 2.0  # first-look margins under this are measured with the second look too
 
 
@@ -53,11 +56,14 @@ def margin(name: str, shape_set: str, out: torch.Tensor, hi: torch.Tensor, lo: t
     def fails(a: float):
         return compare(name, shape_set, (hi.double() + a * err).to(out.dtype), hi, lo, tol, noise=noise)
 
-    if (m := fails(1.0)) is not None:
-        return 0.0, m.pattern
-    if (broken := fails(cap)) is None:
+    if (broken := fails(1.0)) is not None:
+        if fails(1.0 / cap) is not None:
+            return 0.0, broken.pattern.split(":")[0]
+        good, bad = 1.0 / cap, 1.0
+    elif (broken := fails(cap)) is None:
         return cap, ""
-    good, bad = 1.0, cap
+    else:
+        good, bad = 1.0, cap
     for _ in range(steps):
         mid = (good * bad) ** 0.5
         if (m := fails(mid)) is None:
@@ -67,17 +73,23 @@ def margin(name: str, shape_set: str, out: torch.Tensor, hi: torch.Tensor, lo: t
     return good, broken.pattern.split(":")[0]
 
 
-def task_margins(task, draws: int, cap: float, rng: random.Random) -> list[dict]:
+def task_margins(task, draws: int, cap: float, rng: random.Random, program: Path | None = None) -> list[dict]:
     from coda_agent.kernels.contract import run
     from coda_agent.primitives import load_program, lowering
     from coda_agent.verifier.calls import draw_case
+    from coda_agent.verifier.inputs import drawn_magnitude, drawn_params, reference_takes
 
-    prog = load_program(task.expert_path.read_text(), task.name)
+    prog = load_program((program or task.expert_path).read_text(), task.name)
     seen: dict[str, list[tuple[float, str, str, str]]] = {}
     for shape_set in SETS:
         for _ in range(draws):
             for draw in DRAWS:
-                case = draw_case(task, task.spec, shape_set, rng.randrange(1 << 31), "cpu", draw)
+                varied, u = {}, 0.0
+                if draw == "scaled":  # as a check draws them: its magnitude and its varied params
+                    u = drawn_magnitude(rng)
+                    varied = drawn_params(task.spec, rng, lambda p: reference_takes(task, task.spec, p))
+                case = draw_case(task, task.spec, shape_set, rng.randrange(1 << 31), "cpu", draw,
+                                 varied=varied, magnitude=u)
                 with lowering("reference"):
                     got = run(prog, case.inputs, case.params, case.grads, task.spec.outputs,
                               task.spec.gradients)
@@ -96,8 +108,15 @@ def task_margins(task, draws: int, cap: float, rng: random.Random) -> list[dict]
         rows.append({"task": task.name, "output": name, "min_margin": round(worst[0], 3), "rule": worst[1],
                      "shape_set": worst[2], "draw": worst[3],
                      "median_margin": round(statistics.median(a for a, *_ in ms), 3),
-                     "min_judged": round(min(m[4] for m in ms), 3), "samples": len(ms)})
+                     "min_judged": round(min(m[4] for m in ms), 3), "samples": len(ms),
+                     "judged_by_draw": {d: _spread([m[4] for m in ms if m[3] == d]) for d in DRAWS}})
     return rows
+
+
+def _spread(xs: list[float]) -> dict[str, float]:
+    """min, median and max of one draw kind's judged margins (a cheat passes only where all exceed 1)."""
+    return {"min": round(min(xs), 3), "median": round(statistics.median(xs), 3), "max": round(max(xs), 3)} \
+        if xs else {}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,12 +127,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draws", type=int, default=20, help="fresh draws per shape set (each with edge rows too)")
     ap.add_argument("--cap", type=float, default=8.0, help="the largest growth tried")
     ap.add_argument("--seed", type=int, default=None, help="for a repeatable run (the judge's draws are not)")
+    ap.add_argument("--program", type=Path, default=None,
+                    help="measure this program instead of the experts (with --tasks SUITE/NAME)")
     args = ap.parse_args(argv)
     from coda_agent.tasks import load_suite
 
     rng = random.Random(args.seed)
     only = {t for t in args.tasks.split(",") if t}
     rows = []
+    if args.program is not None:
+        from coda_agent.tasks.spec import load_task
+
+        if len(only) != 1 or "/" not in next(iter(only)):
+            ap.error("--program measures one task: --tasks SUITE/NAME")
+        rows = task_margins(load_task(ROOT / "tasks" / f"{next(iter(only))}.yaml"), args.draws, args.cap, rng,
+                            args.program)
+        only = {""}  # and no suite task besides
     for suite in args.suites.split(","):
         for task in load_suite(ROOT / "tasks" / suite):
             if not only or task.name in only:

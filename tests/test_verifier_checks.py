@@ -152,6 +152,37 @@ def test_the_sets_checked_on_a_cpu_and_on_a_gpu(rms):
     assert named == ["small", "ragged+256"]  # the beyond set is never left out
 
 
+# The judge's draws, references and cache: 50 GiB in use for a llama3-70b set of 7.25 GiB in fp32 on an H100.
+JUDGE_SHARE = 7
+
+
+@pytest.mark.parametrize("gib", [79.18, 139.8])  # an H100's and an H200's total, as torch reports them
+def test_the_runner_s_poison_leaves_the_judge_its_share_of_every_set_that_fits(gib):
+    """The runner's NaN-poisoned block is sized to the call, not to the free memory: beside the
+    judge's share, the runner's buffers and block fit every set the judge admits on an H100 or
+    an H200 (60% of the free memory held 28 GiB beside the judge's 50 and ran out on llama3-70b)."""
+    from coda_agent.tasks import load_suite
+    from coda_agent.verifier.inputs import GPU_MEMORY_FACTOR, set_bytes
+    from coda_agent.verifier.program import POISON_MIN, call_bytes, poison_bytes
+
+    total = int(gib * 2**30)
+    admitted = 0
+    for suite in ("llama3", "gpt2", "llama3_fp8"):
+        for t in load_suite(SUITE_DIR.parent / suite):
+            spec = with_drawn_sets(t.spec)
+            for s in checked_sets(spec, None, total)[0]:
+                fp32 = set_bytes(spec, s, itemsize=4)  # at least the call's bytes (results at fp32 too)
+                # the runner poisons while the judge may hold no more than the set's tensors
+                runner = set_bytes(spec, s) + poison_bytes(fp32, total - fp32)
+                assert JUDGE_SHARE * fp32 + runner <= total, (t.name, s)
+                admitted += fp32 * GPU_MEMORY_FACTOR > total / 2
+    assert admitted  # some set uses more than half the device: the bound is tested where it binds
+    assert poison_bytes(1 << 20, total) == POISON_MIN  # a small call still poisons a useful block
+    assert poison_bytes(7 << 30, total) == 14 << 30 and poison_bytes(7 << 30, 10 << 30) == 6 << 30
+    x = torch.zeros(1024, 1024, dtype=torch.bfloat16)
+    assert call_bytes([x, x], {"y": [1024, 2048]}) == 2 * (2 << 20) + (8 << 20)
+
+
 def test_gradients_may_come_in_fp32(task):
     assert result_dtypes(task.spec) == {"y": ["bf16"], "dx": ["bf16", "fp32"], "dw": ["bf16", "fp32"],
                                         "dr": ["bf16", "fp32"]}

@@ -60,3 +60,22 @@ def test_a_descriptor_past_its_allocation_is_refused(owner):
 def test_a_forged_handle_does_not_open():
     with Imports() as imports, pytest.raises(WireError, match="does not open"):
         imports.tensor({"handle": "ab" * 64, "offset": 0}, "fp32", [4])
+
+
+def test_the_poison_reaches_the_next_outputs_and_holds_no_more_than_its_block():
+    """The runner's poison (verifier/program.py): the outputs a call allocates next read NaN even
+    where an earlier call's results were freed, and the cache holds the poisoned block, sized
+    to the call, not to the card."""
+    from coda_agent.verifier.program import call_bytes, poison_allocator, poison_bytes
+
+    torch.cuda.empty_cache()
+    earlier = torch.ones(4096, 4096, device="cuda", dtype=torch.bfloat16)  # a result held, then freed
+    del earlier
+    need = call_bytes([torch.empty(4096, 4096, dtype=torch.bfloat16)], {"y": [4096, 4096]})
+    free = torch.cuda.mem_get_info()[0]
+    poison_allocator(need)
+    reserved = torch.cuda.memory_reserved()
+    assert reserved <= poison_bytes(need, free) + (256 << 20) < free / 2
+    out = torch.empty(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    assert bool(out.isnan().all())
+    torch.cuda.empty_cache()

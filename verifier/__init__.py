@@ -40,11 +40,12 @@ What each stage guarantees, and what it does not:
   count below its own and one with a short aligned count (a multiple of 8
   below it), and any the task names, each with two fresh draws (the second
   with one to three outlier channels at 8 to 64 times in every hidden state,
-  :mod:`.outliers`), one
-  of edge rows (norms of 2^-12, 2^5, between and 0, gradients along the output
-  or 0, a cross-entropy target in four the class the reference predicts) and one at other magnitudes (activations 2^±[4,12], half the rows
-  negated, centres moved; norm weights, scales, tables and biases spread; fp8
-  inputs over their range), all but the first with the
+  :mod:`.outliers`), one of edge rows (norms of 2^-12, 2^5, between and 0,
+  gradients along the output or 0, a cross-entropy target in four the class
+  the reference predicts) and two at other magnitudes (activations 2^u and
+  2^-u, |u| in [4, 12], half the rows negated, centres moved 16 to 64 times as
+  far; norm weights, scales, tables and biases spread; fp8 inputs over their
+  range), all but the first with the
   task's float params varied, and for a task with a backward the first draw's
   forward alone (a backward may not mend its forward's outputs in place); a
   backward that declares ``needs`` is also asked, on
@@ -71,7 +72,7 @@ What each stage guarantees, and what it does not:
 - **correctness** (GPU): the cute lowering against the fp32 reference on
   every named set that fits the device's *total* memory (chosen before the
   program runs: holding memory starves no check; a judge that runs out of
-  memory rejects), plus the beyond set, two fresh draws, edge rows and other
+  memory rejects), plus the beyond set, two fresh draws, edge rows and two at other
   magnitudes each (params varied as on the CPU) and the forward alone, outputs NaN-poisoned,
   each call repeated for determinism.  Guaranteed by
   the judge: as for the reference stage, plus inputs unmodified (the judge

@@ -34,30 +34,32 @@ program that drops the gradient of the tokens a model already predicts well
 (half the tokens of a trained LM) passed; with the edge rows' and the scaled
 draw's magnitudes, predicted rows span confident and uncertain.
 
-**Magnitudes** (:func:`scaled_inputs`): one more draw per set scales every
-activation, residual, saved input and upstream gradient by 2**u, |u| drawn
-between 4 and 12 once per check and its sign alternating from set to set, so
-that every check sees both (the whole tensor, where edge rows scale a
-few rows: a tensor's tolerance follows its largest values, so a program that
-flushes values below 0.01 to zero, or zeroes those above 1024, hides under
-the rows of unit scale); it negates about half the rows (the same rows in
-every tensor with the same leading size), and moves an input drawn around a
-centre (``mean``, or 1 for ``ones_plus_noise``) to a centre 4 to 64 times as
-far (drawn with a positive mean of about twice its spread, a LayerNorm input
-lets through a program that takes the mean's absolute value, and one whose
-centring cancels badly at larger means).  It spreads every norm weight,
-scale, table and bias (``role: norm_weight``, ``table``, a vector ``weight``,
-or drawn ``ones_plus_noise``) over a trained model's values: each element
-times 2**v, v uniform in [-6, 3], one in eight negated and one in sixteen
-zero (drawn near 1, they let through a weight floored at 0.25, an fp8
-dequantization scale floored at 0.5, a weight gradient divided by the weight,
-and a rotation that drops the pairs whose frequency is 0, as a LLaMA table's
-v columns are).  A weight matrix is scaled whole by 2**w, w uniform in
-[-6, 2] (drawn at 1/sqrt(fan-in), a program that prunes weights below 2**-10
+**Magnitudes** (:func:`scaled_inputs`): two more draws per set scale every
+activation, residual, saved input and upstream gradient by 2**u and 2**-u, |u|
+drawn between 4 and 12 once per check, so that every set sees both (the whole
+tensor, where edge rows scale a few rows: a tensor's tolerance follows its
+largest values, so a program that flushes values below 0.01 to zero, or zeroes
+those above 1024, hides under the rows of unit scale); it negates about half the
+rows (the same rows in every tensor with the same leading size), and moves an
+input drawn around a centre (``mean``, or 1 for ``ones_plus_noise``) to a centre
+16 to 64 times as far (drawn with a positive mean of about twice its spread, a
+LayerNorm input lets through a program that takes the mean's absolute value, and
+one whose centring cancels badly at larger means; at 4 to 8 times, such a
+program's error hides in the rounding noise of a large LayerNorm bias in about
+half the draws, and at 64 an honest fold's fp32 cancellation over 4096 columns
+costs a quarter of the bf16 bar, the most the range can ask of the GPU). It
+spreads every norm weight, scale, table and bias (``role: norm_weight``,
+``table``, a vector ``weight``, or drawn ``ones_plus_noise``) over a trained
+model's values: each element times 2**v, v uniform in [-6, 3], one in eight
+negated and one in sixteen zero (drawn near 1, they let through a weight floored
+at 0.25, an fp8 dequantization scale floored at 0.5, a weight gradient divided
+by the weight, and a rotation that drops the pairs whose frequency is 0, as a
+LLaMA table's v columns are). A weight matrix is scaled whole by 2**w, w uniform
+in [-6, 2] (drawn at 1/sqrt(fan-in), a program that prunes weights below 2**-10
 loses next to nothing; a residual projection initialised at 0.02/sqrt(2L), a
-LoRA B matrix or an early step's weights lose most).  An fp8 input there fills its format's range (|q| up to 448
-for e4m3), as the row-wise recipe quantizes it (drawn near 1, it never
-overflows an accumulator stored in fp16).
+LoRA B matrix or an early step's weights lose most). An fp8 input there fills
+its format's range (|q| up to 448 for e4m3), as the row-wise recipe quantizes it
+(drawn near 1, it never overflows an accumulator stored in fp16).
 
 **Params** (:func:`drawn_params`): the first fresh draw of every set calls
 the reference and the program with the task's params as written; the later
@@ -125,11 +127,14 @@ from coda_agent.verifier.wire import TORCH_DTYPES, nbytes
 EDGE_ROLES = ("activation", "residual", "saved", "grad")
 TINY, LARGE = 2.0 ** -12, 2.0 ** 5
 CPU_SET_BYTES = 64 << 20  # inputs + outputs a CPU check draws per shape set, at most
-GPU_MEMORY_FACTOR = 10  # a set fits when 10x its tensors in fp32 fit in the device's total memory
+# A set fits when 10x its tensors in fp32 fit in the device's total memory: the judge's draws and
+# references took 6x on a llama3-70b set, the runner's buffers, results and poisoned block 2 to 3x.
+GPU_MEMORY_FACTOR = 10
 BEYOND = 256  # the beyond set adds one 256-wide chunk to every size of at least 128
 DRAWN = 256  # and then a secret growth below this (drawn_growth)
 ALIGN = 16  # the largest alignment step a drawn growth keeps (bytes of TMA rows of fp8 / 2-byte types)
 MAGNITUDE = (4.0, 12.0)  # the scaled draw multiplies activations by 2**u, |u| uniform in this range
+FARTHER = (4.0, 6.0)  # and moves a drawn centre 2**f times as far (16 to 64), f uniform in this range
 WEIGHT_SPREAD = (-6.0, 3.0)  # and norm weights and scales elementwise by 2**v, v uniform in this range
 MATRIX_SCALE = (-6.0, 2.0)  # and each weight matrix by 2**w, w uniform in this range
 
@@ -228,7 +233,7 @@ def scaled_inputs(spec: TaskSpec, shape_set: str, seed: int, device: str, u: flo
     inputs = make_inputs(spec, shape_set, seed, device)
     gen = torch.Generator(device=device).manual_seed(seed ^ 0x5CA1)
     signs: dict[int, torch.Tensor] = {}  # per leading size: the rows negated
-    farther = float(torch.exp2(2 + 4 * torch.rand(1, generator=gen, device=device)))
+    farther = float(torch.exp2(FARTHER[0] + (FARTHER[1] - FARTHER[0]) * torch.rand(1, generator=gen, device=device)))
     env = {k: float(v) for k, v in spec.shapes[shape_set].items()}
     for name, t in spec.inputs.items():
         x = inputs[name]

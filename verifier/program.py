@@ -15,6 +15,7 @@ their dtypes, and which inputs get gradients.  No reference, no seeds.
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 import traceback
 from dataclasses import dataclass, field
@@ -361,11 +362,33 @@ class TorchAudit(TorchFunctionMode):
                               "catalogue kernel", line)
 
 
-def poison_allocator() -> None:
-    """Fill the caching allocator's free memory with NaN bytes (0xFF), then free it:
-    outputs the catalogue allocates next start as NaN, so unwritten tiles show."""
+POISON_PER_CALL = 2  # the poisoned block holds twice a call's tensors (its inputs and its results in fp32)
+POISON_MIN = 256 << 20
+
+
+def call_bytes(tensors: list[torch.Tensor], result_shapes: dict[str, list[int]]) -> int:
+    """A call's memory: its input and gradient tensors, and its results as if all were fp32."""
+    return sum(t.nbytes for t in tensors) + 4 * sum(math.prod(shape) for shape in result_shapes.values())
+
+
+def poison_bytes(need: int, free: int) -> int:
+    """How much memory :func:`poison_allocator` fills for a call whose inputs and results take
+    ``need`` bytes (:func:`call_bytes`): room for the results and the intermediates before them.
+    The block stays in this process's cache, so it counts against the device the judge shares
+    (``inputs.GPU_MEMORY_FACTOR`` sizes the checks for both); a block sized to the free memory
+    instead takes about half of what the judge's own draws leave (28 GiB beside its 50 on an
+    80 GiB H100), and a llama3-70b set no longer fits."""
+    return int(min(free * 0.6, 32 << 30, max(POISON_MIN, POISON_PER_CALL * need)))
+
+
+def poison_allocator(need: int) -> None:
+    """Fill a block of :func:`poison_bytes` with NaN bytes (0xFF), then free it into the cache:
+    outputs the catalogue allocates next start as NaN, so unwritten tiles show.  The cache is
+    emptied first, so the poisoned block takes the place of blocks freed by earlier calls (their
+    results would otherwise be the first candidates for this call's outputs)."""
+    torch.cuda.empty_cache()
     free, _ = torch.cuda.mem_get_info()
-    big = torch.empty(int(min(free * 0.6, 32 << 30)), dtype=torch.uint8, device="cuda").fill_(0xFF)
+    big = torch.empty(poison_bytes(need, free), dtype=torch.uint8, device="cuda").fill_(0xFF)
     small = [torch.empty(512 << 10, dtype=torch.uint8, device="cuda").fill_(0xFF) for _ in range(64)]
     torch.cuda.synchronize()
     del big, small

@@ -97,7 +97,7 @@ def _reply_results(st: State, results: dict[str, torch.Tensor], slot: int | None
 def _call(st: State, req: dict, blobs: list[bytes]) -> tuple[dict, list]:
     inputs, grads = _tensors(st, req, blobs)
     if req.get("poison"):
-        prog.poison_allocator()
+        prog.poison_allocator(prog.call_bytes([*inputs.values(), *(grads or {}).values()], req["shapes"]))
     mod, _ = st.programs[req["tag"]]
     audit = prog.TorchAudit(mod.__file__, prog.epilogue_codes(mod)) if req.get("audit") else None
     results = _run(st, req, inputs, grads, audit)

@@ -48,8 +48,8 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _check_sets(check: Check, sets: list[str], device: str, call: Callable[[Case], dict[str, torch.Tensor]],
                 determinism: bool, poisoned: bool, padded: bool = False,
                 seconds: dict[str, float] | None = None) -> StageResult | None:
-    """Every set: two fresh draws (the second with outlier channels), one of edge rows and one at
-    other magnitudes (no result may come out identical for two different draws; all but the first with the check's varied
+    """Every set: two fresh draws (the second with outlier channels), one of edge rows and two at
+    other magnitudes, one small and one large (no result may come out identical for two different draws; all but the first with the check's varied
     params, :func:`~.inputs.drawn_params`); with ``padded``, the first draw's case again with the epilogues run
     over whole tiles (:func:`~coda_agent.primitives.lowering.padded_lanes`), where a reduction
     that folds padded lanes shows what the kernel would compute: the same inputs and references,
@@ -63,12 +63,13 @@ def _check_sets(check: Check, sets: list[str], device: str, call: Callable[[Case
     subsets = needs_sets(check)
     for index, shape_set in enumerate(sets):
         t0 = time.perf_counter()
-        magnitude = check.magnitude * (-1) ** index  # small and large by turns, set by set
         seen: list[tuple[Case, dict[str, torch.Tensor]]] = []
         # The forward alone too: a backward may not mend in place what its forward returned wrong.
-        draws = (["seed"] + ["outliers"] * (SEEDS_PER_SET - 1) + ["edge", "scaled"] + (["padded"] if padded else [])
-                 + (["forward"] if spec.has_backward else []))
+        draws = (["seed"] + ["outliers"] * (SEEDS_PER_SET - 1) + ["edge", "scaled", "scaled"]
+                 + (["padded"] if padded else []) + (["forward"] if spec.has_backward else []))
         for i, draw in enumerate(draws):  # the first draw with the task's params, the rest the check's
+            # every set at a small and a large magnitude, the set's first in turn
+            magnitude = check.magnitude * (-1) ** (index + draws[:i].count("scaled"))
             if draw == "padded":
                 case = dataclasses.replace(seen[0][0], draw=draw)
             elif draw == "forward":
@@ -162,7 +163,7 @@ def reference(check: Check) -> StageResult:
         return failed
     return StageResult(name="reference", status="passed",
                        message=f"matches the PyTorch reference on {', '.join(sets)} ({SEEDS_PER_SET} fresh draws, "
-                               f"one with outlier channels, edge rows and other magnitudes each, and whole tiles, {_what(check)}"
+                               f"one with outlier channels, edge rows, two at other magnitudes and whole tiles, {_what(check)}"
                                f"{_subsets_note(check)})",
                        details={"shape_sets": sets, "tensors": sorted(check.spec.outputs), **_drawn_details(check)})
 
@@ -296,7 +297,7 @@ def correctness(check: Check) -> StageResult:
         return failed.model_copy(update={"name": "correctness", "details": {"shape_sets": sets}})
     return StageResult(name="correctness", status="passed",
                        message=f"matches the fp32 reference on {', '.join(sets)} ({SEEDS_PER_SET} fresh draws, one with "
-                               f"outlier channels, edge rows and other magnitudes each{_subsets_note(check)}, NaN-poisoned outputs, "
+                               f"outlier channels, edge rows, two at other magnitudes{_subsets_note(check)}, NaN-poisoned outputs, "
                                "inputs unmodified, deterministic)"
                                + (f"; NOT checked, too large for this GPU's {total / 2**30:.0f} GiB: "
                                   f"{', '.join(skipped)}" if skipped else ""),

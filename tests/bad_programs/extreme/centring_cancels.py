@@ -1,9 +1,9 @@
 # stage: reference
-# expect: `qkv` differs from the reference
+# expect: `qkv` differs from the reference || `dx` differs from the reference
 # task: gpt2/ln_qkv
 # The LayerNorm fold by hand: B' rounded to bf16 but its column sums taken unrounded, so
 # acc - mean * gw leaves an error in proportion to the row mean; inputs drawn with a mean of about
-# twice their spread hid it until the scaled draw moved the centre 4 to 64 times farther.
+# twice their spread hid it until the scaled draw moved the centre farther (16 to 64 times).
 """Entry LayerNorm + QKV projection with bias, forward and backward.
 
 LayerNorm commutes with the GEMM that consumes it in its rank-1 form:

@@ -11,7 +11,7 @@ The package is the repository's top level (see pyproject's ``package-dir``):
 - ``coda_agent.kernels``: accepted programs as PyTorch ops (``Kernel``,
   ``load_kernel``) and the Hugging Face drop-ins ``coda_agent.apply_to_llama``,
   ``coda_agent.apply_to_gpt2`` and ``coda_agent.apply_to_gpt_neox`` (whole layers), and
-  ``coda_agent.apply_to_model`` (the SwiGLU MLPs and LM head of any other model).
+  ``coda_agent.apply_to_model`` (the MLPs and LM head of any other model).
 - ``coda_agent.eval``: batch evaluation, reports, review and export.
 - ``coda_agent.cli``: the ``coda-agent`` command.
 - two leaf modules any folder may use (they import nothing from the package):

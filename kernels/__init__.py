@@ -14,7 +14,7 @@
     coda_agent.apply_to_llama(model)   # a transformers LlamaForCausalLM (or Mistral, Qwen3), patched in place
     coda_agent.apply_to_gpt2(model)    # a transformers GPT2LMHeadModel, patched in place
     coda_agent.apply_to_gpt_neox(model)   # a transformers GPTNeoXForCausalLM (Pythia), patched in place
-    coda_agent.apply_to_model(model)   # any other model: its gated MLPs and LM head, module by module
+    coda_agent.apply_to_model(model)   # any other model: its MLPs and LM head, module by module
 
 Layer map:
 
@@ -38,8 +38,8 @@ Layer map:
 - ``gpt_neox.py``: :func:`apply_to_gpt_neox`, the drop-in for GPT-NeoX (Pythia): the same
   kernels over its nn.Linear weights, with its parallel residual and partial RoPE;
 - ``modules.py``: :func:`apply_to_model`, for models no drop-in of whole layers takes: the
-  modules whose code is a kernel's (gated MLPs of LLaMA's or Phi-3's code, the LM head and
-  loss of LLaMA's or Gemma-2's causal LM code), one by one.
+  modules whose code is a kernel's (gated MLPs of LLaMA's or Phi-3's code; MLPs without a gate,
+  ``plain_mlps.py``; the LM head and loss of LLaMA's or Gemma-2's causal LM code), one by one.
 
 The folder sits above ``tasks`` and below ``verifier`` in the import graph: it
 needs the catalogue and task specs only, so everything above may use it.

@@ -182,8 +182,9 @@ LLAMA_STACK = ("embed_tokens", "layers", "norm", "rotary_emb")
 # own refusals end with NO_KERNEL.
 NO_KERNEL = ("; train it unpatched, or write tasks for its blocks (README, \"Write your own task\") and run "
              "the accepted kernels with coda_agent.kernels.load_kernel")
-NO_DROP_IN = ("; coda_agent.apply_to_model(model) patches the modules of it that are a kernel's code (gated "
-              "MLPs, LLaMA's or Gemma-2's LM head and loss), if any" + NO_KERNEL.replace("; train", "; else train", 1))
+NO_DROP_IN = ("; coda_agent.apply_to_model(model) patches the modules of it that are a kernel's code (MLPs "
+              "gated or not, LLaMA's or Gemma-2's LM head and loss), if any"
+              + NO_KERNEL.replace("; train", "; else train", 1))
 
 
 def has_modules(model: Any, names: tuple[str, ...]) -> bool:

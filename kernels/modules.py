@@ -17,6 +17,9 @@ one by one, by their code (``families.same_code``) as the layer drop-ins recogni
   (``fused_weights.relayout``: the state dict keeps HF's keys).  Where the module sits does not
   matter: a post-norm block's MLP, a mixture of experts' shared expert, every layer of a hybrid.
   An MLP of that code with another activation (the exact GELU, xIELU) stays HF's.
+- **MLPs without a gate** (``proj(act(fc(x)))`` with biases: GPT-Neo's, GPT-J's, Phi's, Falcon's,
+  GPT-BigCode's, StarCoder-2's and GPT-NeoX's code) run as the GPT-2 suite's ``gelu_mlp`` or
+  ``gelu_tanh_mlp``, the GELU's form probed as above (``plain_mlps``).
 - **The LM head and loss**: where the causal LM's forward is LLaMA's, Granite's or Mixtral's code
   (``families.CAUSAL_LMS``) and its loss is HF's causal-LM loss, training with labels runs the
   fused LM head + cross-entropy (``lm_head_xent``; no full logits, ``logits`` is None, as with
@@ -46,14 +49,18 @@ from transformers.models.gemma2.modeling_gemma2 import Gemma2ForCausalLM
 from transformers.models.llama.modeling_llama import LlamaMLP
 from transformers.models.phi3.modeling_phi3 import Phi3MLP
 
+from coda_agent.tasks import SUITE_DIR
+
+from . import plain_mlps
 from .adapters import lora_of, peft_base
-from .dropin import (NO_KERNEL, STACKS, PatchedForward, check_lm_head, check_slots, gelu_form, refusal_by,
+from .dropin import (GPT2_SUITE, NO_KERNEL, STACKS, PatchedForward, check_lm_head, check_slots, gelu_form, refusal_by,
                      refuse_patched, refuse_wrapped, require_kernel_dtypes, slot_kernel, suite_kernel)
 from .families import CAUSAL_LMS, same_code
 from .fused_weights import halves_from_interleaved, interleave_halves, interleave_rows, relayout, split_interleaved
 from .kernel import Kernel, KernelError
 
-MLP_TASKS = ("swiglu_mlp", "geglu_mlp")
+GATED_TASKS = ("swiglu_mlp", "geglu_mlp")
+MLP_TASKS = (*GATED_TASKS, *plain_mlps.TASKS.values())
 SLOTS = (*MLP_TASKS, "lm_head_xent", "lm_head_xent_frozen", "lm_head_xent_softcap", "lm_head_xent_softcap_frozen")
 # Causal LMs whose forward soft-caps the logits (config.final_logit_softcapping) before HF's loss
 SOFTCAP_LMS = {"Gemma-2's": Gemma2ForCausalLM.forward}
@@ -66,18 +73,18 @@ _MLPS = {"LLaMA's": (LlamaMLP.forward, "act_fn", ("gate_proj", "up_proj")),
 
 def apply_to_model(model: nn.Module, *, mlp: bool = True, fused_linear_cross_entropy: bool = True,
                    kernels: dict[str, Kernel | str | Path] | None = None) -> nn.Module:
-    """Patch ``model`` in place (see the module docstring) and return it.  ``mlp``: the gated
-    MLPs; ``fused_linear_cross_entropy``: the LM head and loss; ``kernels``: an accepted program
+    """Patch ``model`` in place (see the module docstring) and return it.  ``mlp``: the MLPs,
+    gated or not; ``fused_linear_cross_entropy``: the LM head and loss; ``kernels``: an accepted program
     for a slot (:data:`SLOTS`) instead of the suite's."""
     given_model, model = model, peft_base(model)
     refuse_wrapped(model, "apply_to_model")
     refuse_patched(model)
     require_kernel_dtypes(model, "apply_to_model")
     check_slots(kernels, SLOTS)
-    mlps, passed = _gated_mlps(model) if mlp else ({}, [])
+    mlps, passed = _mlps(model) if mlp else ({}, [])
     head = _causal_lm(model) if fused_linear_cross_entropy else None
     if not mlps and head is None:
-        looked = [what for what, on in (("gated MLPs", mlp), ("the LM head and loss", fused_linear_cross_entropy))
+        looked = [what for what, on in (("MLPs", mlp), ("the LM head and loss", fused_linear_cross_entropy))
                   if on]
         why = "; ".join(passed + ([_head_refusal(model)] if fused_linear_cross_entropy else []))
         raise KernelError(f"apply_to_model found none of {' or '.join(looked) or 'nothing (every flag is off)'} in "
@@ -87,9 +94,13 @@ def apply_to_model(model: nn.Module, *, mlp: bool = True, fused_linear_cross_ent
     if whole is not None:
         warnings.warn(f"coda_agent.{whole}(model) takes this model and also folds its norms, RoPE and residual "
                       "adds into the GEMMs; apply_to_model patches its MLPs and LM head only", stacklevel=2)
-    chosen = {name: slot_kernel(name, (kernels or {}).get(name), suite_kernel(name)) for name in SLOTS}
+    chosen = {name: slot_kernel(name, (kernels or {}).get(name), suite_kernel(
+        name, GPT2_SUITE if name in plain_mlps.TASKS.values() else SUITE_DIR)) for name in SLOTS}
     for name, (module, kind, task) in mlps.items():
-        _patch_mlp(module, kind, task, chosen[task])
+        if task in GATED_TASKS:
+            _patch_mlp(module, kind, task, chosen[task])
+        else:
+            plain_mlps.patch(module, kind, task, chosen[task])
     if head is not None:
         from .llama import patch_causal_lm  # the LLaMA drop-in's patched causal LM, whose code this one is
 
@@ -104,15 +115,21 @@ def apply_to_model(model: nn.Module, *, mlp: bool = True, fused_linear_cross_ent
 # --------------------------------------------------------------------------- what qualifies
 
 
-def _gated_mlps(model: nn.Module) -> tuple[dict[str, tuple[nn.Module, str, str]], list[str]]:
-    """({name: (module, kind, its kernel's task)} for every gated MLP a kernel computes, [why the
-    MLPs of that code that are not are passed by]); refuses, naming the fix, one that a kernel
-    computes but that holds what the kernel does not take."""
+def _mlps(model: nn.Module) -> tuple[dict[str, tuple[nn.Module, str, str]], list[str]]:
+    """({name: (module, kind, its kernel's task)} for every MLP a kernel computes, gated or not,
+    [why the MLPs of those codes that are not are passed by]); refuses, naming the fix, one that a
+    kernel computes but that holds what the kernel does not take."""
     found: dict[str, tuple[nn.Module, str, str]] = {}
     passed: list[str] = []
     for name, module in model.named_modules():
         kind, task = _recognised(module)
         if kind is None:
+            kind, task, why = plain_mlps.recognised(module)
+            if kind is not None and task is None and len(passed) < 3:
+                passed.append(why)
+            elif task is not None:
+                plain_mlps.check(module, name or type(module).__name__, kind, task)
+                found[name] = (module, kind, task)
             continue
         if task is None:
             if len(passed) < 3:

@@ -70,8 +70,9 @@ def test_dry_run_of_the_gpt2_suite(tmp_path, bench_main):
     assert path.name.endswith("-gpt2.json")
     assert results["suite"] == "gpt2"
     rows = {r["task"]: r for r in results["rows"]}
-    assert set(rows) == {"gelu_bwd", "gelu_fwd", "gpt2_block", "layernorm_bwd", "linear_gelu", "lm_head_xent",
-                         "ln_qkv", "mlp_block", "mlp_block_tanh", "out_proj_residual", "residual_layernorm"}
+    assert set(rows) == {"gelu_bwd", "gelu_fwd", "gelu_mlp", "gelu_tanh_mlp", "gpt2_block", "layernorm_bwd",
+                         "linear_gelu", "lm_head_xent", "ln_qkv", "mlp_block", "mlp_block_tanh", "out_proj_residual",
+                         "residual_layernorm"}
     for r in rows.values():
         assert "error" not in r, r
         assert r["fused"]["median_ms"] > 0 and r["fused_over_gemm"] > 0
@@ -266,7 +267,9 @@ def test_host_path_measures_each_expert_call_without_a_gpu(tmp_path):
 
 def test_margins_measure_each_output_with_the_judges_own_comparison(tmp_path, monkeypatch):
     """bench/margins.py: every output of an expert gets a margin over 1 (the expert passes) and
-    the rule its grown error breaks; an error that already fails has margin 0."""
+    the rule its grown error breaks, per draw kind too; an error that already fails gets the
+    factor below 1 it would have to shrink by, 0 past the cap; ``--program`` measures a cheat,
+    which stands below 1 only in the draw that catches it."""
     import torch
 
     from coda_agent.tasks.spec import Tolerance
@@ -277,15 +280,29 @@ def test_margins_measure_each_output_with_the_judges_own_comparison(tmp_path, mo
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert {r["output"] for r in rows} == {"y", "pre"}
-    assert all(1.0 < r["min_margin"] <= r["median_margin"] and r["samples"] == 6 for r in rows), rows
+    assert all(1.0 < r["min_margin"] <= r["median_margin"] and r["samples"] == 8 for r in rows), rows
     assert all(r["rule"] for r in rows if r["min_margin"] < 8.0), rows
     assert all(r["min_judged"] >= r["min_margin"] for r in rows), rows  # the second look only adds
+    assert all(set(r["judged_by_draw"]) == {"seed", "outliers", "edge", "scaled"} for r in rows), rows
+    cheat = tmp_path / "c.json"
+    flushes = ROOT / "tests" / "bad_programs" / "extreme" / "flushes_small_values.py"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "margins.py"), str(cheat), "--tasks",
+                           "llama3/swiglu_fwd", "--program", str(flushes), "--draws", "2", "--seed", "0"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    by_draw = {r["output"]: r["judged_by_draw"] for r in json.loads(cheat.read_text())["rows"]}
+    assert by_draw["y"]["scaled"]["min"] < 1.0 <= min(by_draw["y"][d]["min"] for d in ("seed", "outliers", "edge"))
     monkeypatch.syspath_prepend(str(ROOT / "bench"))
     import margins
 
     hi = torch.randn(64, 64, dtype=torch.float64)
     lo = hi.to(torch.bfloat16)
     assert margins.margin("y", "s", (hi + 1.0).float(), hi, lo, Tolerance(), 8.0)[0] == 0.0
+    err = torch.randn(64, 64, dtype=torch.float64) * 1e-3
+    passing = margins.margin("y", "s", (hi + err).float(), hi, lo, Tolerance(), 8.0)[0]
+    assert 1.0 < passing < 8.0
+    twice = margins.margin("y", "s", (hi + 2 * passing * err).float(), hi, lo, Tolerance(), 8.0)[0]
+    assert 0.4 < twice < 0.6  # twice the error it may have: it must shrink by half
 
 
 def test_gemm_energy_dry_run_times_cublas_and_every_tile_of_the_pool(tmp_path):
@@ -327,17 +344,20 @@ def test_dropin_coverage_patches_or_refuses_each_model_it_builds(tmp_path):
                                             "gpt_neox:apply_to_gpt_neox", "llama:apply_to_llama",
                                             "mellum:apply_to_llama(swiglu=False)",  # a rotary without inv_freq
                                             "olmo2:apply_to_model",  # no layer drop-in: its MLPs and LM head
-                                            "phi3:apply_to_llama"]
+                                            "phi3:apply_to_llama",
+                                            # Phi-2's MLPs, ungated; its LM head has a bias (the refusal
+                                            # names the flag that keeps it HF's)
+                                            "phi:apply_to_model(fused_linear_cross_entropy=False)"]
     assert report["summary"]["error"] == []
     rows = {r["model_type"]: r for r in report["rows"]}
     llama = rows["llama"]["apply_to_llama"]
     assert abs(llama["loss"] - llama["hf_loss"]) < 0.02 * llama["hf_loss"]
     assert "train it unpatched" in rows["phi"]["apply_to_llama"]["message"]
     assert "apply_to_model" not in rows["llama"]  # tried only where no drop-in of whole layers patches
-    assert rows["olmo2"]["apply_to_model"]["parts"] == {"swiglu_mlp": 2, "geglu_mlp": 0,
-                                                           "fused_linear_cross_entropy": True}
-    # Phi-2's LM head has a bias (its refusal names the flag that keeps it HF's), and it has no SwiGLU MLP
-    assert rows["phi"]["apply_to_model"]["flags"] == {"fused_linear_cross_entropy": False}
-    assert rows["phi"]["apply_to_model"]["result"] == "refused"
+    assert rows["olmo2"]["apply_to_model"]["parts"] == {"swiglu_mlp": 2, "geglu_mlp": 0, "gelu_mlp": 0,
+                                                           "gelu_tanh_mlp": 0, "fused_linear_cross_entropy": True}
+    phi = rows["phi"]["apply_to_model"]
+    assert phi["flags"] == {"fused_linear_cross_entropy": False} and phi["result"] == "patched"
+    assert phi["parts"]["gelu_tanh_mlp"] == 2 and abs(phi["loss"] - phi["hf_loss"]) < 0.01
     with pytest.raises(SystemExit):
         coverage.main([str(out), "--models", "no_such_model"])

@@ -24,8 +24,9 @@ def task(name: str):
 
 
 def test_the_suite_covers_every_non_attention_op_of_the_block():
-    assert TASKS == ["gelu_bwd", "gelu_fwd", "gpt2_block", "layernorm_bwd", "linear_gelu", "lm_head_xent",
-                     "ln_qkv", "mlp_block", "mlp_block_tanh", "out_proj_residual", "residual_layernorm"]
+    assert TASKS == ["gelu_bwd", "gelu_fwd", "gelu_mlp", "gelu_tanh_mlp", "gpt2_block", "layernorm_bwd",
+                     "linear_gelu", "lm_head_xent", "ln_qkv", "mlp_block", "mlp_block_tanh", "out_proj_residual",
+                     "residual_layernorm"]
 
 
 
@@ -44,6 +45,9 @@ MUTANTS = [
     ("gelu_fwd", '"y": gelu(pre)', '"y": gelu(acc)'),  # GELU before the bias
     ("gelu_bwd", "pre * exp(-0.5 * pre * pre)", "exp(-0.5 * pre * pre)"),  # Phi only half of gelu'
     ("linear_gelu", '{"D": dpre, "db": dpre}', '{"D": dpre, "db": dy}'),
+    ("gelu_mlp", '{"D": acc, "db": dy}', '{"D": acc, "db": acc}'),  # b_proj's gradient off dx's accumulator
+    ("gelu_mlp", "acc * gelu_grad(pre)", "acc * gelu(pre)"),  # GELU for its derivative
+    ("gelu_tanh_mlp", "pre = acc + b\n", "pre = acc\n"),  # the fc bias dropped
     ("ln_qkv", "rstd * (acc - mean * gw) + shift", "rstd * acc + shift"),  # no centring
     ("ln_qkv", '"s2": du * (u - shift)', '"s2": du * u'),  # the bias left in the statistic
     ("residual_layernorm", '"sumsq": a * a', '"sumsq": a * acc'),

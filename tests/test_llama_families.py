@@ -299,7 +299,7 @@ def test_a_model_no_drop_in_patches_is_refused_with_the_way_on(family, patch):
     """A model no drop-in patches (Phi-2's parallel block, OLMo-2's post-norms, Cohere's LayerNorms)
     is refused by what differs, and the refusal says what to do instead."""
     with pytest.raises(KernelError, match=r"; coda_agent.apply_to_model\(model\) patches the modules of it that "
-                                          r"are a kernel's code \(gated MLPs, LLaMA's or Gemma-2's LM head and loss\), if any; "
+                                          r"are a kernel's code \(MLPs gated or not, LLaMA's or Gemma-2's LM head and loss\), if any; "
                                           r"else train it unpatched, or write tasks for its blocks \(README, \"Write "
                                           r"your own task\"\) and run the accepted kernels with "
                                           r"coda_agent.kernels.load_kernel$"):

@@ -43,7 +43,7 @@ def test_a_model_no_layer_drop_in_takes_trains_like_hf(family):
     model = coda_agent.apply_to_model(copy.deepcopy(base).bfloat16())
     layers = base.config.num_hidden_layers
     task, head = FAMILIES[family]
-    assert model.coda_flags == {"swiglu_mlp": [], "geglu_mlp": [],
+    assert model.coda_flags == {"swiglu_mlp": [], "geglu_mlp": [], "gelu_mlp": [], "gelu_tanh_mlp": [],
                                 task: [f"model.layers.{i}.mlp" for i in range(layers)],
                                 "fused_linear_cross_entropy": head is not None}
     with launch_ledger() as launched:
@@ -139,7 +139,7 @@ def test_an_mlp_no_token_reaches_returns_the_empty_result():
 
 
 def test_what_the_kernels_do_not_take_is_refused_with_the_fix():
-    with pytest.raises(KernelError, match=r"found none of gated MLPs or the LM head and loss in "
+    with pytest.raises(KernelError, match=r"found none of MLPs or the LM head and loss in "
                                           r"CohereForCausalLM .*CohereMLP is LLaMA's MLP code with GELUActivation, "
                                           r"neither SiLU nor GELU's tanh form.*CohereForCausalLM.forward is not "
                                           r"LLaMA's"):

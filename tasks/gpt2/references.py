@@ -139,3 +139,17 @@ def linear_gelu(x, w, b):
     """y = gelu(x @ w^T + b): the MLP's first linear with its activation, forward
     and backward on their own (the gradient dy arrives for the activation)."""
     return {"y": F.gelu(F.linear(x, w, b)).to(x.dtype)}
+
+
+# --------------------------------------------------------------------------- gelu_mlp, gelu_tanh_mlp
+
+
+def gelu_mlp(x, w_fc, b_fc, w_proj, b_proj):
+    """y = gelu(x @ w_fc^T + b_fc) @ w_proj^T + b_proj: an MLP with no gate, norm or residual at
+    its ends (Falcon's; GPT-Neo's and the like with the exact GELU)."""
+    return {"y": F.linear(F.gelu(F.linear(x, w_fc, b_fc)), w_proj, b_proj).to(x.dtype)}
+
+
+def gelu_tanh_mlp(x, w_fc, b_fc, w_proj, b_proj):
+    """gelu_mlp with GELU's tanh approximation (GPT-Neo's, GPT-J's, Phi's: gelu_new)."""
+    return {"y": F.linear(F.gelu(F.linear(x, w_fc, b_fc), approximate="tanh"), w_proj, b_proj).to(x.dtype)}

@@ -1,0 +1,137 @@
+"""MLPs without a gate in ``apply_to_model``: ``proj(act(fc(x)))`` with biases, as GPT-Neo, GPT-J,
+CodeGen, Phi, Falcon, GPT-BigCode, StarCoder-2 and GPT-NeoX write it, run as the GPT-2 suite's
+``gelu_mlp`` (the exact GELU) or ``gelu_tanh_mlp`` (its tanh form: ``gelu_new``,
+``gelu_pytorch_tanh``, probed by value, ``dropin.gelu_form``).
+
+A module qualifies by its forward's code (``families.same_code``, so a family that copies one of
+these forwards under its own class name qualifies too: GPT-Neo's and GPT-BigCode's MLPs are GPT-2's
+code), with ``nn.Linear`` projections (Falcon's ``FalconLinear`` computes the same). The fc GEMM's
+epilogue adds the bias and applies the activation, keeping only the pre-activation for the backward,
+whose derivative rides in the epilogue of ``dy @ W_proj``. A projection without a bias (Falcon's and
+StarCoder-2's ``bias=False`` configs) gets a zero bias per call, whose gradient nobody asks for. The
+dropout some of these forwards apply after the projection runs on the kernel's output as HF applies
+it (and Falcon's layer, which adds into the MLP's output in place, gets a copy: the kernel's
+autograd Function saves its outputs). GPT-2's own MLP (``Conv1D`` weights, transposed) is
+``apply_to_gpt2``'s, and an activation that is neither GELU (ReLU squared, Persimmon's and
+Nemotron's) stays HF's.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.models.falcon.modeling_falcon import FalconLinear, FalconMLP
+from transformers.models.gpt2.modeling_gpt2 import GPT2MLP
+from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXMLP
+from transformers.models.gptj.modeling_gptj import GPTJMLP
+from transformers.models.nemotron.modeling_nemotron import NemotronMLP
+from transformers.models.phi.modeling_phi import PhiMLP
+from transformers.models.starcoder2.modeling_starcoder2 import Starcoder2MLP
+
+from .adapters import lora_of
+from .dropin import PatchedForward, gelu_form
+from .families import same_code
+from .kernel import Kernel, KernelError
+
+TASKS = {"exact": "gelu_mlp", "tanh": "gelu_tanh_mlp"}  # GELU's form -> the GPT-2 suite's task
+LINEARS = (nn.Linear, FalconLinear)
+
+
+def _no_dropout(module: nn.Module, y: torch.Tensor) -> torch.Tensor:
+    return y
+
+
+def _dropout(module: nn.Module, y: torch.Tensor) -> torch.Tensor:
+    return module.dropout(y)
+
+
+def _residual_dropout(module: nn.Module, y: torch.Tensor) -> torch.Tensor:
+    return F.dropout(y, p=module.residual_dropout, training=module.training)
+
+
+def _own_copy(module: nn.Module, y: torch.Tensor) -> torch.Tensor:
+    # Falcon's layer adds the attention output into the MLP's in place (`mlp_output +=`), and the
+    # kernel's autograd Function saves its outputs for its backward: the layer gets a copy to change
+    return y.clone()
+
+
+# Whose MLP code -> (its forward, (fc, activation, proj) attributes, what follows the proj: the
+# family's dropout, or a copy the layer may change in place).
+MLPS: dict[str, tuple[Any, tuple[str, str, str], Callable[[nn.Module, torch.Tensor], torch.Tensor]]] = {
+    "GPT-2's": (GPT2MLP.forward, ("c_fc", "act", "c_proj"), _dropout),
+    "GPT-J's": (GPTJMLP.forward, ("fc_in", "act", "fc_out"), _dropout),
+    "Phi's": (PhiMLP.forward, ("fc1", "activation_fn", "fc2"), _no_dropout),
+    "GPT-NeoX's": (GPTNeoXMLP.forward, ("dense_h_to_4h", "act", "dense_4h_to_h"), _no_dropout),
+    "Falcon's": (FalconMLP.forward, ("dense_h_to_4h", "act", "dense_4h_to_h"), _own_copy),
+    "StarCoder-2's": (Starcoder2MLP.forward, ("c_fc", "act", "c_proj"), _residual_dropout),
+    "Nemotron's": (NemotronMLP.forward, ("up_proj", "act_fn", "down_proj"), _no_dropout),
+}
+
+
+def recognised(module: nn.Module) -> tuple[str | None, str | None, str]:
+    """(whose MLP code ``module``'s forward is, the task of the kernel that computes it, why there is
+    none): (None, None, "") for a module of no such code."""
+    kind = next((k for k, (fn, _, _) in MLPS.items() if same_code(type(module).forward, fn)), None)
+    if kind is None:
+        return None, None, ""
+    fc_name, act_name, proj_name = MLPS[kind][1]
+    fc = getattr(module, fc_name, None)
+    if not isinstance(fc, LINEARS) and lora_of(fc) is None:
+        return kind, None, (f"{type(module).__name__}.{fc_name} is {type(fc).__name__}, not nn.Linear"
+                            + (" (GPT-2's layout: apply_to_gpt2 takes GPT-2)" if type(fc).__name__ == "Conv1D" else ""))
+    act = getattr(module, act_name, None)
+    form = gelu_form(act) if isinstance(act, nn.Module) else None
+    if form is None:
+        return kind, None, f"{type(module).__name__} is {kind} MLP code with {type(act).__name__}, not a GELU"
+    return kind, TASKS[form], ""
+
+
+def check(module: nn.Module, where: str, kind: str, task: str, flag: str = "mlp=False") -> None:
+    """Refuse, naming ``flag`` as the way to keep HF's MLP, one that holds what ``task``'s kernel does
+    not take."""
+    names = MLPS[kind][1]
+    fc, proj = getattr(module, names[0]), getattr(module, names[2])
+    for name, m in ((names[0], fc), (names[2], proj)):
+        if lora_of(m) is not None:
+            raise KernelError(f"{where}.{name} has LoRA adapters, and the {task} kernel runs the whole MLP; pass "
+                              f"{flag} to keep HF's MLPs (the adapters train there)")
+        if type(m) not in LINEARS:
+            raise KernelError(f"{where}.{name} is {type(m).__name__}, not nn.Linear: the {task} kernel reads its "
+                              f"weight; patch the unwrapped bf16 model, or pass {flag}")
+    if (fc.bias is None) != (proj.bias is None):
+        raise KernelError(f"{where}: {names[0]} has {'no ' * (fc.bias is None)}bias and {names[2]} "
+                          f"{'none' if proj.bias is None else 'one'}; the {task} kernel takes both or neither "
+                          f"(zeros); pass {flag} to keep HF's MLPs")
+    width, inter = proj.weight.shape
+    if fc.weight.shape != (inter, width):
+        raise KernelError(f"{where}: {names[0]}'s weight is {tuple(fc.weight.shape)}, not ({inter}, {width}) as "
+                          f"{names[2]}'s {tuple(proj.weight.shape)} implies; pass {flag} to keep HF's MLPs")
+    if width % 8 or inter % 8:
+        raise KernelError(f"{where}: hidden size {width} and intermediate size {inter} must be multiples of 8 (a "
+                          f"GEMM row of 16 bytes); pass {flag} to keep HF's MLPs")
+
+
+def patch(module: nn.Module, kind: str, task: str, kernel: Kernel) -> None:
+    module.coda_mlp = kernel
+    module.coda_plain_mlp = kind
+    module.coda_flags = {task: True}
+    module.forward = PatchedForward(module, _forward)
+
+
+def _forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The MLP's forward as its kernel, on any leading shape, then what the family's code does next."""
+    fc_name, _, proj_name = MLPS[self.coda_plain_mlp][1]
+    fc, proj = getattr(self, fc_name), getattr(self, proj_name)
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] == 0:  # no token: no GEMM to launch, HF's math on the empty rows
+        y = F.linear(F.gelu(F.linear(rows, fc.weight, fc.bias)), proj.weight, proj.bias)
+    else:
+        b_fc, b_proj = fc.bias, proj.bias
+        if b_fc is None:  # bias=False: zeros the kernel adds, whose gradients autograd never asks for
+            b_fc = rows.new_zeros(fc.weight.shape[0])
+            b_proj = rows.new_zeros(proj.weight.shape[0])
+        y = self.coda_mlp(rows.contiguous(), fc.weight, b_fc, proj.weight, b_proj)["y"]
+    return MLPS[self.coda_plain_mlp][2](self, y).view(*x.shape[:-1], proj.weight.shape[0])

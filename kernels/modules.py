@@ -53,8 +53,8 @@ from coda_agent.tasks import SUITE_DIR
 
 from . import plain_mlps
 from .adapters import lora_of, peft_base
-from .dropin import (GPT2_SUITE, NO_KERNEL, STACKS, PatchedForward, check_lm_head, check_slots, gelu_form, refusal_by,
-                     refuse_patched, refuse_wrapped, require_kernel_dtypes, slot_kernel, suite_kernel)
+from .dropin import (GPT2_SUITE, NO_KERNEL, STACKS, PatchedForward, check_lm_head, check_slots, gelu_form,
+                     refusal_by, refuse_patched, refuse_wrapped, require_kernel_dtypes, slot_kernel, suite_kernel)
 from .families import CAUSAL_LMS, same_code
 from .fused_weights import halves_from_interleaved, interleave_halves, interleave_rows, relayout, split_interleaved
 from .kernel import Kernel, KernelError
@@ -74,8 +74,8 @@ _MLPS = {"LLaMA's": (LlamaMLP.forward, "act_fn", ("gate_proj", "up_proj")),
 def apply_to_model(model: nn.Module, *, mlp: bool = True, fused_linear_cross_entropy: bool = True,
                    kernels: dict[str, Kernel | str | Path] | None = None) -> nn.Module:
     """Patch ``model`` in place (see the module docstring) and return it.  ``mlp``: the MLPs,
-    gated or not; ``fused_linear_cross_entropy``: the LM head and loss; ``kernels``: an accepted program
-    for a slot (:data:`SLOTS`) instead of the suite's."""
+    gated or not; ``fused_linear_cross_entropy``: the LM head and loss; ``kernels``: an accepted
+    program for a slot (:data:`SLOTS`) instead of the suite's."""
     given_model, model = model, peft_base(model)
     refuse_wrapped(model, "apply_to_model")
     refuse_patched(model)

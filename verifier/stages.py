@@ -48,17 +48,18 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _check_sets(check: Check, sets: list[str], device: str, call: Callable[[Case], dict[str, torch.Tensor]],
                 determinism: bool, poisoned: bool, padded: bool = False,
                 seconds: dict[str, float] | None = None) -> StageResult | None:
-    """Every set: two fresh draws (the second with outlier channels), one of edge rows and two at
-    other magnitudes, one small and one large (no result may come out identical for two different draws; all but the first with the check's varied
-    params, :func:`~.inputs.drawn_params`); with ``padded``, the first draw's case again with the epilogues run
-    over whole tiles (:func:`~coda_agent.primitives.lowering.padded_lanes`), where a reduction
-    that folds padded lanes shows what the kernel would compute: the same inputs and references,
-    so only the padded lanes differ from a call that passed (on a set whose sizes every tile
-    divides it is that call again, which costs little and needs no rule for which sets are
-    ragged under which of the program's tile configurations); and for a task with a backward,
-    the first draw's forward alone, whose outputs must match without a backward after them.
-    None when everything matched, else the failed StageResult's fields; ``seconds`` gets
-    each finished set's time (judge and runner together)."""
+    """Every set: two fresh draws (the second with outlier channels), one of edge rows and two at other
+    magnitudes, one small and one large (no result may come out identical for two different draws;
+    all but the first with the check's varied params, :func:`~.inputs.drawn_params`); with
+    ``padded``, the first draw's case again with the epilogues run over whole tiles
+    (:func:`~coda_agent.primitives.lowering.padded_lanes`), where a reduction that folds padded
+    lanes shows what the kernel would compute: the same inputs and references, so only the padded
+    lanes differ from a call that passed (on a set whose sizes every tile divides it is that call
+    again, which costs little and needs no rule for which sets are ragged under which of the
+    program's tile configurations); and for a task with a backward, the first draw's forward alone,
+    whose outputs must match without a backward after them. None when everything matched, else the
+    failed StageResult's fields; ``seconds`` gets each finished set's time (judge and runner
+    together)."""
     spec = check.spec
     subsets = needs_sets(check)
     for index, shape_set in enumerate(sets):

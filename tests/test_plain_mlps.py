@@ -57,8 +57,8 @@ def data(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, labels
 
 
-# StarCoder-2's layer-1 q and k gradients at init are 1e-4 of its others, where HF's own bf16 error
-# is one rounding's luck: at seeds 0 and 3 the patched model's miss the bar by 1.28 and 1.20 times
+# StarCoder-2's layer-1 q and k gradients are tiny at init (q_proj's largest 6.5e-5), where HF's own
+# bf16 error is one rounding's luck: at seeds 0 and 3 the patched model's miss the bar by 1.28 and 1.20 times
 # (4.4e-6 against HF's 1.6e-6 in q_proj), at seeds 1 and 2 they stand at 0.58 and 0.79 of it; its MLP
 # gradients pass with room at all four
 SEEDS = {"Starcoder2": 1}

@@ -18,8 +18,8 @@ one by one, by their code (``families.same_code``) as the layer drop-ins recogni
   matter: a post-norm block's MLP, a mixture of experts' shared expert, every layer of a hybrid.
   An MLP of that code with another activation (the exact GELU, xIELU) stays HF's.
 - **MLPs without a gate** (``proj(act(fc(x)))`` with biases: GPT-Neo's, GPT-J's, Phi's, Falcon's,
-  GPT-BigCode's, StarCoder-2's and GPT-NeoX's code) run as the GPT-2 suite's ``gelu_mlp`` or
-  ``gelu_tanh_mlp``, the GELU's form probed as above (``plain_mlps``).
+  GPT-BigCode's, StarCoder-2's, GPT-NeoX's and Nemotron's code) run as the GPT-2 suite's
+  ``gelu_mlp``, ``gelu_tanh_mlp`` or ``relu2_mlp``, the activation probed by value (``plain_mlps``).
 - **The LM head and loss**: where the causal LM's forward is LLaMA's, Granite's or Mixtral's code
   (``families.CAUSAL_LMS``) and its loss is HF's causal-LM loss, training with labels runs the
   fused LM head + cross-entropy (``lm_head_xent``; no full logits, ``logits`` is None, as with
@@ -120,25 +120,24 @@ def _mlps(model: nn.Module) -> tuple[dict[str, tuple[nn.Module, str, str]], list
     [why the MLPs of those codes that are not are passed by]); refuses, naming the fix, one that a
     kernel computes but that holds what the kernel does not take."""
     found: dict[str, tuple[nn.Module, str, str]] = {}
-    passed: list[str] = []
+    passed: list[str] = []  # each reason once, three at most
     for name, module in model.named_modules():
         kind, task = _recognised(module)
+        why = ""
         if kind is None:
             kind, task, why = plain_mlps.recognised(module)
-            if kind is not None and task is None and len(passed) < 3:
-                passed.append(why)
-            elif task is not None:
+            if task is not None:
                 plain_mlps.check(module, name or type(module).__name__, kind, task)
                 found[name] = (module, kind, task)
-            continue
-        if task is None:
-            if len(passed) < 3:
-                act = getattr(module, _MLPS[kind][1], None)
-                passed.append(f"{type(module).__name__} is {kind} MLP code with {type(act).__name__}, neither SiLU "
-                              "nor GELU's tanh form")
-            continue
-        _check_mlp(module, name or type(module).__name__, _MLPS[kind][2], task)
-        found[name] = (module, kind, task)
+        elif task is None:
+            act = getattr(module, _MLPS[kind][1], None)
+            why = (f"{type(module).__name__} is {kind} MLP code with {type(act).__name__}, neither SiLU nor GELU's "
+                   "tanh form")
+        else:
+            _check_mlp(module, name or type(module).__name__, _MLPS[kind][2], task)
+            found[name] = (module, kind, task)
+        if why and why not in passed and len(passed) < 3:
+            passed.append(why)
     return found, passed
 
 

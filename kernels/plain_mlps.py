@@ -1,7 +1,8 @@
 """MLPs without a gate in ``apply_to_model``: ``proj(act(fc(x)))`` with biases, as GPT-Neo, GPT-J,
-CodeGen, Phi, Falcon, GPT-BigCode, StarCoder-2 and GPT-NeoX write it, run as the GPT-2 suite's
-``gelu_mlp`` (the exact GELU) or ``gelu_tanh_mlp`` (its tanh form: ``gelu_new``,
-``gelu_pytorch_tanh``, probed by value, ``dropin.gelu_form``).
+CodeGen, Phi, Falcon, GPT-BigCode, StarCoder-2, GPT-NeoX, Persimmon and Nemotron write it, run as
+the GPT-2 suite's ``gelu_mlp`` (the exact GELU), ``gelu_tanh_mlp`` (its tanh form: ``gelu_new``,
+``gelu_pytorch_tanh``) or ``relu2_mlp`` (the squared ReLU), the activation probed by value
+(:func:`activation`).
 
 A module qualifies by its forward's code (``families.same_code``, so a family that copies one of
 these forwards under its own class name qualifies too: GPT-Neo's and GPT-BigCode's MLPs are GPT-2's
@@ -12,8 +13,7 @@ StarCoder-2's ``bias=False`` configs) gets a zero bias per call, whose gradient 
 dropout some of these forwards apply after the projection runs on the kernel's output as HF applies
 it (and Falcon's layer, which adds into the MLP's output in place, gets a copy: the kernel's
 autograd Function saves its outputs). GPT-2's own MLP (``Conv1D`` weights, transposed) is
-``apply_to_gpt2``'s, and an activation that is neither GELU (ReLU squared, Persimmon's and
-Nemotron's) stays HF's.
+``apply_to_gpt2``'s, and a module with another activation stays HF's.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ from .dropin import PatchedForward, gelu_form
 from .families import same_code
 from .kernel import Kernel, KernelError
 
-TASKS = {"exact": "gelu_mlp", "tanh": "gelu_tanh_mlp"}  # GELU's form -> the GPT-2 suite's task
+# The activation, probed by value -> the GPT-2 suite's task
+TASKS = {"exact": "gelu_mlp", "tanh": "gelu_tanh_mlp", "relu2": "relu2_mlp"}
 LINEARS = (nn.Linear, FalconLinear)
 
 
@@ -83,10 +84,22 @@ def recognised(module: nn.Module) -> tuple[str | None, str | None, str]:
         return kind, None, (f"{type(module).__name__}.{fc_name} is {type(fc).__name__}, not nn.Linear"
                             + (" (GPT-2's layout: apply_to_gpt2 takes GPT-2)" if type(fc).__name__ == "Conv1D" else ""))
     act = getattr(module, act_name, None)
-    form = gelu_form(act) if isinstance(act, nn.Module) else None
+    form = activation(act) if isinstance(act, nn.Module) else None
     if form is None:
-        return kind, None, f"{type(module).__name__} is {kind} MLP code with {type(act).__name__}, not a GELU"
+        return kind, None, (f"{type(module).__name__} is {kind} MLP code with {type(act).__name__}, neither a GELU "
+                            "nor the squared ReLU")
     return kind, TASKS[form], ""
+
+
+def activation(act: nn.Module) -> str | None:
+    """Which of the kernels' activations ``act`` computes (a key of :data:`TASKS`), probed in fp64
+    as ``dropin.gelu_form`` probes the GELU's two forms; None: none of them."""
+    if (form := gelu_form(act)) is not None:
+        return form
+    probe = torch.linspace(-6.0, 6.0, 241, dtype=torch.float64)
+    with torch.no_grad():
+        got = act(probe.clone())
+    return "relu2" if torch.allclose(got, torch.square(F.relu(probe)), rtol=0, atol=1e-9) else None
 
 
 def check(module: nn.Module, where: str, kind: str, task: str, flag: str = "mlp=False") -> None:
@@ -123,11 +136,11 @@ def patch(module: nn.Module, kind: str, task: str, kernel: Kernel) -> None:
 
 def _forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The MLP's forward as its kernel, on any leading shape, then what the family's code does next."""
-    fc_name, _, proj_name = MLPS[self.coda_plain_mlp][1]
+    fc_name, act_name, proj_name = MLPS[self.coda_plain_mlp][1]
     fc, proj = getattr(self, fc_name), getattr(self, proj_name)
     rows = x.reshape(-1, x.shape[-1])
     if rows.shape[0] == 0:  # no token: no GEMM to launch, HF's math on the empty rows
-        y = F.linear(F.gelu(F.linear(rows, fc.weight, fc.bias)), proj.weight, proj.bias)
+        y = F.linear(getattr(self, act_name)(F.linear(rows, fc.weight, fc.bias)), proj.weight, proj.bias)
     else:
         b_fc, b_proj = fc.bias, proj.bias
         if b_fc is None:  # bias=False: zeros the kernel adds, whose gradients autograd never asks for

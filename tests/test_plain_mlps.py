@@ -1,8 +1,8 @@
 """coda_agent.apply_to_model on MLPs without a gate (kernels/plain_mlps.py): GPT-Neo, GPT-J,
-CodeGen, Phi, Falcon, GPT-BigCode, StarCoder-2 and GPT-NeoX at tiny widths (CPU, the reference
-lowering), held to test_llama.py's bar: the loss, the logits and every gradient against the
-unpatched model in fp32, within twice HF's own bf16 error.  Their MLPs run as the GPT-2 suite's
-gelu_mlp or gelu_tanh_mlp; everything else stays HF's."""
+CodeGen, Phi, Falcon, GPT-BigCode, StarCoder-2, GPT-NeoX, Persimmon and Nemotron at tiny widths
+(CPU, the reference lowering), held to test_llama.py's bar: the loss, the logits and every gradient
+against the unpatched model in fp32, within twice HF's own bf16 error.  Their MLPs run as the GPT-2
+suite's gelu_mlp, gelu_tanh_mlp or relu2_mlp; everything else stays HF's."""
 
 from __future__ import annotations
 
@@ -35,7 +35,12 @@ FAMILIES = {
     "GPTBigCode": ({}, "gelu_tanh_mlp", "transformer.h.{}.mlp"),
     "Starcoder2": ({}, "gelu_tanh_mlp", "model.layers.{}.mlp"),
     "GPTNeoX": ({"hidden_act": "gelu"}, "gelu_mlp", "gpt_neox.layers.{}.mlp"),
+    "Persimmon": ({}, "relu2_mlp", "model.layers.{}.mlp"),
+    "Nemotron": ({}, "relu2_mlp", "model.layers.{}.mlp"),  # mlp_bias=False: zeros in the kernel
 }
+# each task's epilogues: the fc GEMM's and the derivative's
+EPILOGUES = {"gelu_mlp": ("fc_gelu", "dgelu"), "gelu_tanh_mlp": ("fc_gelu_tanh", "dgelu_tanh"),
+             "relu2_mlp": ("fc_relu2", "drelu2")}
 
 
 def tiny_lm(family: str, seed: int = 0, **overrides) -> torch.nn.Module:
@@ -76,9 +81,9 @@ def test_an_mlp_without_a_gate_trains_like_hf(family):
         got = train_and_eval(model, data())
     assert_like_hf(got, hi, lo)
     names = [launch.name for launch in launched]
-    act = "fc_gelu_tanh" if task == "gelu_tanh_mlp" else "fc_gelu"
+    fc, grad = EPILOGUES[task]
     # every MLP: forward in the training step and the eval pass, backward once
-    assert names.count(act) == 4 and names.count(act.replace("fc_", "d")) == 2
+    assert names.count(fc) == 4 and names.count(grad) == 2
 
 
 def test_falcon_with_biases_and_a_parallel_block_adds_into_a_copy():
@@ -125,10 +130,10 @@ def test_frozen_weights_skip_their_gradient_gemms_and_no_token_gives_the_empty_r
 def test_what_the_plain_mlp_kernels_do_not_take_is_refused_with_the_fix():
     import transformers
 
-    with pytest.raises(KernelError, match=r"found none of MLPs or the LM head and loss in PersimmonForCausalLM .*"
-                                          r"PersimmonMLP is GPT-NeoX's MLP code with ReLUSquaredActivation, "
-                                          r"not a GELU"):
-        coda_agent.apply_to_model(tiny_lm("Persimmon").bfloat16())
+    with pytest.raises(KernelError, match=r"found none of MLPs or the LM head and loss in GPTNeoXForCausalLM .*"
+                                          r"GPTNeoXMLP is GPT-NeoX's MLP code with ReLU, neither a GELU nor the "
+                                          r"squared ReLU; GPTNeoXForCausalLM.forward"):  # each reason once
+        coda_agent.apply_to_model(tiny_lm("GPTNeoX", hidden_act="relu").bfloat16())
     with pytest.raises(KernelError, match=r"GPT2MLP.c_fc is Conv1D, not nn.Linear \(GPT-2's layout: "
                                           r"apply_to_gpt2 takes GPT-2\)"):
         coda_agent.apply_to_model(transformers.GPT2LMHeadModel(transformers.GPT2Config(
@@ -152,14 +157,13 @@ def test_lora_on_a_plain_mlp_is_refused_with_the_fix():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Hopper)")
-@pytest.mark.parametrize("family", ["GPTNeo", "Falcon"])
+@pytest.mark.parametrize("family", ["GPTNeo", "Falcon", "Nemotron"])
 def test_an_mlp_without_a_gate_trains_like_hf_on_gpu(family):
-    """The cute lowering: gelu_tanh_mlp's and gelu_mlp's kernels inside HF's layers on the GPU."""
+    """The cute lowering: the three tasks' kernels inside HF's layers on the GPU."""
     base = tiny_lm(family).cuda()
     batch = tuple(t.cuda() for t in data())
     hi, lo = (train_and_eval(copy.deepcopy(base).to(dtype), batch) for dtype in (torch.float32, torch.bfloat16))
     with launch_ledger() as launched, torch.autograd.set_multithreading_enabled(False):
         got = train_and_eval(coda_agent.apply_to_model(copy.deepcopy(base).bfloat16()), batch)
     assert_like_hf(got, hi, lo)
-    act = "fc_gelu_tanh" if FAMILIES[family][1] == "gelu_tanh_mlp" else "fc_gelu"
-    assert {act, act.replace("fc_", "d")} <= {launch.name for launch in launched}
+    assert set(EPILOGUES[FAMILIES[family][1]]) <= {launch.name for launch in launched}

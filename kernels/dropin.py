@@ -42,7 +42,7 @@ except ImportError:  # a torch built without distributed holds no sharded parame
 
 from coda_agent.tasks import SUITE_DIR, SUITES, load_task
 
-from .adapters import adapter_modules, check_lora
+from .adapters import adapter_modules, check_lora, lora_of
 from .kernel import Kernel, KernelError
 from .source import load_kernel
 
@@ -305,15 +305,41 @@ def block_plan(layer_norm: bool, mlp: bool, gelu: str | None, given: dict[str, A
     return plan
 
 
-def gelu_form(act: nn.Module) -> str | None:
-    """Which GELU an activation module computes, "exact" or "tanh", probed in fp64 (HF writes
-    the tanh form three ways: gelu_new, gelu_pytorch_tanh, gelu_fast); None: neither.  The probe
-    is made per call: the package keeps no tensor between calls (tests/test_cuda_graphs.py)."""
+GELUS = {"exact": F.gelu, "tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+def activation_form(act: nn.Module, forms: dict[str, Any]) -> str | None:
+    """Which of ``forms`` (name -> function) an activation module computes, probed once in fp64;
+    None: none of them.  The probe is made per call: the package keeps no tensor between calls
+    (tests/test_cuda_graphs.py)."""
     probe = torch.linspace(-6.0, 6.0, 241, dtype=torch.float64)
-    gelus = {"exact": F.gelu(probe), "tanh": F.gelu(probe, approximate="tanh")}
     with torch.no_grad():
         got = act(probe.clone())
-    return next((k for k, want in gelus.items() if torch.allclose(got, want, rtol=0, atol=1e-9)), None)
+    return next((k for k, fn in forms.items() if torch.allclose(got, fn(probe), rtol=0, atol=1e-9)), None)
+
+
+def gelu_form(act: nn.Module) -> str | None:
+    """Which GELU an activation module computes, "exact" or "tanh" (HF writes the tanh form three
+    ways: gelu_new, gelu_pytorch_tanh, gelu_fast); None: neither."""
+    return activation_form(act, GELUS)
+
+
+def check_mlp_projection(m: Any, where: str, task: str, flag: str, linears: tuple[type, ...] = (nn.Linear,)) -> None:
+    """Refuse, naming ``flag`` as the way to keep HF's MLPs, an MLP projection (at ``where``) whose
+    weight the MLP kernel of ``task`` cannot read: a LoRA layer, or a module not of ``linears``."""
+    if lora_of(m) is not None:
+        raise KernelError(f"{where} has LoRA adapters, and the {task} kernel runs the whole MLP; pass "
+                          f"{flag} to keep HF's MLPs (the adapters train there)")
+    if type(m) not in linears:
+        raise KernelError(f"{where} is {type(m).__name__}, not nn.Linear: the {task} kernel reads its "
+                          f"weight; patch the unwrapped bf16 model, or pass {flag}")
+
+
+def check_mlp_widths(where: str, width: int, inter: int, flag: str) -> None:
+    """Refuse an MLP whose widths are no GEMM's: rows of a multiple of 16 bytes."""
+    if width % 8 or inter % 8:
+        raise KernelError(f"{where}: hidden size {width} and intermediate size {inter} must be multiples of 8 (a "
+                          f"GEMM row of 16 bytes); pass {flag} to keep HF's MLPs")
 
 
 def gelu_of(act: nn.Module, where: str, setting: str, patch: str, units: str, so_far: str | None) -> str:

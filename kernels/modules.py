@@ -52,9 +52,10 @@ from transformers.models.phi3.modeling_phi3 import Phi3MLP
 from coda_agent.tasks import SUITE_DIR
 
 from . import plain_mlps
-from .adapters import lora_of, peft_base
-from .dropin import (GPT2_SUITE, NO_KERNEL, STACKS, PatchedForward, check_lm_head, check_slots, gelu_form,
-                     refusal_by, refuse_patched, refuse_wrapped, require_kernel_dtypes, slot_kernel, suite_kernel)
+from .adapters import peft_base
+from .dropin import (GPT2_SUITE, NO_KERNEL, STACKS, PatchedForward, check_lm_head, check_mlp_projection,
+                     check_mlp_widths, check_slots, gelu_form, refusal_by, refuse_patched, refuse_wrapped,
+                     require_kernel_dtypes, slot_kernel, suite_kernel)
 from .families import CAUSAL_LMS, same_code
 from .fused_weights import halves_from_interleaved, interleave_halves, interleave_rows, relayout, split_interleaved
 from .kernel import Kernel, KernelError
@@ -94,8 +95,14 @@ def apply_to_model(model: nn.Module, *, mlp: bool = True, fused_linear_cross_ent
     if whole is not None:
         warnings.warn(f"coda_agent.{whole}(model) takes this model and also folds its norms, RoPE and residual "
                       "adds into the GEMMs; apply_to_model patches its MLPs and LM head only", stacklevel=2)
+    cap = getattr(model.config, "final_logit_softcapping", None) if head in SOFTCAP_LMS else None
+    xent = "lm_head_xent" if cap is None else "lm_head_xent_softcap"
+    used = {task for _, _, task in mlps.values()} | ({xent, f"{xent}_frozen"} if head is not None else set())
+    # The suite's kernel of each slot this model uses (a program parsed per slot); a given one is
+    # checked against its slot's task whether or not the model uses it.
     chosen = {name: slot_kernel(name, (kernels or {}).get(name), suite_kernel(
-        name, GPT2_SUITE if name in plain_mlps.TASKS.values() else SUITE_DIR)) for name in SLOTS}
+        name, GPT2_SUITE if name in plain_mlps.TASKS.values() else SUITE_DIR))
+        for name in SLOTS if name in used or name in (kernels or {})}
     for name, (module, kind, task) in mlps.items():
         if task in GATED_TASKS:
             _patch_mlp(module, kind, task, chosen[task])
@@ -104,8 +111,6 @@ def apply_to_model(model: nn.Module, *, mlp: bool = True, fused_linear_cross_ent
     if head is not None:
         from .llama import patch_causal_lm  # the LLaMA drop-in's patched causal LM, whose code this one is
 
-        cap = getattr(model.config, "final_logit_softcapping", None) if head in SOFTCAP_LMS else None
-        xent = "lm_head_xent" if cap is None else "lm_head_xent_softcap"
         patch_causal_lm(model, head, chosen[xent], chosen[f"{xent}_frozen"], None if cap is None else float(cap))
     model.coda_flags = {**{task: sorted(n for n, (_, _, t) in mlps.items() if t == task) for task in MLP_TASKS},
                         "fused_linear_cross_entropy": head is not None}
@@ -179,12 +184,7 @@ def _check_mlp(module: nn.Module, where: str, parts: tuple[str, ...], task: str,
     projections = (*parts, "down_proj")
     for p in projections:
         m = getattr(module, p, None)
-        if lora_of(m) is not None:
-            raise KernelError(f"{where}.{p} has LoRA adapters, and the {task} kernel runs the whole MLP; pass "
-                              f"{flag} to keep HF's MLPs (the adapters train there)")
-        if type(m) is not nn.Linear:
-            raise KernelError(f"{where}.{p} is {type(m).__name__}, not nn.Linear: the {task} kernel reads its "
-                              f"weight; patch the unwrapped bf16 model, or pass {flag}")
+        check_mlp_projection(m, f"{where}.{p}", task, flag)
         if m.bias is not None:
             raise KernelError(f"{where}.{p}.bias: MLP biases are not in the {task} kernel; pass {flag} to keep "
                               "HF's MLPs")
@@ -193,10 +193,7 @@ def _check_mlp(module: nn.Module, where: str, parts: tuple[str, ...], task: str,
         raise KernelError(f"{where}: requires_grad differs across {', '.join(parts)} ({frozen}); the kernel fuses "
                           "them into one parameter, which trains or freezes as a whole: freeze or unfreeze them "
                           f"together first, or pass {flag}")
-    width, inter = module.down_proj.weight.shape
-    if width % 8 or inter % 8:
-        raise KernelError(f"{where}: hidden size {width} and intermediate size {inter} must be multiples of 8 (a "
-                          f"GEMM row of 16 bytes); pass {flag} to keep HF's MLPs")
+    check_mlp_widths(where, *module.down_proj.weight.shape, flag)
 
 
 def _causal_lm(model: nn.Module) -> str | None:

@@ -32,12 +32,13 @@ from transformers.models.phi.modeling_phi import PhiMLP
 from transformers.models.starcoder2.modeling_starcoder2 import Starcoder2MLP
 
 from .adapters import lora_of
-from .dropin import PatchedForward, gelu_form
+from .dropin import GELUS, PatchedForward, activation_form, check_mlp_projection, check_mlp_widths
 from .families import same_code
 from .kernel import Kernel, KernelError
 
 # The activation, probed by value -> the GPT-2 suite's task
 TASKS = {"exact": "gelu_mlp", "tanh": "gelu_tanh_mlp", "relu2": "relu2_mlp"}
+FORMS = {**GELUS, "relu2": lambda x: torch.square(F.relu(x))}
 LINEARS = (nn.Linear, FalconLinear)
 
 
@@ -92,14 +93,9 @@ def recognised(module: nn.Module) -> tuple[str | None, str | None, str]:
 
 
 def activation(act: nn.Module) -> str | None:
-    """Which of the kernels' activations ``act`` computes (a key of :data:`TASKS`), probed in fp64
-    as ``dropin.gelu_form`` probes the GELU's two forms; None: none of them."""
-    if (form := gelu_form(act)) is not None:
-        return form
-    probe = torch.linspace(-6.0, 6.0, 241, dtype=torch.float64)
-    with torch.no_grad():
-        got = act(probe.clone())
-    return "relu2" if torch.allclose(got, torch.square(F.relu(probe)), rtol=0, atol=1e-9) else None
+    """Which of the kernels' activations ``act`` computes (a key of :data:`TASKS`), probed by value
+    (``dropin.activation_form``); None: none of them."""
+    return activation_form(act, FORMS)
 
 
 def check(module: nn.Module, where: str, kind: str, task: str, flag: str = "mlp=False") -> None:
@@ -108,12 +104,7 @@ def check(module: nn.Module, where: str, kind: str, task: str, flag: str = "mlp=
     names = MLPS[kind][1]
     fc, proj = getattr(module, names[0]), getattr(module, names[2])
     for name, m in ((names[0], fc), (names[2], proj)):
-        if lora_of(m) is not None:
-            raise KernelError(f"{where}.{name} has LoRA adapters, and the {task} kernel runs the whole MLP; pass "
-                              f"{flag} to keep HF's MLPs (the adapters train there)")
-        if type(m) not in LINEARS:
-            raise KernelError(f"{where}.{name} is {type(m).__name__}, not nn.Linear: the {task} kernel reads its "
-                              f"weight; patch the unwrapped bf16 model, or pass {flag}")
+        check_mlp_projection(m, f"{where}.{name}", task, flag, LINEARS)
     if (fc.bias is None) != (proj.bias is None):
         raise KernelError(f"{where}: {names[0]} has {'no ' * (fc.bias is None)}bias and {names[2]} "
                           f"{'none' if proj.bias is None else 'one'}; the {task} kernel takes both or neither "
@@ -122,9 +113,7 @@ def check(module: nn.Module, where: str, kind: str, task: str, flag: str = "mlp=
     if fc.weight.shape != (inter, width):
         raise KernelError(f"{where}: {names[0]}'s weight is {tuple(fc.weight.shape)}, not ({inter}, {width}) as "
                           f"{names[2]}'s {tuple(proj.weight.shape)} implies; pass {flag} to keep HF's MLPs")
-    if width % 8 or inter % 8:
-        raise KernelError(f"{where}: hidden size {width} and intermediate size {inter} must be multiples of 8 (a "
-                          f"GEMM row of 16 bytes); pass {flag} to keep HF's MLPs")
+    check_mlp_widths(where, width, inter, flag)
 
 
 def patch(module: nn.Module, kind: str, task: str, kernel: Kernel) -> None:

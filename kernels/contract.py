@@ -24,6 +24,12 @@ for autograd, the verifier's runner (``verifier/program.py``), the benchmarks.
 What they add is their own: the Kernel its input checks and autograd, the
 runner its PyTorch audit and the program's line in an error.
 
+What backward is given is cut to what it reads when its source says so
+(:func:`backward_reads`: every use of ``saved`` is a subscript by a constant
+name), so a kernel's autograd Function keeps alive only those tensors, not an
+output nobody reads again; the verifier hands the checked program the same cut
+dict, so what runs in a model is what was judged.
+
 A program that breaks the contract (no dict, a missing name) raises
 :class:`ContractError`, whose message names what is missing; an exception the
 program itself raises passes through unchanged, so each caller reports it its
@@ -70,6 +76,59 @@ def takes_needs(source: str) -> bool:
                for f in tree.body)
 
 
+def backward_reads(source: str) -> frozenset[str] | None:
+    """The names the top-level ``def backward`` reads from ``saved`` (its first parameter), when
+    every use of it is ``saved["name"]``; None (it may read anything) for any other use: passed
+    on, iterated, ``.get``, rebound, shadowed, a decorated or rebound ``backward``.  Read from the
+    source, like :func:`takes_needs`; an answer too small only makes the program fail its
+    verification, which runs with the same cut (:func:`saved_state`)."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return None
+    defs = [f for f in tree.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) and f.name == "backward"]
+    bound = [n for top in tree.body if top not in defs for n in ast.walk(top)
+             if isinstance(n, ast.Name) and n.id == "backward" and not isinstance(n.ctx, ast.Load)]
+    if len(defs) != 1 or bound or defs[0].decorator_list or not (defs[0].args.posonlyargs or defs[0].args.args):
+        return None
+    fn = defs[0]
+    first = (*fn.args.posonlyargs, *fn.args.args)[0]
+    name = first.arg
+    keys: set[str] = set()
+    subscripted: set[int] = set()
+    for node in ast.walk(fn):
+        if (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id == name
+                and isinstance(node.ctx, ast.Load) and isinstance(node.slice, ast.Constant)
+                and isinstance(node.slice.value, str)):
+            keys.add(node.slice.value)
+            subscripted.add(id(node.value))
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Name) and node.id == name and id(node) not in subscripted:
+            return None  # used whole, or rebound
+        if node is not first and isinstance(node, ast.arg) and node.arg == name:
+            return None  # shadowed by an inner function's parameter
+        if name in _bound_names(node):
+            return None
+    return frozenset(keys)
+
+
+def _bound_names(node: ast.AST) -> tuple[str, ...]:
+    """Names a statement or pattern binds other than through an ``ast.Name`` store."""
+    if isinstance(node, ast.ExceptHandler):
+        return (node.name,) if node.name else ()
+    if isinstance(node, (ast.MatchAs, ast.MatchStar)):
+        return (node.name,) if node.name else ()
+    if isinstance(node, ast.MatchMapping):
+        return (node.rest,) if node.rest else ()
+    if isinstance(node, ast.alias):
+        return (node.asname or node.name.split(".")[0],)
+    if isinstance(node, (ast.Global, ast.Nonlocal)):
+        return tuple(node.names)
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return (node.name,)
+    return ()
+
+
 def call_backward(program: ModuleType, saved: Mapping[str, Any], grads: Mapping[str, Any],
                   gradients: Iterable[str], needs: Iterable[str] | None = None) -> dict[str, Any]:
     """``program.backward``: ``d<input>`` for every input in ``gradients`` (or, given ``needs``, for
@@ -97,10 +156,12 @@ def call_backward(program: ModuleType, saved: Mapping[str, Any], grads: Mapping[
     return {w: back[w] for w in wanted}
 
 
-def saved_state(inputs: Mapping[str, Any], params: Mapping[str, Any], outs: Mapping[str, Any]
-                ) -> Mapping[str, Any]:
-    """What backward is given: inputs, params and everything forward returned, read-only."""
-    return MappingProxyType({**inputs, **params, **outs})
+def saved_state(inputs: Mapping[str, Any], params: Mapping[str, Any], outs: Mapping[str, Any],
+                reads: frozenset[str] | None = None) -> Mapping[str, Any]:
+    """What backward is given, read-only: inputs, params and everything forward returned, cut to
+    ``reads`` (:func:`backward_reads`) unless it is None."""
+    every = {**inputs, **params, **outs}
+    return MappingProxyType(every if reads is None else {k: v for k, v in every.items() if k in reads})
 
 
 def run(program: ModuleType, inputs: Mapping[str, Any], params: Mapping[str, Any],

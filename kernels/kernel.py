@@ -7,7 +7,8 @@ solves (``tasks/spec.py``) is everything needed to run it inside a model:
 - ``forward(**inputs, **params)`` returns the task's outputs and, beside them,
   whatever the program keeps for its backward;
 - ``backward(saved, d<output>...)`` gets ``saved`` = inputs + params +
-  everything forward returned, and returns ``d<input>`` for the task's
+  everything forward returned (cut to what its source reads, :meth:`Kernel.keeps`:
+  an output the backward never reads is not kept alive), and returns ``d<input>`` for the task's
   ``gradients`` (a backward that declares ``needs`` is told which of them its
   caller reads, ``contract.py``).
 
@@ -61,7 +62,7 @@ from coda_agent.primitives.operands import OUTPUT_DTYPES
 from coda_agent.tasks import params as param_rules
 from coda_agent.tasks.spec import ExprError, TaskSpec, eval_expr, expr_symbols
 
-from .contract import ContractError, call_backward, call_forward, takes_needs
+from .contract import ContractError, backward_reads, call_backward, call_forward, takes_needs
 
 TORCH_DTYPES = {**OUTPUT_DTYPES, "int32": torch.int32, "int64": torch.int64}
 
@@ -111,6 +112,7 @@ class Kernel:
         self.differentiable = self.grad_outputs if self.gradients else tuple(
             o for o, t in spec.outputs.items() if TORCH_DTYPES[t.dtype].is_floating_point)
         self.subsets = spec.gradient_subsets if takes_needs(source) else spec.gradient_subsets[:1]
+        self.reads = backward_reads(source)  # what its Function saves (None: inputs, params, outputs)
         # smallest first, as tuples: needs_for runs inside backward, which torch.compile traces
         self._by_size = sorted(((tuple(sorted(s)), s) for s in self.subsets), key=lambda p: len(p[0]))
         self.function = _function(self)
@@ -169,6 +171,12 @@ class Kernel:
             return call_backward(self.program, saved, grads, self.gradients, needs)
         except ContractError as e:
             raise KernelError(f"{self.origin}: {e}") from None
+
+    def keeps(self, name: str) -> bool:
+        """Whether the autograd Function keeps ``name`` (an input, param or forward result) for the
+        backward: all of them, unless the program's source shows which its backward reads
+        (``contract.backward_reads``), as the verifier handed them when it checked it."""
+        return self.reads is None or name in self.reads
 
     def needs_for(self, wanted: Iterable[str]) -> frozenset[str]:
         """The smallest verified gradient set (``TaskSpec.gradient_subsets``; only the whole set
@@ -265,7 +273,7 @@ def _function(kernel: Kernel) -> type[torch.autograd.Function]:
         params = dict(zip(kernel.params, args[n_in:]))
         outs = kernel.forward(inputs, params)
         if kernel.gradients:  # a forward-only kernel keeps nothing alive
-            saved = {**inputs, **params, **outs}
+            saved = {k: v for k, v in {**inputs, **params, **outs}.items() if kernel.keeps(k)}
             ctx.tensor_names = [k for k, v in saved.items() if isinstance(v, torch.Tensor)]
             ctx.save_for_backward(*(saved[k] for k in ctx.tensor_names))
             ctx.others = {k: v for k, v in saved.items() if k not in ctx.tensor_names}

@@ -11,8 +11,8 @@ epilogue adds the bias and applies the activation, keeping only the pre-activati
 whose derivative rides in the epilogue of ``dy @ W_proj``. A projection without a bias (Falcon's and
 StarCoder-2's ``bias=False`` configs) gets a zero bias per call, whose gradient nobody asks for. The
 dropout some of these forwards apply after the projection runs on the kernel's output as HF applies
-it (and Falcon's layer, which adds into the MLP's output in place, gets a copy: the kernel's
-autograd Function saves its outputs). GPT-2's own MLP (``Conv1D`` weights, transposed) is
+it (Falcon's layer adds into the MLP's output in place, which is safe while the kernel does not keep
+that output for its backward, ``Kernel.keeps``; a kernel that does gets a copy). GPT-2's own MLP (``Conv1D`` weights, transposed) is
 ``apply_to_gpt2``'s, and a module with another activation stays HF's.
 """
 
@@ -55,9 +55,9 @@ def _residual_dropout(module: nn.Module, y: torch.Tensor) -> torch.Tensor:
 
 
 def _own_copy(module: nn.Module, y: torch.Tensor) -> torch.Tensor:
-    # Falcon's layer adds the attention output into the MLP's in place (`mlp_output +=`), and the
-    # kernel's autograd Function saves its outputs for its backward: the layer gets a copy to change
-    return y.clone()
+    # Falcon's layer adds the attention output into the MLP's in place (`mlp_output +=`): if the
+    # kernel's autograd Function keeps y for its backward, the layer gets a copy to change
+    return y.clone() if module.coda_mlp.keeps("y") else y
 
 
 # Whose MLP code -> (its forward, (fc, activation, proj) attributes, what follows the proj: the

@@ -27,8 +27,8 @@ from coda_agent.verifier.compare import compare
 from coda_agent.verifier.inputs import run_reference
 
 
-def suite_kernel(name: str) -> Kernel:
-    t = task(name)
+def suite_kernel(name: str, suite: str = "llama3") -> Kernel:
+    t = task(name, suite)
     return Kernel.from_files(t.expert_path, t.path)
 
 
@@ -364,3 +364,100 @@ def test_a_compiled_backward_writes_over_no_saved_tensor_and_copies_none():
     assert not [c for c in clones if f"[{tokens * width}]" in c or f"[{tokens}, {width}]" in c], clones
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=0)
+
+
+READS = [
+    ('def backward(saved, dy):\n    return {"dx": dy * saved["w"] + saved["x"]}\n', {"w", "x"}),
+    ('def backward(s, dy, needs):\n    f = lambda: s["pre"]\n    return {"dx": f()}\n', {"pre"}),
+    ('def backward(saved, dy):\n    return {"dx": saved.get("x")}\n', None),  # a method of the dict
+    ('def backward(saved, dy):\n    return helper(saved, dy)\n', None),  # passed on whole
+    ('def backward(saved, dy):\n    return {"dx": sum(saved[k] for k in saved)}\n', None),  # iterated
+    ('def backward(saved, dy):\n    k = "x"\n    return {"dx": saved[k]}\n', None),  # a computed key
+    ('def backward(saved, dy):\n    saved = dict(saved)\n    return {"dx": saved["x"]}\n', None),  # rebound
+    ('def backward(saved, dy):\n    g = lambda saved: saved["x"]\n    return {"dx": g(saved)}\n', None),
+    ('def backward(saved, dy):\n    try:\n        pass\n    except E as saved:\n        pass\n'
+     '    return {"dx": saved["x"]}\n', None),  # rebound by an except clause
+    ('@wrap\ndef backward(saved, dy):\n    return {"dx": saved["x"]}\n', None),  # decorated
+    ('def backward(saved, dy):\n    return {"dx": saved["x"]}\nbackward = other\n', None),  # rebound after
+    ('def backward(*args):\n    return {"dx": args[0]["x"]}\n', None),  # no named first parameter
+    ('def forward(x):\n    return {"y": x}\n', None),  # no backward (a forward-only task keeps nothing)
+]
+
+
+@pytest.mark.parametrize("source,reads", READS)
+def test_what_a_backward_reads_is_read_from_its_source(source, reads):
+    """``backward_reads``: the constant names ``saved`` is subscripted with, or None (keep it all)
+    for every other use of ``saved`` or of ``backward``."""
+    from coda_agent.kernels.contract import backward_reads
+
+    got = backward_reads(source)
+    assert got == (None if reads is None else frozenset(reads))
+
+
+def _saved_by(out: torch.Tensor) -> list[torch.Tensor]:
+    return list(out.grad_fn.saved_tensors)
+
+
+def test_the_function_keeps_only_what_the_backward_reads():
+    """gelu_mlp's backward reads x, the weights and the pre-activation: the Function keeps neither
+    its output y nor the biases, so y is freed when the model is done with it, and a model may
+    change y in place (Falcon's layer adds into its MLP's output) and still get HF's gradients."""
+    t = task("gelu_mlp", "gpt2")
+    kernel = suite_kernel("gelu_mlp", "gpt2")
+    assert kernel.reads == {"x", "w_fc", "w_proj", "pre"}
+    assert not kernel.keeps("y") and not kernel.keeps("b_fc")
+    inputs, grads = draw(t, "small", seed=5)
+
+    def grads_of(in_place: bool) -> dict[str, torch.Tensor]:
+        leaves = {n: v.clone().requires_grad_(True) for n, v in inputs.items()}
+        y = kernel(**leaves)["y"]
+        assert all(s.data_ptr() != y.data_ptr() for s in _saved_by(y))
+        assert len(_saved_by(y)) == 4
+        if in_place:
+            y += 1.0
+        y.backward(grads["dy"])
+        return {n: v.grad for n, v in leaves.items()}
+
+    want, got = grads_of(False), grads_of(True)
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=0, atol=0)
+
+
+def test_a_backward_that_reads_its_output_keeps_it():
+    """The same program with a backward that also reads y keeps y, and autograd's version counter
+    refuses a backward after y was changed in place (not a wrong gradient)."""
+    t = task("gelu_mlp", "gpt2")
+    source = t.expert_path.read_text().replace('x, w_fc = saved["x"], saved["w_fc"]',
+                                               'x, w_fc, _ = saved["x"], saved["w_fc"], saved["y"]')
+    kernel = Kernel.from_source(source, t.path.read_text())
+    assert kernel.keeps("y") and not kernel.keeps("b_fc")
+    inputs, grads = draw(t, "small", seed=5)
+    leaves = {n: v.clone().requires_grad_(True) for n, v in inputs.items()}
+    y = kernel(**leaves)["y"]
+    y += 1.0
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward(grads["dy"])
+
+
+def test_the_verifier_hands_the_backward_the_same_cut(monkeypatch):
+    """The runner's call (``verifier/program.py``) cuts ``saved`` to what the source reads, as a
+    Kernel does: what runs in a model is what was judged."""
+    from coda_agent.verifier import program as prog
+
+    t = task("gelu_mlp", "gpt2")
+    seen: list[set[str]] = []
+    real = prog.call_backward
+
+    def spy(mod, saved, *args, **kwargs):
+        seen.append(set(saved))
+        return real(mod, saved, *args, **kwargs)
+
+    monkeypatch.setattr(prog, "call_backward", spy)
+    source = t.expert_path.read_text()
+    contract = prog.Contract(inputs=list(t.spec.inputs), params=dict(t.spec.params),
+                             outputs={o: s.dtype for o, s in t.spec.outputs.items()},
+                             gradients=list(t.spec.gradients), grad_outputs=list(t.spec.grad_outputs))
+    inputs, grads = draw(t, "small", seed=6)
+    result = prog.call(contract, prog.load(source, "cut"), inputs, grads)
+    assert seen == [{"x", "w_fc", "w_proj", "pre"}]
+    assert {"y", "dx", "dw_fc", "db_fc", "dw_proj", "db_proj"} <= set(result)

@@ -18,6 +18,7 @@ import contextlib
 import math
 import sys
 import traceback
+import weakref
 from dataclasses import dataclass, field
 from types import FunctionType, MappingProxyType, ModuleType
 from typing import Any, Iterator
@@ -25,7 +26,7 @@ from typing import Any, Iterator
 import torch
 from torch.overrides import TorchFunctionMode
 
-from coda_agent.kernels.contract import ContractError, call_backward, call_forward, saved_state
+from coda_agent.kernels.contract import ContractError, backward_reads, call_backward, call_forward, saved_state
 from coda_agent.verifier.wire import DTYPE_NAMES
 
 MAX_LOG = 4000
@@ -73,14 +74,21 @@ def candidate_error(e: BaseException, name: str, doing: str) -> CandidateError:
     return CandidateError(f"{doing} raised {type(e).__name__}: {e}{where}", line, trim(tb))
 
 
+# What each loaded program's backward reads from ``saved``, from its source: the runner cuts the
+# dict it hands backward to it, as a Kernel in a model does (``contract.backward_reads``).
+_READS: "weakref.WeakKeyDictionary[ModuleType, frozenset[str] | None]" = weakref.WeakKeyDictionary()
+
+
 def load(source: str, tag: str) -> ModuleType:
     from coda_agent.primitives import load_program
 
     name = f"candidate_{tag}"
     try:
-        return load_program(source, name)
+        mod = load_program(source, name)
     except Exception as e:  # noqa: BLE001 - the candidate's failure, reported with its line
         raise candidate_error(e, name, "loading the program") from None
+    _READS[mod] = backward_reads(source)
+    return mod
 
 
 def call(contract: Contract, mod: ModuleType, inputs: dict[str, torch.Tensor],
@@ -97,7 +105,7 @@ def call(contract: Contract, mod: ModuleType, inputs: dict[str, torch.Tensor],
     _same_state(mod, before, "forward")
     result = {o: outs[o] for o in contract.outputs}
     if grads is not None:
-        saved = saved_state(inputs, params, outs)
+        saved = saved_state(inputs, params, outs, _READS.get(mod))
         with _as_candidate(mod.__file__, "backward"), audit or contextlib.nullcontext():
             result.update(call_backward(mod, saved, grads, contract.gradients, needs))
         _same_state(mod, before, "backward")

@@ -152,8 +152,9 @@ def test_the_sets_checked_on_a_cpu_and_on_a_gpu(rms):
     assert named == ["small", "ragged+256"]  # the beyond set is never left out
 
 
-# The judge's draws, references and cache: 50 GiB in use for a llama3-70b set of 7.25 GiB in fp32 on an H100.
-JUDGE_SHARE = 7
+# The judge's draws, references and cache: 63.1 GiB in use and 7 GiB more asked for, for a llama3-70b set
+# of 7.25 GiB in fp32 on an H100 (run 30).
+JUDGE_SHARE = 10
 
 
 @pytest.mark.parametrize("gib", [79.18, 139.8])  # an H100's and an H200's total, as torch reports them

@@ -127,10 +127,11 @@ from coda_agent.verifier.wire import TORCH_DTYPES, nbytes
 EDGE_ROLES = ("activation", "residual", "saved", "grad")
 TINY, LARGE = 2.0 ** -12, 2.0 ** 5
 CPU_SET_BYTES = 64 << 20  # inputs + outputs a CPU check draws per shape set, at most
-# A set fits when 10x its tensors in fp32 fit in the device's total memory: the judge's draws,
-# references and cache hold 6 to 7x (49.9 GiB in use for a llama3-70b set of 7.25), the runner's
-# buffers and poisoned block (which holds its results) 2 to 3x.
-GPU_MEMORY_FACTOR = 10
+# A set fits when 13x its tensors in fp32 fit in the device's total memory: the judge's draws,
+# references and cache hold up to 10x (an H100's judge asked for 7 GiB more with 63.1 GiB in use, 51.1
+# allocated, for a llama3-70b set of 7.25), the runner's buffers and poisoned block (which holds its
+# results) 2 to 3x.
+GPU_MEMORY_FACTOR = 13
 BEYOND = 256  # the beyond set adds one 256-wide chunk to every size of at least 128
 DRAWN = 256  # and then a secret growth below this (drawn_growth)
 ALIGN = 16  # the largest alignment step a drawn growth keeps (bytes of TMA rows of fp8 / 2-byte types)

@@ -17,7 +17,7 @@ compare runs at the same clock and the record says which clock that was:
 - the PyTorch reference, eager and under ``torch.compile`` (default mode);
 - Liger, where it has the op (``bench/liger_baselines.py``).
 
-Writes ``bench/results/h200-<date>-<suite>.json``; with ``--update-benchmarks`` it
+Writes ``bench/results/<gpu>-<date>-<suite>.json`` (``h200``, ``h100``: :func:`gpu_tag`); with ``--update-benchmarks`` it
 also regenerates the table in BENCHMARKS.md from that file (``bench/table.py``
 renders several runs side by side).  Usage on the device::
 
@@ -32,6 +32,7 @@ import contextlib
 import datetime as dt
 import json
 import random
+import re
 import sys
 import time
 import traceback
@@ -208,6 +209,12 @@ def versions(extra: tuple[str, ...] = ()) -> dict:
     return {**environment((*ENVIRONMENT, *extra)), "catalogue": CATALOGUE_VERSION}
 
 
+def gpu_tag(name: str) -> str:
+    """The results file's prefix for a GPU: its model number ("NVIDIA H100 80GB HBM3" -> "h100")."""
+    m = re.search(r"\b([A-Z]{1,2}\d{2,3})\b", name)
+    return m.group(1).lower() if m else "gpu"
+
+
 def main() -> int:
     from coda_agent.tasks import BENCH_SETS, TaskSpecError, load_suite, suite_dir
 
@@ -257,7 +264,8 @@ def main() -> int:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     suffix = "-steady" if args.steady is not None else ""
-    path = out_dir / f"{'h200' if device == 'cuda' else 'dryrun'}-{results['date']}-{suite_name}{suffix}.json"
+    tag = gpu_tag(results["versions"].get("gpu", "")) if device == "cuda" else "dryrun"
+    path = out_dir / f"{tag}-{results['date']}-{suite_name}{suffix}.json"
     from clocks import ClockSampler  # bench/clocks.py, on the path above
 
     with ClockSampler() if device == "cuda" else contextlib.nullcontext() as sampler:

@@ -362,3 +362,10 @@ def test_dropin_coverage_patches_or_refuses_each_model_it_builds(tmp_path):
     assert phi["parts"]["gelu_tanh_mlp"] == 2 and abs(phi["loss"] - phi["hf_loss"]) < 0.01
     with pytest.raises(SystemExit):
         coverage.main([str(out), "--models", "no_such_model"])
+
+
+@pytest.mark.parametrize("name,tag", [("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"),
+                                      ("NVIDIA GH200 480GB", "gh200"), ("Some GPU", "gpu")])
+def test_a_results_file_is_named_after_the_gpu_that_wrote_it(name, tag):
+    """An H100's numbers land in h100-<date>-<suite>.json, not under the H200's name."""
+    assert _bench_module("run").gpu_tag(name) == tag

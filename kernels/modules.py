@@ -18,7 +18,8 @@ one by one, by their code (``families.same_code``) as the layer drop-ins recogni
   matter: a post-norm block's MLP, a mixture of experts' shared expert, every layer of a hybrid.
   An MLP of that code with another activation (the exact GELU, xIELU) stays HF's.
 - **MLPs without a gate** (``proj(act(fc(x)))`` with biases: GPT-Neo's, GPT-J's, Phi's, Falcon's,
-  GPT-BigCode's, StarCoder-2's, GPT-NeoX's and Nemotron's code) run as the GPT-2 suite's
+  GPT-BigCode's, StarCoder-2's, GPT-NeoX's, Nemotron's, BLOOM's and MPT's code; the last two add the
+  residual they are given after the kernel) run as the GPT-2 suite's
   ``gelu_mlp``, ``gelu_tanh_mlp`` or ``relu2_mlp``, the activation probed by value (``plain_mlps``).
 - **The LM head and loss**: where the causal LM's forward is LLaMA's, Granite's or Mixtral's code
   (``families.CAUSAL_LMS``) and its loss is HF's causal-LM loss, training with labels runs the

@@ -1,5 +1,5 @@
 """MLPs without a gate in ``apply_to_model``: ``proj(act(fc(x)))`` with biases, as GPT-Neo, GPT-J,
-CodeGen, Phi, Falcon, GPT-BigCode, StarCoder-2, GPT-NeoX, Persimmon and Nemotron write it, run as
+CodeGen, Phi, Falcon, GPT-BigCode, StarCoder-2, GPT-NeoX, Persimmon, Nemotron, BLOOM and MPT write it, run as
 the GPT-2 suite's ``gelu_mlp`` (the exact GELU), ``gelu_tanh_mlp`` (its tanh form: ``gelu_new``,
 ``gelu_pytorch_tanh``) or ``relu2_mlp`` (the squared ReLU), the activation probed by value
 (:func:`activation`).
@@ -11,7 +11,8 @@ epilogue adds the bias and applies the activation, keeping only the pre-activati
 whose derivative rides in the epilogue of ``dy @ W_proj``. A projection without a bias (Falcon's and
 StarCoder-2's ``bias=False`` configs) gets a zero bias per call, whose gradient nobody asks for. The
 dropout some of these forwards apply after the projection runs on the kernel's output as HF applies
-it (Falcon's layer adds into the MLP's output in place, which is safe while the kernel does not keep
+it, and so does the residual add that BLOOM's and MPT's MLPs take as a second argument (BLOOM's
+``slow_but_exact`` tensor-parallel sum is the same sum, in the GEMM's order). (Falcon's layer adds into the MLP's output in place, which is safe while the kernel does not keep
 that output for its backward, ``Kernel.keeps``; a kernel that does gets a copy). GPT-2's own MLP (``Conv1D`` weights, transposed) is
 ``apply_to_gpt2``'s, and a module with another activation stays HF's.
 """
@@ -23,10 +24,12 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.models.bloom.modeling_bloom import BloomMLP, dropout_add
 from transformers.models.falcon.modeling_falcon import FalconLinear, FalconMLP
 from transformers.models.gpt2.modeling_gpt2 import GPT2MLP
 from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXMLP
 from transformers.models.gptj.modeling_gptj import GPTJMLP
+from transformers.models.mpt.modeling_mpt import MptMLP
 from transformers.models.nemotron.modeling_nemotron import NemotronMLP
 from transformers.models.phi.modeling_phi import PhiMLP
 from transformers.models.starcoder2.modeling_starcoder2 import Starcoder2MLP
@@ -54,6 +57,14 @@ def _residual_dropout(module: nn.Module, y: torch.Tensor) -> torch.Tensor:
     return F.dropout(y, p=module.residual_dropout, training=module.training)
 
 
+def _dropout_add(module: nn.Module, y: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    return dropout_add(y, residual, module.hidden_dropout, module.training)
+
+
+def _dropout_then_add(module: nn.Module, y: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    return F.dropout(y, p=module.hidden_dropout, training=module.training) + residual
+
+
 def _own_copy(module: nn.Module, y: torch.Tensor) -> torch.Tensor:
     # Falcon's layer adds the attention output into the MLP's in place (`mlp_output +=`): if the
     # kernel's autograd Function keeps y for its backward, the layer gets a copy to change
@@ -61,8 +72,9 @@ def _own_copy(module: nn.Module, y: torch.Tensor) -> torch.Tensor:
 
 
 # Whose MLP code -> (its forward, (fc, activation, proj) attributes, what follows the proj: the
-# family's dropout, or a copy the layer may change in place).
-MLPS: dict[str, tuple[Any, tuple[str, str, str], Callable[[nn.Module, torch.Tensor], torch.Tensor]]] = {
+# family's dropout, the residual add of the forward's further arguments, or a copy the layer may
+# change in place).
+MLPS: dict[str, tuple[Any, tuple[str, str, str], Callable[..., torch.Tensor]]] = {
     "GPT-2's": (GPT2MLP.forward, ("c_fc", "act", "c_proj"), _dropout),
     "GPT-J's": (GPTJMLP.forward, ("fc_in", "act", "fc_out"), _dropout),
     "Phi's": (PhiMLP.forward, ("fc1", "activation_fn", "fc2"), _no_dropout),
@@ -70,6 +82,8 @@ MLPS: dict[str, tuple[Any, tuple[str, str, str], Callable[[nn.Module, torch.Tens
     "Falcon's": (FalconMLP.forward, ("dense_h_to_4h", "act", "dense_4h_to_h"), _own_copy),
     "StarCoder-2's": (Starcoder2MLP.forward, ("c_fc", "act", "c_proj"), _residual_dropout),
     "Nemotron's": (NemotronMLP.forward, ("up_proj", "act_fn", "down_proj"), _no_dropout),
+    "BLOOM's": (BloomMLP.forward, ("dense_h_to_4h", "gelu_impl", "dense_4h_to_h"), _dropout_add),
+    "MPT's": (MptMLP.forward, ("up_proj", "act", "down_proj"), _dropout_then_add),
 }
 
 
@@ -123,8 +137,9 @@ def patch(module: nn.Module, kind: str, task: str, kernel: Kernel) -> None:
     module.forward = PatchedForward(module, _forward)
 
 
-def _forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The MLP's forward as its kernel, on any leading shape, then what the family's code does next."""
+def _forward(self: nn.Module, x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+    """The MLP's forward as its kernel, on any leading shape, then what the family's code does next
+    (with ``rest``, the forward's further arguments: BLOOM's and MPT's residual)."""
     fc_name, act_name, proj_name = MLPS[self.coda_plain_mlp][1]
     fc, proj = getattr(self, fc_name), getattr(self, proj_name)
     rows = x.reshape(-1, x.shape[-1])
@@ -136,4 +151,4 @@ def _forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
             b_fc = rows.new_zeros(fc.weight.shape[0])
             b_proj = rows.new_zeros(proj.weight.shape[0])
         y = self.coda_mlp(rows.contiguous(), fc.weight, b_fc, proj.weight, b_proj)["y"]
-    return MLPS[self.coda_plain_mlp][2](self, y).view(*x.shape[:-1], proj.weight.shape[0])
+    return MLPS[self.coda_plain_mlp][2](self, y.view(*x.shape[:-1], proj.weight.shape[0]), *rest)

@@ -1,5 +1,5 @@
 """coda_agent.apply_to_model on MLPs without a gate (kernels/plain_mlps.py): GPT-Neo, GPT-J,
-CodeGen, Phi, Falcon, GPT-BigCode, StarCoder-2, GPT-NeoX, Persimmon and Nemotron at tiny widths
+CodeGen, Phi, Falcon, GPT-BigCode, StarCoder-2, GPT-NeoX, Persimmon, Nemotron, BLOOM and MPT at tiny widths
 (CPU, the reference lowering), held to test_llama.py's bar: the loss, the logits and every gradient
 against the unpatched model in fp32, within twice HF's own bf16 error.  Their MLPs run as the GPT-2
 suite's gelu_mlp, gelu_tanh_mlp or relu2_mlp; everything else stays HF's."""
@@ -37,6 +37,8 @@ FAMILIES = {
     "GPTNeoX": ({"hidden_act": "gelu"}, "gelu_mlp", "gpt_neox.layers.{}.mlp"),
     "Persimmon": ({}, "relu2_mlp", "model.layers.{}.mlp"),
     "Nemotron": ({}, "relu2_mlp", "model.layers.{}.mlp"),  # mlp_bias=False: zeros in the kernel
+    "Bloom": ({}, "gelu_tanh_mlp", "transformer.h.{}.mlp"),  # the residual add is the MLP's
+    "Mpt": ({}, "gelu_mlp", "transformer.blocks.{}.ffn"),  # so is MPT's; no_bias: zeros in the kernel
 }
 # each task's epilogues: the fc GEMM's and the derivative's
 EPILOGUES = {"gelu_mlp": ("fc_gelu", "dgelu"), "gelu_tanh_mlp": ("fc_gelu_tanh", "dgelu_tanh"),
@@ -86,13 +88,15 @@ def test_an_mlp_without_a_gate_trains_like_hf(family):
     assert names.count(fc) == 4 and names.count(grad) == 2
 
 
-def test_falcon_with_biases_and_a_parallel_block_adds_into_a_copy():
+def test_falcon_with_biases_and_a_parallel_block_adds_into_the_kernel_s_output():
     """Falcon's parallel block adds the attention output into the MLP's output in place
-    (``mlp_output +=``): the kernel's saved output stays as the backward needs it."""
+    (``mlp_output +=``): the kernel does not keep its output for the backward, so no copy is made."""
     base = tiny_lm("Falcon", bias=True, parallel_attn=True, new_decoder_architecture=False)
     assert base.transformer.h[0].mlp.dense_h_to_4h.bias is not None
     hi, lo = (train_and_eval(copy.deepcopy(base).to(dtype), data()) for dtype in (torch.float32, torch.bfloat16))
-    assert_like_hf(train_and_eval(coda_agent.apply_to_model(copy.deepcopy(base).bfloat16()), data()), hi, lo)
+    model = coda_agent.apply_to_model(copy.deepcopy(base).bfloat16())
+    assert not model.transformer.h[0].mlp.coda_mlp.keeps("y")
+    assert_like_hf(train_and_eval(model, data()), hi, lo)
 
 
 def test_the_family_s_dropout_follows_the_kernel_in_training_only():
@@ -103,6 +107,26 @@ def test_the_family_s_dropout_follows_the_kernel_in_training_only():
     clean = mlp(x)
     mlp.train()
     dropped = mlp(x)
+    zeros = (dropped == 0).float().mean().item()
+    assert 0.35 < zeros < 0.65 and clean.ne(0).all()
+    kept = dropped != 0
+    assert torch.allclose(dropped[kept].float(), 2 * clean[kept].float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("family", ["Bloom", "Mpt"])
+def test_an_mlp_that_takes_the_residual_adds_it_after_the_family_s_dropout(family):
+    """BLOOM's and MPT's MLPs take the residual as a second argument: the kernel's output is
+    dropped out as HF drops it, then the residual is added (dropout off in eval)."""
+    model = coda_agent.apply_to_model(tiny_lm(family).bfloat16())
+    mlp = model.transformer.h[0].mlp if family == "Bloom" else model.transformer.blocks[0].ffn
+    mlp.hidden_dropout = 0.5
+    x, residual = torch.randn(2, 32, 128, dtype=torch.bfloat16), torch.randn(2, 32, 128, dtype=torch.bfloat16)
+    zero = torch.zeros_like(residual)
+    mlp.eval()
+    clean = mlp(x, zero)
+    assert torch.equal(mlp(x, residual), clean + residual)
+    mlp.train()
+    dropped = mlp(x, zero)
     zeros = (dropped == 0).float().mean().item()
     assert 0.35 < zeros < 0.65 and clean.ne(0).all()
     kept = dropped != 0

@@ -388,3 +388,20 @@ def test_the_sass_gate_wants_an_mma_in_every_gemm_and_none_in_a_streaming_pass()
     assert unmarked.status == "failed" and "plain: no HGMMA" in unmarked.message  # no kind: a GEMM
     wrong_arch = compile_result([_kernel("dgelu", "pass", 0, sm90a=False)], "small")
     assert wrong_arch.status == "failed" and "not compiled for sm_90a" in wrong_arch.message
+
+
+def test_an_out_of_memory_is_the_program_s_only_when_its_process_holds_more_than_a_call_needs():
+    """Run 30's H100: the judge held 63.1 GiB and the runner 9.9 GiB for a llama3-70b set of 7.25 GiB
+    in fp32. That is the judge's error (the card is too small for its checks), not a rejection of an
+    honest program; a runner holding 40 GiB beside it is the program keeping memory between calls."""
+    from coda_agent.verifier.check import memory_verdict
+
+    gib = 2**30
+    args = ("correctness", int(63.14 * gib))
+    judges = memory_verdict(*args, int(9.86 * gib), int(79.18 * gib), "llama3-70b", int(7.25 * gib), "CUDA out of memory")
+    assert judges.status == "error"
+    assert "too small for the judge's checks of shape set llama3-70b" in judges.message
+    assert "--sets" in judges.message and "not the program's fault" in judges.message
+    programs = memory_verdict(*args, 40 * gib, int(79.18 * gib), "llama3-70b", int(7.25 * gib), "CUDA out of memory")
+    assert programs.status == "failed"
+    assert "the program's process held 40.0 GiB" in programs.message and "between calls" in programs.message

@@ -79,3 +79,36 @@ def test_the_poison_reaches_the_next_outputs_and_holds_no_more_than_its_block():
     out = torch.empty(4096, 4096, device="cuda", dtype=torch.bfloat16)
     assert bool(out.isnan().all())
     torch.cuda.empty_cache()
+
+
+HOG = textwrap.dedent("""
+    import sys, torch
+    held = torch.empty(int(sys.argv[1]), dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    print("held", flush=True)
+    sys.stdin.readline()
+""")
+
+
+@pytest.mark.parametrize("other_gib,status", [(1, "error"), (12, "failed")])
+def test_an_out_of_memory_is_weighed_by_what_the_other_process_holds(other_gib, status):
+    """``check.out_of_memory`` on a real card: a second process holding little beside the judge
+    makes the judge's error; one holding more than a runner's share for the largest set (ragged's
+    few MiB: the context allowance, 2 GiB, and a little) fails the program."""
+    from types import SimpleNamespace
+
+    from coda_agent.tasks import SUITE_DIR, load_task
+    from coda_agent.verifier.check import out_of_memory
+    from coda_agent.verifier.inputs import with_drawn_sets
+
+    spec = with_drawn_sets(load_task(SUITE_DIR / "swiglu_fwd.yaml").spec)
+    proc = subprocess.Popen([sys.executable, "-c", HOG, str(other_gib << 30)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "held"
+        res = out_of_memory("correctness", SimpleNamespace(spec=spec, shape_sets=["small", "ragged"]), "CUDA oom")
+    finally:
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        proc.wait(timeout=60)
+    assert res.status == status, res.message

@@ -5,9 +5,11 @@ on first use, :mod:`.remote`); its :meth:`Check.request` is how every stage
 talks to the runner, within what is left of the check's time budget.
 :class:`Judge` runs a check's stages in order, each GPU stage under the GPU
 lock (:mod:`.gpu_lock`), and turns whatever a stage raises into its result: a
-:class:`CandidateError` is the program's failure, a CUDA out-of-memory while
-the program holds the device a rejection too, anything else the judge's own
-error (``error``: not the candidate's fault).
+:class:`CandidateError` is the program's failure, anything unexpected the
+judge's own error (``error``: not the candidate's fault).  A CUDA
+out-of-memory is weighed (:func:`out_of_memory`): the program's failure when
+its runner holds more than a runner needs for the largest set, else the
+judge's error, which names the card's size and the smaller sets to check.
 """
 
 from __future__ import annotations
@@ -24,9 +26,9 @@ import torch
 from coda_agent.tasks.spec import Task, load_task
 from coda_agent.verifier import sandbox
 from coda_agent.verifier.gpu_lock import gpu_lock
-from coda_agent.verifier.inputs import (drawn_magnitude, drawn_params, reference_takes, result_dtypes,
-                                        with_drawn_sets)
-from coda_agent.verifier.program import CandidateError
+from coda_agent.verifier.inputs import (checked_sets, drawn_magnitude, drawn_params, reference_takes, result_dtypes,
+                                        set_bytes, with_drawn_sets)
+from coda_agent.verifier.program import POISON_PER_CALL, CandidateError
 from coda_agent.verifier.remote import Remote, RunnerTimeout, WallsTooHigh
 from coda_agent.verifier.report import GPU_STAGES, StageResult
 from coda_agent.verifier.trees import remove_tree
@@ -199,10 +201,7 @@ class Judge:
         except CandidateError as e:
             res = StageResult(name=stage, status="failed", message=e.message, line=e.line, log=e.log)
         except torch.OutOfMemoryError as e:
-            res = StageResult(name=stage, status="failed", message=(
-                "the GPU ran out of memory while the judge checked the program (the judge sizes its checks "
-                "to the device's total memory, so a program must not hold memory between calls): "
-                f"{str(e)[:300]}"))
+            res = out_of_memory(stage, check, str(e))
         except Exception as e:  # noqa: BLE001 - the judge's own failure: not the candidate's fault
             self.broken = self.broken or "CUDA error" in str(e)
             res = StageResult(name=stage, status="error", log=traceback.format_exc()[-4000:],
@@ -212,3 +211,40 @@ class Judge:
             res.details["gpu_wait_s"] = round(waited, 2)
         return res
 
+
+
+RUNNER_CONTEXT = 2 << 30  # a runner's CUDA context, library workspaces and compiled kernels
+
+
+def out_of_memory(stage: str, check: Check, error: str) -> StageResult:
+    """A CUDA out-of-memory in a GPU stage, weighed by who holds the card: what the judge's process
+    reserved, and everything else in use (the runner's process) against what a runner needs for
+    the largest set checked (its buffers and the poisoned block, :func:`memory_verdict`)."""
+    free, total = torch.cuda.mem_get_info()
+    judge = torch.cuda.memory_reserved()
+    sets = checked_sets(check.spec, check.shape_sets, total)[0]
+    largest = max(sets, key=lambda s: set_bytes(check.spec, s, itemsize=4))
+    return memory_verdict(stage, judge, total - free - judge, total, largest,
+                          set_bytes(check.spec, largest, itemsize=4), error)
+
+
+def memory_verdict(stage: str, judge: int, others: int, total: int, largest: str, largest_bytes: int,
+                   error: str) -> StageResult:
+    """The program's failure when the rest of the card's use (``others``: its runner) passes a
+    runner's share for a set of ``largest_bytes`` in fp32; else the judge's error: the card is
+    too small for its checks of that set, which is no verdict on the program."""
+    def gib(b: float) -> str:
+        return f"{b / 2**30:.1f} GiB"
+
+    share = RUNNER_CONTEXT + (1 + POISON_PER_CALL) * largest_bytes
+    if others > share:
+        return StageResult(name=stage, status="failed", message=(
+            f"the GPU ran out of memory while the judge checked the program: the program's process held "
+            f"{gib(others)} of the card's {gib(total)}, more than a call of the largest set ({largest}, "
+            f"{gib(largest_bytes)} in fp32) needs ({gib(share)}); a program must not keep memory between "
+            f"calls (no caches, no buffers kept in the module): {error[:300]}"))
+    return StageResult(name=stage, status="error", message=(
+        f"the GPU ({gib(total)}) is too small for the judge's checks of shape set {largest} "
+        f"({gib(largest_bytes)} in fp32): the judge held {gib(judge)} and the program's process "
+        f"{gib(others)}, within its share; not the program's fault. Check smaller sets (--sets) or "
+        f"use a card with more memory: {error[:300]}"))

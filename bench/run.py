@@ -17,8 +17,8 @@ compare runs at the same clock and the record says which clock that was:
 - the PyTorch reference, eager and under ``torch.compile`` (default mode);
 - Liger, where it has the op (``bench/liger_baselines.py``).
 
-Writes ``bench/results/<gpu>-<date>-<suite>.json`` (``h200``, ``h100``: :func:`gpu_tag`); with ``--update-benchmarks`` it
-also regenerates the table in BENCHMARKS.md from that file (``bench/table.py``
+Writes ``bench/results/<gpu>-<date>-<suite>.json`` (``h200``, ``h100``: :func:`gpu_tag`); with
+``--update-benchmarks`` it also regenerates the table in BENCHMARKS.md from that file (``bench/table.py``
 renders several runs side by side).  Usage on the device::
 
     source scripts/gpu-env.sh && python3 bench/run.py --sets llama3-1b,llama3-8b

@@ -8,9 +8,9 @@ solves (``tasks/spec.py``) is everything needed to run it inside a model:
   whatever the program keeps for its backward;
 - ``backward(saved, d<output>...)`` gets ``saved`` = inputs + params +
   everything forward returned (cut to what its source reads, :meth:`Kernel.keeps`:
-  an output the backward never reads is not kept alive), and returns ``d<input>`` for the task's
-  ``gradients`` (a backward that declares ``needs`` is told which of them its
-  caller reads, ``contract.py``).
+  an output the backward never reads is not kept alive), and returns
+  ``d<input>`` for the task's ``gradients`` (a backward that declares ``needs``
+  is told which of them its caller reads, ``contract.py``).
 
 :class:`Kernel` is the one place that turns that contract into autograd.  Its
 ``function`` (a ``torch.autograd.Function``) runs ``forward`` and, on

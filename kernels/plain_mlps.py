@@ -1,20 +1,22 @@
 """MLPs without a gate in ``apply_to_model``: ``proj(act(fc(x)))`` with biases, as GPT-Neo, GPT-J,
-CodeGen, Phi, Falcon, GPT-BigCode, StarCoder-2, GPT-NeoX, Persimmon, Nemotron, BLOOM and MPT write it, run as
-the GPT-2 suite's ``gelu_mlp`` (the exact GELU), ``gelu_tanh_mlp`` (its tanh form: ``gelu_new``,
-``gelu_pytorch_tanh``) or ``relu2_mlp`` (the squared ReLU), the activation probed by value
-(:func:`activation`).
+CodeGen, Phi, Falcon, GPT-BigCode, StarCoder-2, GPT-NeoX, Persimmon, Nemotron, BLOOM and MPT write
+it, run as the GPT-2 suite's ``gelu_mlp`` (the exact GELU), ``gelu_tanh_mlp`` (its tanh form:
+``gelu_new``, ``gelu_pytorch_tanh``, BLOOM's own) or ``relu2_mlp`` (the squared ReLU), the
+activation probed by value (:func:`activation`).
 
 A module qualifies by its forward's code (``families.same_code``, so a family that copies one of
 these forwards under its own class name qualifies too: GPT-Neo's and GPT-BigCode's MLPs are GPT-2's
 code), with ``nn.Linear`` projections (Falcon's ``FalconLinear`` computes the same). The fc GEMM's
 epilogue adds the bias and applies the activation, keeping only the pre-activation for the backward,
-whose derivative rides in the epilogue of ``dy @ W_proj``. A projection without a bias (Falcon's and
-StarCoder-2's ``bias=False`` configs) gets a zero bias per call, whose gradient nobody asks for. The
-dropout some of these forwards apply after the projection runs on the kernel's output as HF applies
-it, and so does the residual add that BLOOM's and MPT's MLPs take as a second argument (BLOOM's
-``slow_but_exact`` tensor-parallel sum is the same sum, in the GEMM's order). (Falcon's layer adds into the MLP's output in place, which is safe while the kernel does not keep
-that output for its backward, ``Kernel.keeps``; a kernel that does gets a copy). GPT-2's own MLP (``Conv1D`` weights, transposed) is
-``apply_to_gpt2``'s, and a module with another activation stays HF's.
+whose derivative rides in the epilogue of ``dy @ W_proj``. A projection without a bias (Falcon's,
+StarCoder-2's and MPT's ``bias=False`` configs) gets a zero bias per call, whose gradient nobody
+asks for. The dropout some of these forwards apply after the projection runs on the kernel's output
+as HF applies it, and so does the residual add that BLOOM's and MPT's MLPs take as a second
+argument (BLOOM's ``slow_but_exact`` tensor-parallel sum is the same sum, in the GEMM's order).
+Falcon's layer adds into the MLP's output in place, which is safe while the kernel does not keep
+that output for its backward (``Kernel.keeps``); a kernel that does gets a copy. GPT-2's own MLP
+(``Conv1D`` weights, transposed) is ``apply_to_gpt2``'s, and a module with another activation stays
+HF's.
 """
 
 from __future__ import annotations

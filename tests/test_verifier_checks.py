@@ -398,10 +398,11 @@ def test_an_out_of_memory_is_the_program_s_only_when_its_process_holds_more_than
 
     gib = 2**30
     args = ("correctness", int(63.14 * gib))
-    judges = memory_verdict(*args, int(9.86 * gib), int(79.18 * gib), "llama3-70b", int(7.25 * gib), "CUDA out of memory")
+    card, llama3_70b = int(79.18 * gib), ("llama3-70b", int(7.25 * gib), "CUDA out of memory")
+    judges = memory_verdict(*args, int(9.86 * gib), card, *llama3_70b)
     assert judges.status == "error"
     assert "too small for the judge's checks of shape set llama3-70b" in judges.message
     assert "--sets" in judges.message and "not the program's fault" in judges.message
-    programs = memory_verdict(*args, 40 * gib, int(79.18 * gib), "llama3-70b", int(7.25 * gib), "CUDA out of memory")
+    programs = memory_verdict(*args, 40 * gib, card, *llama3_70b)
     assert programs.status == "failed"
     assert "the program's process held 40.0 GiB" in programs.message and "between calls" in programs.message

@@ -406,3 +406,36 @@ def test_an_out_of_memory_is_the_program_s_only_when_its_process_holds_more_than
     programs = memory_verdict(*args, 40 * gib, card, *llama3_70b)
     assert programs.status == "failed"
     assert "the program's process held 40.0 GiB" in programs.message and "between calls" in programs.message
+
+
+def test_the_judge_keeps_two_draws_of_a_set_alive_not_all_of_them():
+    """Between the draws of a set the judge holds the first draw's case and the previous draw's
+    case and results, whatever the number of draws: on the GPU each is the size of the set (run 30:
+    the judge held 9.7x a llama3-70b set in fp32 while it kept every draw's)."""
+    import weakref
+    from types import SimpleNamespace
+
+    from coda_agent.verifier import stages
+
+    t = load_task(SUITE_DIR / "swiglu_mlp.yaml")
+    check = SimpleNamespace(task=t, spec=with_drawn_sets(t.spec), params=None, magnitude=6.0, seed=lambda: 3,
+                            source=t.expert_path.read_text())
+    results: list[weakref.ref] = []
+    cases: list[weakref.ref] = []
+    alive: list[tuple[int, int]] = []
+
+    def live(refs: list[weakref.ref]) -> int:  # distinct tensors: a needs call's case shares its draw's
+        return len({id(t) for t in (r() for r in refs) if t is not None})
+
+    def call(case):
+        alive.append((live(results), live(cases)))
+        cases.append(weakref.ref(case.hi[next(iter(case.hi))]))
+        got = {k: v.clone() for k, v in case.lo.items()}  # the bf16 reference: within every bar
+        results.append(weakref.ref(next(iter(got.values()))))
+        return got
+
+    assert stages._check_sets(check, ["small", "ragged"], "cpu", call, determinism=False, poisoned=False) is None
+    assert len(alive) >= 10  # both sets' draws ran
+    # at a call: the previous draw's results or this draw's (a needs call), and the first draw's case,
+    # the previous one's and this one's
+    assert max(r for r, _ in alive) <= 1 and max(c for _, c in alive) <= 3, alive

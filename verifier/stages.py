@@ -16,7 +16,7 @@ import torch
 
 from coda_agent.kernels.contract import takes_needs
 from coda_agent.verifier.calls import Case, CpuCalls, GpuCalls, draw_case, verdict
-from coda_agent.verifier.inputs import beyond_set, checked_sets, set_label, small_sets
+from coda_agent.verifier.inputs import beyond_set, checked_sets, set_bytes, set_label, small_sets
 from coda_agent.verifier.check import Check
 from coda_agent.verifier.program import CandidateError
 from coda_agent.verifier.report import Mismatch, StageResult
@@ -59,12 +59,17 @@ def _check_sets(check: Check, sets: list[str], device: str, call: Callable[[Case
     program's tile configurations); and for a task with a backward, the first draw's forward alone,
     whose outputs must match without a backward after them. None when everything matched, else the
     failed StageResult's fields; ``seconds`` gets each finished set's time (judge and runner
-    together)."""
+    together).  Of the earlier draws the judge keeps the first draw's case (the padded and
+    forward-alone calls reuse it) and, until this draw's results are compared with them (the
+    identity rule), the previous draw's case and results, no more: on the GPU every draw's inputs,
+    references and results are the size of the set."""
     spec = check.spec
     subsets = needs_sets(check)
     for index, shape_set in enumerate(sets):
         t0 = time.perf_counter()
-        seen: list[tuple[Case, dict[str, torch.Tensor]]] = []
+        first: Case | None = None
+        last: tuple[Case, dict[str, torch.Tensor]] | None = None
+        case = got = None  # the previous set's, released before this set's references are drawn
         # The forward alone too: a backward may not mend in place what its forward returned wrong.
         draws = (["seed"] + ["outliers"] * (SEEDS_PER_SET - 1) + ["edge", "scaled", "scaled"]
                  + (["padded"] if padded else []) + (["forward"] if spec.has_backward else []))
@@ -72,31 +77,35 @@ def _check_sets(check: Check, sets: list[str], device: str, call: Callable[[Case
             # every set at a small and a large magnitude, the set's first in turn
             magnitude = check.magnitude * (-1) ** (index + draws[:i].count("scaled"))
             if draw == "padded":
-                case = dataclasses.replace(seen[0][0], draw=draw)
+                case = dataclasses.replace(first, draw=draw)
             elif draw == "forward":
-                case = seen[0][0].forward_alone(spec)
+                case = first.forward_alone(spec)
             else:
                 case = draw_case(check.task, spec, shape_set, check.seed(), device, draw,
                                  varied=check.params if i else None, magnitude=magnitude)
             got = call(case)
-            if seen and (same := _identical(seen[-1][1], got, seen[-1][0], case)):
+            if last is not None and (same := _identical(last[1], got, last[0], case)):
                 return StageResult(name="reference", status="failed",
                                    message=f"`{same}` is identical for two different inputs "
                                            f"({set_label(spec, shape_set)}): "
                                            "results must be computed from the inputs of the call")
+            last = None  # the previous draw has served: its results go before this draw's calls
             ms = verdict(spec, case, got, poisoned=poisoned)
             if ms:
                 return StageResult(name="reference", status="failed", message=mismatch_message(ms), mismatches=ms)
-            if determinism and not seen:
+            if determinism and first is None:
                 again = call(case)
                 diff = [k for k in got if not _same_bits(got[k], again[k])]
+                del again
                 if diff:
                     return StageResult(name="reference", status="failed",
                                        message=f"not deterministic: `{diff[0]}` differs between two runs on "
                                                f"the same inputs ({set_label(spec, shape_set)})")
             if draw not in ("padded", "forward") and (failed := _check_needs(check, subsets, case, call, poisoned)):
                 return failed
-            seen.append((case, got))
+            if first is None:
+                first = case
+            last = (case, got)
         if seconds is not None:
             seconds[shape_set] = round(time.perf_counter() - t0, 2)
     return None
@@ -287,6 +296,7 @@ def correctness(check: Check) -> StageResult:
     device, NaN-poisoned outputs, inputs unmodified, deterministic."""
     total = torch.cuda.get_device_properties(0).total_memory
     sets, skipped = checked_sets(check.spec, check.shape_sets, total)
+    torch.cuda.reset_peak_memory_stats()  # the judge's own peak, reported for GPU_MEMORY_FACTOR
     check.load("correctness", "cute")
     calls = GpuCalls(check, check.spec, "correctness")
     seconds: dict[str, float] = {}
@@ -303,7 +313,9 @@ def correctness(check: Check) -> StageResult:
                                + (f"; NOT checked, too large for this GPU's {total / 2**30:.0f} GiB: "
                                   f"{', '.join(skipped)}" if skipped else ""),
                        details={"shape_sets": sets, "skipped_shape_sets": skipped, "seconds_by_set": seconds,
-                                "beyond_set": _beyond_sizes(check)})
+                                "beyond_set": _beyond_sizes(check),
+                                "judge_peak_over_set": round(torch.cuda.max_memory_allocated() / max(
+                                    set_bytes(check.spec, s, itemsize=4) for s in sets), 2)})
 
 
 # --------------------------------------------------------------------------- 5. launch audit

@@ -17,6 +17,9 @@ one by one, by their code (``families.same_code``) as the layer drop-ins recogni
   (``fused_weights.relayout``: the state dict keeps HF's keys).  Where the module sits does not
   matter: a post-norm block's MLP, a mixture of experts' shared expert, every layer of a hybrid.
   An MLP of that code with another activation (the exact GELU, xIELU) stays HF's.
+- **Encoders' intermediates** (``act(dense(x))``, the first half of BERT's MLP, and of the encoders
+  that copy its code) with the exact GELU run as the GPT-2 suite's ``linear_gelu``
+  (``intermediates``); the second half, with its residual add and LayerNorm, stays HF's.
 - **MLPs without a gate** (``proj(act(fc(x)))`` with biases: GPT-Neo's, GPT-J's, Phi's, Falcon's,
   GPT-BigCode's, StarCoder-2's, GPT-NeoX's, Nemotron's, BLOOM's and MPT's code; the last two add the
   residual they are given after the kernel) run as the GPT-2 suite's
@@ -52,7 +55,7 @@ from transformers.models.phi3.modeling_phi3 import Phi3MLP
 
 from coda_agent.tasks import SUITE_DIR
 
-from . import plain_mlps
+from . import intermediates, plain_mlps
 from .adapters import peft_base
 from .dropin import (GPT2_SUITE, NO_KERNEL, STACKS, PatchedForward, check_lm_head, check_mlp_projection,
                      check_mlp_widths, check_slots, gelu_form, refusal_by, refuse_patched, refuse_wrapped,
@@ -62,7 +65,8 @@ from .fused_weights import halves_from_interleaved, interleave_halves, interleav
 from .kernel import Kernel, KernelError
 
 GATED_TASKS = ("swiglu_mlp", "geglu_mlp")
-MLP_TASKS = (*GATED_TASKS, *plain_mlps.TASKS.values())
+MLP_TASKS = (*GATED_TASKS, *plain_mlps.TASKS.values(), intermediates.TASK)
+GPT2_TASKS = (*plain_mlps.TASKS.values(), intermediates.TASK)  # the MLP slots the GPT-2 suite's kernels fill
 SLOTS = (*MLP_TASKS, "lm_head_xent", "lm_head_xent_frozen", "lm_head_xent_softcap", "lm_head_xent_softcap_frozen")
 # Causal LMs whose forward soft-caps the logits (config.final_logit_softcapping) before HF's loss
 SOFTCAP_LMS = {"Gemma-2's": Gemma2ForCausalLM.forward}
@@ -102,11 +106,13 @@ def apply_to_model(model: nn.Module, *, mlp: bool = True, fused_linear_cross_ent
     # The suite's kernel of each slot this model uses (a program parsed per slot); a given one is
     # checked against its slot's task whether or not the model uses it.
     chosen = {name: slot_kernel(name, (kernels or {}).get(name), suite_kernel(
-        name, GPT2_SUITE if name in plain_mlps.TASKS.values() else SUITE_DIR))
+        name, GPT2_SUITE if name in GPT2_TASKS else SUITE_DIR))
         for name in SLOTS if name in used or name in (kernels or {})}
     for name, (module, kind, task) in mlps.items():
         if task in GATED_TASKS:
             _patch_mlp(module, kind, task, chosen[task])
+        elif task == intermediates.TASK:
+            intermediates.patch(module, kind, chosen[task])
         else:
             plain_mlps.patch(module, kind, task, chosen[task])
     if head is not None:
@@ -134,6 +140,11 @@ def _mlps(model: nn.Module) -> tuple[dict[str, tuple[nn.Module, str, str]], list
             kind, task, why = plain_mlps.recognised(module)
             if task is not None:
                 plain_mlps.check(module, name or type(module).__name__, kind, task)
+                found[name] = (module, kind, task)
+        if kind is None:
+            kind, task, why = intermediates.recognised(module)
+            if task is not None:
+                intermediates.check(module, name or type(module).__name__, kind)
                 found[name] = (module, kind, task)
         elif task is None:
             act = getattr(module, _MLPS[kind][1], None)

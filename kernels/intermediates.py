@@ -41,11 +41,11 @@ def recognised(module: nn.Module) -> tuple[str | None, str | None, str]:
     return kind, TASK, ""
 
 
-def check(module: nn.Module, where: str, kind: str, flag: str = "mlp=False") -> None:
-    """Refuse, naming ``flag`` as the way to keep HF's, a dense layer the kernel cannot read."""
+def check(module: nn.Module, where: str, kind: str, task: str = TASK, flag: str = "mlp=False") -> None:
+    """Refuse, naming ``flag`` as the way to keep HF's, a dense layer the ``task`` kernel cannot read."""
     dense_name = INTERMEDIATES[kind][1][0]
     dense = getattr(module, dense_name, None)
-    check_mlp_projection(dense, f"{where}.{dense_name}", TASK, flag)
+    check_mlp_projection(dense, f"{where}.{dense_name}", task, flag)
     inter, width = dense.weight.shape
     check_mlp_widths(where, width, inter, flag)
 

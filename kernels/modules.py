@@ -134,25 +134,25 @@ def _mlps(model: nn.Module) -> tuple[dict[str, tuple[nn.Module, str, str]], list
     found: dict[str, tuple[nn.Module, str, str]] = {}
     passed: list[str] = []  # each reason once, three at most
     for name, module in model.named_modules():
+        where = name or type(module).__name__
         kind, task = _recognised(module)
         why = ""
-        if kind is None:
-            kind, task, why = plain_mlps.recognised(module)
-            if task is not None:
-                plain_mlps.check(module, name or type(module).__name__, kind, task)
+        if kind is not None:  # a gated MLP
+            if task is None:
+                act = getattr(module, _MLPS[kind][1], None)
+                why = (f"{type(module).__name__} is {kind} MLP code with {type(act).__name__}, neither SiLU nor "
+                       "GELU's tanh form")
+            else:
+                _check_mlp(module, where, _MLPS[kind][2], task)
                 found[name] = (module, kind, task)
-        if kind is None:
-            kind, task, why = intermediates.recognised(module)
+        else:  # an MLP without a gate, or an encoder's intermediate
+            for family in (plain_mlps, intermediates):
+                kind, task, why = family.recognised(module)
+                if kind is not None:
+                    break
             if task is not None:
-                intermediates.check(module, name or type(module).__name__, kind)
+                family.check(module, where, kind, task)
                 found[name] = (module, kind, task)
-        elif task is None:
-            act = getattr(module, _MLPS[kind][1], None)
-            why = (f"{type(module).__name__} is {kind} MLP code with {type(act).__name__}, neither SiLU nor GELU's "
-                   "tanh form")
-        else:
-            _check_mlp(module, name or type(module).__name__, _MLPS[kind][2], task)
-            found[name] = (module, kind, task)
         if why and why not in passed and len(passed) < 3:
             passed.append(why)
     return found, passed

@@ -1,6 +1,7 @@
 """The first half of an encoder's MLP in ``apply_to_model``: ``act(dense(x))``, as BERT writes its
-``BertIntermediate`` and the many encoders that copy it write theirs (RoBERTa, XLM-R, ELECTRA,
-Data2Vec, CamemBERT, ERNIE, RemBERT, RoFormer, BigBird, Megatron-BERT, ViT's and others), run as
+``BertIntermediate`` and the many encoders that copy it write theirs (about 60 classes of
+transformers: RoBERTa, XLM-R, ELECTRA, DeBERTa, CamemBERT, ERNIE, RoFormer, BigBird, LayoutLM, ViLT,
+VideoMAE, BLIP-2's Q-Former ...), run as
 the GPT-2 suite's ``linear_gelu``: one GEMM whose epilogue adds the bias and applies the exact GELU,
 keeping the pre-activation for the backward, whose derivative is one pass over the incoming
 gradient (no GEMM produces it here) before the two gradient GEMMs.

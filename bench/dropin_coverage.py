@@ -75,11 +75,15 @@ def build(class_name: str, fixes: dict[str, float] | None = None) -> torch.nn.Mo
 
 
 IDS = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(1))  # every model's batch
+# Each training forward starts from this seed, so the dropout a config keeps (BERT's 0.1) draws the
+# same masks in the patched model as in HF's: the kernels draw no random numbers of their own.
+DROPOUT_SEED = 2
 
 
 def hf_loss(model: torch.nn.Module) -> float:
     """The unpatched model's training loss on this sweep's batch."""
     reference = copy.deepcopy(model).train()
+    torch.manual_seed(DROPOUT_SEED)
     return reference(input_ids=IDS, labels=IDS).loss.item()
 
 
@@ -113,6 +117,7 @@ def patch_and_train(model: torch.nn.Module, drop_in: str, want: float, class_nam
             return {"result": "error", "message": f"{type(e).__name__}: {e}", "flags": flags, "config": fixes}
     try:
         patched.train()
+        torch.manual_seed(DROPOUT_SEED)
         loss = patched(input_ids=IDS, labels=IDS).loss
         loss.backward()
     except Exception as e:

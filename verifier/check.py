@@ -212,7 +212,6 @@ class Judge:
         return res
 
 
-
 RUNNER_CONTEXT = 2 << 30  # a runner's CUDA context, library workspaces and compiled kernels
 
 
@@ -220,8 +219,12 @@ def out_of_memory(stage: str, check: Check, error: str) -> StageResult:
     """A CUDA out-of-memory in a GPU stage, weighed by who holds the card: what the judge's process
     reserved, and everything else in use (the runner's process) against what a runner needs for
     the largest set checked (its buffers and the poisoned block, :func:`memory_verdict`)."""
-    free, total = torch.cuda.mem_get_info()
-    judge = torch.cuda.memory_reserved()
+    try:
+        free, total = torch.cuda.mem_get_info()
+        judge = torch.cuda.memory_reserved()
+    except RuntimeError as e:  # the card cannot say who holds it: no verdict on the program
+        return StageResult(name=stage, status="error", message=f"the GPU ran out of memory and then could not "
+                           f"report its use ({e}): {error[:300]}")
     sets = checked_sets(check.spec, check.shape_sets, total)[0]
     largest = max(sets, key=lambda s: set_bytes(check.spec, s, itemsize=4))
     return memory_verdict(stage, judge, total - free - judge, total, largest,

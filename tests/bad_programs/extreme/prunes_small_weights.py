@@ -1,5 +1,5 @@
 # stage: reference
-# expect: `dattn` differs from the reference
+# expect: `dattn` differs from the reference || `h` differs from the reference
 # task: gpt2/out_proj_residual
 # Weights below 2^-10 pruned before the GEMMs: drawn at 1/sqrt(H) they hold next to nothing; a
 # residual projection initialised at 0.02/sqrt(2L) (GPT-2's c_proj) loses most of itself.

@@ -324,11 +324,13 @@ def gelu_form(act: nn.Module) -> str | None:
     return activation_form(act, GELUS)
 
 
-def check_mlp_projection(m: Any, where: str, task: str, flag: str, linears: tuple[type, ...] = (nn.Linear,)) -> None:
+def check_mlp_projection(m: Any, where: str, task: str, flag: str, linears: tuple[type, ...] = (nn.Linear,),
+                         runs: str = "the whole MLP") -> None:
     """Refuse, naming ``flag`` as the way to keep HF's MLPs, an MLP projection (at ``where``) whose
-    weight the MLP kernel of ``task`` cannot read: a LoRA layer, or a module not of ``linears``."""
+    weight the kernel of ``task`` (which ``runs`` it) cannot read: a LoRA layer, or a module not of
+    ``linears``."""
     if lora_of(m) is not None:
-        raise KernelError(f"{where} has LoRA adapters, and the {task} kernel runs the whole MLP; pass "
+        raise KernelError(f"{where} has LoRA adapters, and the {task} kernel runs {runs}; pass "
                           f"{flag} to keep HF's MLPs (the adapters train there)")
     if type(m) not in linears:
         raise KernelError(f"{where} is {type(m).__name__}, not nn.Linear: the {task} kernel reads its "

@@ -46,7 +46,7 @@ def check(module: nn.Module, where: str, kind: str, task: str = TASK, flag: str 
     """Refuse, naming ``flag`` as the way to keep HF's, a dense layer the ``task`` kernel cannot read."""
     dense_name = INTERMEDIATES[kind][1][0]
     dense = getattr(module, dense_name, None)
-    check_mlp_projection(dense, f"{where}.{dense_name}", task, flag)
+    check_mlp_projection(dense, f"{where}.{dense_name}", task, flag, runs="the dense layer with its GELU")
     inter, width = dense.weight.shape
     check_mlp_widths(where, width, inter, flag)
 

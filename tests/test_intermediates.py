@@ -86,7 +86,7 @@ def test_a_lora_dense_layer_is_refused_with_the_fix():
     peft = pytest.importorskip("peft")
     model = peft.get_peft_model(tiny("Bert").bfloat16(), peft.LoraConfig(r=4, target_modules=["intermediate.dense"]))
     with pytest.raises(KernelError, match=r"intermediate.dense has LoRA adapters, and the linear_gelu kernel runs "
-                                          r"the whole MLP; pass mlp=False"):
+                                          r"the dense layer with its GELU; pass mlp=False"):
         coda_agent.apply_to_model(model)
 
 

@@ -28,7 +28,7 @@ from coda_agent.verifier import sandbox
 from coda_agent.verifier.gpu_lock import gpu_lock
 from coda_agent.verifier.inputs import (checked_sets, drawn_magnitude, drawn_params, reference_takes, result_dtypes,
                                         set_bytes, with_drawn_sets)
-from coda_agent.verifier.program import POISON_PER_CALL, CandidateError
+from coda_agent.verifier.program import CandidateError, poison_bytes
 from coda_agent.verifier.remote import Remote, RunnerTimeout, WallsTooHigh
 from coda_agent.verifier.report import GPU_STAGES, StageResult
 from coda_agent.verifier.trees import remove_tree
@@ -239,7 +239,7 @@ def memory_verdict(stage: str, judge: int, others: int, total: int, largest: str
     def gib(b: float) -> str:
         return f"{b / 2**30:.1f} GiB"
 
-    share = RUNNER_CONTEXT + (1 + POISON_PER_CALL) * largest_bytes
+    share = RUNNER_CONTEXT + largest_bytes + poison_bytes(largest_bytes, total)  # the runner's call and its poison
     if others > share:
         return StageResult(name=stage, status="failed", message=(
             f"the GPU ran out of memory while the judge checked the program: the program's process held "

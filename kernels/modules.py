@@ -17,9 +17,11 @@ one by one, by their code (``families.same_code``) as the layer drop-ins recogni
   (``fused_weights.relayout``: the state dict keeps HF's keys).  Where the module sits does not
   matter: a post-norm block's MLP, a mixture of experts' shared expert, every layer of a hybrid.
   An MLP of that code with another activation (the exact GELU, xIELU) stays HF's.
-- **Encoders' intermediates** (``act(dense(x))``, the first half of BERT's MLP, and of the encoders
-  that copy its code) with the exact GELU run as the GPT-2 suite's ``linear_gelu``
-  (``intermediates``); the second half, with its residual add and LayerNorm, stays HF's.
+- **A linear and the activation applied to it at once** in a module's code (``act(fc(x))``: the
+  first half of BERT's MLP and of the encoders that copy it, OPT's, BioGPT's, XGLM's and BART's
+  layers, which run their MLP inline) run as the GPT-2 suite's ``linear_gelu``,
+  ``linear_gelu_tanh`` or ``linear_relu`` (``linear_acts``, which finds the site in the code); the
+  second linear, with its residual add and norm, stays HF's.
 - **MLPs without a gate** (``proj(act(fc(x)))`` with biases: GPT-Neo's, GPT-J's, Phi's, Falcon's,
   GPT-BigCode's, StarCoder-2's, GPT-NeoX's, Nemotron's, BLOOM's and MPT's code; the last two add the
   residual they are given after the kernel) run as the GPT-2 suite's
@@ -55,7 +57,7 @@ from transformers.models.phi3.modeling_phi3 import Phi3MLP
 
 from coda_agent.tasks import SUITE_DIR
 
-from . import intermediates, plain_mlps
+from . import linear_acts, plain_mlps
 from .adapters import peft_base
 from .dropin import (GPT2_SUITE, NO_KERNEL, STACKS, PatchedForward, check_lm_head, check_mlp_projection,
                      check_mlp_widths, check_slots, gelu_form, refusal_by, refuse_patched, refuse_wrapped,
@@ -65,8 +67,8 @@ from .fused_weights import halves_from_interleaved, interleave_halves, interleav
 from .kernel import Kernel, KernelError
 
 GATED_TASKS = ("swiglu_mlp", "geglu_mlp")
-MLP_TASKS = (*GATED_TASKS, *plain_mlps.TASKS.values(), intermediates.TASK)
-GPT2_TASKS = (*plain_mlps.TASKS.values(), intermediates.TASK)  # the MLP slots the GPT-2 suite's kernels fill
+MLP_TASKS = (*GATED_TASKS, *plain_mlps.TASKS.values(), *linear_acts.TASKS.values())
+GPT2_TASKS = (*plain_mlps.TASKS.values(), *linear_acts.TASKS.values())  # the slots the GPT-2 suite's kernels fill
 SLOTS = (*MLP_TASKS, "lm_head_xent", "lm_head_xent_frozen", "lm_head_xent_softcap", "lm_head_xent_softcap_frozen")
 # Causal LMs whose forward soft-caps the logits (config.final_logit_softcapping) before HF's loss
 SOFTCAP_LMS = {"Gemma-2's": Gemma2ForCausalLM.forward}
@@ -111,8 +113,8 @@ def apply_to_model(model: nn.Module, *, mlp: bool = True, fused_linear_cross_ent
     for name, (module, kind, task) in mlps.items():
         if task in GATED_TASKS:
             _patch_mlp(module, kind, task, chosen[task])
-        elif task == intermediates.TASK:
-            intermediates.patch(module, kind, chosen[task])
+        elif task in linear_acts.TASKS.values():
+            linear_acts.patch(module, kind, task, chosen[task])
         else:
             plain_mlps.patch(module, kind, task, chosen[task])
     if head is not None:
@@ -127,11 +129,11 @@ def apply_to_model(model: nn.Module, *, mlp: bool = True, fused_linear_cross_ent
 # --------------------------------------------------------------------------- what qualifies
 
 
-def _mlps(model: nn.Module) -> tuple[dict[str, tuple[nn.Module, str, str]], list[str]]:
+def _mlps(model: nn.Module) -> tuple[dict[str, tuple[nn.Module, Any, str]], list[str]]:
     """({name: (module, kind, its kernel's task)} for every MLP a kernel computes, gated or not,
     [why the MLPs of those codes that are not are passed by]); refuses, naming the fix, one that a
     kernel computes but that holds what the kernel does not take."""
-    found: dict[str, tuple[nn.Module, str, str]] = {}
+    found: dict[str, tuple[nn.Module, Any, str]] = {}
     passed: list[str] = []  # each reason once, three at most
     for name, module in model.named_modules():
         where = name or type(module).__name__
@@ -145,14 +147,16 @@ def _mlps(model: nn.Module) -> tuple[dict[str, tuple[nn.Module, str, str]], list
             else:
                 _check_mlp(module, where, _MLPS[kind][2], task)
                 found[name] = (module, kind, task)
-        else:  # an MLP without a gate, or an encoder's intermediate
-            for family in (plain_mlps, intermediates):
-                kind, task, why = family.recognised(module)
-                if kind is not None:
-                    break
+        else:  # an MLP without a gate, or a linear and its activation
+            kind, task, why = plain_mlps.recognised(module)
             if task is not None:
-                family.check(module, where, kind, task)
+                plain_mlps.check(module, where, kind, task)
                 found[name] = (module, kind, task)
+            elif kind is None:
+                sites, why = linear_acts.recognised(module)
+                for pair, task in sites:  # each goes by its linear's name: what runs as the kernel
+                    linear_acts.check(module, where, pair, task)
+                    found[".".join(filter(None, (name, pair[0])))] = (module, pair, task)
         if why and why not in passed and len(passed) < 3:
             passed.append(why)
     return found, passed

@@ -25,8 +25,8 @@ def task(name: str):
 
 def test_the_suite_covers_every_non_attention_op_of_the_block():
     assert TASKS == ["gelu_bwd", "gelu_fwd", "gelu_mlp", "gelu_tanh_mlp", "gpt2_block", "layernorm_bwd",
-                     "linear_gelu", "lm_head_xent", "ln_qkv", "mlp_block", "mlp_block_tanh", "out_proj_residual",
-                     "relu2_mlp", "residual_layernorm"]
+                     "linear_gelu", "linear_gelu_tanh", "linear_relu", "lm_head_xent", "ln_qkv", "mlp_block",
+                     "mlp_block_tanh", "out_proj_residual", "relu2_mlp", "residual_layernorm"]
 
 
 

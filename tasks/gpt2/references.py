@@ -132,13 +132,23 @@ def gelu_bwd(dout, w_proj, pre):
     return {"dpre": dpre.to(pre.dtype), "db": hi(dpre).sum(0)}
 
 
-# --------------------------------------------------------------------------- linear_gelu
+# --------------------------------------------------------------------------- linear_gelu, linear_gelu_tanh, linear_relu
 
 
 def linear_gelu(x, w, b):
     """y = gelu(x @ w^T + b): the MLP's first linear with its activation, forward
     and backward on their own (the gradient dy arrives for the activation)."""
     return {"y": F.gelu(F.linear(x, w, b)).to(x.dtype)}
+
+
+def linear_gelu_tanh(x, w, b):
+    """linear_gelu with GELU's tanh form (BigBird's intermediate: gelu_new)."""
+    return {"y": F.gelu(F.linear(x, w, b), approximate="tanh").to(x.dtype)}
+
+
+def linear_relu(x, w, b):
+    """linear_gelu with ReLU in the GELU's place (OPT's and M2M100's fc1 and its activation)."""
+    return {"y": F.relu(F.linear(x, w, b)).to(x.dtype)}
 
 
 # --------------------------------------------------------------------------- gelu_mlp, gelu_tanh_mlp

@@ -12,10 +12,12 @@ activation's value), wherever a model writes it:
 
 The second linear and whatever follows stay HF's (a dropout between the two may sit there). The
 site is found in the code, not in a list of classes, so the rule itself is what keeps it exact:
-in the module's ``forward`` (its AST), the statement ``v = self.L(e)`` directly followed by
-``v = self.A(v)`` (the pre-activation is overwritten, so nothing reads it), or the expression
-``self.A(self.L(e))``; and neither ``self.L`` nor ``self.A`` is read anywhere else in the class's
-methods (its ``__init__`` aside), nor named as a string (``getattr``). The patch then makes ``L``
+in the code of the module's methods (their AST), the statement ``v = self.L(e)`` directly
+followed by ``v = self.A(v)`` (the pre-activation is overwritten, so nothing reads it), or the
+expression ``self.A(self.L(e))``; neither ``self.L`` nor ``self.A`` is touched anywhere else in
+the class's methods (its ``__init__`` aside), nor named as a string (``getattr``); and neither
+linear is held by a second parent (which may run it alone: the patch changes the linear itself,
+while the activation is only replaced in the module's own attribute). The patch then makes ``L``
 return ``act(L(e))`` through the kernel and sets ``A`` to the identity, which computes what HF
 computes for every input: the only reads of the two attributes are that one composition. ``L``
 must be an ``nn.Linear`` (a LoRA layer is refused with the flag that keeps it HF's, another type is
@@ -35,7 +37,7 @@ import ast
 import inspect
 import textwrap
 from functools import lru_cache
-from typing import Any, Iterator
+from typing import Any, Collection, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -53,15 +55,20 @@ FORMS = {**GELUS, "relu": F.relu}
 NAMES = {"exact": "the exact GELU", "tanh": "GELU's tanh form", "relu": "ReLU"}
 
 
-def recognised(module: nn.Module) -> tuple[list[tuple[tuple[str, str], str]], str]:
+def recognised(module: nn.Module, shared: Collection[int] = ()) -> tuple[list[tuple[tuple[str, str], str]], str]:
     """([((the linear's attribute, the activation's), the task of the kernel that computes them)]
     for each site in ``module``'s code where an activation is applied to a linear's output at once
-    (see the module docstring), why a site of an activation that no kernel computes is passed by)."""
+    (see the module docstring), why a site that stays HF's is passed by).  ``shared``: the ids of
+    the model's modules that more than one parent holds (:func:`shared_modules`)."""
     sites, why = [], ""
     for pair in candidates(type(module)):
         lin, act = (getattr(module, name, None) for name in pair)
         if (type(lin) is not nn.Linear and lora_of(lin) is None) or not _activation_module(act):
             continue  # not a linear and an activation: dropout after a projection, a norm before an MLP
+        if id(lin) in shared:  # its patched forward would run the activation for the other holder too
+            why = (f"{type(module).__name__} applies {pair[1]} to {pair[0]}, but another module holds that "
+                   "linear too, and may run it alone")
+            continue
         form = None if any(True for _ in (*act.parameters(), *act.buffers())) else activation_form(act, FORMS)
         if form is None:  # a PReLU that starts as ReLU does not stay one: no parameters
             why = (f"{type(module).__name__} applies {pair[1]} ({type(act).__name__}) to {pair[0]}, which is none "
@@ -69,6 +76,18 @@ def recognised(module: nn.Module) -> tuple[list[tuple[tuple[str, str], str]], st
             continue
         sites.append((pair, TASKS[form]))
     return sites, why
+
+
+def shared_modules(model: nn.Module) -> set[int]:
+    """The ids of the modules of ``model`` that more than one parent attribute holds (a module
+    shared by two layers' code counts; one layer shared by many places, as ALBERT's, holds its
+    children once)."""
+    held: dict[int, int] = {}
+    for parent in model.modules():
+        for child in parent._modules.values():
+            if child is not None:
+                held[id(child)] = held.get(id(child), 0) + 1
+    return {i for i, n in held.items() if n > 1}
 
 
 def _activation_module(act: Any) -> bool:
@@ -110,22 +129,21 @@ def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 @lru_cache(maxsize=None)
 def candidates(cls: type) -> tuple[tuple[str, str], ...]:
-    """The (L, A) attribute pairs where ``cls.forward``'s code applies ``self.A`` to ``self.L``'s
-    output at once and nothing else in the class reads either (module docstring), whatever the
-    attributes hold; () where the code cannot be read."""
-    forward = _tree(cls.forward)
+    """The (L, A) attribute pairs where a method of ``cls`` (its forward, or a helper it calls:
+    ALBERT's ``ff_chunk``) applies ``self.A`` to ``self.L``'s output at once and nothing else in
+    the class touches either (module docstring), whatever the attributes hold; () where the code
+    cannot be read."""
     methods = _run_methods(cls)
-    if forward is None or not methods:
+    if _tree(cls.forward) is None or not methods:
         return ()
     strings = {n.value for f in methods for n in ast.walk(f) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
-    reads: dict[str, int] = {}
+    uses: dict[str, int] = {}  # self.<name> read, assigned or deleted, outside __init__
     for f in methods:
         for n in ast.walk(f):
-            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self" \
-                    and isinstance(n.ctx, ast.Load):
-                reads[n.attr] = reads.get(n.attr, 0) + 1
-    pairs = dict.fromkeys(_pairs(forward))
-    return tuple(p for p in pairs if all(reads.get(a) == 1 and a not in strings for a in p))
+            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self":
+                uses[n.attr] = uses.get(n.attr, 0) + 1
+    pairs = dict.fromkeys(p for f in methods for p in _pairs(f))
+    return tuple(p for p in pairs if all(uses.get(a) == 1 and a not in strings for a in p))
 
 
 def _tree(fn: Any) -> ast.FunctionDef | None:

@@ -135,6 +135,7 @@ def _mlps(model: nn.Module) -> tuple[dict[str, tuple[nn.Module, Any, str]], list
     kernel computes but that holds what the kernel does not take."""
     found: dict[str, tuple[nn.Module, Any, str]] = {}
     passed: list[str] = []  # each reason once, three at most
+    shared = linear_acts.shared_modules(model)
     for name, module in model.named_modules():
         where = name or type(module).__name__
         kind, task = _recognised(module)
@@ -153,7 +154,7 @@ def _mlps(model: nn.Module) -> tuple[dict[str, tuple[nn.Module, Any, str]], list
                 plain_mlps.check(module, where, kind, task)
                 found[name] = (module, kind, task)
             elif kind is None:
-                sites, why = linear_acts.recognised(module)
+                sites, why = linear_acts.recognised(module, shared)
                 for pair, task in sites:  # each goes by its linear's name: what runs as the kernel
                     linear_acts.check(module, where, pair, task)
                     found[".".join(filter(None, (name, pair[0])))] = (module, pair, task)

@@ -8,15 +8,16 @@ activation's value), wherever a model writes it:
   ELECTRA, DeBERTa, RoFormer, RoBERTa-PreLayerNorm's LayerNorm-first one, BigBird's tanh GELU ...);
 - decoder layers that run their MLP inline (``fc1``, ``activation_fn``, dropout, ``fc2``, the
   residual add: OPT, BioGPT, XGLM, TrOCR, and BART's, Whisper's and M2M100's encoder and decoder
-  layers).
+  layers), or in a helper the forward calls (ALBERT's ``ff_chunk``);
+- prediction heads' transforms (BERT's and ELECTRA's: dense, activation, LayerNorm).
 
 The second linear and whatever follows stay HF's (a dropout between the two may sit there). The
 site is found in the code, not in a list of classes, so the rule itself is what keeps it exact:
 in the code of the module's methods (their AST), the statement ``v = self.L(e)`` directly
 followed by ``v = self.A(v)`` (the pre-activation is overwritten, so nothing reads it), or the
 expression ``self.A(self.L(e))``; neither ``self.L`` nor ``self.A`` is touched anywhere else in
-the class's methods (its ``__init__`` aside), nor named as a string (``getattr``); and neither
-linear is held by a second parent (which may run it alone: the patch changes the linear itself,
+the class's methods (its ``__init__`` aside), nor named as a string (``getattr``); and the
+linear is held by no second parent (which may run it alone: the patch changes the linear itself,
 while the activation is only replaced in the module's own attribute). The patch then makes ``L``
 return ``act(L(e))`` through the kernel and sets ``A`` to the identity, which computes what HF
 computes for every input: the only reads of the two attributes are that one composition. ``L``

@@ -137,7 +137,8 @@ def candidates(cls: type) -> tuple[tuple[str, str], ...]:
     methods = _run_methods(cls)
     if _tree(cls.forward) is None or not methods:
         return ()
-    strings = {n.value for f in methods for n in ast.walk(f) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+    strings = {n.value for f in methods for n in ast.walk(f)
+               if isinstance(n, ast.Constant) and isinstance(n.value, str)}  # getattr(self, "name")
     uses: dict[str, int] = {}  # self.<name> read, assigned or deleted, outside __init__
     for f in methods:
         for n in ast.walk(f):

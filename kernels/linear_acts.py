@@ -35,8 +35,6 @@ keeps as its input anyway.
 from __future__ import annotations
 
 import ast
-import inspect
-import textwrap
 from functools import lru_cache
 from typing import Any, Collection, Iterator
 
@@ -45,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .adapters import lora_of
+from .code_rules import assigned, run_methods, self_call, touched_once
 from .dropin import GELUS, PatchedForward, activation_form, check_mlp_projection, check_mlp_widths
 from .kernel import Kernel
 
@@ -134,77 +133,14 @@ def candidates(cls: type) -> tuple[tuple[str, str], ...]:
     ALBERT's ``ff_chunk``) applies ``self.A`` to ``self.L``'s output at once and nothing else in
     the class touches either (module docstring), whatever the attributes hold; () where the code
     cannot be read."""
-    methods = _run_methods(cls)
-    if _tree(cls.forward) is None or not methods:
-        return ()
-    strings = {n.value for f in methods for n in ast.walk(f)
-               if isinstance(n, ast.Constant) and isinstance(n.value, str)}  # getattr(self, "name")
-    uses: dict[str, int] = {}  # self.<name> read, assigned or deleted, outside __init__
-    for f in methods:
-        for n in ast.walk(f):
-            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self":
-                uses[n.attr] = uses.get(n.attr, 0) + 1
-    pairs = dict.fromkeys(p for f in methods for p in _pairs(f))
-    return tuple(p for p in pairs if all(uses.get(a) == 1 and a not in strings for a in p))
-
-
-def _tree(fn: Any) -> ast.FunctionDef | None:
-    try:
-        node = ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0]
-    except (OSError, TypeError, SyntaxError, IndexError):
-        return None
-    return node if isinstance(node, ast.FunctionDef) else None
-
-
-def _run_methods(cls: type) -> list[ast.FunctionDef]:
-    """The methods an instance of ``cls`` may run, from its classes' sources: each name's first
-    definition along the MRO, and the one it overrides too where it calls ``super()``."""
-    chosen: list[ast.FunctionDef] = []
-    reaches: dict[str, bool] = {}  # name -> whether the definitions chosen so far reach the next one
-    for k in cls.__mro__:
-        if k in (nn.Module, object):
-            continue
-        for f in _methods(k):
-            if reaches.get(f.name, True):
-                chosen.append(f)
-                reaches[f.name] = any(isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
-                                      and n.func.id == "super" for n in ast.walk(f))
-    return chosen
-
-
-def _methods(cls: type) -> list[ast.FunctionDef]:
-    """The functions ``cls``'s own source defines (``__init__`` aside: it assigns, it does not run
-    the pair); [] where the source cannot be read."""
-    if cls.__module__ in ("builtins", "torch.nn.modules.module"):
-        return []
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]
-    except (OSError, TypeError, SyntaxError, IndexError):
-        return []
-    return [f for f in getattr(tree, "body", []) if isinstance(f, ast.FunctionDef) and f.name != "__init__"]
-
-
-def _self_attr_call(node: ast.AST) -> tuple[str, ast.expr] | None:
-    """(attribute, argument) for ``self.<attribute>(argument)``, one positional argument and no
-    keywords; else None."""
-    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name)
-            and node.func.value.id == "self" and len(node.args) == 1 and not node.keywords
-            and not isinstance(node.args[0], ast.Starred)):
-        return node.func.attr, node.args[0]
-    return None
-
-
-def _assigned(stmt: ast.stmt) -> tuple[str, ast.expr] | None:
-    """(name, value) for ``name = value``; else None."""
-    if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name):
-        return stmt.targets[0].id, stmt.value
-    return None
+    pairs = dict.fromkeys(p for f in run_methods(cls) for p in _pairs(f))
+    return tuple(p for p in pairs if touched_once(cls, p))
 
 
 def _pairs(fn: ast.FunctionDef) -> Iterator[tuple[str, str]]:
     for node in ast.walk(fn):
-        outer = _self_attr_call(node)
-        inner = outer and _self_attr_call(outer[1])
+        outer = self_call(node)
+        inner = outer and self_call(outer[1])
         if inner:  # self.A(self.L(e))
             yield inner[0], outer[0]
         for field in ("body", "orelse", "finalbody"):
@@ -212,8 +148,8 @@ def _pairs(fn: ast.FunctionDef) -> Iterator[tuple[str, str]]:
             if not isinstance(stmts, list):
                 continue
             for first, second in zip(stmts, stmts[1:]):
-                a, b = _assigned(first), _assigned(second)
-                lin = a and _self_attr_call(a[1])
-                act = b and _self_attr_call(b[1])
+                a, b = assigned(first), assigned(second)
+                lin = a and self_call(a[1])
+                act = b and self_call(b[1])
                 if lin and act and a[0] == b[0] and isinstance(act[1], ast.Name) and act[1].id == a[0]:
                     yield lin[0], act[0]  # v = self.L(e); v = self.A(v)

@@ -119,7 +119,7 @@ from .families import (AttentionPlan, check_model, head_dim, llama_architecture,
 from .fused_weights import halves_from_interleaved, interleave_halves, interleave_rows, relayout, split_interleaved
 from .kernel import Kernel, KernelError
 from .llama_ops import attention_input, causal_lm_loss
-from .modules import check_gated_mlp, patch_gated_mlp
+from .gated_mlps import check_gated_mlp, patch_gated_mlp
 
 SWAPPABLE = ("out_proj_residual", "mlp_block", "lm_head_xent", "lm_head_xent_frozen")
 
@@ -183,7 +183,7 @@ def apply_to_llama(model: LlamaForCausalLM | LlamaModel, *, rope: bool = True, r
     if fp8_mlp and "mlp_block" in (kernels or {}):
         raise KernelError("fp8_mlp=True and kernels['mlp_block'] both choose the MLP block's kernel; give one")
     cfg = base.config
-    # names the fix; an MLP that runs alone is checked as one (modules.check_gated_mlp)
+    # names the fix; an MLP that runs alone is checked as one (gated_mlps.check_gated_mlp)
     check_model(model, base, cfg, rope, swiglu and not mlp_alone, xent=fused_linear_cross_entropy and bool(lm_kind))
     mlps = [check_gated_mlp(layer.mlp, f"layers.{i}.mlp", "swiglu=False") for i, layer in enumerate(base.layers)
             ] if mlp_alone else [None] * len(base.layers)
@@ -278,7 +278,7 @@ def _patch_layer(layer: nn.Module, plan: LayerPlan, attention: AttentionPlan, fr
                   partial(_fuse_qkv, plan=plan), partial(_split_qkv, plan=plan))
     if freq is not None and attention.rotates:
         attn.register_buffer("coda_rope_freq", freq, persistent=False)
-    if mlp is not None:  # (whose MLP code, its kernel's task): the MLP alone, as that kernel
+    if mlp is not None:  # (its layout, its kernel's task): the MLP alone, as that kernel
         patch_gated_mlp(layer.mlp, *mlp)
     elif plan.swiglu and attention.fused:
         relayout(layer.mlp, "gate_up_proj", ("gate_up_proj",), interleave_halves, halves_from_interleaved)

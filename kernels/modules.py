@@ -8,15 +8,10 @@ LayerNorm, StableLM's partial LayerNorms, a hybrid's linear-attention layers).  
 MLPs and LM head are often LLaMA's code all the same.  ``apply_to_model`` recognises those modules
 one by one, by their code (``families.same_code``) as the layer drop-ins recognise layers:
 
-- **Gated MLPs**: a module whose forward is LLaMA's MLP (``down(act(gate(x)) * up(x))``) or
-  Phi-3's (one ``gate_up_proj``, gate and up in halves) runs as the kernel of its activation:
-  SiLU's ``swiglu_mlp``, GELU's tanh form (Gemma's ``gelu_pytorch_tanh``, probed by value:
-  ``dropin.gelu_form``) ``geglu_mlp``.  The gate/up GEMM's epilogue applies the activation, the
-  backward's derivative rides in the epilogue of ``dy @ W_down``, and only the pre-activation is
-  kept between the two.  Gate and up are fused into one weight with interleaved rows, once, here
-  (``fused_weights.relayout``: the state dict keeps HF's keys).  Where the module sits does not
+- **Gated MLPs** (``down(act(gate(x)) * up(x))``: LLaMA's code, Phi-3's, or any forward of that
+  shape, Llama 4's) run as the kernel of their activation, ``swiglu_mlp`` (SiLU) or ``geglu_mlp``
+  (GELU's tanh form), gate and up fused once (``gated_mlps``).  Where the module sits does not
   matter: a post-norm block's MLP, a mixture of experts' shared expert, every layer of a hybrid.
-  An MLP of that code with another activation (the exact GELU, xIELU) stays HF's.
 - **A linear and the activation applied to it at once** in a module's code (``act(fc(x))``: the
   first half of BERT's MLP and of the encoders that copy it, OPT's, BioGPT's, XGLM's and BART's
   layers, which run their MLP inline) run as the GPT-2 suite's ``linear_gelu``,
@@ -47,36 +42,24 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
-from transformers.activations import ACT2CLS
 from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.models.gemma2.modeling_gemma2 import Gemma2ForCausalLM
-from transformers.models.llama.modeling_llama import LlamaMLP
-from transformers.models.phi3.modeling_phi3 import Phi3MLP
 
 from coda_agent.tasks import SUITE_DIR
 
-from . import linear_acts, plain_mlps
+from . import gated_mlps, linear_acts, plain_mlps
 from .adapters import peft_base
-from .dropin import (GPT2_SUITE, NO_KERNEL, STACKS, PatchedForward, check_lm_head, check_mlp_projection,
-                     check_mlp_widths, check_slots, gelu_form, refusal_by, refuse_patched, refuse_wrapped,
-                     require_kernel_dtypes, slot_kernel, suite_kernel)
+from .dropin import (GPT2_SUITE, NO_KERNEL, STACKS, check_lm_head, check_slots, refusal_by, refuse_patched,
+                     refuse_wrapped, require_kernel_dtypes, slot_kernel, suite_kernel)
 from .families import CAUSAL_LMS, same_code
-from .fused_weights import halves_from_interleaved, interleave_halves, interleave_rows, relayout, split_interleaved
 from .kernel import Kernel, KernelError
 
-GATED_TASKS = ("swiglu_mlp", "geglu_mlp")
-MLP_TASKS = (*GATED_TASKS, *plain_mlps.TASKS.values(), *linear_acts.TASKS.values())
+MLP_TASKS = (*gated_mlps.TASKS, *plain_mlps.TASKS.values(), *linear_acts.TASKS.values())
 GPT2_TASKS = (*plain_mlps.TASKS.values(), *linear_acts.TASKS.values())  # the slots the GPT-2 suite's kernels fill
 SLOTS = (*MLP_TASKS, "lm_head_xent", "lm_head_xent_frozen", "lm_head_xent_softcap", "lm_head_xent_softcap_frozen")
 # Causal LMs whose forward soft-caps the logits (config.final_logit_softcapping) before HF's loss
 SOFTCAP_LMS = {"Gemma-2's": Gemma2ForCausalLM.forward}
-SILU = (nn.SiLU, ACT2CLS["silu"])
-
-# Whose MLP code -> (its forward, its activation's attribute, the projections fused into gate_up_proj).
-_MLPS = {"LLaMA's": (LlamaMLP.forward, "act_fn", ("gate_proj", "up_proj")),
-         "Phi-3's": (Phi3MLP.forward, "activation_fn", ("gate_up_proj",))}
 
 
 def apply_to_model(model: nn.Module, *, mlp: bool = True, fused_linear_cross_entropy: bool = True,
@@ -110,13 +93,13 @@ def apply_to_model(model: nn.Module, *, mlp: bool = True, fused_linear_cross_ent
     chosen = {name: slot_kernel(name, (kernels or {}).get(name), suite_kernel(
         name, GPT2_SUITE if name in GPT2_TASKS else SUITE_DIR))
         for name in SLOTS if name in used or name in (kernels or {})}
-    for name, (module, kind, task) in mlps.items():
-        if task in GATED_TASKS:
-            _patch_mlp(module, kind, task, chosen[task])
+    for name, (module, site, task) in mlps.items():
+        if task in gated_mlps.TASKS:
+            gated_mlps.patch(module, site, task, chosen[task])
         elif task in linear_acts.TASKS.values():
-            linear_acts.patch(module, kind, task, chosen[task])
+            linear_acts.patch(module, site, task, chosen[task])
         else:
-            plain_mlps.patch(module, kind, task, chosen[task])
+            plain_mlps.patch(module, site, task, chosen[task])
     if head is not None:
         from .llama import patch_causal_lm  # the LLaMA drop-in's patched causal LM, whose code this one is
 
@@ -130,24 +113,24 @@ def apply_to_model(model: nn.Module, *, mlp: bool = True, fused_linear_cross_ent
 
 
 def _mlps(model: nn.Module) -> tuple[dict[str, tuple[nn.Module, Any, str]], list[str]]:
-    """({name: (module, kind, its kernel's task)} for every MLP a kernel computes, gated or not,
-    [why the MLPs of those codes that are not are passed by]); refuses, naming the fix, one that a
-    kernel computes but that holds what the kernel does not take."""
+    """({name: (module, its site, its kernel's task)} for every MLP (or linear and activation) a
+    kernel computes, the site as its family's patch reads it (a gated MLP's layout, a plain MLP's
+    kind, a linear's and its activation's attributes), [why those of the kernels' codes that are
+    not are passed by]); refuses, naming the fix, one that a kernel computes but that holds what
+    the kernel does not take."""
     found: dict[str, tuple[nn.Module, Any, str]] = {}
     passed: list[str] = []  # each reason once, three at most
     shared = linear_acts.shared_modules(model)
     for name, module in model.named_modules():
         where = name or type(module).__name__
-        kind, task = _recognised(module)
+        kind, layout, task = gated_mlps.recognised(module)
         why = ""
         if kind is not None:  # a gated MLP
             if task is None:
-                act = getattr(module, _MLPS[kind][1], None)
-                why = (f"{type(module).__name__} is {kind} MLP code with {type(act).__name__}, neither SiLU nor "
-                       "GELU's tanh form")
+                why = gated_mlps.why_not(module, kind, layout)
             else:
-                _check_mlp(module, where, _MLPS[kind][2], task)
-                found[name] = (module, kind, task)
+                gated_mlps.check(module, where, layout, task)
+                found[name] = (module, layout, task)
         else:  # an MLP without a gate, or a linear and its activation
             kind, task, why = plain_mlps.recognised(module)
             if task is not None:
@@ -161,56 +144,6 @@ def _mlps(model: nn.Module) -> tuple[dict[str, tuple[nn.Module, Any, str]], list
         if why and why not in passed and len(passed) < 3:
             passed.append(why)
     return found, passed
-
-
-def check_gated_mlp(module: nn.Module, where: str, flag: str) -> tuple[str, str]:
-    """(whose MLP code, its kernel's task) for one gated MLP that a layer drop-in runs alone (its
-    norm and residual outside it); refuses, naming ``flag`` as the way to keep HF's, an MLP that
-    no kernel computes or that holds what its kernel does not take.  A drop-in checks every
-    layer's before it patches any (:func:`patch_gated_mlp`)."""
-    kind, task = _recognised(module)
-    if kind is None or task is None:
-        act = getattr(module, _MLPS[kind][1], None) if kind else None
-        raise KernelError(f"{where} is {type(module).__name__} with {type(act).__name__}: no kernel of the suite "
-                          f"computes it (LLaMA's or Phi-3's MLP code with SiLU or GELU's tanh form); pass {flag} "
-                          "to keep HF's MLP")
-    _check_mlp(module, where, _MLPS[kind][2], task, flag)
-    return kind, task
-
-
-def patch_gated_mlp(module: nn.Module, kind: str, task: str) -> None:
-    """Patch one gated MLP that :func:`check_gated_mlp` took as the suite's kernel of ``task``."""
-    _patch_mlp(module, kind, task, suite_kernel(task))
-
-
-def _recognised(module: nn.Module) -> tuple[str | None, str | None]:
-    """(whose MLP code ``module``'s forward is, the task of the kernel that computes it), each None
-    where there is none."""
-    kind = next((k for k, (fn, _, _) in _MLPS.items() if same_code(type(module).forward, fn)), None)
-    if kind is None:
-        return None, None
-    act = getattr(module, _MLPS[kind][1], None)
-    return kind, "swiglu_mlp" if isinstance(act, SILU) else "geglu_mlp" if _gelu(act) == "tanh" else None
-
-
-def _gelu(act: Any) -> str | None:
-    return gelu_form(act) if isinstance(act, nn.Module) else None
-
-
-def _check_mlp(module: nn.Module, where: str, parts: tuple[str, ...], task: str, flag: str = "mlp=False") -> None:
-    projections = (*parts, "down_proj")
-    for p in projections:
-        m = getattr(module, p, None)
-        check_mlp_projection(m, f"{where}.{p}", task, flag)
-        if m.bias is not None:
-            raise KernelError(f"{where}.{p}.bias: MLP biases are not in the {task} kernel; pass {flag} to keep "
-                              "HF's MLPs")
-    frozen = {p: getattr(module, p).weight.requires_grad for p in parts}
-    if len(set(frozen.values())) > 1:
-        raise KernelError(f"{where}: requires_grad differs across {', '.join(parts)} ({frozen}); the kernel fuses "
-                          "them into one parameter, which trains or freezes as a whole: freeze or unfreeze them "
-                          f"together first, or pass {flag}")
-    check_mlp_widths(where, *module.down_proj.weight.shape, flag)
 
 
 def _causal_lm(model: nn.Module) -> str | None:
@@ -231,29 +164,3 @@ def _head_refusal(model: nn.Module) -> str:
             same_code(type(model).forward, fn) for fn in (*CAUSAL_LMS.values(), *SOFTCAP_LMS.values())):
         return f"its loss is {getattr(model, 'loss_type', None)!r}, not HF's causal-LM loss"
     return f"{type(model).__name__}.forward is not LLaMA's, Granite's, Mixtral's or Gemma-2's causal LM code"
-
-
-# --------------------------------------------------------------------------- the patch
-
-
-def _patch_mlp(module: nn.Module, kind: str, task: str, kernel: Kernel) -> None:
-    parts = _MLPS[kind][2]
-    if len(parts) == 2:
-        relayout(module, "gate_up_proj", parts, interleave_rows, split_interleaved)
-    else:  # Phi-3's gate_up_proj, gate and up in halves
-        relayout(module, "gate_up_proj", parts, interleave_halves, halves_from_interleaved)
-    module.coda_mlp = kernel
-    module.coda_flags = {task: True}
-    module.forward = PatchedForward(module, _mlp_forward)
-
-
-def _mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The MLP's forward as its kernel, on any leading shape."""
-    w_gu, w_down = self.gate_up_proj.weight, self.down_proj.weight
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.shape[0] == 0:  # an expert no token was routed to: no GEMM to launch, the same empty result
-        g, u = split_interleaved(w_gu)
-        return (rows @ g.t() * (rows @ u.t())) @ w_down.t()
-    y = self.coda_mlp(rows.contiguous(), w_gu, w_down)["y"]
-    return y.view(*x.shape[:-1], w_down.shape[0])
-

@@ -345,8 +345,9 @@ def skeleton(name: str, reference: str, folder: Path, shapes: dict[str, dict[str
                       "error shows. If a correct",
                       "# program fails on such a gradient now and then (a weight's or a bias's, summed over many "
                       "rows, and what they feed),",
-                      "# widen those gradients' rules alone, tolerances: {d<input>: {factor: 3, rel_norm: 0.06}}, "
-                      "and keep the others tight."]
+                      "# widen those gradients' max rule alone (each flip is one large error), keeping their "
+                      "norm rule and the others' tight:",
+                      "# tolerances: {d<input>: {factor: 1000, norm_factor: 2, rel_norm: 0.06}}."]
     elif not any(f"d{k}" in first for k in inputs):  # a reference that returns gradients is one step, forward only
         floats = [k for k, (_, dtype) in inputs.items() if not dtype.startswith("int")]
         lines.append(f"# gradients: {_flow(floats)}  <- uncomment (or --gradients) for a backward too: the "

@@ -85,11 +85,15 @@ class Tolerance(_Strict):
     max|ref_lo - ref_hi| + floor, with ref_hi the reference in fp32 (fp64 on CPU) and ref_lo the
     reference run in the input dtype, and ||out - ref_hi|| / ||ref_hi|| <= rel_norm.  ``bias``: the
     mean signed error allowed beyond the reference's own (coda_agent.verifier.compare), as a fraction
-    of the reference's RMS: a systematic offset hides under the max rule.  A gradient through a kink
-    (relu, clamp, abs) may need a wider rule of its own: values within a rounding of the kink fall on
-    either side in program and reference, a bias gradient sums those flips over every row, and the
-    gradients they feed carry them (``tolerances: {db1: {factor: 3, rel_norm: 0.06}}``; ``tasks new``
-    says so)."""
+    of the reference's RMS: a systematic offset hides under the max rule.  ``norm_factor``: the
+    norm and bias rules' factor where it is not ``factor``.  A gradient through a kink (relu,
+    clamp, abs) needs a max rule of its own: values within a rounding of the kink fall on either
+    side in program and reference, not at the same elements, and each flip is one error of a whole
+    term (``dy * w``), which the bf16 reference's largest error holds or not by chance, the fewer
+    the elements the likelier not; a bias gradient sums those flips over every row, and the
+    gradients they feed carry them.  Such a gradient widens the max rule alone and keeps the dense
+    rules, which a flip barely moves (``tolerances: {dx: {factor: 1000, norm_factor: 2, rel_norm:
+    0.06}}``; ``tasks new`` says so)."""
 
     rule: Literal["coda"] = "coda"
     # Negative bounds would reject every program, whatever it computes.
@@ -97,6 +101,12 @@ class Tolerance(_Strict):
     floor: float = Field(1e-6, ge=0)
     rel_norm: float = Field(2e-2, ge=0)
     bias: float = Field(2.0 ** -12, ge=0)
+    norm_factor: float | None = Field(None, ge=0)
+
+    @property
+    def dense_factor(self) -> float:
+        """The factor of the norm and bias rules (``norm_factor``, else ``factor``)."""
+        return self.factor if self.norm_factor is None else self.norm_factor
 
 
 class Target(_Strict):

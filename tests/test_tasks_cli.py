@@ -294,7 +294,7 @@ def test_new_says_when_gradients_pass_through_a_kink(tmp_path, monkeypatch):
     assert cli("tasks", "new", "mlp", "--reference", "ref.py:mlp", *args).exit_code == 0
     text = Path("mlp.yaml").read_text()
     assert "# The reference calls relu, whose derivative jumps" in text
-    assert "tolerances: {d<input>: {factor: 3, rel_norm: 0.06}}" in text
+    assert "tolerances: {d<input>: {factor: 1000, norm_factor: 2, rel_norm: 0.06}}" in text
     assert cli("tasks", "new", "smooth", "--reference", "ref.py:smooth", *args).exit_code == 0
     assert cli("tasks", "new", "fwd", "--reference", "ref.py:mlp", *args[:-2]).exit_code == 0
     assert "derivative jumps" not in Path("smooth.yaml").read_text() + Path("fwd.yaml").read_text()

@@ -221,6 +221,27 @@ def test_rounding_alone_passes_and_a_bias_under_the_max_rule_does_not():
     assert compare("y", "s", offset, hi, lo, Tolerance(bias=1.0)) is None  # a task may allow more
 
 
+def test_a_kink_s_flip_passes_a_widened_max_rule_while_the_norm_rule_keeps_its_factor():
+    """A gradient through ReLU's kink: one element flipped (a whole term's error, 30x the bf16
+    reference's largest) fails the default rule and passes the max rule widened alone
+    (``norm_factor`` keeps the norm and bias rules at 2); an error over every element, 8% of the
+    norm, is caught by that norm rule, which a factor of 1000 alone would have widened past it."""
+    g = torch.Generator().manual_seed(3)
+    hi = torch.randn(256, 512, generator=g, dtype=torch.float64)
+    lo = hi.to(torch.bfloat16)
+    err = float((lo.double() - hi).abs().max())
+    flipped = lo.clone()
+    flipped[7, 11] += 30 * err
+    kink = Tolerance(factor=1000, norm_factor=2, rel_norm=0.06)
+    assert compare("dx", "s", flipped, hi, lo, Tolerance()) is not None
+    assert compare("dx", "s", flipped, hi, lo, kink) is None
+    assert kink.dense_factor == 2 and Tolerance(factor=3).dense_factor == 3
+    scaled = (hi * 1.08).to(torch.bfloat16)  # 8% off in norm, each element within 1000x the noise
+    m = compare("dx", "s", scaled, hi, lo, kink)
+    assert m is not None and "relative norm" in m.pattern, m
+    assert compare("dx", "s", scaled, hi, lo, Tolerance(factor=1000, rel_norm=0.06)) is None  # factor alone
+
+
 def test_rounding_a_row_shares_passes_and_an_offset_of_its_size_does_not():
     """A weight gradient dW = dY^T X rounds each row of dY once, and every element of that row of
     dW carries the rounding: the mean of such errors averages over the rows, not the elements.

@@ -12,7 +12,9 @@ largest of factor * |mean(ref_lo - ref_hi)| (the reference's own bias),
 BIAS_Z standard errors of the mean of the reference's noise and ``tol.bias`` *
 rms(ref_hi), plus the floor: an offset of a fraction of the reference's error
 passes the max rule on every element, but on a million elements it stands many
-standard errors clear of rounding.  The standard error is the reference's own
+standard errors clear of rounding.  (A task may give the norm and bias rules a
+factor of their own, ``norm_factor``: a gradient through a kink widens the max
+rule alone, Tolerance says why.)  The standard error is the reference's own
 (never the program's, which could widen it) and allows for rounding errors that
 a whole row or column shares: the largest of rms / sqrt(n) and the spread of
 the row means and of the column means over sqrt(rows) and sqrt(columns).  A
@@ -76,7 +78,7 @@ def compare(name: str, shape_set: str, out, hi: torch.Tensor, lo: torch.Tensor, 
     rel_lo = max(float(torch.linalg.vector_norm(lo_err)), noise.norm if noise else 0.0) / hnorm
     if nan.any():
         rel = float("nan")
-    if bad.any() or not rel <= max(tol.rel_norm, tol.factor * rel_lo):
+    if bad.any() or not rel <= max(tol.rel_norm, tol.dense_factor * rel_lo):
         return _mismatch(name, shape_set, diff, bad, nan, allowed, rel, o, poisoned=poisoned, ref=h)
     return _bias(name, shape_set, o, h, lo.to(h.device, work), tol, rel, noise)
 
@@ -108,7 +110,7 @@ def _bias(name: str, shape_set: str, o: torch.Tensor, h: torch.Tensor, lo: torch
     ref_mean, ref_se = abs(float(ref_err.sum()) / n), mean_noise(ref_err, n)
     if noise is not None:
         ref_mean, ref_se = max(ref_mean, noise.mean), max(ref_se, noise.se)
-    allowed = max(tol.factor * ref_mean, BIAS_Z * ref_se, tol.bias * scale) + tol.floor
+    allowed = max(tol.dense_factor * ref_mean, BIAS_Z * ref_se, tol.bias * scale) + tol.floor
     if abs(mean) <= allowed:
         return None
     return Mismatch(tensor=name, shape_set=shape_set, max_abs_err=float(err.abs().max()), allowed=allowed,

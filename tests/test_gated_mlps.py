@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 pytest.importorskip("transformers")
-from test_llama import CONFIG, assert_like_hf, train_and_eval, truth_of, with_norms_off_one  # noqa: E402
+from test_llama import CONFIG, assert_like_hf, batch, train_and_eval, truth_of, with_norms_off_one  # noqa: E402
 
 import coda_agent  # noqa: E402
 from coda_agent.kernels import gated_mlps  # noqa: E402
@@ -36,7 +36,8 @@ def test_llama4s_mlps_train_like_hf():
     base = tiny_llama4()
     hi, lo = truth_of(base)
     model = coda_agent.apply_to_model(copy.deepcopy(base).bfloat16(), fused_linear_cross_entropy=False)
-    assert model.coda_flags["swiglu_mlp"] == ["model.layers.0.feed_forward", "model.layers.1.feed_forward.shared_expert"]
+    assert model.coda_flags["swiglu_mlp"] == ["model.layers.0.feed_forward",
+                                              "model.layers.1.feed_forward.shared_expert"]
     assert model.state_dict().keys() == base.state_dict().keys()  # gate and up fused, HF's keys kept
     with launch_ledger() as launched:
         got = train_and_eval(model)
@@ -122,3 +123,17 @@ def test_biases_another_activation_or_no_linears_are_passed_by():
     convs = Split()
     convs.w_up = nn.Conv1d(16, 32, 1)
     assert gated_mlps.recognised(convs) == (None, None, None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Hopper)")
+def test_llama4s_mlps_train_like_hf_on_gpu():
+    """The cute lowering: swiglu_mlp's kernels in Llama 4's dense MLP and shared expert on the GPU."""
+    base = tiny_llama4().cuda()
+    data = tuple(t.cuda() for t in batch())
+    hi, lo = (train_and_eval(copy.deepcopy(base).to(dtype), data) for dtype in (torch.float32, torch.bfloat16))
+    with launch_ledger() as launched, torch.autograd.set_multithreading_enabled(False):
+        model = coda_agent.apply_to_model(copy.deepcopy(base).bfloat16(), fused_linear_cross_entropy=False)
+        got = train_and_eval(model, data)
+    assert_like_hf(got, hi, lo)
+    assert {"swiglu", "dswiglu"} <= {launch.name for launch in launched}

@@ -134,6 +134,16 @@ def test_no_bias_gets_zeros_and_no_token_the_empty_result():
     assert layer.fc1(torch.zeros(0, 128, dtype=torch.bfloat16)).shape == (0, 256)
 
 
+def test_a_deep_copy_is_patched_with_its_own_linears():
+    """An EMA or reference copy runs its own weights through the kernel, and trains like the original."""
+    model = coda_agent.apply_to_model(tiny("OPT").bfloat16(), fused_linear_cross_entropy=False)
+    twin = copy.deepcopy(model)
+    fc1 = twin.model.decoder.layers[0].fc1
+    assert fc1.forward.module is fc1 and fc1.coda_mlp is model.model.decoder.layers[0].fc1.coda_mlp
+    a, b = train_and_eval(model, data()), train_and_eval(twin, data())
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_a_patched_model_compiles_whole_like_eager():
     """torch.compile(fullgraph=True) traces BERT with its patched linears and identity activations:
     no graph break, the loss and gradients of eager.  (OPT's, BioGPT's and XGLM's own LayerDrop

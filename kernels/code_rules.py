@@ -58,9 +58,12 @@ def _methods(cls: type) -> list[ast.FunctionDef]:
 
 
 @lru_cache(maxsize=None)
-def _uses(cls: type) -> tuple[dict[str, int], frozenset[str]]:
+def _uses(cls: type) -> tuple[dict[str, int], frozenset[str]] | None:
     """({name: how often ``self.<name>`` is read, assigned or deleted outside ``__init__``}, the
-    string constants of those methods, where ``getattr(self, "name")`` would name one)."""
+    string constants of those methods, where ``getattr(self, "name")`` would name one); None where
+    the forward's code or the class's cannot be read."""
+    if tree(cls.forward) is None or not run_methods(cls):
+        return None
     uses: dict[str, int] = {}
     strings: set[str] = set()
     for f in run_methods(cls):
@@ -75,9 +78,10 @@ def _uses(cls: type) -> tuple[dict[str, int], frozenset[str]]:
 def touched_once(cls: type, names: tuple[str, ...]) -> bool:
     """Whether the code of ``cls`` that runs touches each ``self.<name>`` exactly once and never
     names one as a string; False where the code cannot be read."""
-    if tree(cls.forward) is None or not run_methods(cls):
+    read = _uses(cls)
+    if read is None:
         return False
-    uses, strings = _uses(cls)
+    uses, strings = read
     return all(uses.get(n) == 1 and n not in strings for n in names)
 
 

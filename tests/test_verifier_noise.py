@@ -112,3 +112,43 @@ def test_clipping_at_six_rms_passes_plain_fresh_draws_and_fails_the_outlier_draw
         with lowering("reference"):
             got = run_program(t, mod, {k: v.clone() for k, v in case.inputs.items()}, case.grads)
         assert bool(verdict(t.spec, case, {k: got[k] for k in case.hi})) == fails, draw
+
+
+def test_a_row_lost_under_the_bar_of_ill_conditioned_rows_fails_the_whole_row_rule():
+    """Rows at 32 times their scale, whose reference errs by percent of the largest value, set a
+    max bar that a small row left out passes; the edge draw's whole-row rule fails it, and lets
+    a row pass whose reference is as wrong as the program there."""
+    g = torch.Generator().manual_seed(5)
+    hi = torch.randn(64, 128, generator=g, dtype=torch.float64) * 2.0 ** -9
+    hi[:8] *= 2.0 ** 14  # the large rows, rounded coarsely by the reference
+    lo = hi + hi.abs().max(dim=1, keepdim=True).values * 0.05 * torch.randn(64, 128, generator=g, dtype=torch.float64)
+    lo[8:] = hi[8:] + hi[8:].abs() * 2.0 ** -9 * torch.randn(56, 128, generator=g, dtype=torch.float64)
+    tol = Tolerance()
+    lost = hi.clone()
+    lost[20] = 0.0
+    assert compare("dx", "s", lost, hi, lo, tol) is None
+    m = compare("dx", "s", lost, hi, lo, tol, rows=True)
+    assert m is not None and m.worst_index == [20] and "wrong as a whole" in m.pattern
+    noisy = lo.clone()  # the program errs like the reference: every large row half off included
+    noisy[:8] = hi[:8] * 0.4
+    lo2 = noisy.clone()
+    lo2[:8] = hi[:8] * 0.3
+    assert compare("dx", "s", noisy, hi, lo2, tol, rows=True) is None
+    zero_rows = torch.zeros(4, 16, dtype=torch.float64)
+    assert compare("dx", "s", zero_rows + 1e-300, zero_rows, zero_rows, tol, rows=True) is None
+
+
+def test_the_edge_draw_catches_a_head_that_skips_predicted_tokens_and_passes_the_expert():
+    """tests/bad_programs/wrong/skips_predicted_tokens.py sends no gradient through the tokens
+    with p(target) in (1/2, 0.999): its rows, at twice to sixteen times their scale in the edge
+    draw, err by a few percent of the largest value, below the bar the rows at 32 times set;
+    every edge draw fails it, and the honest expert passes the same draws."""
+    t = load_task(SUITE_DIR / "lm_head_xent.yaml")
+    cheat = load_expert(t, (CORPUS / "wrong" / "skips_predicted_tokens.py").read_text())
+    expert = load_expert(t)
+    for seed in range(12):
+        case = draw_case(t, t.spec, "small", 7000 + seed, "cpu", "edge")
+        for mod, fails in ((expert, False), (cheat, True)):
+            with lowering("reference"):
+                got = run_program(t, mod, {k: v.clone() for k, v in case.inputs.items()}, case.grads)
+            assert bool(verdict(t.spec, case, {k: got[k] for k in case.hi})) == fails, (seed, fails)

@@ -41,7 +41,7 @@ What each stage guarantees, and what it does not:
   below it), and any the task names, each with two fresh draws (the second
   with one to three outlier channels at 8 to 64 times in every hidden state,
   :mod:`.outliers`), one of edge rows (norms of 2^-12, 2^5, between and 0,
-  gradients along the output or 0, a cross-entropy target in four the class
+  gradients along the output or 0, a cross-entropy target in two the class
   the reference predicts) and two at other magnitudes (activations 2^u and
   2^-u, |u| in [4, 12], half the rows negated, centres moved 16 to 64 times as
   far; norm weights, scales, tables and biases spread; fp8 inputs over their
@@ -119,7 +119,9 @@ CPU sets' widths, H of 128 to 700 (red-team round 8); a rule on each row's and
 column's median error against the reference's median noise there rejects it,
 but honest experts stand as far off in some lines (GPT-2's ln_qkv dx: 23 times
 the reference's median noise in a row, second look included, where its row sums
-round otherwise), so no such rule is in);
+round otherwise), so no such rule is in; the edge draw's whole-row rule,
+:mod:`.compare`, judges only rows that err by half their own norm, a row lost
+or made up, not rounded);
 that it is right at a token count none of the sets holds (one, a decode
 step's, is the odd set's one time in 128).  A Report covers the stages it lists:
 ``cpu_passed`` of a ``stages`` subset means every stage that ran passed, so

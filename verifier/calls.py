@@ -146,8 +146,9 @@ def _task_with(task: Task, spec: TaskSpec) -> Task:
 def verdict(spec: TaskSpec, case: Case, got: dict[str, torch.Tensor], poisoned: bool = False) -> list[Mismatch]:
     """Every result of a call compared with the references; a result that fails only by its
     size gets a second look against more samples of the references' noise (:mod:`.noise`)."""
+    rows = case.draw == "edge"  # rows at 2^-12 to 2^5 of their scale: the whole-row rule (.compare)
     found = {name: compare(name, case.shape_set, got[name], case.hi[name], case.lo[name],
-                           spec.tolerance_for(name), poisoned=poisoned) for name in case.hi}
+                           spec.tolerance_for(name), poisoned=poisoned, rows=rows) for name in case.hi}
     again = [name for name, m in found.items() if m is not None and _sized(m, got[name], case.hi[name])]
     if again and case.task is not None:
         try:
@@ -156,7 +157,7 @@ def verdict(spec: TaskSpec, case: Case, got: dict[str, torch.Tensor], poisoned: 
             noise = {}
         for name in noise:
             found[name] = compare(name, case.shape_set, got[name], case.hi[name], case.lo[name],
-                                  spec.tolerance_for(name), poisoned=poisoned, noise=noise[name])
+                                  spec.tolerance_for(name), poisoned=poisoned, noise=noise[name], rows=rows)
     out = []
     for m in found.values():
         if m is not None:

@@ -22,6 +22,20 @@ weight gradient dW = dY^T X shows why: one rounding of a row of dY moves a
 whole row of dW, so its errors' mean averages over the rows, not the elements
 (gpt2_block's dw_proj: 5x the independent-error estimate).
 
+Both rules are per tensor, so where rows stand at very different scales (the
+edge draw: norms from 2^-12 to 2^5 in one tensor) the largest, often the most
+ill-conditioned, set the bar for all: a softmax row at 32 times its scale
+rounds its logits by whole units, and its gradient's reference errs by
+percent of the tensor's largest value, while a row at twice its scale that a
+program leaves out (zero, or the gradient of a token it skips) errs by a few
+percent of the same value and passes.  So ``rows=True`` (the edge draw) adds
+the whole-row rule: a row of the last axis may not err by more than
+ROW_SHARE of its own norm unless the reference's own noise on that row
+(second look included) reaches ``factor * SIGMAS`` of that error: a row lost
+whole fails it at every scale, while rows whose reference is itself
+ill-conditioned (a cancellation: gradients along the output, a token
+predicted at near certainty) pass on their own noise.
+
 Where one element carries most of a tensor's noise (a weight gradient's
 column fed by an outlier channel), the reference's error there is one sample,
 and the max rule is a coin toss; a result that fails by the size of its
@@ -41,14 +55,15 @@ from coda_agent.verifier.report import Mismatch
 
 TILE = 128  # rows/columns past the last full tile of this size are the "ragged edge"
 BIAS_Z = 8.0  # standard errors of the mean that rounding noise may reach
+ROW_SHARE = 0.5  # the whole-row rule: a row may not err by half its own norm, its noise aside
 
 
 def compare(name: str, shape_set: str, out, hi: torch.Tensor, lo: torch.Tensor, tol: Tolerance,
-            poisoned: bool = False, noise: Noise | None = None) -> Mismatch | None:
+            poisoned: bool = False, noise: Noise | None = None, rows: bool = False) -> Mismatch | None:
     """None when ``out`` passes; else a Mismatch saying where it differs.  ``noise``: more
     samples of the reference's own noise (:mod:`.noise`, the second look): each element may
     also err by ``factor * SIGMAS`` of its own noise RMS, and the norm and bias rules take the
-    samples' largest."""
+    samples' largest.  ``rows``: the whole-row rule too (module docstring)."""
     if not isinstance(out, torch.Tensor):
         return Mismatch(tensor=name, shape_set=shape_set, max_abs_err=float("inf"), allowed=0.0,
                         pattern=f"not a tensor ({type(out).__name__})")
@@ -80,7 +95,44 @@ def compare(name: str, shape_set: str, out, hi: torch.Tensor, lo: torch.Tensor, 
         rel = float("nan")
     if bad.any() or not rel <= max(tol.rel_norm, tol.dense_factor * rel_lo):
         return _mismatch(name, shape_set, diff, bad, nan, allowed, rel, o, poisoned=poisoned, ref=h)
-    return _bias(name, shape_set, o, h, lo.to(h.device, work), tol, rel, noise)
+    lo = lo.to(h.device, work)
+    if rows and (lost := _rows(name, shape_set, o, h, lo, tol, rel, noise)):
+        return lost
+    return _bias(name, shape_set, o, h, lo, tol, rel, noise)
+
+
+def _rows(name: str, shape_set: str, o: torch.Tensor, h: torch.Tensor, lo: torch.Tensor, tol: Tolerance,
+          rel: float, noise: Noise | None) -> Mismatch | None:
+    """The whole-row rule (module docstring): each row of the last axis against its own norm and
+    its own noise; a tensor of one axis or of one column has no rows to judge."""
+    if h.dim() < 2 or h.shape[-1] < 2 or h.numel() == 0:
+        return None
+    cols = h.shape[-1]
+    zero = torch.zeros((), dtype=h.dtype, device=h.device)
+    finite = torch.isfinite(h) & torch.isfinite(lo)
+    ref = torch.where(finite, h, zero).reshape(-1, cols)
+    err = torch.linalg.vector_norm(torch.where(finite, o - h, zero).reshape(-1, cols), dim=1)
+    own = torch.linalg.vector_norm(ref, dim=1)
+    ref_noise = torch.linalg.vector_norm(torch.where(finite, lo - h, zero).reshape(-1, cols), dim=1)
+    if noise is not None:
+        sampled = torch.linalg.vector_norm(noise.rms.to(h.device, h.dtype).reshape(-1, cols), dim=1)
+        ref_noise = torch.maximum(ref_noise, sampled)
+    # the floor in norm, and a row of exact zeros may hold what fp32 leaves of a cancellation
+    floor = tol.floor * cols ** 0.5 + 2.0 ** -20 * float(own.max())
+    bar = torch.maximum(ROW_SHARE * own, tol.dense_factor * SIGMAS * ref_noise) + floor
+    lost = err > bar
+    if not lost.any():
+        return None
+    worst = int(torch.argmax(torch.where(lost, err / bar, zero)))
+    count = int(lost.sum())
+    return Mismatch(tensor=name, shape_set=shape_set, max_abs_err=float((o - h).abs().max()),
+                    allowed=float(bar[worst]), rel_norm_err=rel,
+                    worst_index=[int(i) for i in torch.unravel_index(torch.tensor(worst), h.shape[:-1])],
+                    pattern=f"{count} row{'s' if count > 1 else ''} wrong as a whole (of {ref.shape[0]}): row "
+                            f"{worst}'s error norm {float(err[worst]):.3g} against its own norm "
+                            f"{float(own[worst]):.3g} and the reference's noise there "
+                            f"{float(ref_noise[worst]):.3g}: a row left out or computed from other "
+                            "values, hidden under the bar that the largest rows set")
 
 
 def mean_noise(e: torch.Tensor, n: int) -> float:

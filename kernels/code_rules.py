@@ -104,23 +104,36 @@ def assigned(stmt: ast.stmt) -> tuple[str, ast.expr] | None:
 
 def returned_expression(fn: ast.FunctionDef) -> ast.expr | None:
     """What a forward written as ``t = ...`` assignments and one ``return`` returns, each
-    temporary substituted where it is read: the expression of its single argument.  None for any
-    other body (a branch, a loop, a temporary read twice or not at all)."""
+    temporary substituted where it is read: the expression of its arguments.  A name may be
+    assigned again (``x = self.fc(x); x = self.act(x)``), but each value assigned must be read
+    exactly once before the next assignment or the return, so no substitution repeats or drops a
+    computation.  None for any other body (a branch, a loop, a value read twice or never)."""
     body = [s for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]  # docstring
     if not body or not isinstance(body[-1], ast.Return) or body[-1].value is None:
         return None
-    env: dict[str, ast.expr] = {}
-    reads: dict[str, int] = {}
+    env: dict[str, ast.expr] = {}  # each temporary's current value, substituted
+    unread: set[str] = set()
     for stmt in body:
-        for n in ast.walk(stmt):
-            if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load):
-                reads[n.id] = reads.get(n.id, 0) + 1
-    for stmt in body[:-1]:
-        a = assigned(stmt)
-        if a is None or a[0] in env or reads.get(a[0]) != 1:
+        target = None
+        if isinstance(stmt, ast.Return):
+            value = stmt.value
+        elif (a := assigned(stmt)) is not None:
+            target, value = a
+        else:
             return None
-        env[a[0]] = _substitute(a[1], env)
-    return _substitute(body[-1].value, env)
+        for n in ast.walk(value):
+            if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n.id in env:
+                if n.id not in unread:  # a value read twice
+                    return None
+                unread.discard(n.id)
+        expr = _substitute(value, env)
+        if target is None:
+            return None if unread else expr
+        if target in unread:  # a value overwritten unread
+            return None
+        env[target] = expr
+        unread.add(target)
+    return None
 
 
 class _Inline(ast.NodeTransformer):

@@ -306,6 +306,16 @@ def block_plan(layer_norm: bool, mlp: bool, gelu: str | None, given: dict[str, A
 
 
 GELUS = {"exact": F.gelu, "tanh": lambda x: F.gelu(x, approximate="tanh")}
+# Where the activation modules that a site found by a rule on the code may apply are defined (a
+# model's own are passed by: their code, not a probe, says what they compute)
+ACTIVATION_MODULES = ("torch.nn.modules.activation", "transformers.activations")
+
+
+def library_activation(act: Any) -> bool:
+    """Whether ``act`` is one of torch's or transformers' activation modules, without parameters
+    or buffers (a PReLU that starts as ReLU does not stay one)."""
+    return (isinstance(act, nn.Module) and type(act).__module__ in ACTIVATION_MODULES
+            and not any(True for _ in (*act.parameters(), *act.buffers())))
 
 
 def activation_form(act: nn.Module, forms: dict[str, Any]) -> str | None:

@@ -44,11 +44,9 @@ from torch import nn
 
 from .adapters import lora_of
 from .code_rules import assigned, run_methods, self_call, touched_once
-from .dropin import GELUS, PatchedForward, activation_form, check_mlp_projection, check_mlp_widths
+from .dropin import (ACTIVATION_MODULES, GELUS, PatchedForward, activation_form, check_mlp_projection,
+                     check_mlp_widths)
 from .kernel import Kernel
-
-# Where the activation modules that a site may apply are defined (a model's own are passed by)
-ACTIVATION_MODULES = ("torch.nn.modules.activation", "transformers.activations")
 # The activation, probed by value -> the GPT-2 suite's task
 TASKS = {"exact": "linear_gelu", "tanh": "linear_gelu_tanh", "relu": "linear_relu"}
 FORMS = {**GELUS, "relu": F.relu}

@@ -18,9 +18,12 @@ one by one, by their code (``families.same_code``) as the layer drop-ins recogni
   ``linear_gelu_tanh`` or ``linear_relu`` (``linear_acts``, which finds the site in the code); the
   second linear, with its residual add and norm, stays HF's.
 - **MLPs without a gate** (``proj(act(fc(x)))`` with biases: GPT-Neo's, GPT-J's, Phi's, Falcon's,
-  GPT-BigCode's, StarCoder-2's, GPT-NeoX's, Nemotron's, BLOOM's and MPT's code; the last two add the
-  residual they are given after the kernel) run as the GPT-2 suite's
-  ``gelu_mlp``, ``gelu_tanh_mlp`` or ``relu2_mlp``, the activation probed by value (``plain_mlps``).
+  GPT-BigCode's, StarCoder-2's, GPT-NeoX's, Nemotron's, BLOOM's and MPT's code, the last two adding
+  the residual they are given after the kernel; any forward of that shape, nanoGPT's; an
+  ``nn.Sequential`` of Linear, activation, Linear, CTRL's) run as the GPT-2 suite's ``gelu_mlp``,
+  ``gelu_tanh_mlp``, ``relu_mlp`` or ``relu2_mlp``, the activation probed by value
+  (``plain_mlps``).  A whole MLP goes before the linear-and-activation rule, which would run its
+  first half alone.
 - **The LM head and loss**: where the causal LM's forward is LLaMA's, Granite's or Mixtral's code
   (``families.CAUSAL_LMS``) and its loss is HF's causal-LM loss, training with labels runs the
   fused LM head + cross-entropy (``lm_head_xent``; no full logits, ``logits`` is None, as with
@@ -132,11 +135,11 @@ def _mlps(model: nn.Module) -> tuple[dict[str, tuple[nn.Module, Any, str]], list
                 gated_mlps.check(module, where, layout, task)
                 found[name] = (module, layout, task)
         else:  # an MLP without a gate, or a linear and its activation
-            kind, task, why = plain_mlps.recognised(module)
+            site, task, why = plain_mlps.recognised(module)
             if task is not None:
-                plain_mlps.check(module, where, kind, task)
-                found[name] = (module, kind, task)
-            elif kind is None:
+                plain_mlps.check(module, where, site, task)
+                found[name] = (module, site, task)
+            elif site is None:
                 sites, why = linear_acts.recognised(module, shared)
                 for pair, task in sites:  # each goes by its linear's name: what runs as the kernel
                     linear_acts.check(module, where, pair, task)

@@ -1,16 +1,24 @@
 """MLPs without a gate in ``apply_to_model``: ``proj(act(fc(x)))`` with biases, as GPT-Neo, GPT-J,
 CodeGen, Phi, Falcon, GPT-BigCode, StarCoder-2, GPT-NeoX, Persimmon, Nemotron, BLOOM and MPT write
-it, run as the GPT-2 suite's ``gelu_mlp`` (the exact GELU), ``gelu_tanh_mlp`` (its tanh form:
-``gelu_new``, ``gelu_pytorch_tanh``, BLOOM's own) or ``relu2_mlp`` (the squared ReLU), the
-activation probed by value (:func:`activation`).
+it, as CTRL builds it (``nn.Sequential(Linear, ReLU, Linear)``) and as a training codebase's own
+model writes it (nanoGPT's ``MLP``), run as the GPT-2 suite's ``gelu_mlp`` (the exact GELU),
+``gelu_tanh_mlp`` (its tanh form: ``gelu_new``, ``gelu_pytorch_tanh``, BLOOM's own), ``relu_mlp``
+(ReLU) or ``relu2_mlp`` (the squared ReLU), the activation probed by value (:func:`activation`).
 
 A module qualifies by its forward's code (``families.same_code``, so a family that copies one of
 these forwards under its own class name qualifies too: GPT-Neo's and GPT-BigCode's MLPs are GPT-2's
-code), with ``nn.Linear`` projections (Falcon's ``FalconLinear`` computes the same). The fc GEMM's
-epilogue adds the bias and applies the activation, keeping only the pre-activation for the backward,
-whose derivative rides in the epilogue of ``dy @ W_proj``. A projection without a bias (Falcon's,
-StarCoder-2's and MPT's ``bias=False`` configs) gets a zero bias per call, whose gradient nobody
-asks for. The dropout some of these forwards apply after the projection runs on the kernel's output
+code), with ``nn.Linear`` projections (Falcon's ``FalconLinear`` computes the same); or by the
+shape of its code (:func:`site_by_rule`: a forward of one argument whose temporaries are each read
+once, ``x = self.fc(x)`` reassignments included, returning ``self.P(self.A(self.F(x)))``, or that
+wrapped in ``self.D(...)``, a dropout, with each attribute touched nowhere else in the class), with
+``nn.Linear`` projections of an MLP's shapes ((I, H) then (H, I)) and one of torch's or
+transformers' activation modules; or as an ``nn.Sequential`` of exactly Linear, activation,
+Linear and optionally Dropout, which runs each once in order.  A module of such shape whose
+linears are not an MLP's (a classifier head to another width) is no site. The fc GEMM's
+epilogue adds the bias and applies the activation, keeping only the pre-activation for the backward
+(ReLU's keeps its output, whose sign is its derivative), whose derivative rides in the epilogue of
+``dy @ W_proj``. A projection without a bias (Falcon's, StarCoder-2's and MPT's ``bias=False``
+configs, or one of the two) gets a zero bias per call, whose gradient nobody asks for. The dropout some of these forwards apply after the projection runs on the kernel's output
 as HF applies it, and so does the residual add that BLOOM's and MPT's MLPs take as a second
 argument (BLOOM's ``slow_but_exact`` tensor-parallel sum is the same sum, in the GEMM's order).
 Falcon's layer adds into the MLP's output in place, which is safe while the kernel does not keep
@@ -21,6 +29,9 @@ HF's.
 
 from __future__ import annotations
 
+import ast
+from dataclasses import dataclass
+from functools import lru_cache, partial
 from typing import Any, Callable
 
 import torch
@@ -36,15 +47,19 @@ from transformers.models.nemotron.modeling_nemotron import NemotronMLP
 from transformers.models.phi.modeling_phi import PhiMLP
 from transformers.models.starcoder2.modeling_starcoder2 import Starcoder2MLP
 
-from .adapters import lora_of
-from .dropin import GELUS, PatchedForward, activation_form, check_mlp_projection, check_mlp_widths
+from .adapters import linear_of, lora_of
+from .code_rules import returned_expression, self_call, touched_once, tree
+from .dropin import (GELUS, PatchedForward, activation_form, check_mlp_projection, check_mlp_widths,
+                     library_activation)
 from .families import same_code
 from .kernel import Kernel, KernelError
 
 # The activation, probed by value -> the GPT-2 suite's task
-TASKS = {"exact": "gelu_mlp", "tanh": "gelu_tanh_mlp", "relu2": "relu2_mlp"}
-FORMS = {**GELUS, "relu2": lambda x: torch.square(F.relu(x))}
+TASKS = {"exact": "gelu_mlp", "tanh": "gelu_tanh_mlp", "relu": "relu_mlp", "relu2": "relu2_mlp"}
+FORMS = {**GELUS, "relu": F.relu, "relu2": lambda x: torch.square(F.relu(x))}
+NAMES = "a GELU, ReLU or the squared ReLU"
 LINEARS = (nn.Linear, FalconLinear)
+BY_RULE, SEQUENTIAL = "an MLP's", "an nn.Sequential MLP's"  # the kinds of the sites no list names
 
 
 def _no_dropout(module: nn.Module, y: torch.Tensor) -> torch.Tensor:
@@ -67,45 +82,104 @@ def _dropout_then_add(module: nn.Module, y: torch.Tensor, residual: torch.Tensor
     return F.dropout(y, p=module.hidden_dropout, training=module.training) + residual
 
 
+def _dropout_named(name: str, module: nn.Module, y: torch.Tensor) -> torch.Tensor:
+    return getattr(module, name)(y)
+
+
 def _own_copy(module: nn.Module, y: torch.Tensor) -> torch.Tensor:
     # Falcon's layer adds the attention output into the MLP's in place (`mlp_output +=`): if the
     # kernel's autograd Function keeps y for its backward, the layer gets a copy to change
     return y.clone() if module.coda_mlp.keeps("y") else y
 
 
-# Whose MLP code -> (its forward, (fc, activation, proj) attributes, what follows the proj: the
-# family's dropout, the residual add of the forward's further arguments, or a copy the layer may
-# change in place).
-MLPS: dict[str, tuple[Any, tuple[str, str, str], Callable[..., torch.Tensor]]] = {
-    "GPT-2's": (GPT2MLP.forward, ("c_fc", "act", "c_proj"), _dropout),
-    "GPT-J's": (GPTJMLP.forward, ("fc_in", "act", "fc_out"), _dropout),
-    "Phi's": (PhiMLP.forward, ("fc1", "activation_fn", "fc2"), _no_dropout),
-    "GPT-NeoX's": (GPTNeoXMLP.forward, ("dense_h_to_4h", "act", "dense_4h_to_h"), _no_dropout),
-    "Falcon's": (FalconMLP.forward, ("dense_h_to_4h", "act", "dense_4h_to_h"), _own_copy),
-    "StarCoder-2's": (Starcoder2MLP.forward, ("c_fc", "act", "c_proj"), _residual_dropout),
-    "Nemotron's": (NemotronMLP.forward, ("up_proj", "act_fn", "down_proj"), _no_dropout),
-    "BLOOM's": (BloomMLP.forward, ("dense_h_to_4h", "gelu_impl", "dense_4h_to_h"), _dropout_add),
-    "MPT's": (MptMLP.forward, ("up_proj", "act", "down_proj"), _dropout_then_add),
-}
+@dataclass(frozen=True)
+class Site:
+    """Where an MLP keeps its parts, whose code it is, and what follows its projection: the
+    family's dropout, the residual add of the forward's further arguments, or a copy the layer may
+    change in place."""
+
+    kind: str
+    fc: str
+    act: str
+    proj: str
+    after: Callable[..., torch.Tensor] = _no_dropout
 
 
-def recognised(module: nn.Module) -> tuple[str | None, str | None, str]:
-    """(whose MLP code ``module``'s forward is, the task of the kernel that computes it, why there is
-    none): (None, None, "") for a module of no such code."""
-    kind = next((k for k, (fn, _, _) in MLPS.items() if same_code(type(module).forward, fn)), None)
-    if kind is None:
+# Whose MLP code -> (its forward, its site)
+MLPS: dict[str, tuple[Any, Site]] = {kind: (fn, Site(kind, *names, after)) for kind, fn, names, after in (
+    ("GPT-2's", GPT2MLP.forward, ("c_fc", "act", "c_proj"), _dropout),
+    ("GPT-J's", GPTJMLP.forward, ("fc_in", "act", "fc_out"), _dropout),
+    ("Phi's", PhiMLP.forward, ("fc1", "activation_fn", "fc2"), _no_dropout),
+    ("GPT-NeoX's", GPTNeoXMLP.forward, ("dense_h_to_4h", "act", "dense_4h_to_h"), _no_dropout),
+    ("Falcon's", FalconMLP.forward, ("dense_h_to_4h", "act", "dense_4h_to_h"), _own_copy),
+    ("StarCoder-2's", Starcoder2MLP.forward, ("c_fc", "act", "c_proj"), _residual_dropout),
+    ("Nemotron's", NemotronMLP.forward, ("up_proj", "act_fn", "down_proj"), _no_dropout),
+    ("BLOOM's", BloomMLP.forward, ("dense_h_to_4h", "gelu_impl", "dense_4h_to_h"), _dropout_add),
+    ("MPT's", MptMLP.forward, ("up_proj", "act", "down_proj"), _dropout_then_add))}
+
+
+def recognised(module: nn.Module) -> tuple[Site | None, str | None, str]:
+    """(the MLP's site, the task of the kernel that computes it, why there is none): (None, None,
+    "") for a module of no such code."""
+    kind = next((k for k, (fn, _) in MLPS.items() if same_code(type(module).forward, fn)), None)
+    site = MLPS[kind][1] if kind else _site_of(module)
+    if site is None:
         return None, None, ""
-    fc_name, act_name, proj_name = MLPS[kind][1]
-    fc = getattr(module, fc_name, None)
+    fc = getattr(module, site.fc, None)
     if not isinstance(fc, LINEARS) and lora_of(fc) is None:
-        return kind, None, (f"{type(module).__name__}.{fc_name} is {type(fc).__name__}, not nn.Linear"
+        return site, None, (f"{type(module).__name__}.{site.fc} is {type(fc).__name__}, not nn.Linear"
                             + (" (GPT-2's layout: apply_to_gpt2 takes GPT-2)" if type(fc).__name__ == "Conv1D" else ""))
-    act = getattr(module, act_name, None)
+    act = getattr(module, site.act, None)
     form = activation(act) if isinstance(act, nn.Module) else None
     if form is None:
-        return kind, None, (f"{type(module).__name__} is {kind} MLP code with {type(act).__name__}, neither a GELU "
-                            "nor the squared ReLU")
-    return kind, TASKS[form], ""
+        code = f"{site.kind} MLP code" if kind else f"{site.kind} shape of code"
+        return site, None, f"{type(module).__name__} is {code} with {type(act).__name__}, none of {NAMES}"
+    return site, TASKS[form], ""
+
+
+def _site_of(module: nn.Module) -> Site | None:
+    """The site of an MLP found by the shape of its code or as an ``nn.Sequential`` (module
+    docstring), where its parts are what an MLP's are; else None."""
+    if type(module) is nn.Sequential:
+        names = list(module._modules)
+        parts = list(module._modules.values())
+        if len(parts) not in (3, 4) or (len(parts) == 4 and not isinstance(parts[3], nn.Dropout)):
+            return None
+        after = partial(_dropout_named, names[3]) if len(parts) == 4 else _no_dropout
+        site = Site(SEQUENTIAL, names[0], names[1], names[2], after)
+    else:
+        site = site_by_rule(type(module))
+        if site is None:
+            return None
+    fc, act, proj = (linear_of(getattr(module, n, None)) for n in (site.fc, site.act, site.proj))
+    if type(fc) is not nn.Linear or type(proj) is not nn.Linear or not library_activation(getattr(module, site.act)):
+        return None
+    if fc.weight.shape[::-1] != proj.weight.shape:  # not an MLP's widths: a head to another width
+        return None
+    return site
+
+
+@lru_cache(maxsize=None)
+def site_by_rule(cls: type) -> Site | None:
+    """The attributes of an MLP whose forward has the shape of code the module docstring names;
+    None for any other code."""
+    fn = tree(cls.forward)
+    if fn is None or len(fn.args.args) != 2 or fn.args.vararg or fn.args.kwarg or fn.args.kwonlyargs:
+        return None
+    x = fn.args.args[1].arg
+    outer = self_call(returned_expression(fn))
+    node: ast.expr | None = outer and outer[1]
+    names = [outer[0]] if outer else []
+    while (call := self_call(node)) is not None:
+        names.append(call[0])
+        node = call[1]
+    if not (isinstance(node, ast.Name) and node.id == x) or len(names) not in (3, 4) or len(set(names)) != len(names):
+        return None
+    chain = names[::-1]  # fc, act, proj[, dropout]
+    if not touched_once(cls, tuple(chain)):
+        return None
+    after = partial(_dropout_named, chain[3]) if len(chain) == 4 else _no_dropout
+    return Site(BY_RULE, chain[0], chain[1], chain[2], after)
 
 
 def activation(act: nn.Module) -> str | None:
@@ -114,27 +188,22 @@ def activation(act: nn.Module) -> str | None:
     return activation_form(act, FORMS)
 
 
-def check(module: nn.Module, where: str, kind: str, task: str, flag: str = "mlp=False") -> None:
+def check(module: nn.Module, where: str, site: Site, task: str, flag: str = "mlp=False") -> None:
     """Refuse, naming ``flag`` as the way to keep HF's MLP, one that holds what ``task``'s kernel does
     not take."""
-    names = MLPS[kind][1]
-    fc, proj = getattr(module, names[0]), getattr(module, names[2])
-    for name, m in ((names[0], fc), (names[2], proj)):
+    fc, proj = getattr(module, site.fc), getattr(module, site.proj)
+    for name, m in ((site.fc, fc), (site.proj, proj)):
         check_mlp_projection(m, f"{where}.{name}", task, flag, LINEARS)
-    if (fc.bias is None) != (proj.bias is None):
-        raise KernelError(f"{where}: {names[0]} has {'no ' * (fc.bias is None)}bias and {names[2]} "
-                          f"{'none' if proj.bias is None else 'one'}; the {task} kernel takes both or neither "
-                          f"(zeros); pass {flag} to keep HF's MLPs")
     width, inter = proj.weight.shape
     if fc.weight.shape != (inter, width):
-        raise KernelError(f"{where}: {names[0]}'s weight is {tuple(fc.weight.shape)}, not ({inter}, {width}) as "
-                          f"{names[2]}'s {tuple(proj.weight.shape)} implies; pass {flag} to keep HF's MLPs")
+        raise KernelError(f"{where}: {site.fc}'s weight is {tuple(fc.weight.shape)}, not ({inter}, {width}) as "
+                          f"{site.proj}'s {tuple(proj.weight.shape)} implies; pass {flag} to keep HF's MLPs")
     check_mlp_widths(where, width, inter, flag)
 
 
-def patch(module: nn.Module, kind: str, task: str, kernel: Kernel) -> None:
+def patch(module: nn.Module, site: Site, task: str, kernel: Kernel) -> None:
     module.coda_mlp = kernel
-    module.coda_plain_mlp = kind
+    module.coda_plain_mlp = site
     module.coda_flags = {task: True}
     module.forward = PatchedForward(module, _forward)
 
@@ -142,15 +211,14 @@ def patch(module: nn.Module, kind: str, task: str, kernel: Kernel) -> None:
 def _forward(self: nn.Module, x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
     """The MLP's forward as its kernel, on any leading shape, then what the family's code does next
     (with ``rest``, the forward's further arguments: BLOOM's and MPT's residual)."""
-    fc_name, act_name, proj_name = MLPS[self.coda_plain_mlp][1]
-    fc, proj = getattr(self, fc_name), getattr(self, proj_name)
+    site = self.coda_plain_mlp
+    fc, proj = getattr(self, site.fc), getattr(self, site.proj)
     rows = x.reshape(-1, x.shape[-1])
     if rows.shape[0] == 0:  # no token: no GEMM to launch, HF's math on the empty rows
-        y = F.linear(getattr(self, act_name)(F.linear(rows, fc.weight, fc.bias)), proj.weight, proj.bias)
+        y = F.linear(getattr(self, site.act)(F.linear(rows, fc.weight, fc.bias)), proj.weight, proj.bias)
     else:
-        b_fc, b_proj = fc.bias, proj.bias
-        if b_fc is None:  # bias=False: zeros the kernel adds, whose gradients autograd never asks for
-            b_fc = rows.new_zeros(fc.weight.shape[0])
-            b_proj = rows.new_zeros(proj.weight.shape[0])
+        # bias=False: zeros the kernel adds, whose gradients autograd never asks for
+        b_fc = fc.bias if fc.bias is not None else rows.new_zeros(fc.weight.shape[0])
+        b_proj = proj.bias if proj.bias is not None else rows.new_zeros(proj.weight.shape[0])
         y = self.coda_mlp(rows.contiguous(), fc.weight, b_fc, proj.weight, b_proj)["y"]
-    return MLPS[self.coda_plain_mlp][2](self, y.view(*x.shape[:-1], proj.weight.shape[0]), *rest)
+    return site.after(self, y.view(*x.shape[:-1], proj.weight.shape[0]), *rest)

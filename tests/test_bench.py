@@ -72,7 +72,7 @@ def test_dry_run_of_the_gpt2_suite(tmp_path, bench_main):
     rows = {r["task"]: r for r in results["rows"]}
     assert set(rows) == {"gelu_bwd", "gelu_fwd", "gelu_mlp", "gelu_tanh_mlp", "gpt2_block", "layernorm_bwd",
                          "linear_gelu", "linear_gelu_tanh", "linear_relu", "lm_head_xent", "ln_qkv", "mlp_block",
-                         "mlp_block_tanh", "out_proj_residual", "relu2_mlp", "residual_layernorm"}
+                         "mlp_block_tanh", "out_proj_residual", "relu_mlp", "relu2_mlp", "residual_layernorm"}
     for r in rows.values():
         assert "error" not in r, r
         assert r["fused"]["median_ms"] > 0 and r["fused_over_gemm"] > 0
@@ -355,7 +355,7 @@ def test_dropin_coverage_patches_or_refuses_each_model_it_builds(tmp_path):
     assert "train it unpatched" in rows["phi"]["apply_to_llama"]["message"]
     assert "apply_to_model" not in rows["llama"]  # tried only where no drop-in of whole layers patches
     assert rows["olmo2"]["apply_to_model"]["parts"] == {"swiglu_mlp": 2, "geglu_mlp": 0, "gelu_mlp": 0,
-                                                           "gelu_tanh_mlp": 0, "relu2_mlp": 0, "linear_gelu": 0,
+                                                           "gelu_tanh_mlp": 0, "relu_mlp": 0, "relu2_mlp": 0, "linear_gelu": 0,
                                                            "linear_gelu_tanh": 0, "linear_relu": 0,
                                                            "fused_linear_cross_entropy": True}
     phi = rows["phi"]["apply_to_model"]

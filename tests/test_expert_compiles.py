@@ -58,7 +58,7 @@ GPT2_KERNELS = {
     "out_proj_residual": (3, 1), "gelu_fwd": (1, 0), "gelu_bwd": (1, 0), "linear_gelu": (3, 1),
     "ln_qkv": (3, 3), "residual_layernorm": (2, 1), "layernorm_bwd": (2, 0), "lm_head_xent": (3, 3),
     "mlp_block": (6, 2), "mlp_block_tanh": (6, 2), "gpt2_block": (12, 4), "gelu_mlp": (6, 0), "gelu_tanh_mlp": (6, 0),
-    "relu2_mlp": (6, 0), "linear_gelu_tanh": (3, 1), "linear_relu": (3, 1),
+    "relu_mlp": (6, 0), "relu2_mlp": (6, 0), "linear_gelu_tanh": (3, 1), "linear_relu": (3, 1),
 }
 GPT2_PASSES = {"row_moments", "layernorm_fold", "normalize", "bias_grad", "dgelu", "dgelu_tanh", "drelu",
                "ln_grad_stats", "ln_backward"}

@@ -26,7 +26,7 @@ def task(name: str):
 def test_the_suite_covers_every_non_attention_op_of_the_block():
     assert TASKS == ["gelu_bwd", "gelu_fwd", "gelu_mlp", "gelu_tanh_mlp", "gpt2_block", "layernorm_bwd",
                      "linear_gelu", "linear_gelu_tanh", "linear_relu", "lm_head_xent", "ln_qkv", "mlp_block",
-                     "mlp_block_tanh", "out_proj_residual", "relu2_mlp", "residual_layernorm"]
+                     "mlp_block_tanh", "out_proj_residual", "relu2_mlp", "relu_mlp", "residual_layernorm"]
 
 
 
@@ -49,6 +49,8 @@ MUTANTS = [
     ("gelu_mlp", "acc * gelu_grad(pre)", "acc * gelu(pre)"),  # GELU for its derivative
     ("gelu_tanh_mlp", "pre = acc + b\n", "pre = acc\n"),  # the fc bias dropped
     ("relu2_mlp", "dpre = acc * (r + r)", "dpre = acc * r"),  # relu^2's derivative halved
+    ("relu_mlp", "where(a > 0.0, acc, 0.0)", "where(a >= 0.0, acc, 0.0)"),  # ReLU's derivative 1 everywhere
+    ("relu_mlp", '{"D": dpre, "db": dpre}', '{"D": dpre, "db": acc}'),  # b_fc's gradient past the kink
     ("ln_qkv", "rstd * (acc - mean * gw) + shift", "rstd * acc + shift"),  # no centring
     ("ln_qkv", '"s2": du * (u - shift)', '"s2": du * u'),  # the bias left in the statistic
     ("residual_layernorm", '"sumsq": a * a', '"sumsq": a * acc'),

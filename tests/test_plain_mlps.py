@@ -1,8 +1,9 @@
 """coda_agent.apply_to_model on MLPs without a gate (kernels/plain_mlps.py): GPT-Neo, GPT-J,
-CodeGen, Phi, Falcon, GPT-BigCode, StarCoder-2, GPT-NeoX, Persimmon, Nemotron, BLOOM and MPT at tiny widths
-(CPU, the reference lowering), held to test_llama.py's bar: the loss, the logits and every gradient
-against the unpatched model in fp32, within twice HF's own bf16 error.  Their MLPs run as the GPT-2
-suite's gelu_mlp, gelu_tanh_mlp or relu2_mlp; everything else stays HF's."""
+CodeGen, Phi, Falcon, GPT-BigCode, StarCoder-2, GPT-NeoX, Persimmon, Nemotron, BLOOM, MPT and CTRL
+at tiny widths, and a nanoGPT-style model of this file's own code (CPU, the reference lowering),
+held to test_llama.py's bar: the loss, the logits and every gradient against the unpatched model in
+fp32, within twice HF's own bf16 error.  Their MLPs run as the GPT-2 suite's gelu_mlp,
+gelu_tanh_mlp, relu_mlp or relu2_mlp; everything else stays HF's (the model's own)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ import torch
 
 pytest.importorskip("transformers")
 from test_llama import assert_like_hf, train_and_eval, with_biases  # noqa: E402
+from torch import nn  # noqa: E402
 
 import coda_agent  # noqa: E402
-from coda_agent.kernels import KernelError  # noqa: E402
+from coda_agent.kernels import KernelError, plain_mlps  # noqa: E402
 from coda_agent.primitives import launch_ledger  # noqa: E402
 
 # The tiny widths under every name these configs give them; dropout off (the truth is one draw).
@@ -42,7 +44,7 @@ FAMILIES = {
 }
 # each task's epilogues: the fc GEMM's and the derivative's
 EPILOGUES = {"gelu_mlp": ("fc_gelu", "dgelu"), "gelu_tanh_mlp": ("fc_gelu_tanh", "dgelu_tanh"),
-             "relu2_mlp": ("fc_relu2", "drelu2")}
+             "relu_mlp": ("fc_relu", "relu_grad"), "relu2_mlp": ("fc_relu2", "drelu2")}
 
 
 def tiny_lm(family: str, seed: int = 0, **overrides) -> torch.nn.Module:
@@ -155,20 +157,24 @@ def test_what_the_plain_mlp_kernels_do_not_take_is_refused_with_the_fix():
     import transformers
 
     with pytest.raises(KernelError, match=r"found none of MLPs or the LM head and loss in GPTNeoXForCausalLM .*"
-                                          r"GPTNeoXMLP is GPT-NeoX's MLP code with ReLU, neither a GELU nor the "
-                                          r"squared ReLU; GPTNeoXForCausalLM.forward"):  # each reason once
-        coda_agent.apply_to_model(tiny_lm("GPTNeoX", hidden_act="relu").bfloat16())
+                                          r"GPTNeoXMLP is GPT-NeoX's MLP code with SiLU\w*, none of a GELU, ReLU "
+                                          r"or the squared ReLU; GPTNeoXForCausalLM.forward"):  # each reason once
+        coda_agent.apply_to_model(tiny_lm("GPTNeoX", hidden_act="silu").bfloat16())
     with pytest.raises(KernelError, match=r"GPT2MLP.c_fc is Conv1D, not nn.Linear \(GPT-2's layout: "
                                           r"apply_to_gpt2 takes GPT-2\)"):
         coda_agent.apply_to_model(transformers.GPT2LMHeadModel(transformers.GPT2Config(
             n_embd=128, n_layer=2, n_head=4, vocab_size=512, n_positions=256)).bfloat16())
-    half = tiny_lm("GPTNeo").bfloat16()
-    half.transformer.h[1].mlp.c_proj.bias = None
-    with pytest.raises(KernelError, match=r"transformer.h.1.mlp: c_fc has bias and c_proj none; the gelu_tanh_mlp "
-                                          r"kernel takes both or neither \(zeros\); pass mlp=False"):
-        coda_agent.apply_to_model(half)
     with pytest.raises(KernelError, match=r"found none of the LM head and loss in GPTNeoForCausalLM"):
-        coda_agent.apply_to_model(half, mlp=False)
+        coda_agent.apply_to_model(tiny_lm("GPTNeo").bfloat16(), mlp=False)
+
+
+def test_one_projection_without_a_bias_gets_zeros_for_it_alone():
+    base = tiny_lm("GPTNeo")
+    base.transformer.h[1].mlp.c_proj.bias = None
+    hi, lo = (train_and_eval(copy.deepcopy(base).to(dtype), data()) for dtype in (torch.float32, torch.bfloat16))
+    model = coda_agent.apply_to_model(copy.deepcopy(base).bfloat16(), fused_linear_cross_entropy=False)
+    assert model.coda_flags["gelu_tanh_mlp"] == ["transformer.h.0.mlp", "transformer.h.1.mlp"]
+    assert_like_hf(train_and_eval(model, data()), hi, lo)
 
 
 def test_lora_on_a_plain_mlp_is_refused_with_the_fix():
@@ -177,6 +183,140 @@ def test_lora_on_a_plain_mlp_is_refused_with_the_fix():
     with pytest.raises(KernelError, match=r"mlp.fc_in has LoRA adapters, and the gelu_tanh_mlp kernel runs the "
                                           r"whole MLP; pass mlp=False"):
         coda_agent.apply_to_model(model)
+
+
+# --------------------------------------------------------------------------- MLPs by their code's shape
+
+
+def tiny_ctrl(seed: int = 0) -> nn.Module:
+    """CTRL, whose feed-forward network is ``nn.Sequential(Linear, ReLU, Linear)``."""
+    import transformers
+
+    config = transformers.CTRLConfig(n_embd=128, n_layer=2, n_head=4, dff=256, vocab_size=512, n_positions=256,
+                                     resid_pdrop=0.0, embd_pdrop=0.0)
+    torch.manual_seed(seed)
+    return with_biases(transformers.CTRLLMHeadModel(config))
+
+
+class NanoMLP(nn.Module):
+    """nanoGPT's MLP, as a training codebase writes its own model: one name reassigned."""
+
+    def __init__(self, width: int, act: nn.Module):
+        super().__init__()
+        self.c_fc = nn.Linear(width, 4 * width)
+        self.gelu = act
+        self.c_proj = nn.Linear(4 * width, width)
+        self.dropout = nn.Dropout(0.0)
+
+    def forward(self, x):
+        x = self.c_fc(x)
+        x = self.gelu(x)
+        x = self.c_proj(x)
+        x = self.dropout(x)
+        return x
+
+
+class NanoLM(nn.Module):
+    """A pre-LN stack of MLP blocks and a head, returning what ``train_and_eval`` reads."""
+
+    def __init__(self, act: nn.Module, vocab: int = 512, width: int = 128):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, width)
+        self.ln = nn.ModuleList(nn.LayerNorm(width) for _ in range(2))
+        self.mlp = nn.ModuleList(NanoMLP(width, copy.deepcopy(act)) for _ in range(2))
+        self.lm_head = nn.Linear(width, vocab, bias=False)
+
+    def forward(self, ids, labels=None):
+        h = self.wte(ids)
+        for ln, mlp in zip(self.ln, self.mlp):
+            h = h + mlp(ln(h))
+        logits = self.lm_head(h).float()
+        loss = None if labels is None else nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+        return type("Out", (), {"loss": loss, "logits": logits})
+
+
+@pytest.mark.parametrize("make,task,where", [
+    (tiny_ctrl, "relu_mlp", "transformer.h.{}.ffn"),
+    (lambda: NanoLM(nn.GELU()), "gelu_mlp", "mlp.{}"),
+    (lambda: NanoLM(nn.GELU(approximate="tanh")), "gelu_tanh_mlp", "mlp.{}"),
+    (lambda: NanoLM(nn.ReLU()), "relu_mlp", "mlp.{}")], ids=["CTRL", "nano-gelu", "nano-tanh", "nano-relu"])
+def test_an_mlp_of_that_shape_or_a_sequential_trains_like_its_model(make, task, where):
+    torch.manual_seed(0)
+    base = with_biases(make())
+    hi, lo = (train_and_eval(copy.deepcopy(base).to(dtype), data()) for dtype in (torch.float32, torch.bfloat16))
+    model = coda_agent.apply_to_model(copy.deepcopy(base).bfloat16(), fused_linear_cross_entropy=False)
+    assert {k: v for k, v in model.coda_flags.items() if v} == {task: [where.format(i) for i in range(2)]}
+    with launch_ledger() as launched:
+        got = train_and_eval(model, data())
+    assert_like_hf(got, hi, lo)
+    fc, grad = EPILOGUES[task]
+    names = [launch.name for launch in launched]
+    assert names.count(fc) == 4 and names.count(grad) == 2
+
+
+def test_a_relu_mlp_keeps_its_activation_alone():
+    """ReLU's kernel keeps a = relu(pre), whose sign is the derivative; no pre-activation."""
+    mlp = coda_agent.apply_to_model(tiny_ctrl().bfloat16(), fused_linear_cross_entropy=False).transformer.h[0].ffn
+    assert mlp.coda_mlp.keeps("a") and not mlp.coda_mlp.keeps("pre")
+
+
+class Head(nn.Module):
+    """A classifier head of the MLP's shape of code, to another width: no MLP."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.act, self.out = nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 16)
+
+    def forward(self, x):
+        return self.out(self.act(self.fc(x)))
+
+
+class ReadsFcTwice(Head):
+    def __init__(self):
+        super().__init__()
+        self.out = nn.Linear(256, 128)
+
+    def forward(self, x):
+        return self.out(self.act(self.fc(x))) + self.fc.bias.sum()
+
+
+class KeepsHidden(ReadsFcTwice):
+    def forward(self, x):
+        h = self.act(self.fc(x))
+        return self.out(h) + h.sum()  # the activation read twice
+
+
+class Nested(ReadsFcTwice):
+    def forward(self, x):
+        return self.out(self.act(self.fc(x)))
+
+
+@pytest.mark.parametrize("module,site", [
+    (Nested(), ("fc", "act", "out")), (Head(), None), (ReadsFcTwice(), None), (KeepsHidden(), None),
+    (nn.Sequential(nn.Linear(128, 256), nn.GELU(), nn.Linear(256, 128), nn.Dropout(0.1)), ("0", "1", "2")),
+    (nn.Sequential(nn.Linear(128, 256), nn.GELU(), nn.Dropout(0.1), nn.Linear(256, 128)), None),
+    (nn.Sequential(nn.Linear(128, 256), nn.LayerNorm(256), nn.Linear(256, 128)), None),
+    (nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 16)), None)],
+    ids=["nested", "head", "reads-fc-twice", "keeps-hidden", "sequential", "dropout-between", "norm", "seq-head"])
+def test_the_rule_takes_an_mlp_that_nothing_else_reads(module, site):
+    """A site needs the whole composition, each attribute touched once, an activation of torch's or
+    transformers', and an MLP's widths; else the module is no site of this kind."""
+    got, _, _ = plain_mlps.recognised(module)
+    assert (got and (got.fc, got.act, got.proj)) == site
+
+
+def test_a_sequential_s_dropout_follows_the_kernel_in_training_only():
+    torch.manual_seed(0)
+    seq = nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 128), nn.Dropout(0.5)).bfloat16()
+    model = coda_agent.apply_to_model(nn.ModuleDict({"ffn": seq}), fused_linear_cross_entropy=False)
+    x = torch.randn(64, 128, dtype=torch.bfloat16)
+    model.eval()
+    clean = model["ffn"](x)
+    torch.testing.assert_close(clean, seq[2](seq[1](seq[0](x))), rtol=2e-2, atol=2e-2)
+    model.train()
+    dropped = model["ffn"](x)
+    assert 0.35 < (dropped == 0).float().mean().item() < 0.65
 
 
 @pytest.mark.gpu
@@ -191,3 +331,16 @@ def test_an_mlp_without_a_gate_trains_like_hf_on_gpu(family):
         got = train_and_eval(coda_agent.apply_to_model(copy.deepcopy(base).bfloat16()), batch)
     assert_like_hf(got, hi, lo)
     assert set(EPILOGUES[FAMILIES[family][1]]) <= {launch.name for launch in launched}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Hopper)")
+def test_ctrl_s_sequential_mlps_train_like_hf_on_gpu():
+    """The cute lowering: relu_mlp's kernels in CTRL's nn.Sequential feed-forward networks."""
+    base = tiny_ctrl().cuda()
+    batch = tuple(t.cuda() for t in data())
+    hi, lo = (train_and_eval(copy.deepcopy(base).to(dtype), batch) for dtype in (torch.float32, torch.bfloat16))
+    with launch_ledger() as launched, torch.autograd.set_multithreading_enabled(False):
+        got = train_and_eval(coda_agent.apply_to_model(copy.deepcopy(base).bfloat16()), batch)
+    assert_like_hf(got, hi, lo)
+    assert set(EPILOGUES["relu_mlp"]) <= {launch.name for launch in launched}

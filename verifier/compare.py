@@ -125,14 +125,14 @@ def _rows(name: str, shape_set: str, o: torch.Tensor, h: torch.Tensor, lo: torch
         return None
     worst = int(torch.argmax(torch.where(lost, err / bar, zero)))
     count = int(lost.sum())
-    return Mismatch(tensor=name, shape_set=shape_set, max_abs_err=float((o - h).abs().max()),
-                    allowed=float(bar[worst]), rel_norm_err=rel,
+    return Mismatch(tensor=name, shape_set=shape_set, max_abs_err=float(err[worst]), allowed=float(bar[worst]),
+                    rel_norm_err=rel,
                     worst_index=[int(i) for i in torch.unravel_index(torch.tensor(worst), h.shape[:-1])],
-                    pattern=f"{count} row{'s' if count > 1 else ''} wrong as a whole (of {ref.shape[0]}): row "
-                            f"{worst}'s error norm {float(err[worst]):.3g} against its own norm "
-                            f"{float(own[worst]):.3g} and the reference's noise there "
-                            f"{float(ref_noise[worst]):.3g}: a row left out or computed from other "
-                            "values, hidden under the bar that the largest rows set")
+                    pattern=f"{count} row{'s' if count > 1 else ''} of {ref.shape[0]} wrong as a whole (the error "
+                            f"and its bar below are row norms): row {worst} errs by {float(err[worst]):.3g} where "
+                            f"its own norm is {float(own[worst]):.3g} and the reference's noise there "
+                            f"{float(ref_noise[worst]):.3g}; a row left out, flushed or computed from other values, "
+                            "hidden under the bar that the largest rows set")
 
 
 def mean_noise(e: torch.Tensor, n: int) -> float:

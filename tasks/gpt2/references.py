@@ -165,6 +165,11 @@ def gelu_tanh_mlp(x, w_fc, b_fc, w_proj, b_proj):
     return {"y": F.linear(F.gelu(F.linear(x, w_fc, b_fc), approximate="tanh"), w_proj, b_proj).to(x.dtype)}
 
 
+def relu_mlp(x, w_fc, b_fc, w_proj, b_proj):
+    """gelu_mlp with ReLU in the GELU's place (CTRL's feed-forward network; OPT's MLP)."""
+    return {"y": F.linear(F.relu(F.linear(x, w_fc, b_fc)), w_proj, b_proj).to(x.dtype)}
+
+
 def relu2_mlp(x, w_fc, b_fc, w_proj, b_proj):
     """gelu_mlp with the squared ReLU (Persimmon's, Nemotron's: relu2) in the GELU's place."""
     return {"y": F.linear(torch.square(F.relu(F.linear(x, w_fc, b_fc))), w_proj, b_proj).to(x.dtype)}

@@ -171,3 +171,13 @@ def placed_like(value: torch.Tensor, param: torch.Tensor | None) -> torch.Tensor
     if isinstance(value, DTensor):
         return value.redistribute(param.device_mesh, param.placements)
     return distribute_tensor(value.to(param.device), param.device_mesh, param.placements)
+
+
+def column_major(weight: nn.Parameter) -> None:
+    """Store a Conv1D's (in, out) weight with its columns contiguous, in place: ``weight.t()`` is
+    then the row-major (out, in) tensor whose layout the kernels' weight gradients have, so autograd
+    lands them in ``.grad`` without a copy (``gpt2``'s module docstring, Weights); the Parameter,
+    its shape, values and state-dict key stay."""
+    if not weight.t().is_contiguous():
+        with torch.no_grad():
+            weight.data = weight.data.t().contiguous().t()

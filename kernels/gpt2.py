@@ -95,6 +95,7 @@ from .dropin import (GPT2_SLOTS, GPT2_STACK, NO_DROP_IN, BlockPlan, PatchedForwa
                      check_slots, gelu_of, record_attention, refusal_hint, refuse_patched, refuse_wrapped,
                      require_children, require_code, require_kernel_dtypes, require_layer_norm, xent_kernels)
 from .families import same_code
+from .fused_weights import column_major
 from .kernel import Kernel, KernelError
 from .llama_ops import fused_lm_forward
 
@@ -215,15 +216,6 @@ def check_gpt2(model: nn.Module, base: nn.Module, mlp: bool, xent: bool) -> str 
     if head is not None:
         check_lm_head(head)
     return gelu
-
-
-def column_major(weight: nn.Parameter) -> None:
-    """Store a Conv1D's (in, out) weight with its columns contiguous, in place: ``weight.t()`` is
-    then the row-major (out, in) tensor whose layout the kernels' weight gradients have (the module
-    docstring's Weights)."""
-    if not weight.t().is_contiguous():
-        with torch.no_grad():
-            weight.data = weight.data.t().contiguous().t()
 
 
 # --------------------------------------------------------------------------- forwards

@@ -22,9 +22,12 @@ configs, or one of the two) gets a zero bias per call, whose gradient nobody ask
 as HF applies it, and so does the residual add that BLOOM's and MPT's MLPs take as a second
 argument (BLOOM's ``slow_but_exact`` tensor-parallel sum is the same sum, in the GEMM's order).
 Falcon's layer adds into the MLP's output in place, which is safe while the kernel does not keep
-that output for its backward (``Kernel.keeps``); a kernel that does gets a copy. GPT-2's own MLP
-(``Conv1D`` weights, transposed) is ``apply_to_gpt2``'s, and a module with another activation stays
-HF's.
+that output for its backward (``Kernel.keeps``); a kernel that does gets a copy. A ``Conv1D``
+projection (GPT-2's, OpenAI GPT's, ImageGPT's: the weight kept (in, out)) is read as its transposed
+view, and the patch stores its weight column-major, as ``apply_to_gpt2`` does, so the kernels'
+weight gradients land in ``.grad`` without a copy (``fused_weights.column_major``); GPT-2 itself is
+``apply_to_gpt2``'s, which folds its norms and residual adds too.  A module with another activation
+stays HF's.
 """
 
 from __future__ import annotations
@@ -46,19 +49,21 @@ from transformers.models.mpt.modeling_mpt import MptMLP
 from transformers.models.nemotron.modeling_nemotron import NemotronMLP
 from transformers.models.phi.modeling_phi import PhiMLP
 from transformers.models.starcoder2.modeling_starcoder2 import Starcoder2MLP
+from transformers.pytorch_utils import Conv1D
 
 from .adapters import linear_of, lora_of
 from .code_rules import returned_expression, self_call, touched_once, tree
 from .dropin import (GELUS, PatchedForward, activation_form, check_mlp_projection, check_mlp_widths,
                      library_activation)
 from .families import same_code
+from .fused_weights import column_major
 from .kernel import Kernel, KernelError
 
 # The activation, probed by value -> the GPT-2 suite's task
 TASKS = {"exact": "gelu_mlp", "tanh": "gelu_tanh_mlp", "relu": "relu_mlp", "relu2": "relu2_mlp"}
 FORMS = {**GELUS, "relu": F.relu, "relu2": lambda x: torch.square(F.relu(x))}
 NAMES = "a GELU, ReLU or the squared ReLU"
-LINEARS = (nn.Linear, FalconLinear)
+LINEARS = (nn.Linear, FalconLinear, Conv1D)  # Conv1D keeps its weight (in, out): see weight()
 BY_RULE, SEQUENTIAL = "an MLP's", "an nn.Sequential MLP's"  # the kinds of the sites no list names
 
 
@@ -127,8 +132,7 @@ def recognised(module: nn.Module) -> tuple[Site | None, str | None, str]:
         return None, None, ""
     fc = getattr(module, site.fc, None)
     if not isinstance(fc, LINEARS) and lora_of(fc) is None:
-        return site, None, (f"{type(module).__name__}.{site.fc} is {type(fc).__name__}, not nn.Linear"
-                            + (" (GPT-2's layout: apply_to_gpt2 takes GPT-2)" if type(fc).__name__ == "Conv1D" else ""))
+        return site, None, f"{type(module).__name__}.{site.fc} is {type(fc).__name__}, not nn.Linear or Conv1D"
     act = getattr(module, site.act, None)
     form = activation(act) if isinstance(act, nn.Module) else None
     if form is None:
@@ -151,12 +155,19 @@ def _site_of(module: nn.Module) -> Site | None:
         site = site_by_rule(type(module))
         if site is None:
             return None
-    fc, act, proj = (linear_of(getattr(module, n, None)) for n in (site.fc, site.act, site.proj))
-    if type(fc) is not nn.Linear or type(proj) is not nn.Linear or not library_activation(getattr(module, site.act)):
+    fc, proj = (linear_of(getattr(module, n, None)) for n in (site.fc, site.proj))
+    if type(fc) not in (nn.Linear, Conv1D) or type(proj) not in (nn.Linear, Conv1D) \
+            or not library_activation(getattr(module, site.act)):
         return None
-    if fc.weight.shape[::-1] != proj.weight.shape:  # not an MLP's widths: a head to another width
+    if weight(fc).shape[::-1] != weight(proj).shape:  # not an MLP's widths: a head to another width
         return None
     return site
+
+
+def weight(m: nn.Module) -> torch.Tensor:
+    """A projection's weight as nn.Linear keeps it, (out, in), which the kernels read: a Conv1D's
+    (GPT-2's, OpenAI GPT's) transposed, a view of the same Parameter."""
+    return m.weight.t() if isinstance(m, Conv1D) else m.weight
 
 
 @lru_cache(maxsize=None)
@@ -194,14 +205,18 @@ def check(module: nn.Module, where: str, site: Site, task: str, flag: str = "mlp
     fc, proj = getattr(module, site.fc), getattr(module, site.proj)
     for name, m in ((site.fc, fc), (site.proj, proj)):
         check_mlp_projection(m, f"{where}.{name}", task, flag, LINEARS)
-    width, inter = proj.weight.shape
-    if fc.weight.shape != (inter, width):
-        raise KernelError(f"{where}: {site.fc}'s weight is {tuple(fc.weight.shape)}, not ({inter}, {width}) as "
-                          f"{site.proj}'s {tuple(proj.weight.shape)} implies; pass {flag} to keep HF's MLPs")
+    width, inter = weight(proj).shape
+    if weight(fc).shape != (inter, width):
+        raise KernelError(f"{where}: {site.fc}'s weight is {tuple(weight(fc).shape)} as nn.Linear keeps it, not "
+                          f"({inter}, {width}) as {site.proj}'s {tuple(weight(proj).shape)} implies; pass {flag} to "
+                          "keep HF's MLPs")
     check_mlp_widths(where, width, inter, flag)
 
 
 def patch(module: nn.Module, site: Site, task: str, kernel: Kernel) -> None:
+    for name in (site.fc, site.proj):
+        if isinstance(getattr(module, name), Conv1D):
+            column_major(getattr(module, name).weight)
     module.coda_mlp = kernel
     module.coda_plain_mlp = site
     module.coda_flags = {task: True}
@@ -213,12 +228,13 @@ def _forward(self: nn.Module, x: torch.Tensor, *rest: torch.Tensor) -> torch.Ten
     (with ``rest``, the forward's further arguments: BLOOM's and MPT's residual)."""
     site = self.coda_plain_mlp
     fc, proj = getattr(self, site.fc), getattr(self, site.proj)
+    w_fc, w_proj = weight(fc), weight(proj)
     rows = x.reshape(-1, x.shape[-1])
     if rows.shape[0] == 0:  # no token: no GEMM to launch, HF's math on the empty rows
-        y = F.linear(getattr(self, site.act)(F.linear(rows, fc.weight, fc.bias)), proj.weight, proj.bias)
+        y = F.linear(getattr(self, site.act)(F.linear(rows, w_fc, fc.bias)), w_proj, proj.bias)
     else:
         # bias=False: zeros the kernel adds, whose gradients autograd never asks for
-        b_fc = fc.bias if fc.bias is not None else rows.new_zeros(fc.weight.shape[0])
-        b_proj = proj.bias if proj.bias is not None else rows.new_zeros(proj.weight.shape[0])
-        y = self.coda_mlp(rows.contiguous(), fc.weight, b_fc, proj.weight, b_proj)["y"]
-    return site.after(self, y.view(*x.shape[:-1], proj.weight.shape[0]), *rest)
+        b_fc = fc.bias if fc.bias is not None else rows.new_zeros(w_fc.shape[0])
+        b_proj = proj.bias if proj.bias is not None else rows.new_zeros(w_proj.shape[0])
+        y = self.coda_mlp(rows.contiguous(), w_fc, b_fc, w_proj, b_proj)["y"]
+    return site.after(self, y.view(*x.shape[:-1], w_proj.shape[0]), *rest)

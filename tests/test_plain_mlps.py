@@ -8,6 +8,7 @@ gelu_tanh_mlp, relu_mlp or relu2_mlp; everything else stays HF's (the model's ow
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -154,16 +155,10 @@ def test_frozen_weights_skip_their_gradient_gemms_and_no_token_gives_the_empty_r
 
 
 def test_what_the_plain_mlp_kernels_do_not_take_is_refused_with_the_fix():
-    import transformers
-
     with pytest.raises(KernelError, match=r"found none of MLPs or the LM head and loss in GPTNeoXForCausalLM .*"
                                           r"GPTNeoXMLP is GPT-NeoX's MLP code with SiLU\w*, none of a GELU, ReLU "
                                           r"or the squared ReLU; GPTNeoXForCausalLM.forward"):  # each reason once
         coda_agent.apply_to_model(tiny_lm("GPTNeoX", hidden_act="silu").bfloat16())
-    with pytest.raises(KernelError, match=r"GPT2MLP.c_fc is Conv1D, not nn.Linear \(GPT-2's layout: "
-                                          r"apply_to_gpt2 takes GPT-2\)"):
-        coda_agent.apply_to_model(transformers.GPT2LMHeadModel(transformers.GPT2Config(
-            n_embd=128, n_layer=2, n_head=4, vocab_size=512, n_positions=256)).bfloat16())
     with pytest.raises(KernelError, match=r"found none of the LM head and loss in GPTNeoForCausalLM"):
         coda_agent.apply_to_model(tiny_lm("GPTNeo").bfloat16(), mlp=False)
 
@@ -253,6 +248,29 @@ def test_an_mlp_of_that_shape_or_a_sequential_trains_like_its_model(make, task, 
     fc, grad = EPILOGUES[task]
     names = [launch.name for launch in launched]
     assert names.count(fc) == 4 and names.count(grad) == 2
+
+
+@pytest.mark.parametrize("family,task", [("OpenAIGPT", "gelu_tanh_mlp"), ("GPT2", "gelu_tanh_mlp")])
+def test_conv1d_mlps_train_like_hf_with_their_weights_column_major(family, task):
+    """OpenAI GPT's and GPT-2's MLPs keep Conv1D weights (in, out): the kernels read the transposed
+    view, the patch stores them column-major, and the state dict keeps HF's keys and shapes."""
+    import transformers
+
+    config = getattr(transformers, f"{family}Config")(n_embd=128, n_layer=2, n_head=4, vocab_size=512,
+                                                      n_positions=256, resid_pdrop=0.0, embd_pdrop=0.0,
+                                                      attn_pdrop=0.0)
+    torch.manual_seed(0)
+    base = with_biases(getattr(transformers, f"{family}LMHeadModel")(config))
+    hi, lo = (train_and_eval(copy.deepcopy(base).to(dtype), data()) for dtype in (torch.float32, torch.bfloat16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # GPT-2's: apply_to_gpt2 would take the whole model
+        model = coda_agent.apply_to_model(copy.deepcopy(base).bfloat16(), fused_linear_cross_entropy=False)
+    assert {k: v for k, v in model.coda_flags.items() if v} == {task: [f"transformer.h.{i}.mlp" for i in range(2)]}
+    c_fc = model.transformer.h[0].mlp.c_fc.weight
+    assert c_fc.shape == (128, 512) and c_fc.t().is_contiguous()
+    assert_like_hf(train_and_eval(model, data()), hi, lo)
+    assert c_fc.grad.stride() == c_fc.stride()  # landed as it is: no copy into another layout
+    assert {k: v.shape for k, v in model.state_dict().items()} == {k: v.shape for k, v in base.state_dict().items()}
 
 
 def test_a_relu_mlp_keeps_its_activation_alone():

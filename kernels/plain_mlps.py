@@ -7,27 +7,32 @@ model writes it (nanoGPT's ``MLP``), run as the GPT-2 suite's ``gelu_mlp`` (the 
 
 A module qualifies by its forward's code (``families.same_code``, so a family that copies one of
 these forwards under its own class name qualifies too: GPT-Neo's and GPT-BigCode's MLPs are GPT-2's
-code), with ``nn.Linear`` projections (Falcon's ``FalconLinear`` computes the same); or by the
-shape of its code (:func:`site_by_rule`: a forward of one argument whose temporaries are each read
-once, ``x = self.fc(x)`` reassignments included, returning ``self.P(self.A(self.F(x)))``, or that
-wrapped in ``self.D(...)``, a dropout, with each attribute touched nowhere else in the class), with
-``nn.Linear`` projections of an MLP's shapes ((I, H) then (H, I)) and one of torch's or
-transformers' activation modules; or as an ``nn.Sequential`` of exactly Linear, activation,
-Linear and optionally Dropout, which runs each once in order.  A module of such shape whose
-linears are not an MLP's (a classifier head to another width) is no site. The fc GEMM's
-epilogue adds the bias and applies the activation, keeping only the pre-activation for the backward
-(ReLU's keeps its output, whose sign is its derivative), whose derivative rides in the epilogue of
-``dy @ W_proj``. A projection without a bias (Falcon's, StarCoder-2's and MPT's ``bias=False``
-configs, or one of the two) gets a zero bias per call, whose gradient nobody asks for. The dropout some of these forwards apply after the projection runs on the kernel's output
-as HF applies it, and so does the residual add that BLOOM's and MPT's MLPs take as a second
-argument (BLOOM's ``slow_but_exact`` tensor-parallel sum is the same sum, in the GEMM's order).
-Falcon's layer adds into the MLP's output in place, which is safe while the kernel does not keep
-that output for its backward (``Kernel.keeps``); a kernel that does gets a copy. A ``Conv1D``
-projection (GPT-2's, OpenAI GPT's, ImageGPT's: the weight kept (in, out)) is read as its transposed
-view, and the patch stores its weight column-major, as ``apply_to_gpt2`` does, so the kernels'
-weight gradients land in ``.grad`` without a copy (``fused_weights.column_major``); GPT-2 itself is
-``apply_to_gpt2``'s, which folds its norms and residual adds too.  A module with another activation
-stays HF's.
+code), with ``nn.Linear`` projections (Falcon's ``FalconLinear`` computes the same); or by the shape
+of its code (:func:`site_by_rule`: a forward of one argument whose temporaries are each read once,
+``x = self.fc(x)`` reassignments included, returning ``self.P(self.A(self.F(x)))``, or that wrapped
+in ``self.D(...)``, a dropout or any module, which then runs on the kernel's output, with each
+attribute touched nowhere else in the class), with ``nn.Linear`` projections of an MLP's shapes ((I,
+H) then (H, I)) and one of torch's or transformers' activation modules; or as an ``nn.Sequential``
+of exactly Linear, activation, Linear and optionally Dropout, which runs each once in order. A
+module of such shape whose linears are not an MLP's (a classifier head to another width) is no site.
+
+The fc GEMM's epilogue adds the bias and applies the activation, keeping only the pre-activation for
+the backward (ReLU's keeps its output, whose sign is its derivative), whose derivative rides in the
+epilogue of ``dy @ W_proj``. A projection without a bias (Falcon's, StarCoder-2's and MPT's
+``bias=False`` configs, or one of the two) gets a zero bias per call, whose gradient nobody asks
+for.
+
+The dropout some of these forwards apply after the projection runs on the kernel's output as HF
+applies it, and so does the residual add that BLOOM's and MPT's MLPs take as a second argument
+(BLOOM's ``slow_but_exact`` tensor-parallel sum is the same sum, in the GEMM's order). Falcon's
+layer adds into the MLP's output in place, which is safe while the kernel does not keep that output
+for its backward (``Kernel.keeps``); a kernel that does gets a copy.
+
+A ``Conv1D`` projection (GPT-2's, OpenAI GPT's, ImageGPT's: the weight kept (in, out)) is read as
+its transposed view, and the patch stores its weight column-major, as ``apply_to_gpt2`` does, so the
+kernels' weight gradients land in ``.grad`` without a copy (``fused_weights.column_major``); GPT-2
+itself is ``apply_to_gpt2``'s, which folds its norms and residual adds too. A module with another
+activation stays HF's.
 """
 
 from __future__ import annotations
@@ -87,7 +92,8 @@ def _dropout_then_add(module: nn.Module, y: torch.Tensor, residual: torch.Tensor
     return F.dropout(y, p=module.hidden_dropout, training=module.training) + residual
 
 
-def _dropout_named(name: str, module: nn.Module, y: torch.Tensor) -> torch.Tensor:
+def _applied(name: str, module: nn.Module, y: torch.Tensor) -> torch.Tensor:
+    # the module the forward applies to the projection's output (a dropout), as the forward applies it
     return getattr(module, name)(y)
 
 
@@ -149,7 +155,7 @@ def _site_of(module: nn.Module) -> Site | None:
         parts = list(module._modules.values())
         if len(parts) not in (3, 4) or (len(parts) == 4 and not isinstance(parts[3], nn.Dropout)):
             return None
-        after = partial(_dropout_named, names[3]) if len(parts) == 4 else _no_dropout
+        after = partial(_applied, names[3]) if len(parts) == 4 else _no_dropout
         site = Site(SEQUENTIAL, names[0], names[1], names[2], after)
     else:
         site = site_by_rule(type(module))
@@ -189,7 +195,7 @@ def site_by_rule(cls: type) -> Site | None:
     chain = names[::-1]  # fc, act, proj[, dropout]
     if not touched_once(cls, tuple(chain)):
         return None
-    after = partial(_dropout_named, chain[3]) if len(chain) == 4 else _no_dropout
+    after = partial(_applied, chain[3]) if len(chain) == 4 else _no_dropout
     return Site(BY_RULE, chain[0], chain[1], chain[2], after)
 
 

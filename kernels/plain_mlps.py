@@ -11,10 +11,11 @@ code), with ``nn.Linear`` projections (Falcon's ``FalconLinear`` computes the sa
 of its code (:func:`site_by_rule`: a forward of one argument whose temporaries are each read once,
 ``x = self.fc(x)`` reassignments included, returning ``self.P(self.A(self.F(x)))``, or that wrapped
 in ``self.D(...)``, a dropout or any module, which then runs on the kernel's output, with each
-attribute touched nowhere else in the class), with ``nn.Linear`` projections of an MLP's shapes ((I,
-H) then (H, I)) and one of torch's or transformers' activation modules; or as an ``nn.Sequential``
-of exactly Linear, activation, Linear and optionally Dropout, which runs each once in order. A
-module of such shape whose linears are not an MLP's (a classifier head to another width) is no site.
+attribute touched nowhere else in the class), with ``nn.Linear`` or ``Conv1D`` projections of an
+MLP's shapes ((I, H) then (H, I)) and one of torch's or transformers' activation modules; or as an
+``nn.Sequential`` of exactly Linear, activation, Linear and optionally Dropout, which runs each once
+in order. A module of such shape whose linears are not an MLP's (a classifier head to another width)
+is no site.
 
 The fc GEMM's epilogue adds the bias and applies the activation, keeping only the pre-activation for
 the backward (ReLU's keeps its output, whose sign is its derivative), whose derivative rides in the

@@ -324,6 +324,21 @@ def test_the_rule_takes_an_mlp_that_nothing_else_reads(module, site):
     assert (got and (got.fc, got.act, got.proj)) == site
 
 
+@pytest.mark.parametrize("body,want", [
+    ("x = self.f(x)\n    x = self.a(x)\n    return self.p(x)", "self.p(self.a(self.f(x)))"),
+    ("h = self.f(x)\n    g = self.a(h)\n    return self.p(g) + x", "self.p(self.a(self.f(x))) + x"),
+    ("h = self.f(x)\n    h = self.a(x)\n    return self.p(h)", None),  # the first h is never read
+    ("h = self.f(x)\n    return self.p(h) + h", None),  # read twice
+    ("h = self.f(x)\n    if h:\n        h = 1\n    return h", None)])  # a branch
+def test_a_returned_expression_substitutes_each_value_read_once(body, want):
+    import ast
+
+    from coda_agent.kernels.code_rules import returned_expression
+
+    got = returned_expression(ast.parse(f"def forward(self, x):\n    {body}\n").body[0])
+    assert (got and ast.unparse(got)) == want
+
+
 def test_a_sequential_s_dropout_follows_the_kernel_in_training_only():
     torch.manual_seed(0)
     seq = nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 128), nn.Dropout(0.5)).bfloat16()

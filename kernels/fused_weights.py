@@ -181,3 +181,43 @@ def column_major(weight: nn.Parameter) -> None:
     if not weight.t().is_contiguous():
         with torch.no_grad():
             weight.data = weight.data.t().contiguous().t()
+
+
+def interleave_expert_halves(w: torch.Tensor) -> torch.Tensor:
+    """(E, 2I, H) experts' weights of gate then up (halves) -> each expert's rows interleaved."""
+    return torch.stack(w.chunk(2, dim=1), dim=2).reshape(w.shape)
+
+
+def expert_halves(w: torch.Tensor) -> torch.Tensor:
+    """:func:`interleave_expert_halves` undone."""
+    return torch.cat((w[:, 0::2], w[:, 1::2]), dim=1)
+
+
+def reorder(module: nn.Module, name: str, to_kernel: Any, to_hf: Any) -> None:
+    """Re-lay ``module.<name>``, a Parameter, for the kernels in place (the same Parameter object,
+    so an optimizer built before the patch still holds it; patch before its first step) and hook
+    the state dict so that it keeps HF's layout under the same key, loading included."""
+    param = getattr(module, name)
+    with torch.no_grad():
+        param.data = to_kernel(param.data).contiguous()
+    hooks = _Reordered(name, to_kernel, to_hf)
+    module.register_state_dict_post_hook(_Hook(hooks.save))
+    module.register_load_state_dict_pre_hook(_Hook(hooks.load))
+
+
+class _Reordered:
+    """The state-dict hooks of one re-laid Parameter (:func:`reorder`), picklable as
+    :class:`_FusedParts` is."""
+
+    def __init__(self, name: str, to_kernel: Any, to_hf: Any):
+        self.name, self.to_kernel, self.to_hf = name, to_kernel, to_hf
+
+    def save(self, mod: nn.Module, state: dict, prefix: str, meta: Any) -> None:
+        key = f"{prefix}{self.name}"
+        if key in state:
+            state[key] = self.to_hf(state[key].detach()).contiguous()
+
+    def load(self, mod: nn.Module, state: dict, prefix: str, *args: Any) -> None:
+        key = f"{prefix}{self.name}"
+        if key in state:
+            state[key] = placed_like(self.to_kernel(state[key]), getattr(mod, self.name))

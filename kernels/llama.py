@@ -21,9 +21,11 @@ model of a family built from LLaMA's modules:
 - Ernie 4.5 and Helium: RoPE on interleaved pairs (GPT-J's and GLM's layout) instead of halves,
   which the QKV epilogue rotates as they are (LLaMA's halves are permuted into pairs), and
   Helium's RMSNorm scales in fp32, as the kernels do;
-- mixtures of experts (Mixtral, Qwen3-MoE, Qwen2-MoE with its shared expert): the experts stay
-  HF's (``swiglu=False``), the attention side and the LM head are patched, and the loss adds the
-  router's load-balancing loss as HF's does (``output_router_logits``).
+- mixtures of experts (Mixtral, Qwen3-MoE, Qwen2-MoE with its shared expert): with
+  ``swiglu=False`` the sparse MoE block stays HF's, its router and shared expert included, while
+  its experts, kept as 3-D weights, run each expert as the gated MLP kernel (``moe_experts``;
+  ``experts=False`` keeps them HF's); the attention side and the LM head are patched, and the loss
+  adds the router's load-balancing loss as HF's does (``output_router_logits``).
 
 Which models qualify is read from their code, not their class names (``families.py``).
 
@@ -119,6 +121,7 @@ from .families import (AttentionPlan, check_model, head_dim, llama_architecture,
 from .fused_weights import halves_from_interleaved, interleave_halves, interleave_rows, relayout, split_interleaved
 from .kernel import Kernel, KernelError
 from .llama_ops import attention_input, causal_lm_loss
+from . import moe_experts
 from .gated_mlps import check_gated_mlp, patch_gated_mlp
 
 SWAPPABLE = ("out_proj_residual", "mlp_block", "lm_head_xent", "lm_head_xent_frozen")
@@ -156,7 +159,8 @@ class LayerPlan:
 
 def apply_to_llama(model: LlamaForCausalLM | LlamaModel, *, rope: bool = True, rms_norm: bool = True,
                    swiglu: bool = True, fused_linear_cross_entropy: bool = True, fp8_mlp: bool = False,
-                   kernels: dict[str, Kernel | str | Path] | None = None) -> LlamaForCausalLM | LlamaModel:
+                   experts: bool = True, kernels: dict[str, Kernel | str | Path] | None = None
+                   ) -> LlamaForCausalLM | LlamaModel:
     """Patch ``model`` in place (see the module docstring) and return it."""
     given_model, model = model, peft_base(model)  # a PeftModel: its transformers model is patched
     refuse_patched(getattr(model, "model", model))
@@ -187,6 +191,7 @@ def apply_to_llama(model: LlamaForCausalLM | LlamaModel, *, rope: bool = True, r
     check_model(model, base, cfg, rope, swiglu and not mlp_alone, xent=fused_linear_cross_entropy and bool(lm_kind))
     mlps = [check_gated_mlp(layer.mlp, f"layers.{i}.mlp", "swiglu=False") for i, layer in enumerate(base.layers)
             ] if mlp_alone else [None] * len(base.layers)
+    moes = moe_experts.find(base.layers, "layers", "experts=False") if experts and not swiglu else {}
     rope = rope and tables_are_llamas(base)
     check_slots(kernels, SWAPPABLE)
     given = {**(kernels or {}), **({"mlp_block": suite_kernel("mlp_block_fp8", FP8_SUITE)} if fp8_mlp else {})}
@@ -198,10 +203,13 @@ def apply_to_llama(model: LlamaForCausalLM | LlamaModel, *, rope: bool = True, r
         freq = _rope_lanes(base, plan) if rope else None
         for layer, attention, mlp in zip(base.layers, attentions, mlps):
             _patch_layer(layer, plan, attention, freq, mlp)
+    for module, task in moes.values():
+        moe_experts.patch(module, None, task, suite_kernel(task))
     if fused_linear_cross_entropy and lm_kind:  # "" for a decoder stack without an LM head
         patch_causal_lm(model, lm_kind, chosen["lm_head_xent"], chosen["lm_head_xent_frozen"])
     base.coda_flags = {"rope": rope, "rms_norm": rms_norm, "swiglu": swiglu, "mlp_alone": mlp_alone,
-                       "fused_linear_cross_entropy": fused_linear_cross_entropy, "fp8_mlp": fp8_mlp}
+                       "fused_linear_cross_entropy": fused_linear_cross_entropy, "fp8_mlp": fp8_mlp,
+                       "experts": sorted(moes)}
     return given_model
 
 

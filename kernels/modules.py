@@ -12,6 +12,10 @@ one by one, by their code (``families.same_code``) as the layer drop-ins recogni
   shape, Llama 4's) run as the kernel of their activation, ``swiglu_mlp`` (SiLU) or ``geglu_mlp``
   (GELU's tanh form), gate and up fused once (``gated_mlps``).  Where the module sits does not
   matter: a post-norm block's MLP, a mixture of experts' shared expert, every layer of a hybrid.
+- **A mixture of experts' experts**, kept as 3-D weights with Mixtral's forward (some fifty
+  families copy it: OLMoE, Qwen2/3-MoE, DeepSeek-V2/V3, GLM-4-MoE, Granite-MoE, Jamba, MiniMax ...),
+  run each expert as the same kernels on its slice of the weights (``moe_experts``); the router
+  stays HF's.
 - **A linear and the activation applied to it at once** in a module's code (``act(fc(x))``: the
   first half of BERT's MLP and of the encoders that copy it, OPT's, BioGPT's, XGLM's and BART's
   layers, which run their MLP inline) run as the GPT-2 suite's ``linear_gelu``,
@@ -51,7 +55,7 @@ from transformers.models.gemma2.modeling_gemma2 import Gemma2ForCausalLM
 
 from coda_agent.tasks import SUITE_DIR
 
-from . import gated_mlps, linear_acts, plain_mlps
+from . import gated_mlps, linear_acts, moe_experts, plain_mlps
 from .adapters import peft_base
 from .dropin import (GPT2_SUITE, NO_KERNEL, STACKS, check_lm_head, check_slots, refusal_by, refuse_patched,
                      refuse_wrapped, require_kernel_dtypes, slot_kernel, suite_kernel)
@@ -90,24 +94,19 @@ def apply_to_model(model: nn.Module, *, mlp: bool = True, fused_linear_cross_ent
                       "adds into the GEMMs; apply_to_model patches its MLPs and LM head only", stacklevel=2)
     cap = getattr(model.config, "final_logit_softcapping", None) if head in SOFTCAP_LMS else None
     xent = "lm_head_xent" if cap is None else "lm_head_xent_softcap"
-    used = {task for _, _, task in mlps.values()} | ({xent, f"{xent}_frozen"} if head is not None else set())
+    used = {task for _, _, task, _ in mlps.values()} | ({xent, f"{xent}_frozen"} if head is not None else set())
     # The suite's kernel of each slot this model uses (a program parsed per slot); a given one is
     # checked against its slot's task whether or not the model uses it.
     chosen = {name: slot_kernel(name, (kernels or {}).get(name), suite_kernel(
         name, GPT2_SUITE if name in GPT2_TASKS else SUITE_DIR))
         for name in SLOTS if name in used or name in (kernels or {})}
-    for name, (module, site, task) in mlps.items():
-        if task in gated_mlps.TASKS:
-            gated_mlps.patch(module, site, task, chosen[task])
-        elif task in linear_acts.TASKS.values():
-            linear_acts.patch(module, site, task, chosen[task])
-        else:
-            plain_mlps.patch(module, site, task, chosen[task])
+    for name, (module, site, task, family) in mlps.items():
+        family.patch(module, site, task, chosen[task])
     if head is not None:
         from .llama import patch_causal_lm  # the LLaMA drop-in's patched causal LM, whose code this one is
 
         patch_causal_lm(model, head, chosen[xent], chosen[f"{xent}_frozen"], None if cap is None else float(cap))
-    model.coda_flags = {**{task: sorted(n for n, (_, _, t) in mlps.items() if t == task) for task in MLP_TASKS},
+    model.coda_flags = {**{task: sorted(n for n, (_, _, t, _) in mlps.items() if t == task) for task in MLP_TASKS},
                         "fused_linear_cross_entropy": head is not None}
     return given_model
 
@@ -115,35 +114,39 @@ def apply_to_model(model: nn.Module, *, mlp: bool = True, fused_linear_cross_ent
 # --------------------------------------------------------------------------- what qualifies
 
 
-def _mlps(model: nn.Module) -> tuple[dict[str, tuple[nn.Module, Any, str]], list[str]]:
-    """({name: (module, its site, its kernel's task)} for every MLP (or linear and activation) a
-    kernel computes, the site as its family's patch reads it (a gated MLP's layout, a plain MLP's
-    kind, a linear's and its activation's attributes), [why those of the kernels' codes that are
-    not are passed by]); refuses, naming the fix, one that a kernel computes but that holds what
-    the kernel does not take."""
-    found: dict[str, tuple[nn.Module, Any, str]] = {}
+def _mlps(model: nn.Module) -> tuple[dict[str, tuple[nn.Module, Any, str, Any]], list[str]]:
+    """({name: (module, its site, its kernel's task, its family's module)} for every MLP (or
+    experts, or linear and activation) a kernel computes, the site as its family's patch reads it
+    (a gated MLP's layout, a plain MLP's, a linear's and its activation's attributes), [why those
+    of the kernels' codes that are not are passed by]); refuses, naming the fix, one that a kernel
+    computes but that holds what the kernel does not take."""
+    found: dict[str, tuple[nn.Module, Any, str, Any]] = {}
     passed: list[str] = []  # each reason once, three at most
     shared = linear_acts.shared_modules(model)
     for name, module in model.named_modules():
         where = name or type(module).__name__
-        kind, layout, task = gated_mlps.recognised(module)
-        why = ""
-        if kind is not None:  # a gated MLP
+        experts, task, why = moe_experts.recognised(module)
+        if experts:  # a mixture's experts, 3-D weights
+            if task is not None:
+                moe_experts.check(module, where, task)
+                found[name] = (module, None, task, moe_experts)
+        elif (gated := gated_mlps.recognised(module))[0] is not None:  # a gated MLP
+            kind, layout, task = gated
             if task is None:
                 why = gated_mlps.why_not(module, kind, layout)
             else:
                 gated_mlps.check(module, where, layout, task)
-                found[name] = (module, layout, task)
+                found[name] = (module, layout, task, gated_mlps)
         else:  # an MLP without a gate, or a linear and its activation
             site, task, why = plain_mlps.recognised(module)
             if task is not None:
                 plain_mlps.check(module, where, site, task)
-                found[name] = (module, site, task)
+                found[name] = (module, site, task, plain_mlps)
             elif site is None:
                 sites, why = linear_acts.recognised(module, shared)
                 for pair, task in sites:  # each goes by its linear's name: what runs as the kernel
                     linear_acts.check(module, where, pair, task)
-                    found[".".join(filter(None, (name, pair[0])))] = (module, pair, task)
+                    found[".".join(filter(None, (name, pair[0])))] = (module, pair, task, linear_acts)
         if why and why not in passed and len(passed) < 3:
             passed.append(why)
     return found, passed

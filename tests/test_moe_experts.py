@@ -1,0 +1,157 @@
+"""coda_agent.apply_to_model on a mixture of experts' experts kept as 3-D weights
+(kernels/moe_experts.py): OLMoE, Qwen2-MoE, Mixtral and Granite-MoE at tiny widths (CPU, the
+reference lowering), each expert run as swiglu_mlp, held to test_llama.py's bar against the
+unpatched model.  Routing is discrete: a router logit that rounds across its neighbour sends a
+token elsewhere, in HF's own bf16 model and in the patched one at different tokens, so the
+whole-model comparisons route every token to every expert (top-k = all), and top-2 routing is
+judged on the experts module itself, given the same routing."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+from test_llama import assert_like_hf, train_and_eval  # noqa: E402
+from test_plain_mlps import data  # noqa: E402
+
+import coda_agent  # noqa: E402
+from coda_agent.kernels import moe_experts  # noqa: E402
+from coda_agent.primitives import launch_ledger  # noqa: E402
+
+# family -> where its layers' experts are
+FAMILIES = {"Olmoe": "model.layers.{}.mlp.experts", "Qwen2Moe": "model.layers.{}.mlp.experts",
+            "Mixtral": "model.layers.{}.mlp.experts", "GraniteMoe": "model.layers.{}.block_sparse_moe.experts"}
+
+
+def tiny_moe(family: str, top_k: int = 4, seed: int = 0, **overrides) -> torch.nn.Module:
+    """transformers' ``<family>`` causal LM at tiny widths with four experts, its 3-D expert
+    weights drawn at a trained model's scale (HF's init leaves some at zero here)."""
+    import transformers
+
+    config = getattr(transformers, f"{family}Config")(
+        hidden_size=128, intermediate_size=256, moe_intermediate_size=128, shared_expert_intermediate_size=256,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+        max_position_embeddings=256, num_experts=4, num_local_experts=4, num_experts_per_tok=top_k,
+        pad_token_id=None, bos_token_id=None, eos_token_id=None, **overrides)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 3:
+                p.normal_(0.0, 0.05)
+    return model
+
+
+def patched(model: torch.nn.Module) -> torch.nn.Module:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Mixtral's: apply_to_llama takes its layers too
+        return coda_agent.apply_to_model(model, fused_linear_cross_entropy=False)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_experts_train_like_hf(family):
+    base = tiny_moe(family)
+    hi, lo = (train_and_eval(copy.deepcopy(base).to(dtype), data()) for dtype in (torch.float32, torch.bfloat16))
+    model = patched(copy.deepcopy(base).bfloat16())
+    assert [FAMILIES[family].format(i) for i in range(2)] == [n for n in model.coda_flags["swiglu_mlp"]
+                                                              if n.endswith("experts")]
+    with launch_ledger() as launched:
+        got = train_and_eval(model, data())
+    assert_like_hf(got, hi, lo)  # the experts' gradients in HF's layout, through the state dict
+    names = [launch.name for launch in launched]
+    assert names.count("dswiglu") >= 2 * 4  # every expert of both layers, backward
+
+
+def test_top2_routing_runs_each_expert_on_its_tokens_as_hf_does():
+    """The experts module given HF's routing (top 2 of 4, one expert left without a token): its
+    output and every gradient against HF's module in fp32, within twice HF's own bf16 error."""
+    base = tiny_moe("Olmoe", top_k=2).model.layers[0].mlp.experts
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(40, 128, generator=gen)
+    index = torch.stack((torch.randint(0, 2, (40,), generator=gen), 2 + torch.randint(0, 1, (40,), generator=gen)), 1)
+    weights = torch.softmax(torch.randn(40, 2, generator=gen), dim=1)
+    dout = torch.randn(40, 128, generator=gen)
+
+    def run(module, dtype):
+        module = module.to(dtype)
+        h = hidden.to(dtype).detach().requires_grad_(True)
+        w = weights.to(dtype).detach().requires_grad_(True)
+        y = module(h, index, w)
+        y.backward(dout.to(dtype))
+        grads = {k: v.float() for k, v in coda_agent_grads(module).items()}
+        return {"y": y.detach().float(), "dh": h.grad.float(), "dw": w.grad.float(), **grads}
+
+    hi, lo = run(copy.deepcopy(base), torch.float32), run(copy.deepcopy(base), torch.bfloat16)
+    module = copy.deepcopy(base).bfloat16()
+    moe_experts.patch(module, None, "swiglu_mlp", coda_agent.kernels.dropin.suite_kernel("swiglu_mlp"))
+    got = run(module, torch.bfloat16)
+    assert_like_hf(got, hi, lo)
+    assert not got["d down_proj"][3].any()  # the expert no token was routed to: no gradient
+
+
+def coda_agent_grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The module's weight gradients in HF's layout (its state dict's, through the patch's hooks)."""
+    with torch.no_grad():
+        data_ = {n: p.data for n, p in module.named_parameters()}
+        for p in module.parameters():
+            p.data = p.grad
+        try:
+            return {f"d {k}": v.clone() for k, v in module.state_dict().items()}
+        finally:
+            for n, p in module.named_parameters():
+                p.data = data_[n]
+
+
+def test_the_state_dict_keeps_hf_s_layout_both_ways():
+    base = tiny_moe("Olmoe").bfloat16()
+    model = patched(copy.deepcopy(base))
+    experts = model.model.layers[0].mlp.experts
+    assert not torch.equal(experts.gate_up_proj, base.model.layers[0].mlp.experts.gate_up_proj)  # interleaved
+    saved = model.state_dict()
+    assert all(torch.equal(saved[k], v) for k, v in base.state_dict().items())
+    trained = tiny_moe("Olmoe", seed=1).bfloat16()
+    model.load_state_dict(trained.state_dict())
+    ids = data()[0]
+    torch.testing.assert_close(model(ids).logits, patched(copy.deepcopy(trained))(ids).logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("family", ["Mixtral", "Qwen2Moe"])
+def test_apply_to_llama_runs_the_experts_with_swiglu_off(family):
+    """A mixture that apply_to_llama takes keeps its sparse block HF's (swiglu=False) and runs its
+    experts as kernels; experts=False keeps them HF's too."""
+    base = tiny_moe(family)
+    hi, lo = (train_and_eval(copy.deepcopy(base).to(dtype), data()) for dtype in (torch.float32, torch.bfloat16))
+    model = coda_agent.apply_to_llama(copy.deepcopy(base).bfloat16(), swiglu=False)
+    assert model.model.coda_flags["experts"] == ["layers.0.mlp.experts", "layers.1.mlp.experts"]
+    assert_like_hf(train_and_eval(model, data()), hi, lo)
+    kept = coda_agent.apply_to_llama(copy.deepcopy(base).bfloat16(), swiglu=False, experts=False)
+    assert kept.model.coda_flags["experts"] == [] and not hasattr(kept.model.layers[0].mlp.experts, "coda_mlp")
+
+
+def test_experts_no_kernel_computes_are_passed_by_with_why():
+    import transformers
+
+    relu = tiny_moe("Olmoe", hidden_act="relu").bfloat16()
+    is_experts, task, why = moe_experts.recognised(relu.model.layers[0].mlp.experts)
+    assert is_experts and task is None and "OlmoeExperts's experts apply ReLU" in why
+    config = transformers.GptOssConfig(hidden_size=128, intermediate_size=128, num_hidden_layers=1,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=512,
+                                       num_local_experts=4, num_experts_per_tok=2)
+    gpt_oss = transformers.GptOssForCausalLM(config).model.layers[0].mlp.experts
+    assert moe_experts.recognised(gpt_oss) == (False, None, "")  # its own forward: clamped gate, biases
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Hopper)")
+def test_experts_train_like_hf_on_gpu():
+    """The cute lowering: swiglu_mlp per expert, on each expert's slice of the 3-D weights."""
+    base = tiny_moe("Olmoe").cuda()
+    batch = tuple(t.cuda() for t in data())
+    hi, lo = (train_and_eval(copy.deepcopy(base).to(dtype), batch) for dtype in (torch.float32, torch.bfloat16))
+    with torch.autograd.set_multithreading_enabled(False):
+        got = train_and_eval(patched(copy.deepcopy(base).bfloat16()), batch)
+    assert_like_hf(got, hi, lo)

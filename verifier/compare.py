@@ -96,6 +96,7 @@ def compare(name: str, shape_set: str, out, hi: torch.Tensor, lo: torch.Tensor, 
     if bad.any() or not rel <= max(tol.rel_norm, tol.dense_factor * rel_lo):
         return _mismatch(name, shape_set, diff, bad, nan, allowed, rel, o, poisoned=poisoned, ref=h)
     lo = lo.to(h.device, work)
+    del diff, bad, nan  # the whole-row rule's temporaries take their place on a large GPU set
     if rows and (lost := _rows(name, shape_set, o, h, lo, tol, rel, noise)):
         return lost
     return _bias(name, shape_set, o, h, lo, tol, rel, noise)
@@ -108,12 +109,13 @@ def _rows(name: str, shape_set: str, o: torch.Tensor, h: torch.Tensor, lo: torch
     if h.dim() < 2 or h.shape[-1] < 2 or h.numel() == 0:
         return None
     cols = h.shape[-1]
-    zero = torch.zeros((), dtype=h.dtype, device=h.device)
-    finite = torch.isfinite(h) & torch.isfinite(lo)
-    ref = torch.where(finite, h, zero).reshape(-1, cols)
-    err = torch.linalg.vector_norm(torch.where(finite, o - h, zero).reshape(-1, cols), dim=1)
-    own = torch.linalg.vector_norm(ref, dim=1)
-    ref_noise = torch.linalg.vector_norm(torch.where(finite, lo - h, zero).reshape(-1, cols), dim=1)
+    infinite = ~(torch.isfinite(h) & torch.isfinite(lo))
+
+    def row_norms(t: torch.Tensor) -> torch.Tensor:  # t is a temporary: masked in place, one at a time
+        return torch.linalg.vector_norm(t.masked_fill_(infinite, 0.0).reshape(-1, cols), dim=1)
+
+    err, own, ref_noise = row_norms(o - h), row_norms(h.clone()), row_norms(lo - h)
+    del infinite
     if noise is not None:
         sampled = torch.linalg.vector_norm(noise.rms.to(h.device, h.dtype).reshape(-1, cols), dim=1)
         ref_noise = torch.maximum(ref_noise, sampled)
@@ -123,12 +125,12 @@ def _rows(name: str, shape_set: str, o: torch.Tensor, h: torch.Tensor, lo: torch
     lost = err > bar
     if not lost.any():
         return None
-    worst = int(torch.argmax(torch.where(lost, err / bar, zero)))
+    worst = int(torch.argmax(torch.where(lost, err / bar, 0.0)))
     count = int(lost.sum())
     return Mismatch(tensor=name, shape_set=shape_set, max_abs_err=float(err[worst]), allowed=float(bar[worst]),
                     rel_norm_err=rel,
                     worst_index=[int(i) for i in torch.unravel_index(torch.tensor(worst), h.shape[:-1])],
-                    pattern=f"{count} row{'s' if count > 1 else ''} of {ref.shape[0]} wrong as a whole (the error "
+                    pattern=f"{count} row{'s' if count > 1 else ''} of {own.shape[0]} wrong as a whole (the error "
                             f"and its bar below are row norms): row {worst} errs by {float(err[worst]):.3g} where "
                             f"its own norm is {float(own[worst]):.3g} and the reference's noise there "
                             f"{float(ref_noise[worst]):.3g}; a row left out, flushed or computed from other values, "

@@ -136,6 +136,16 @@ def returned_expression(fn: ast.FunctionDef) -> ast.expr | None:
     return None
 
 
+def forward_expression(cls: type) -> tuple[ast.expr, str] | None:
+    """(what ``cls.forward`` returns, :func:`returned_expression`, the name of its one argument)
+    for a forward of one argument besides ``self``; else None."""
+    fn = tree(cls.forward)
+    if fn is None or len(fn.args.args) != 2 or fn.args.vararg or fn.args.kwarg or fn.args.kwonlyargs:
+        return None
+    expr = returned_expression(fn)
+    return None if expr is None else (expr, fn.args.args[1].arg)
+
+
 class _Inline(ast.NodeTransformer):
     def __init__(self, env: dict[str, ast.expr]):
         self.env = env

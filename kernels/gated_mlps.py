@@ -32,7 +32,7 @@ from transformers.models.llama.modeling_llama import LlamaMLP
 from transformers.models.phi3.modeling_phi3 import Phi3MLP
 
 from .adapters import linear_of
-from .code_rules import returned_expression, self_call, touched_once, tree
+from .code_rules import forward_expression, self_call, touched_once
 from .dropin import PatchedForward, check_mlp_projection, check_mlp_widths, gelu_form, suite_kernel
 from .families import same_code
 from .fused_weights import halves_from_interleaved, interleave_halves, interleave_rows, relayout, split_interleaved
@@ -92,11 +92,10 @@ def why_not(module: nn.Module, kind: str, layout: Layout) -> str:
 def layout_by_rule(cls: type) -> Layout | None:
     """The layout of a gated MLP whose forward has the shape of code the module docstring names;
     None for any other code."""
-    fn = tree(cls.forward)
-    if fn is None or len(fn.args.args) != 2 or fn.args.vararg or fn.args.kwarg or fn.args.kwonlyargs:
+    read = forward_expression(cls)
+    if read is None:
         return None
-    x = fn.args.args[1].arg
-    down = self_call(returned_expression(fn))
+    down, x = self_call(read[0]), read[1]
     product = down and down[1]
     if not (isinstance(product, ast.BinOp) and isinstance(product.op, ast.Mult)):
         return None

@@ -58,7 +58,7 @@ from transformers.models.starcoder2.modeling_starcoder2 import Starcoder2MLP
 from transformers.pytorch_utils import Conv1D
 
 from .adapters import linear_of, lora_of
-from .code_rules import returned_expression, self_call, touched_once, tree
+from .code_rules import forward_expression, self_call, touched_once
 from .dropin import (GELUS, PatchedForward, activation_form, check_mlp_projection, check_mlp_widths,
                      library_activation)
 from .families import same_code
@@ -181,17 +181,14 @@ def weight(m: nn.Module) -> torch.Tensor:
 def site_by_rule(cls: type) -> Site | None:
     """The attributes of an MLP whose forward has the shape of code the module docstring names;
     None for any other code."""
-    fn = tree(cls.forward)
-    if fn is None or len(fn.args.args) != 2 or fn.args.vararg or fn.args.kwarg or fn.args.kwonlyargs:
-        return None
-    x = fn.args.args[1].arg
-    outer = self_call(returned_expression(fn))
+    read = forward_expression(cls)
+    outer = read and self_call(read[0])
     node: ast.expr | None = outer and outer[1]
     names = [outer[0]] if outer else []
     while (call := self_call(node)) is not None:
         names.append(call[0])
         node = call[1]
-    if not (isinstance(node, ast.Name) and node.id == x) or len(names) not in (3, 4) or len(set(names)) != len(names):
+    if not (isinstance(node, ast.Name) and node.id == read[1]) or len(names) not in (3, 4) or len(set(names)) != len(names):
         return None
     chain = names[::-1]  # fc, act, proj[, dropout]
     if not touched_once(cls, tuple(chain)):

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-from test_llama import assert_like_hf, train_and_eval  # noqa: E402
+from test_llama import assert_like_hf, hf_layout, train_and_eval  # noqa: E402
 from test_plain_mlps import data  # noqa: E402
 
 import coda_agent  # noqa: E402
@@ -82,7 +82,7 @@ def test_top2_routing_runs_each_expert_on_its_tokens_as_hf_does():
         w = weights.to(dtype).detach().requires_grad_(True)
         y = module(h, index, w)
         y.backward(dout.to(dtype))
-        grads = {k: v.float() for k, v in coda_agent_grads(module).items()}
+        grads = {f"d {k}": v.float() for k, v in hf_layout(module).items()}
         return {"y": y.detach().float(), "dh": h.grad.float(), "dw": w.grad.float(), **grads}
 
     hi, lo = run(copy.deepcopy(base), torch.float32), run(copy.deepcopy(base), torch.bfloat16)
@@ -91,19 +91,6 @@ def test_top2_routing_runs_each_expert_on_its_tokens_as_hf_does():
     got = run(module, torch.bfloat16)
     assert_like_hf(got, hi, lo)
     assert not got["d down_proj"][3].any()  # the expert no token was routed to: no gradient
-
-
-def coda_agent_grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The module's weight gradients in HF's layout (its state dict's, through the patch's hooks)."""
-    with torch.no_grad():
-        data_ = {n: p.data for n, p in module.named_parameters()}
-        for p in module.parameters():
-            p.data = p.grad
-        try:
-            return {f"d {k}": v.clone() for k, v in module.state_dict().items()}
-        finally:
-            for n, p in module.named_parameters():
-                p.data = data_[n]
 
 
 def test_the_state_dict_keeps_hf_s_layout_both_ways():

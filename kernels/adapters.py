@@ -141,6 +141,23 @@ def adapter_modules(root: nn.Module) -> set[int]:
     return found
 
 
+def wrapped_by_peft(root: nn.Module) -> set[int]:
+    """The ids of the modules under ``root`` that a peft tuner layer wraps (its ``base_layer`` and
+    everything in it): LoRA on a module's parameters themselves (``target_parameters``) registers
+    a parametrization on the wrapped module for each forward, which a kernel reading the weights
+    would bypass."""
+    if "peft" not in sys.modules:
+        return set()
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    found: set[int] = set()
+    for m in root.modules():
+        base = getattr(m, "base_layer", None) if isinstance(m, BaseTunerLayer) else None
+        if isinstance(base, nn.Module):
+            found.update(id(x) for x in base.modules())
+    return found
+
+
 def peft_base(model: Any) -> Any:
     """The transformers model inside a peft ``PeftModel`` (``get_peft_model``), else ``model``."""
     if "peft" in sys.modules:

@@ -56,7 +56,7 @@ from transformers.models.gemma2.modeling_gemma2 import Gemma2ForCausalLM
 from coda_agent.tasks import SUITE_DIR
 
 from . import gated_mlps, linear_acts, moe_experts, plain_mlps
-from .adapters import peft_base
+from .adapters import peft_base, wrapped_by_peft
 from .dropin import (GPT2_SUITE, NO_KERNEL, STACKS, check_lm_head, check_slots, refusal_by, refuse_patched,
                      refuse_wrapped, require_kernel_dtypes, slot_kernel, suite_kernel)
 from .families import CAUSAL_LMS, same_code
@@ -123,12 +123,13 @@ def _mlps(model: nn.Module) -> tuple[dict[str, tuple[nn.Module, Any, str, Any]],
     found: dict[str, tuple[nn.Module, Any, str, Any]] = {}
     passed: list[str] = []  # each reason once, three at most
     shared = linear_acts.shared_modules(model)
+    adapted = wrapped_by_peft(model)
     for name, module in model.named_modules():
         where = name or type(module).__name__
         experts, task, why = moe_experts.recognised(module)
         if experts:  # a mixture's experts, 3-D weights
             if task is not None:
-                moe_experts.check(module, where, task)
+                moe_experts.check(module, where, task, adapted=adapted)
                 found[name] = (module, None, task, moe_experts)
         elif (gated := gated_mlps.recognised(module))[0] is not None:  # a gated MLP
             kind, layout, task = gated

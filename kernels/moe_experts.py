@@ -1,5 +1,6 @@
 """A mixture of experts' experts, kept as 3-D weights, each expert run as the gated MLP kernel of
-its activation (``swiglu_mlp``, ``geglu_mlp``) in ``apply_to_model``.
+its activation (``swiglu_mlp``, ``geglu_mlp``), in ``apply_to_model`` and, with ``swiglu=False``,
+in ``apply_to_llama``.
 
 transformers keeps the experts of Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3, GLM-4-MoE,
 Granite-MoE, Jamba, MiniMax, Phi-MoE and some forty more in one module: ``gate_up_proj`` (E, 2I, H)
@@ -23,10 +24,14 @@ accumulate into the 3-D Parameters as HF's slices do.  The loop over experts is 
 
 from __future__ import annotations
 
+from typing import Collection
+
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
+from .adapters import wrapped_by_peft
 from .dropin import PatchedForward, check_mlp_widths, gelu_form
 from .families import same_code
 from .fused_weights import expert_halves, interleave_expert_halves, reorder
@@ -43,6 +48,8 @@ def recognised(module: nn.Module) -> tuple[bool, str | None, str]:
     if fn is None or not same_code(fn, CODE):
         return False, None, ""
     name = type(module).__name__
+    if parametrize.is_parametrized(module):  # peft's LoRA on the experts' parameters (target_parameters)
+        return True, None, f"{name}'s weights are parametrized (LoRA on them): its experts stay HF's"
     gu, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
     if not (isinstance(gu, nn.Parameter) and isinstance(down, nn.Parameter) and gu.dim() == 3 and down.dim() == 3
             and gu.shape[0] == down.shape[0] and gu.shape[1] == 2 * down.shape[2] and gu.shape[2] == down.shape[1]):
@@ -59,9 +66,15 @@ def recognised(module: nn.Module) -> tuple[bool, str | None, str]:
     return True, None, f"{name}'s experts apply {type(act).__name__}, neither SiLU nor GELU's tanh form"
 
 
-def check(module: nn.Module, where: str, task: str, flag: str = "mlp=False") -> None:
-    """Refuse, naming ``flag`` as the way to keep HF's experts, widths no GEMM takes or weights
-    frozen apart."""
+def check(module: nn.Module, where: str, task: str, flag: str = "mlp=False", adapted: Collection[int] = ()
+          ) -> None:
+    """Refuse, naming ``flag`` as the way to keep HF's experts, experts under LoRA (``adapted``:
+    the ids of the modules a peft layer wraps, ``adapters.wrapped_by_peft``), widths no GEMM takes
+    or weights frozen apart."""
+    if id(module) in adapted:
+        raise KernelError(f"{where} has LoRA adapters on its weights (peft's target_parameters), and the {task} "
+                          f"kernel reads the weights itself; pass {flag} to keep HF's experts (the adapters train "
+                          "there)")
     if module.gate_up_proj.requires_grad != module.down_proj.requires_grad:
         raise KernelError(f"{where}: gate_up_proj and down_proj differ in requires_grad; the {task} kernel "
                           f"trains or freezes an expert's weights together: set both, or pass {flag}")
@@ -92,16 +105,16 @@ def _forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Te
     return out
 
 
-
 def find(layers: nn.ModuleList, prefix: str, flag: str) -> dict[str, tuple[nn.Module, str]]:
     """{name: (experts, the task of their kernel)} for every experts module in ``layers`` that a
     kernel runs, named ``<prefix>.<i>.<path>``; each checked first (:func:`check`, naming ``flag``)."""
     found = {}
+    adapted = wrapped_by_peft(layers)
     for i, layer in enumerate(layers):
         for name, module in layer.named_modules():
             is_experts, task, _ = recognised(module)
             if is_experts and task is not None:
                 where = f"{prefix}.{i}.{name}"
-                check(module, where, task, flag)
+                check(module, where, task, flag, adapted)
                 found[where] = (module, task)
     return found

@@ -132,6 +132,22 @@ def test_experts_no_kernel_computes_are_passed_by_with_why():
     assert moe_experts.recognised(gpt_oss) == (False, None, "")  # its own forward: clamped gate, biases
 
 
+def test_lora_on_the_experts_weights_is_refused_with_the_fix():
+    """peft's LoRA on the experts' parameters (target_parameters) parametrizes them for each forward,
+    which a kernel reading the weights would bypass: refused, naming the flag that keeps them HF's."""
+    peft = pytest.importorskip("peft")
+    targets = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    model = peft.get_peft_model(tiny_moe("Olmoe").bfloat16(), peft.LoraConfig(r=4, target_modules=[],
+                                                                                target_parameters=targets))
+    with pytest.raises(coda_agent.kernels.KernelError, match=r"mlp.experts.base_layer.base_layer has LoRA adapters "
+                                                            r"on its weights .* pass mlp=False"):
+        coda_agent.apply_to_model(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        kept = coda_agent.apply_to_model(model, mlp=False)
+    assert kept.get_base_model().coda_flags["swiglu_mlp"] == []
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Hopper)")
 def test_experts_train_like_hf_on_gpu():

@@ -32,11 +32,8 @@ reference's own scores rank first on those inputs.  Drawn uniformly, a target
 is almost never the one a model predicts, so p(target) never nears 1, and a
 program that drops the gradient of the tokens a model already predicts well
 (half the tokens of a trained LM) passed; with the edge rows' and the scaled
-draw's magnitudes, predicted rows span confident and uncertain.  Only the edge
-rows between their extremes are predicted with a confidence short of certain
-(a row at 2^-12 is uniform, one at 2^5 certain), so half the rows are
-predicted: at one in four, about one small-set edge draw in thirty held no row
-of p(target) between 1/2 and 0.999.
+draw's magnitudes, predicted rows span confident and uncertain (at one row in
+four, one small-set edge draw in thirty held no p(target) in (1/2, 0.999)).
 
 **Magnitudes** (:func:`scaled_inputs`): two more draws per set scale every
 activation, residual, saved input and upstream gradient by 2**u and 2**-u, |u|

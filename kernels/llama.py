@@ -114,6 +114,7 @@ from transformers.utils import can_return_tuple
 
 from coda_agent.tasks import SUITE_DIR
 
+from . import moe_experts
 from .adapters import base_path, lora_delta, lora_of, peft_base, plus
 from .dropin import PatchedForward, check_slots, record_attention, refuse_patched, slot_kernel, suite_kernel
 from .families import (AttentionPlan, check_model, head_dim, llama_architecture, rotation_layout,
@@ -121,7 +122,6 @@ from .families import (AttentionPlan, check_model, head_dim, llama_architecture,
 from .fused_weights import halves_from_interleaved, interleave_halves, interleave_rows, relayout, split_interleaved
 from .kernel import Kernel, KernelError
 from .llama_ops import attention_input, causal_lm_loss
-from . import moe_experts
 from .gated_mlps import check_gated_mlp, patch_gated_mlp
 
 SWAPPABLE = ("out_proj_residual", "mlp_block", "lm_head_xent", "lm_head_xent_frozen")

@@ -156,8 +156,7 @@ def _site_of(module: nn.Module) -> Site | None:
         parts = list(module._modules.values())
         if len(parts) not in (3, 4) or (len(parts) == 4 and not isinstance(parts[3], nn.Dropout)):
             return None
-        after = partial(_applied, names[3]) if len(parts) == 4 else _no_dropout
-        site = Site(SEQUENTIAL, names[0], names[1], names[2], after)
+        site = _site(SEQUENTIAL, names)
     else:
         site = site_by_rule(type(module))
         if site is None:
@@ -188,13 +187,18 @@ def site_by_rule(cls: type) -> Site | None:
     while (call := self_call(node)) is not None:
         names.append(call[0])
         node = call[1]
-    if not (isinstance(node, ast.Name) and node.id == read[1]) or len(names) not in (3, 4) or len(set(names)) != len(names):
+    if not (isinstance(node, ast.Name) and node.id == read[1]) or len(set(names)) != len(names):
         return None
-    chain = names[::-1]  # fc, act, proj[, dropout]
-    if not touched_once(cls, tuple(chain)):
+    chain = names[::-1]  # fc, act, proj[, what follows]
+    if len(chain) not in (3, 4) or not touched_once(cls, tuple(chain)):
         return None
-    after = partial(_applied, chain[3]) if len(chain) == 4 else _no_dropout
-    return Site(BY_RULE, chain[0], chain[1], chain[2], after)
+    return _site(BY_RULE, chain)
+
+
+def _site(kind: str, names: list[str]) -> Site:
+    """A site found by a rule: ``names`` are the fc, the activation, the projection and, where there
+    is a fourth, the module applied to the projection's output."""
+    return Site(kind, *names[:3], partial(_applied, names[3]) if len(names) == 4 else _no_dropout)
 
 
 def activation(act: nn.Module) -> str | None:

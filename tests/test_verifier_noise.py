@@ -152,3 +152,16 @@ def test_the_edge_draw_catches_a_head_that_skips_predicted_tokens_and_passes_the
             with lowering("reference"):
                 got = run_program(t, mod, {k: v.clone() for k, v in case.inputs.items()}, case.grads)
             assert bool(verdict(t.spec, case, {k: got[k] for k in case.hi})) == fails, (seed, fails)
+
+
+def test_the_whole_row_rule_judges_the_rows_of_tokens_alone():
+    """A weight's gradient, or an output laid out like one, sums over the edge draw's rows (tokens):
+    a row of it that nearly cancels errs by much of its own norm in an honest program (the Gemma-2
+    soft-capped head's dw, (V, H), at row 0), so the rule reads only results whose leading axis is
+    the tokens'."""
+    from coda_agent.verifier.calls import edge_rows
+
+    head = load_task(SUITE_DIR / "lm_head_xent.yaml").spec
+    assert [n for n in ("loss", "dx", "dw") if edge_rows(head, n)] == ["loss", "dx"]  # loss: (T,), the tokens' too
+    softcap = load_task(CORPUS.parent / "tasks" / "families" / "gemma2" / "softcap_xent.yaml").spec
+    assert edge_rows(softcap, "dx") and not edge_rows(softcap, "dw")  # outputs named like gradients

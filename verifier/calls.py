@@ -31,9 +31,9 @@ import torch
 from coda_agent.tasks.spec import Task, TaskSpec
 from coda_agent.verifier.compare import compare
 from coda_agent.verifier.cuda_ipc import Imports
-from coda_agent.verifier.inputs import (aligned_grads, edge_inputs, make_grads, make_inputs, predicted_targets,
-                                        result_bytes, result_dtypes, result_shapes, run_reference, scaled_inputs,
-                                        set_label)
+from coda_agent.verifier.inputs import (EDGE_ROLES, aligned_grads, edge_inputs, make_grads, make_inputs,
+                                        predicted_targets, result_bytes, result_dtypes, result_shapes, run_reference,
+                                        scaled_inputs, set_label)
 from coda_agent.verifier.noise import Noise, sample_noise
 from coda_agent.verifier.outliers import outlier_inputs
 from coda_agent.verifier.program import CandidateError, shares_memory
@@ -146,9 +146,10 @@ def _task_with(task: Task, spec: TaskSpec) -> Task:
 def verdict(spec: TaskSpec, case: Case, got: dict[str, torch.Tensor], poisoned: bool = False) -> list[Mismatch]:
     """Every result of a call compared with the references; a result that fails only by its
     size gets a second look against more samples of the references' noise (:mod:`.noise`)."""
-    rows = case.draw == "edge"  # rows at 2^-12 to 2^5 of their scale: the whole-row rule (.compare)
+    # the edge draw's rows at 2^-12 to 2^5 of their scale: the whole-row rule (.compare) on results of those rows
+    rows = {name: case.draw == "edge" and edge_rows(spec, name) for name in case.hi}
     found = {name: compare(name, case.shape_set, got[name], case.hi[name], case.lo[name],
-                           spec.tolerance_for(name), poisoned=poisoned, rows=rows) for name in case.hi}
+                           spec.tolerance_for(name), poisoned=poisoned, rows=rows[name]) for name in case.hi}
     again = [name for name, m in found.items() if m is not None and _sized(m, got[name], case.hi[name])]
     if again and case.task is not None:
         try:
@@ -157,13 +158,23 @@ def verdict(spec: TaskSpec, case: Case, got: dict[str, torch.Tensor], poisoned: 
             noise = {}
         for name in noise:
             found[name] = compare(name, case.shape_set, got[name], case.hi[name], case.lo[name],
-                                  spec.tolerance_for(name), poisoned=poisoned, noise=noise[name], rows=rows)
+                                  spec.tolerance_for(name), poisoned=poisoned, noise=noise[name], rows=rows[name])
     out = []
     for m in found.values():
         if m is not None:
             out.append(m.model_copy(update={"inputs": DRAWS[case.draw] + params_note(spec, case),
                                             "shape_set": set_label(spec, case.shape_set)}))
     return out
+
+
+def edge_rows(spec: TaskSpec, name: str) -> bool:
+    """Whether result ``name`` (an output, or a gradient ``d<input>``) has the edge draw's rows: its
+    leading axis is that of an input the draw scales row by row (tokens).  A weight's gradient,
+    or an output laid out like one (V, H), sums over the tokens: each of its rows mixes every scale,
+    and one that nearly cancels errs by much of its own norm in an honest program."""
+    t = spec.outputs.get(name) or spec.inputs.get(name[1:])
+    scaled = {str(i.shape[0]) for i in spec.inputs.values() if i.shape and i.role in EDGE_ROLES}
+    return t is not None and bool(t.shape) and str(t.shape[0]) in scaled
 
 
 def _sized(m: Mismatch, out: Any, hi: torch.Tensor) -> bool:

@@ -25,16 +25,18 @@ whole row of dW, so its errors' mean averages over the rows, not the elements
 Both rules are per tensor, so where rows stand at very different scales (the
 edge draw: norms from 2^-12 to 2^5 in one tensor) the largest, often the most
 ill-conditioned, set the bar for all: a softmax row at 32 times its scale
-rounds its logits by whole units, and its gradient's reference errs by
-percent of the tensor's largest value, while a row at twice its scale that a
-program leaves out (zero, or the gradient of a token it skips) errs by a few
-percent of the same value and passes.  So ``rows=True`` (the edge draw) adds
-the whole-row rule: a row of the last axis may not err by more than
-ROW_SHARE of its own norm unless the reference's own noise on that row
-(second look included) reaches ``factor * SIGMAS`` of that error: a row lost
-whole fails it at every scale, while rows whose reference is itself
-ill-conditioned (a cancellation: gradients along the output, a token
-predicted at near certainty) pass on their own noise.
+rounds its logits by whole units, and its gradient's reference errs by percent
+of the tensor's largest value, while a row at twice its scale that a program
+leaves out (zero, or the gradient of a token it skips) errs by a few percent
+of the same value and passes. So ``rows=True`` (a result of the edge draw's
+rows, tokens: ``calls.edge_rows``; a weight gradient sums over them, and an
+honest one errs by much of a row that nearly cancels) adds the whole-row rule:
+a row of the last axis may not err by more than ROW_SHARE of its own norm
+unless the reference's own noise on that row (second look included) reaches
+``factor * SIGMAS`` of that error: a row lost whole fails it at every scale,
+while rows whose reference is itself ill-conditioned (a cancellation:
+gradients along the output, a token predicted at near certainty) pass on their
+own noise.
 
 Where one element carries most of a tensor's noise (a weight gradient's
 column fed by an outlier channel), the reference's error there is one sample,

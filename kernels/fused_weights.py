@@ -174,13 +174,14 @@ def placed_like(value: torch.Tensor, param: torch.Tensor | None) -> torch.Tensor
 
 
 def column_major(weight: nn.Parameter) -> None:
-    """Store a Conv1D's (in, out) weight with its columns contiguous, in place: ``weight.t()`` is
-    then the row-major (out, in) tensor whose layout the kernels' weight gradients have, so autograd
-    lands them in ``.grad`` without a copy (``gpt2``'s module docstring, Weights); the Parameter,
-    its shape, values and state-dict key stay."""
-    if not weight.t().is_contiguous():
+    """Store an (in, out) weight (a Conv1D's; GPT-OSS's experts', (E, in, out)) with its columns
+    contiguous, in place: ``weight.transpose(-1, -2)`` is then the row-major (out, in) tensor whose
+    layout the kernels' weight gradients have, so autograd lands them in ``.grad`` without a copy
+    (``gpt2``'s module docstring, Weights); the Parameter, its shape, values and state-dict key
+    stay."""
+    if not weight.transpose(-1, -2).is_contiguous():
         with torch.no_grad():
-            weight.data = weight.data.t().contiguous().t()
+            weight.data = weight.data.transpose(-1, -2).contiguous().transpose(-1, -2)
 
 
 def interleave_expert_halves(w: torch.Tensor) -> torch.Tensor:

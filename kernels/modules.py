@@ -62,7 +62,7 @@ from .dropin import (GPT2_SUITE, NO_KERNEL, STACKS, check_lm_head, check_slots, 
 from .families import CAUSAL_LMS, same_code
 from .kernel import Kernel, KernelError
 
-MLP_TASKS = (*gated_mlps.TASKS, *plain_mlps.TASKS.values(), *linear_acts.TASKS.values())
+MLP_TASKS = (*gated_mlps.TASKS, *moe_experts.TASKS, *plain_mlps.TASKS.values(), *linear_acts.TASKS.values())
 GPT2_TASKS = (*plain_mlps.TASKS.values(), *linear_acts.TASKS.values())  # the slots the GPT-2 suite's kernels fill
 SLOTS = (*MLP_TASKS, "lm_head_xent", "lm_head_xent_frozen", "lm_head_xent_softcap", "lm_head_xent_softcap_frozen")
 # Causal LMs whose forward soft-caps the logits (config.final_logit_softcapping) before HF's loss

@@ -354,7 +354,8 @@ def test_dropin_coverage_patches_or_refuses_each_model_it_builds(tmp_path):
     assert abs(llama["loss"] - llama["hf_loss"]) < 0.02 * llama["hf_loss"]
     assert "train it unpatched" in rows["phi"]["apply_to_llama"]["message"]
     assert "apply_to_model" not in rows["llama"]  # tried only where no drop-in of whole layers patches
-    assert rows["olmo2"]["apply_to_model"]["parts"] == {"swiglu_mlp": 2, "geglu_mlp": 0, "gelu_mlp": 0,
+    assert rows["olmo2"]["apply_to_model"]["parts"] == {"swiglu_mlp": 2, "geglu_mlp": 0, "swiglu_clamp_mlp": 0,
+                                                           "gelu_mlp": 0,
                                                            "gelu_tanh_mlp": 0, "relu_mlp": 0, "relu2_mlp": 0, "linear_gelu": 0,
                                                            "linear_gelu_tanh": 0, "linear_relu": 0,
                                                            "fused_linear_cross_entropy": True}

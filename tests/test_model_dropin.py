@@ -43,7 +43,8 @@ def test_a_model_no_layer_drop_in_takes_trains_like_hf(family):
     model = coda_agent.apply_to_model(copy.deepcopy(base).bfloat16())
     layers = base.config.num_hidden_layers
     task, head = FAMILIES[family]
-    assert model.coda_flags == {"swiglu_mlp": [], "geglu_mlp": [], "gelu_mlp": [], "gelu_tanh_mlp": [], "relu_mlp": [], "relu2_mlp": [],
+    assert model.coda_flags == {"swiglu_mlp": [], "geglu_mlp": [], "swiglu_clamp_mlp": [], "gelu_mlp": [],
+                                "gelu_tanh_mlp": [], "relu_mlp": [], "relu2_mlp": [],
                                 "linear_gelu": [], "linear_gelu_tanh": [], "linear_relu": [], task: [f"model.layers.{i}.mlp" for i in range(layers)],
                                 "fused_linear_cross_entropy": head is not None}
     with launch_ledger() as launched:

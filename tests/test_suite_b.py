@@ -18,7 +18,7 @@ from suite_checks import task as _task
 
 
 TASKS = ["qk_norm_rope", "lm_head_xent_fwd", "lm_head_xent", "lm_head_xent_frozen", "lm_head_xent_softcap",
-         "lm_head_xent_softcap_frozen", "mlp_block", "swiglu_mlp",
+         "lm_head_xent_softcap_frozen", "mlp_block", "swiglu_mlp", "swiglu_clamp_mlp",
          "geglu_mlp", "llama3_block"]
 CPU_SETS = ["small", "ragged"]
 

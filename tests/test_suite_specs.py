@@ -16,7 +16,7 @@ CASES = [(suite, t.name) for suite in SUITES for t in load_suite(SUITES[suite])]
 
 def test_every_suite_is_here():
     assert {suite for suite, _ in CASES} == set(BENCH_SETS) == {"llama3", "gpt2"}
-    assert len(CASES) == 34
+    assert len(CASES) == 35
 
 
 @pytest.mark.parametrize("suite,name", CASES)

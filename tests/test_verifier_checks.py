@@ -429,6 +429,36 @@ def test_an_out_of_memory_is_the_program_s_only_when_its_process_holds_more_than
     assert "the program's process held 40.0 GiB" in programs.message and "between calls" in programs.message
 
 
+H100_RUNNER_OOM = (  # run 31: lm_head_xent_softcap's runner, while the judge held its gemma2 reference
+    "forward raised OutOfMemoryError: CUDA out of memory. Tried to allocate 1002.00 MiB. GPU 0 has a total capacity "
+    "of 79.18 GiB of which 998.56 MiB is free. Process 2029 has 75.02 GiB memory in use. Including non-PyTorch "
+    "memory, this process has 3.17 GiB memory in use. Of the allocated memory 1.60 GiB is allocated by PyTorch")
+
+
+def test_a_runner_s_out_of_memory_is_weighed_by_what_the_program_asked_for():
+    """The runner's own out-of-memory (PyTorch's message, relayed as the program's exception): the
+    judge's error where the program held and asked for less than a call of the largest set needs
+    (run 31: 4.1 GiB beside a judge holding 75 GiB), the program's failure where it asked for more;
+    any other exception stays the program's failure as it stands."""
+    from types import SimpleNamespace
+
+    from coda_agent.tasks import SUITE_DIR, load_task
+    from coda_agent.verifier.check import runner_oom_bytes, runner_out_of_memory
+    from coda_agent.verifier.inputs import with_drawn_sets
+
+    gib, mib = 2**30, 2**20
+    assert runner_oom_bytes(H100_RUNNER_OOM) == (1002 * mib, int(3.17 * gib), int(998.56 * mib), int(79.18 * gib))
+    spec = with_drawn_sets(load_task(SUITE_DIR / "lm_head_xent_softcap.yaml").spec)
+    check = SimpleNamespace(spec=spec, shape_sets=list(load_task(SUITE_DIR / "lm_head_xent_softcap.yaml").spec.shapes))
+    judges = runner_out_of_memory("correctness", check, H100_RUNNER_OOM)
+    assert judges.status == "error" and "not the program's fault" in judges.message, judges.message
+    assert "the judge held 75.0 GiB and the program's process 4.1 GiB" in judges.message, judges.message
+    greedy = runner_out_of_memory("correctness", check, H100_RUNNER_OOM.replace("1002.00 MiB", "600.00 GiB"))
+    assert greedy.status == "failed" and "held and asked for 603.2 GiB" in greedy.message, greedy.message
+    assert runner_out_of_memory("correctness", check, "forward raised ValueError: no") is None
+    assert runner_out_of_memory("correctness", check, "forward raised OutOfMemoryError: my own words") is None
+
+
 def test_the_judge_keeps_two_draws_of_a_set_alive_not_all_of_them():
     """Between the draws of a set the judge holds the first draw's case and the previous draw's
     case and results, whatever the number of draws: on the GPU each is the size of the set (run 30:

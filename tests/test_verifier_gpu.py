@@ -94,7 +94,7 @@ HOG = textwrap.dedent("""
 def test_an_out_of_memory_is_weighed_by_what_the_other_process_holds(other_gib, status):
     """``check.out_of_memory`` on a real card: a second process holding little beside the judge
     makes the judge's error; one holding more than a runner's share for the largest set (ragged's
-    few MiB: the context allowance, 2 GiB, and a little) fails the program."""
+    few MiB: the allowance for the two processes' contexts, 3 GiB, and a little) fails the program."""
     from types import SimpleNamespace
 
     from coda_agent.tasks import SUITE_DIR, load_task

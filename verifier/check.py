@@ -7,14 +7,17 @@ talks to the runner, within what is left of the check's time budget.
 lock (:mod:`.gpu_lock`), and turns whatever a stage raises into its result: a
 :class:`CandidateError` is the program's failure, anything unexpected the
 judge's own error (``error``: not the candidate's fault).  A CUDA
-out-of-memory is weighed (:func:`out_of_memory`): the program's failure when
-its runner holds more than a runner needs for the largest set, else the
-judge's error, which names the card's size and the smaller sets to check.
+out-of-memory, the judge's or the runner's, is weighed (:func:`out_of_memory`):
+the program's failure when its runner holds more than a runner needs for the
+largest set, else the judge's error, which names the card's size and the
+smaller sets to check.  Before each runner request of a GPU stage the judge
+gives its cached blocks back to the card, which the two processes share.
 """
 
 from __future__ import annotations
 
 import random
+import re
 import tempfile
 import time
 import traceback
@@ -97,6 +100,10 @@ class Check:
                 max_bytes: int = 0) -> dict[str, Any]:
         """A runner request within what is left of the check's time budget."""
         left = self.timeout_s - self.runner_s
+        if self.gpu_stage and torch.cuda.is_initialized():
+            # the judge's cached blocks (a large set's fp32 reference and its temporaries) go back to
+            # the card before the runner allocates: it shares the card with the judge
+            torch.cuda.empty_cache()
         t0 = time.monotonic()
         try:
             return self.runner().request(header, blobs, timeout=max(left, 0.001), max_bytes=max_bytes)
@@ -199,7 +206,8 @@ class Judge:
             else:
                 res = fn(check)
         except CandidateError as e:
-            res = StageResult(name=stage, status="failed", message=e.message, line=e.line, log=e.log)
+            res = (stage in GPU_STAGES and runner_out_of_memory(stage, check, e.message)) or StageResult(
+                name=stage, status="failed", message=e.message, line=e.line, log=e.log)
         except torch.OutOfMemoryError as e:
             res = out_of_memory(stage, check, str(e))
         except Exception as e:  # noqa: BLE001 - the judge's own failure: not the candidate's fault
@@ -212,7 +220,9 @@ class Judge:
         return res
 
 
-RUNNER_CONTEXT = 2 << 30  # a runner's CUDA context, library workspaces and compiled kernels
+# A runner's CUDA context, library workspaces and compiled kernels, and the judge's own context,
+# which its allocator's reserve does not count (about 0.65 GiB each on an H100 with CUDA 13)
+RUNNER_CONTEXT = 3 << 30
 
 
 def out_of_memory(stage: str, check: Check, error: str) -> StageResult:
@@ -231,8 +241,44 @@ def out_of_memory(stage: str, check: Check, error: str) -> StageResult:
                           set_bytes(check.spec, largest, itemsize=4), error)
 
 
+_SIZE = r"([\d.]+) (GiB|MiB|KiB|B)\b"
+_UNITS = {"GiB": 2**30, "MiB": 2**20, "KiB": 2**10, "B": 1}
+
+
+def runner_out_of_memory(stage: str, check: Check, error: str) -> StageResult | None:
+    """A CUDA out-of-memory the runner raised (PyTorch's message, ``error``), weighed as
+    :func:`out_of_memory` weighs the judge's, by the runner's own demand: what its process held
+    plus what it asked for, against a runner's share for the largest set checked.  None where
+    ``error`` is no such message (the program's failure as it stands)."""
+    found = runner_oom_bytes(error)
+    if found is None:
+        return None
+    asked, held, free, total = found
+    sets = checked_sets(check.spec, check.shape_sets, total)[0]
+    largest = max(sets, key=lambda s: set_bytes(check.spec, s, itemsize=4))
+    return memory_verdict(stage, max(total - free - held, 0), held + asked, total, largest,
+                          set_bytes(check.spec, largest, itemsize=4), error, held="held and asked for")
+
+
+def runner_oom_bytes(error: str) -> tuple[int, int, int, int] | None:
+    """(bytes asked for, bytes the process held, bytes free, the card's bytes) from PyTorch's
+    out-of-memory message, or None where ``error`` is not one."""
+    if "raised OutOfMemoryError" not in error:
+        return None
+    found = [re.search(pattern, error) for pattern in (
+        rf"Tried to allocate {_SIZE}", rf"this process has {_SIZE} memory in use",
+        rf"total capacity of {_SIZE} of which {_SIZE} is free")]
+    if not all(found):
+        return None
+    asked, held, card = found
+
+    def size(m: re.Match, at: int = 1) -> int:
+        return int(float(m.group(at)) * _UNITS[m.group(at + 1)])
+    return size(asked), size(held), size(card, 3), size(card)
+
+
 def memory_verdict(stage: str, judge: int, others: int, total: int, largest: str, largest_bytes: int,
-                   error: str) -> StageResult:
+                   error: str, held: str = "held") -> StageResult:
     """The program's failure when the rest of the card's use (``others``: its runner) passes a
     runner's share for a set of ``largest_bytes`` in fp32; else the judge's error: the card is
     too small for its checks of that set, which is no verdict on the program."""
@@ -242,7 +288,7 @@ def memory_verdict(stage: str, judge: int, others: int, total: int, largest: str
     share = RUNNER_CONTEXT + largest_bytes + poison_bytes(largest_bytes, total)  # the runner's call and its poison
     if others > share:
         return StageResult(name=stage, status="failed", message=(
-            f"the GPU ran out of memory while the judge checked the program: the program's process held "
+            f"the GPU ran out of memory while the judge checked the program: the program's process {held} "
             f"{gib(others)} of the card's {gib(total)}, more than a call of the largest set ({largest}, "
             f"{gib(largest_bytes)} in fp32) needs ({gib(share)}); a program must not keep memory between "
             f"calls (no caches, no buffers kept in the module): {error[:300]}"))

@@ -156,6 +156,16 @@ def geglu_mlp(x, w_gu, w_down):
     return {"y": (F.gelu(g, approximate="tanh") * u) @ w_down.t()}
 
 
+def swiglu_clamp_mlp(x, w_gu, b_gu, w_down, b_down, limit, alpha, offset):
+    """y = W_down(g' * sigmoid(alpha * g') * (u' + offset)) + b_down, (g, u) = x @ W_gu^T + b_gu
+    (rows interleaved), g' = min(g, limit), u' = clamp(u, -limit, limit): the clamped SwiGLU of
+    GPT-OSS's experts (alpha 1.702, offset 1, biases) and of DeepSeek-V4's, GLM-5's and HY-V4's
+    (alpha 1, offset 0: SiLU; no biases).  The clamps pass no gradient outside their range."""
+    g = F.linear(x, w_gu[0::2], b_gu[0::2]).clamp(max=limit)
+    u = F.linear(x, w_gu[1::2], b_gu[1::2]).clamp(min=-limit, max=limit)
+    return {"y": F.linear((u + offset) * (g * torch.sigmoid(g * alpha)), w_down, b_down)}
+
+
 # --------------------------------------------------------------------------- task 12
 
 

@@ -157,6 +157,22 @@ def test_the_sets_checked_on_a_cpu_and_on_a_gpu(rms):
 JUDGE_SHARE = 10
 
 
+def test_the_judge_counts_the_widest_gemm_output_its_reference_holds():
+    """An LM head's fp32 reference holds its (T, V) logits several times over, far more than the
+    set's own tensors: run 31's H100 judge held 75 GiB for lm_head_xent_softcap's gemma2-2b (logits
+    15.6 GiB, tensors 5 GiB) and the runner ran out beside it.  An 80 GiB card now skips that set;
+    an H200 keeps it, and the sets of the other tasks stay as they were."""
+    from coda_agent.verifier.inputs import GPU_MEMORY_FACTOR, judge_bytes, set_bytes
+
+    spec = with_drawn_sets(load_task(SUITE_DIR / "lm_head_xent_softcap.yaml").spec)
+    assert judge_bytes(spec, "gemma2-2b") > 5 * 16384 * 256000 * 4
+    h100, skipped = checked_sets(spec, None, int(79.18 * 2**30))
+    assert "gemma2-2b" in skipped and "gemma2-2b" not in h100 and "llama3-8b" in h100
+    assert "gemma2-2b" in checked_sets(spec, None, int(139.8 * 2**30))[0]
+    mlp = with_drawn_sets(load_task(SUITE_DIR / "swiglu_mlp.yaml").spec)
+    assert judge_bytes(mlp, "llama3-8b") == GPU_MEMORY_FACTOR * set_bytes(mlp, "llama3-8b", itemsize=4)
+
+
 @pytest.mark.parametrize("gib", [79.18, 139.8])  # an H100's and an H200's total, as torch reports them
 def test_the_runner_s_poison_leaves_the_judge_its_share_of_every_set_that_fits(gib):
     """The runner's NaN-poisoned block is sized to the call, not to the free memory: beside the

@@ -133,6 +133,11 @@ CPU_SET_BYTES = 64 << 20  # inputs + outputs a CPU check draws per shape set, at
 # allocated, for a llama3-70b set of 7.25), the runner's buffers and poisoned block (which holds its
 # results) 2 to 3x.
 GPU_MEMORY_FACTOR = 13
+# The judge's fp32 reference holds its largest GEMM output about this many times over (the logits,
+# their softmax and its gradient, autograd's saved copies): run 31's H100 judge held 75.0 GiB for
+# lm_head_xent_softcap's gemma2-2b set, 4.8 times its (16384, 256000) logits in fp32, where the
+# set's own tensors are 5 GiB.  Where a GEMM's output is wider than the inputs, it sets the need.
+REFERENCE_GEMM_OUTPUTS = 5
 BEYOND = 256  # the beyond set adds one 256-wide chunk to every size of at least 128
 DRAWN = 256  # and then a secret growth below this (drawn_growth)
 ALIGN = 16  # the largest alignment step a drawn growth keeps (bytes of TMA rows of fp8 / 2-byte types)
@@ -386,6 +391,15 @@ def set_bytes(spec: TaskSpec, shape_set: str, itemsize: int | None = None) -> in
     return sum(math.prod(spec.shape_of(t, shape_set)) * (itemsize or TORCH_DTYPES[t.dtype].itemsize) for t in tensors)
 
 
+def judge_bytes(spec: TaskSpec, shape_set: str) -> int:
+    """What checking ``shape_set`` on a GPU holds at most (judge and runner): its tensors in fp32
+    :data:`GPU_MEMORY_FACTOR` times, or beside them the reference's largest GEMM output
+    :data:`REFERENCE_GEMM_OUTPUTS` times, whichever is more."""
+    tensors = set_bytes(spec, shape_set, itemsize=4)
+    widest = max((m * n for m, n, _ in spec.gemm_shapes(shape_set)), default=0) * 4
+    return max(tensors * GPU_MEMORY_FACTOR, tensors + widest * REFERENCE_GEMM_OUTPUTS)
+
+
 def drawn_growth(size: int, rng: random.Random) -> int:
     """A secret growth of ``size`` (already past :data:`BEYOND`): a positive multiple of the
     size's own alignment step below :data:`DRAWN` (never 0: the fixed beyond set's sizes, which
@@ -492,7 +506,7 @@ def checked_sets(spec: TaskSpec, named: list[str] | None, device_bytes: int | No
     if device_bytes is None:
         fits = [s for s in names if set_bytes(spec, s) <= CPU_SET_BYTES or s in spec.cpu_shape_sets]
     else:
-        fits = [s for s in names if set_bytes(spec, s, itemsize=4) * GPU_MEMORY_FACTOR <= device_bytes]
+        fits = [s for s in names if judge_bytes(spec, s) <= device_bytes]
     skipped = [s for s in names if s not in fits]
     # The small sets last: a failure on the task's own sets says more to whoever wrote the program.
     last = [s for s in small if s in spec.shapes] if device_bytes is None else []

@@ -27,7 +27,7 @@ EXTRA = {
 def vocab(acc):
     x = acc * 0.5
     return {"D": exp(x) + exp2(x), "a": log(x * x + 1.0) + rsqrt(x * x + 1.0) + sqrt(x * x),
-            "b": tanh(x) + sigmoid(x) + silu(x), "c2": gelu_tanh(x) + fma(x, x, 1.0),
+            "b": tanh(x) + tanh_fast(x) + sigmoid(x) + silu(x), "c2": gelu_tanh(x) + fma(x, x, 1.0),
             "d": maximum(x, 0.25) + minimum(x, -0.25) + where(x > 0.0, x, 0.1 * x),
             "e": sin(x * 100.0) + cos(x * 100.0) + reciprocal(x * x + 1.0)}
 ''',

@@ -31,7 +31,7 @@ over w_fc.  dpre is written over the saved pre (``out=``), so the backward
 holds one (T, 4H) tensor fewer."""
 
 from coda_agent.primitives import (ColVec, RowVec, Scalar, Tile, col_sum, epilogue, gelu_tanh, gemm, layernorm_fold,
-                                   row_stats, row_sum, tanh, vector_pass)
+                                   row_stats, row_sum, tanh_fast, vector_pass)
 
 K = 0.7978845608028654  # sqrt(2 / pi)
 A = 0.044715
@@ -52,7 +52,7 @@ def bias_residual(acc, b: RowVec, x: Tile):
 
 @epilogue(reductions={"db": row_sum(), "s1": col_sum(), "s2": col_sum()})
 def dgelu_stats(acc, pre: Tile, gw: RowVec, shift: RowVec):
-    t = tanh(K * (pre + A * pre * pre * pre))
+    t = tanh_fast(K * (pre + A * pre * pre * pre))
     dpre = acc * (0.5 * (1.0 + t) + pre * (1.0 - t * t) * (HALF_K + HALF_K_3A * pre * pre))
     return {"D": dpre, "db": dpre, "s1": dpre * gw, "s2": dpre * (pre - shift)}
 

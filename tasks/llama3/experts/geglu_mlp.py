@@ -12,7 +12,7 @@ for W_down's gradient (a frozen W_down skips it); then dx = d(pre) @ W_gu and th
 gradients, each skipped where ``needs`` lacks it.
 """
 
-from coda_agent.primitives import PairedTile, epilogue, gelu_tanh, gemm, pack, tanh, unpack
+from coda_agent.primitives import PairedTile, epilogue, gelu_tanh, gemm, pack, tanh_fast, unpack
 
 K = 0.7978845608028654  # sqrt(2 / pi)
 A = 0.044715
@@ -29,7 +29,7 @@ def geglu(acc):
 def geglu_grads(acc, pre):
     """(gelu_tanh(g), dg, du, u) of the dGeGLU epilogues: acc is d(gelu_tanh(g) * u)."""
     g, u = unpack(pre)
-    t = tanh(K * (g + A * g * g * g))
+    t = tanh_fast(K * (g + A * g * g * g))
     gelu_g = 0.5 * g * (1.0 + t)
     slope = 0.5 * (1.0 + t) + g * (1.0 - t * t) * (HALF_K + HALF_K_3A * g * g)
     return gelu_g, acc * u * slope, acc * gelu_g, u

@@ -1,6 +1,6 @@
 """Gemma MLP: y = h + W_down(gelu_tanh(g) * u), (g, u) = rstd * ((h * (1 + w)) @ W_gu^T)."""
 from coda_agent.primitives import (ColVec, PairedTile, RowVec, Scalar, Tile, col_sum, epilogue, gemm, pack,
-                                   rms_rstd, row_sum, tanh, tile_pass, unpack)
+                                   rms_rstd, row_sum, tanh_fast, tile_pass, unpack)
 
 C = 0.7978845608028654  # sqrt(2 / pi)
 A3 = 0.044715
@@ -16,7 +16,7 @@ def norm_geglu(acc, rstd: ColVec):
     g, u = unpack(acc)
     g = g * rstd
     u = u * rstd
-    t = tanh(C * (g + A3 * g * g * g))
+    t = tanh_fast(C * (g + A3 * g * g * g))
     return {"D": pack(g, u), "act": 0.5 * g * (1.0 + t) * u}
 
 
@@ -28,7 +28,7 @@ def add_residual(acc, residual: Tile):
 @epilogue(outputs={"act": "bf16"}, reductions={"s": col_sum()})
 def dgeglu(acc, pre: PairedTile, rstd: ColVec):
     g, u = unpack(pre)
-    t = tanh(C * (g + A3 * g * g * g))
+    t = tanh_fast(C * (g + A3 * g * g * g))
     gl = 0.5 * g * (1.0 + t)
     dgl = 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * C * (1.0 + 3.0 * A3 * g * g)
     dg = acc * u * dgl

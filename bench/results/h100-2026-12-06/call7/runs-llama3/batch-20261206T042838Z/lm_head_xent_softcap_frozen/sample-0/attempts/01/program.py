@@ -1,0 +1,45 @@
+"""LM head + cross-entropy with soft-capped logits and a frozen head: lm_head_xent_softcap's step
+less its weight gradient, two GEMMs per token chunk (the logits with the cap, then dx).
+
+The capped logits are kept in fp32: near a cap of 30 a bf16 rounding moves a logit by up to 1/16
+(half a bf16 step there), which the softmax turns into a 6% change of that token's probability.  So the chunk's budget,
+LOGITS_BYTES, holds half as many rows as lm_head_xent's bf16 chunk.
+"""
+
+from coda_agent.primitives import (ColVec, RowVec, Scalar, Tile, column_index, concat_rows, epilogue, exp, gemm,
+                                   online_lse, select_col, tanh, tile_pass, to_fp32, where, xent_loss, zeros_like)
+
+LOGITS_BYTES = 256 * 2**20  # the fp32 capped-logits chunk alive at once
+
+
+@epilogue(reductions={"lse": online_lse(), "target_logit": select_col("target")})
+def capped_logits(acc, cap: Scalar, inv_cap: Scalar):
+    c = cap * tanh(acc * inv_cap)
+    return {"D": c, "lse": c, "target_logit": c}
+
+
+@epilogue()
+def dcapped(lg: Tile, lse: ColVec, tgt: ColVec, dloss: ColVec, col: RowVec, inv_cap: Scalar):
+    t = lg * inv_cap
+    p = exp(lg - lse) - where(col == tgt, 1.0, 0.0)
+    p = where(tgt < 0.0, 0.0, p)  # a padding row (target -100) gets no gradient, as it gets no loss
+    return {"D": p * dloss * (1.0 - t * t)}
+
+
+def forward(x, w, target, dloss, cap):
+    t, v = x.shape[0], w.shape[0]
+    chunk = min(t, max(128, LOGITS_BYTES // (4 * v) // 128 * 128))  # whole M tiles within the budget
+    col = column_index(v, x.device)
+    tgt = to_fp32(target)
+    dx = zeros_like(x)
+    losses = []
+    for r0 in range(0, t, chunk):
+        r1 = min(r0 + chunk, t)
+        x_c, t_c = x[r0:r1], target[r0:r1]
+        res = gemm(x_c, w.t(), capped_logits, out_dtype="fp32", target=t_c, cap=cap, inv_cap=1.0 / cap)
+        losses.append(xent_loss(res["lse"], res["target_logit"], t_c))
+        dl = tile_pass(dcapped, lg=res["D"], lse=res["lse"], tgt=tgt[r0:r1], dloss=dloss[r0:r1], col=col,
+                       inv_cap=1.0 / cap, out_dtype="bf16")["D"]
+        gemm(dl, w, accumulate_into=dx[r0:r1])
+        del res, dl  # before the next chunk's GEMM allocates its own logits
+    return {"loss": concat_rows(losses), "dx": dx}

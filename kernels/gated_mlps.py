@@ -10,8 +10,11 @@ are fused into one weight with interleaved rows, once, at patch time (``fused_we
 the state dict keeps HF's keys).
 
 A module qualifies by its forward's code: LLaMA's MLP (and the many families that copy it,
-``families.same_code``), Phi-3's (one ``gate_up_proj``, gate and up in halves), or any forward
-whose code has the gated MLP's shape (:func:`layout_by_rule`: its single argument ``x`` and
+``families.same_code``), Phi-3's (one ``gate_up_proj``, gate and up in halves), the clamped
+SwiGLUs of DeepSeek-V4's and GLM-5's MLPs (their shared experts and dense layers: gate clamped to
+``limit`` from above, up to [-limit, limit], SiLU) and MiniMax-M3's dense MLP (gate and up in
+halves, ``sigmoid(alpha g) g (u + 1)``), which run as ``swiglu_clamp_mlp`` with the module's limit
+and alpha and take biases (:data:`CLAMPED`), or any forward whose code has the gated MLP's shape (:func:`layout_by_rule`: its single argument ``x`` and
 temporaries each read once, returning ``self.D(self.A(self.G(x)) * self.U(x))`` in either order
 of the product, with each of the four attributes touched nowhere else in the class: Llama 4's
 ``Llama4TextMLP`` writes it in two statements).  An MLP of such code with another activation
@@ -21,6 +24,7 @@ of the product, with each of the four attributes touched nowhere else in the cla
 from __future__ import annotations
 
 import ast
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -28,7 +32,10 @@ from typing import Any
 import torch
 from torch import nn
 from transformers.activations import ACT2CLS
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4MLP
+from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextMLP
 from transformers.models.llama.modeling_llama import LlamaMLP
+from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VLDenseMLP
 from transformers.models.phi3.modeling_phi3 import Phi3MLP
 
 from .adapters import linear_of
@@ -39,6 +46,7 @@ from .fused_weights import halves_from_interleaved, interleave_halves, interleav
 from .kernel import Kernel, KernelError
 
 TASKS = ("swiglu_mlp", "geglu_mlp")
+CLAMP_TASK = "swiglu_clamp_mlp"  # moe_experts' task too (its TASKS list it)
 SILU = (nn.SiLU, ACT2CLS["silu"])
 FUSED = "gate_up_proj"  # the fused gate/up weight's attribute
 
@@ -59,9 +67,40 @@ CODES = {"LLaMA's": (LlamaMLP.forward, Layout(("gate_proj", "up_proj"), "down_pr
 BY_RULE = "a gated MLP's"  # the kind of one found by its code's shape
 
 
+@dataclass(frozen=True)
+class Clamp:
+    """A clamped SwiGLU's params as its module holds them: the attribute of the limit, alpha's
+    (None: alpha 1, the SiLU of the module's activation) and the offset added to the clamped up."""
+
+    limit: str
+    alpha: str | None
+    offset: float
+
+    def params(self, module: nn.Module) -> dict[str, float] | None:
+        """The kernel's params, or None where the module's values are no finite numbers."""
+        limit, alpha = getattr(module, self.limit, None), 1.0 if self.alpha is None else getattr(module, self.alpha,
+                                                                                                   None)
+        if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in (limit, alpha)) or limit <= 0:
+            return None
+        return {"limit": float(limit), "alpha": float(alpha), "offset": self.offset}
+
+
+_SPLIT = Layout(("gate_proj", "up_proj"), "down_proj", "act_fn")
+# Whose clamped MLP code -> (its forward, its layout, its params)
+CLAMPED = {"DeepSeek-V4's": (DeepseekV4MLP.forward, _SPLIT, Clamp("limit", None, 0.0)),
+           "GLM-5's": (Glm5NextTextMLP.forward, _SPLIT, Clamp("swiglu_limit", None, 0.0)),
+           "MiniMax-M3's": (MiniMaxM3VLDenseMLP.forward, Layout((FUSED,), "down_proj", ""),
+                            Clamp("swiglu_limit", "swiglu_alpha", 1.0))}
+
+
 def recognised(module: nn.Module) -> tuple[str | None, Layout | None, str | None]:
     """(whose MLP code ``module``'s forward is, its layout, the task of the kernel that computes
     it); (None, None, None) for no gated MLP, a None task for one whose activation no kernel has."""
+    clamped = next((k for k, (fn, _, _) in CLAMPED.items() if same_code(type(module).forward, fn)), None)
+    if clamped is not None:
+        _, layout, clamp = CLAMPED[clamped]
+        silu = clamp.alpha is not None or isinstance(getattr(module, layout.act, None), SILU)
+        return clamped, layout, CLAMP_TASK if silu and clamp.params(module) is not None else None
     kind = next((k for k, (fn, _) in CODES.items() if same_code(type(module).forward, fn)), None)
     layout = CODES[kind][1] if kind else layout_by_rule(type(module))
     if layout is None:
@@ -84,6 +123,9 @@ def _bare_linear(m: Any) -> bool:
 def why_not(module: nn.Module, kind: str, layout: Layout) -> str:
     """Why a gated MLP of ``kind`` whose activation no kernel computes is passed by."""
     act = getattr(module, layout.act, None)
+    if kind in CLAMPED:
+        return (f"{type(module).__name__} is {kind} clamped MLP code with {type(act).__name__} or no finite "
+                f"{CLAMPED[kind][2].limit}, not the clamped SwiGLU")
     code = "a gated MLP in its code's shape" if kind == BY_RULE else f"{kind} MLP code"
     return f"{type(module).__name__} is {code} with {type(act).__name__}, neither SiLU nor GELU's tanh form"
 
@@ -119,9 +161,12 @@ def check(module: nn.Module, where: str, layout: Layout, task: str, flag: str = 
     for p in (*layout.parts, layout.down):
         m = getattr(module, p, None)
         check_mlp_projection(m, f"{where}.{p}", task, flag)
-        if m.bias is not None:
+        if m.bias is not None and task != CLAMP_TASK:
             raise KernelError(f"{where}.{p}.bias: MLP biases are not in the {task} kernel; pass {flag} to keep "
                               "HF's MLPs")
+    if len({getattr(module, p).bias is None for p in layout.parts}) > 1:
+        raise KernelError(f"{where}: {' and '.join(layout.parts)} differ in having a bias, and the kernel fuses them "
+                          f"into one projection; pass {flag} to keep HF's MLPs")
     frozen = {p: getattr(module, p).weight.requires_grad for p in layout.parts}
     if len(set(frozen.values())) > 1:
         raise KernelError(f"{where}: requires_grad differs across {', '.join(layout.parts)} ({frozen}); the kernel "
@@ -157,16 +202,24 @@ def patch(module: nn.Module, layout: Layout, task: str, kernel: Kernel) -> None:
         relayout(module, FUSED, layout.parts, interleave_halves, halves_from_interleaved)
     module.coda_mlp = kernel
     module.coda_gated = layout
+    kind = recognised(module)[0] if task == CLAMP_TASK else None
+    module.coda_params = CLAMPED[kind][2].params(module) if kind in CLAMPED else None
     module.coda_flags = {task: True}
     module.forward = PatchedForward(module, _forward)
 
 
 def _forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The MLP's forward as its kernel, on any leading shape."""
-    w_gu, w_down = getattr(self, FUSED).weight, getattr(self, self.coda_gated.down).weight
+    fused, down = getattr(self, FUSED), getattr(self, self.coda_gated.down)
+    w_gu, w_down = fused.weight, down.weight
     rows = x.reshape(-1, x.shape[-1])
     if rows.shape[0] == 0:  # an expert no token was routed to: no GEMM to launch, the same empty result
         g, u = split_interleaved(w_gu)
         return (rows @ g.t() * (rows @ u.t())) @ w_down.t()
-    y = self.coda_mlp(rows.contiguous(), w_gu, w_down)["y"]
+    if self.coda_params is None:
+        y = self.coda_mlp(rows.contiguous(), w_gu, w_down)["y"]
+    else:  # the clamped SwiGLU, with biases (zeros that take no gradient where the projections have none)
+        b_gu = fused.bias if fused.bias is not None else w_gu.new_zeros(w_gu.shape[0])
+        b_down = down.bias if down.bias is not None else w_down.new_zeros(w_down.shape[0])
+        y = self.coda_mlp(rows.contiguous(), w_gu, b_gu, w_down, b_down, **self.coda_params)["y"]
     return y.view(*x.shape[:-1], w_down.shape[0])

@@ -137,3 +137,85 @@ def test_llama4s_mlps_train_like_hf_on_gpu():
         got = train_and_eval(model, data)
     assert_like_hf(got, hi, lo)
     assert {"swiglu", "dswiglu"} <= {launch.name for launch in launched}
+
+
+def clamped_mlp(family: str, bias: bool = False, **overrides) -> nn.Module:
+    """A clamped SwiGLU MLP of ``family``'s code at tiny widths, its limit lowered to 1 so that about
+    8% of the pre-activations clamp, its weights (and biases) at a trained model's scale."""
+    import transformers
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4MLP
+    from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextMLP
+    from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VLDenseMLP
+
+    torch.manual_seed(0)
+    if family == "DeepseekV4":
+        module = DeepseekV4MLP(transformers.DeepseekV4Config(hidden_size=128, intermediate_size=256, mlp_bias=bias,
+                                                             **overrides))
+        module.limit = 1.0
+    elif family == "Glm5Next":
+        module = Glm5NextTextMLP(transformers.Glm5NextTextConfig(hidden_size=128, intermediate_size=256,
+                                                                 num_attention_heads=4, num_key_value_heads=4))
+        module.swiglu_limit = 1.0
+    else:
+        module = MiniMaxM3VLDenseMLP(transformers.MiniMaxM3VLTextConfig(hidden_size=128), intermediate_size=256)
+        module.swiglu_limit = 1.0
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            p.normal_(0.0, 0.5 if name.endswith("bias") else 0.05)
+    return module
+
+
+def _mlp_run(module: nn.Module, dtype: torch.dtype, seed: int, device: str) -> dict:
+    from test_llama import hf_layout
+
+    gen = torch.Generator().manual_seed(seed)
+    x, dy = torch.randn(2, 24, 128, generator=gen), torch.randn(2, 24, 128, generator=gen)
+    module = module.to(device=device, dtype=dtype)
+    x = x.to(device, dtype).requires_grad_(True)
+    y = module(x)
+    y.backward(dy.to(device, dtype))
+    return {"y": y.detach().float().cpu(), "dx": x.grad.float().cpu(),
+            **{f"d {k}": v.float().cpu() for k, v in hf_layout(module).items()}}
+
+
+@pytest.mark.parametrize("family,bias,params", [
+    ("DeepseekV4", False, {"limit": 1.0, "alpha": 1.0, "offset": 0.0}),
+    ("DeepseekV4", True, {"limit": 1.0, "alpha": 1.0, "offset": 0.0}),
+    ("Glm5Next", False, {"limit": 1.0, "alpha": 1.0, "offset": 0.0}),
+    ("MiniMaxM3VL", False, {"limit": 1.0, "alpha": 1.702, "offset": 1.0})])
+def test_clamped_mlps_run_as_the_clamped_kernel(family, bias, params, device="cpu"):
+    """DeepSeek-V4's and GLM-5's MLPs (shared experts, dense layers) and MiniMax-M3's dense MLP run as
+    swiglu_clamp_mlp with the module's limit and alpha: the output and every gradient, biases
+    included, against HF's module in fp32 within 3x HF's bf16 error (the clamps' kinks, as the
+    task's kinked gradients are widened) on two draws, and HF's state-dict keys kept."""
+    base = clamped_mlp(family, bias)
+    kind, layout, task = gated_mlps.recognised(base)
+    assert task == "swiglu_clamp_mlp", (kind, task)
+    for seed in range(2):
+        hi, lo = (_mlp_run(copy.deepcopy(base), dtype, seed, device) for dtype in (torch.float32, torch.bfloat16))
+        module = copy.deepcopy(base).bfloat16()
+        gated_mlps.check(module, "mlp", layout, task)
+        gated_mlps.patch(module, layout, task, gated_mlps.suite_kernel(task))
+        assert module.coda_params == params
+        with launch_ledger() as launched:
+            got = _mlp_run(module, torch.bfloat16, seed, device)
+        assert_like_hf(got, hi, lo, err_factor=3)
+        assert {"clamp_swiglu", "dclamp_swiglu"} <= {launch.name for launch in launched}
+    assert module.state_dict().keys() == base.state_dict().keys()
+
+
+def test_a_clamped_mlp_of_another_activation_is_passed_by_with_why():
+    gelu = clamped_mlp("DeepseekV4", hidden_act="gelu")
+    kind, layout, task = gated_mlps.recognised(gelu)
+    assert kind == "DeepSeek-V4's" and task is None
+    assert "is DeepSeek-V4's clamped MLP code with GELUActivation or no finite limit" in gated_mlps.why_not(
+        gelu, kind, layout)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Hopper)")
+@pytest.mark.parametrize("family,bias,params", [("DeepseekV4", True, {"limit": 1.0, "alpha": 1.0, "offset": 0.0}),
+                                                ("MiniMaxM3VL", False, {"limit": 1.0, "alpha": 1.702, "offset": 1.0})])
+def test_clamped_mlps_run_as_the_clamped_kernel_on_gpu(family, bias, params):
+    with torch.autograd.set_multithreading_enabled(False):
+        test_clamped_mlps_run_as_the_clamped_kernel(family, bias, params, device="cuda")

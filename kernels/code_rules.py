@@ -20,11 +20,13 @@ from typing import Any
 
 from torch import nn
 
+from coda_agent.syntax import parse
+
 
 def tree(fn: Any) -> ast.FunctionDef | None:
     """The AST of one function, from its source; None where it cannot be read."""
     try:
-        node = ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0]
+        node = parse(textwrap.dedent(inspect.getsource(fn))).body[0]
     except (OSError, TypeError, SyntaxError, IndexError):
         return None
     return node if isinstance(node, ast.FunctionDef) else None
@@ -51,7 +53,7 @@ def _methods(cls: type) -> list[ast.FunctionDef]:
     if cls.__module__ in ("builtins", "torch.nn.modules.module"):
         return []
     try:
-        node = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]
+        node = parse(textwrap.dedent(inspect.getsource(cls))).body[0]
     except (OSError, TypeError, SyntaxError, IndexError):
         return []
     return [f for f in getattr(node, "body", []) if isinstance(f, ast.FunctionDef) and f.name != "__init__"]

@@ -44,6 +44,8 @@ import inspect
 from types import MappingProxyType, ModuleType
 from typing import Any, Iterable, Mapping
 
+from coda_agent.syntax import parse
+
 
 class ContractError(Exception):
     """A program's forward or backward returned something the task's contract does not allow."""
@@ -68,7 +70,7 @@ def takes_needs(source: str) -> bool:
     docstring): read from the source, so the verifier and a Kernel decide alike whatever the
     module rebinds at import."""
     try:
-        tree = ast.parse(source)
+        tree = parse(source)
     except SyntaxError:
         return False
     return any(isinstance(f, ast.FunctionDef) and f.name == "backward"
@@ -83,7 +85,7 @@ def backward_reads(source: str) -> frozenset[str] | None:
     source, like :func:`takes_needs`; an answer too small only makes the program fail its
     verification, which runs with the same cut (:func:`saved_state`)."""
     try:
-        tree = ast.parse(source)
+        tree = parse(source)
     except SyntaxError:
         return None
     defs = [f for f in tree.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) and f.name == "backward"]

@@ -14,10 +14,11 @@ A module qualifies by its forward's code: LLaMA's MLP (and the many families tha
 SwiGLUs of DeepSeek-V4's and GLM-5's MLPs (their shared experts and dense layers: gate clamped to
 ``limit`` from above, up to [-limit, limit], SiLU) and MiniMax-M3's dense MLP (gate and up in
 halves, ``sigmoid(alpha g) g (u + 1)``), which run as ``swiglu_clamp_mlp`` with the module's limit
-and alpha and take biases (:data:`CLAMPED`), or any forward whose code has the gated MLP's shape (:func:`layout_by_rule`: its single argument ``x`` and
-temporaries each read once, returning ``self.D(self.A(self.G(x)) * self.U(x))`` in either order
-of the product, with each of the four attributes touched nowhere else in the class: Llama 4's
-``Llama4TextMLP`` writes it in two statements).  An MLP of such code with another activation
+and alpha and take biases (:data:`CLAMPED`), or any forward whose code has the gated MLP's shape
+(:func:`layout_by_rule`: its single argument ``x`` and temporaries each read once, returning
+``self.D(self.A(self.G(x)) * self.U(x))`` in either order of the product, with each of the four
+attributes touched nowhere else in the class: Llama 4's ``Llama4TextMLP`` writes it in two
+statements).  An MLP of such code with another activation
 (the exact GELU, xIELU) stays HF's, with why.
 """
 

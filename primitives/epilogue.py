@@ -56,6 +56,7 @@ from typing import Any, Callable
 
 import torch
 
+from coda_agent.syntax import parse
 from .errors import CatalogueError
 from .operands import KINDS, OUTPUT_DTYPES, HeadStat, Kind, PairedTile
 from .pair import Pair
@@ -223,7 +224,7 @@ def _check_body(fn: Callable) -> None:
         source = textwrap.dedent(inspect.getsource(fn))
     except (OSError, TypeError):
         return  # no source (interactive); the dry run still validates behaviour
-    tree = ast.parse(source)
+    tree = parse(source)
     fdef = tree.body[0]
     for node in ast.walk(fdef):
         if node is fdef:

@@ -18,6 +18,8 @@ import math
 import operator
 from typing import Any, Callable
 
+from coda_agent.syntax import parse
+
 Expr = str | int | float
 _BINOPS: dict[type, Callable[[Any, Any], Any]] = {
     ast.Add: operator.add,
@@ -40,7 +42,7 @@ def parse_expr(text: str | int | float) -> ast.expr:
     if isinstance(text, (int, float)):
         return ast.Constant(text)
     try:
-        tree = ast.parse(str(text), mode="eval").body
+        tree = parse(str(text), mode="eval").body
     except SyntaxError as e:
         raise ExprError(f"cannot parse expression {text!r} ({e.msg})") from None
     for node in ast.walk(tree):

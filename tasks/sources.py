@@ -34,6 +34,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Callable
 
+from coda_agent.syntax import parse
+
 
 class ReferenceImportError(LookupError):
     """The reference cannot be imported; the message names the fix (the task adds file and field)."""
@@ -101,7 +103,7 @@ class _File:
 @lru_cache(maxsize=64)
 def _parse(path: Path) -> _File:
     source = path.read_text()
-    tree = ast.parse(source)
+    tree = parse(source)
     doc = tree.body[0] if tree.body and ast.get_docstring(tree) is not None else None
     f = _File(path, source.splitlines(), tree.body, doc)
     for i, stmt in enumerate(tree.body):

@@ -139,10 +139,14 @@ def test_budgets_are_per_trajectory(agent_task, openai_server, tmp_path):
 
 
 def test_wall_budget_bounds_the_retries_of_a_failing_endpoint(agent_task, openai_server, tmp_path):
-    openai_server.reply(fenced(WRONG))  # then 500 forever; retries from 0.5 s would take seconds
+    """Retries from 0.5 s (0.5, then 1) against a 0.8 s budget: the loop stops before the retry that
+    would pass it and names the failing request's cause: the server's 500, or, on a machine so
+    loaded that the request's share of the budget ran out first, its timeout."""
+    openai_server.reply(fenced(WRONG))  # then 500 forever
     started = time.monotonic()
     _, r, _ = run(agent_task, openai_server, tmp_path, retry_delay=0.5, max_wall_s=0.8)
-    assert r["stop_reason"] == "wall_time" and "before retry" in r["detail"] and "answered 500" in r["detail"]
+    assert r["stop_reason"] == "wall_time" and "before retry" in r["detail"], r["detail"]
+    assert "answered 500" in r["detail"] or "timed out" in r["detail"], r["detail"]
     assert time.monotonic() - started < 3
 
 

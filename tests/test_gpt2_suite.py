@@ -61,7 +61,7 @@ MUTANTS = [
     ("mlp_block", '"db_res": dy}', '"db_res": acc}'),
     # the tanh GELU's derivative: the cubic term's factor 3a dropped, the cubic dropped from the angle
     ("mlp_block_tanh", "(HALF_K + HALF_K_3A * pre * pre)", "(HALF_K + HALF_K * pre * pre)"),
-    ("mlp_block_tanh", "t = tanh(K * (pre + A * pre * pre * pre))", "t = tanh(K * pre)"),
+    ("mlp_block_tanh", "t = tanh_fast(K * (pre + A * pre * pre * pre))", "t = tanh_fast(K * pre)"),
     ("gpt2_block", '"db_res": dy}', '"db_res": acc}'),
     ("gpt2_block", 'mean=st2["mean"], rstd=st2["rstd"]', 'mean=st1["mean"], rstd=st2["rstd"]'),
 ]

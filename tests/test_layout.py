@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "coda_agent"
 ORDER = ("primitives", "tasks", "kernels", "verifier", "agent", "eval", "bench", "cli")
-LEAVES = ("errors", "storage", "versions", "devices", "program_rules")
+LEAVES = ("errors", "storage", "versions", "devices", "program_rules", "syntax")
 MAX_LINES = 500
 
 
@@ -107,6 +107,14 @@ def test_no_module_is_longer_than_500_lines():
     long = {str(p.relative_to(ROOT)): n for p in _sources()
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, f"modules over {MAX_LINES} lines (split them by concept): {long}"
+
+
+def test_the_package_parses_source_only_through_syntax_parse():
+    """Verification threads parse programs side by side, and CPython 3.11's ``ast`` can fail when
+    two threads parse at once (``syntax.py``): every parse goes through its lock."""
+    bad = [f"{p.relative_to(ROOT)}:{n}" for p in _package_modules() if p.name != "syntax.py"
+           for n, line in enumerate(p.read_text().splitlines(), 1) if "ast.parse(" in line]
+    assert not bad, "parse with coda_agent.syntax.parse, not ast.parse: " + ", ".join(bad)
 
 
 def test_no_cli_module_imports_another_modules_private_names():

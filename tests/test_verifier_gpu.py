@@ -99,7 +99,7 @@ def test_an_out_of_memory_is_weighed_by_what_the_other_process_holds(other_gib, 
 
     from coda_agent.tasks import SUITE_DIR, load_task
     from coda_agent.verifier.check import out_of_memory
-    from coda_agent.verifier.inputs import with_drawn_sets
+    from coda_agent.verifier.shape_sets import with_drawn_sets
 
     spec = with_drawn_sets(load_task(SUITE_DIR / "swiglu_fwd.yaml").spec)
     proc = subprocess.Popen([sys.executable, "-c", HOG, str(other_gib << 30)], stdin=subprocess.PIPE,

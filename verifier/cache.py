@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from coda_agent import storage
+from coda_agent.syntax import parse
 from coda_agent.verifier.report import Report
 from coda_agent.versions import ABSENT, versions
 
@@ -96,7 +97,7 @@ def catalogue_version() -> str:
     import coda_agent
 
     path = Path(coda_agent.__file__).resolve().parent / "primitives" / "version.py"
-    for node in ast.parse(path.read_text()).body:
+    for node in parse(path.read_text()).body:
         if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "CATALOGUE_VERSION" for t in node.targets):
             return ast.literal_eval(node.value)
     raise CacheKeyError(f"{path} defines no CATALOGUE_VERSION")

@@ -33,11 +33,12 @@ from coda_agent.verifier.compare import compare
 from coda_agent.verifier.cuda_ipc import Imports
 from coda_agent.verifier.inputs import (EDGE_ROLES, aligned_grads, edge_inputs, make_grads, make_inputs,
                                         predicted_targets, result_bytes, result_dtypes, result_shapes, run_reference,
-                                        scaled_inputs, set_label)
+                                        scaled_inputs)
 from coda_agent.verifier.noise import Noise, sample_noise
 from coda_agent.verifier.outliers import outlier_inputs
 from coda_agent.verifier.program import CandidateError, shares_memory
 from coda_agent.verifier.report import Mismatch
+from coda_agent.verifier.shape_sets import set_label
 from coda_agent.verifier.wire import WireError, describe, nbytes, tensor_bytes, tensor_from_blob
 
 

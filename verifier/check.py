@@ -29,11 +29,11 @@ import torch
 from coda_agent.tasks.spec import Task, load_task
 from coda_agent.verifier import sandbox
 from coda_agent.verifier.gpu_lock import gpu_lock
-from coda_agent.verifier.inputs import (checked_sets, drawn_magnitude, drawn_params, reference_takes, result_dtypes,
-                                        set_bytes, with_drawn_sets)
+from coda_agent.verifier.inputs import drawn_magnitude, drawn_params, reference_takes, result_dtypes
 from coda_agent.verifier.program import CandidateError, poison_bytes
 from coda_agent.verifier.remote import Remote, RunnerTimeout, WallsTooHigh
 from coda_agent.verifier.report import GPU_STAGES, StageResult
+from coda_agent.verifier.shape_sets import checked_sets, set_bytes, with_drawn_sets
 from coda_agent.verifier.trees import remove_tree
 from coda_agent.verifier.zygote import Zygote
 

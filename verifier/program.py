@@ -383,7 +383,7 @@ def poison_bytes(need: int, free: int) -> int:
     """How much memory :func:`poison_allocator` fills for a call whose inputs and results take
     ``need`` bytes (:func:`call_bytes`): room for the results and the intermediates before them.
     The block stays in this process's cache, so it counts against the device the judge shares
-    (``inputs.GPU_MEMORY_FACTOR`` sizes the checks for both); a block sized to the free memory
+    (``shape_sets.GPU_MEMORY_FACTOR`` sizes the checks for both); a block sized to the free memory
     instead takes about half of what the judge's own draws leave (28 GiB beside its 50 on an
     80 GiB H100), and a llama3-70b set no longer fits."""
     return int(min(free * 0.6, 32 << 30, max(POISON_MIN, POISON_PER_CALL * need)))

@@ -16,10 +16,10 @@ import torch
 
 from coda_agent.kernels.contract import takes_needs
 from coda_agent.verifier.calls import Case, CpuCalls, GpuCalls, draw_case, verdict
-from coda_agent.verifier.inputs import beyond_set, checked_sets, set_bytes, set_label, small_sets
 from coda_agent.verifier.check import Check
 from coda_agent.verifier.program import CandidateError
 from coda_agent.verifier.report import Mismatch, StageResult
+from coda_agent.verifier.shape_sets import beyond_set, checked_sets, set_bytes, set_label, small_sets
 
 SEEDS_PER_SET = 2  # the second with outlier channels (outliers.py); and one draw of edge rows
 
@@ -145,7 +145,7 @@ def _subsets_note(check: Check) -> str:
 
 
 def _beyond_sizes(check: Check) -> dict[str, int]:
-    """The sizes the judge drew for this check's beyond set (:func:`~.inputs.beyond_set`)."""
+    """The sizes the judge drew for this check's beyond set (:func:`~.shape_sets.beyond_set`)."""
     return dict(check.spec.shapes[beyond_set(check.spec)[0]])
 
 

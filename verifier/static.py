@@ -61,6 +61,7 @@ import math
 from dataclasses import dataclass, field
 
 from coda_agent.program_rules import static_allow_list
+from coda_agent.syntax import parse
 from coda_agent.tasks.spec import TaskSpec
 
 ALLOWED = static_allow_list()  # the program rules table: the same one the catalogue text renders
@@ -127,8 +128,7 @@ class Violation:
 def check_source(source: str, spec: TaskSpec) -> list[Violation]:
     """All violations in line order; empty when the program may run."""
     try:
-        tree = ast.parse(source)
-        checker = _Checker(tree)
+        checker = _Checker(tree := parse(source))
         checker.check_module(tree)
         from coda_agent.verifier.static_epilogue import check_epilogues  # it reads this module's bindings
 

@@ -64,10 +64,11 @@ import torch
 from coda_agent.primitives.timing import FlushedCall, enqueue_ms, spin_ms
 from coda_agent.tasks.spec import Task
 from coda_agent.verifier.calls import Case, GpuCalls, draw_case, verdict
-from coda_agent.verifier.inputs import checked_sets, result_bytes, result_shapes, set_bytes
+from coda_agent.verifier.inputs import result_bytes, result_shapes
 from coda_agent.verifier.check import Check
 from coda_agent.verifier.program import CandidateError
 from coda_agent.verifier.report import StageResult
+from coda_agent.verifier.shape_sets import checked_sets, set_bytes
 from coda_agent.verifier.stages import mismatch_message
 from coda_agent.verifier.wire import TORCH_DTYPES
 

@@ -18,8 +18,8 @@ and alpha and take biases (:data:`CLAMPED`), or any forward whose code has the g
 (:func:`layout_by_rule`: its single argument ``x`` and temporaries each read once, returning
 ``self.D(self.A(self.G(x)) * self.U(x))`` in either order of the product, with each of the four
 attributes touched nowhere else in the class: Llama 4's ``Llama4TextMLP`` writes it in two
-statements).  An MLP of such code with another activation
-(the exact GELU, xIELU) stays HF's, with why.
+statements).  An MLP of such code with another activation (the exact GELU, xIELU) stays HF's,
+with why.
 """
 
 from __future__ import annotations
@@ -79,8 +79,8 @@ class Clamp:
 
     def params(self, module: nn.Module) -> dict[str, float] | None:
         """The kernel's params, or None where the module's values are no finite numbers."""
-        limit, alpha = getattr(module, self.limit, None), 1.0 if self.alpha is None else getattr(module, self.alpha,
-                                                                                                   None)
+        limit = getattr(module, self.limit, None)
+        alpha = 1.0 if self.alpha is None else getattr(module, self.alpha, None)
         if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in (limit, alpha)) or limit <= 0:
             return None
         return {"limit": float(limit), "alpha": float(alpha), "offset": self.offset}
@@ -217,7 +217,7 @@ def _forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if rows.shape[0] == 0:  # an expert no token was routed to: no GEMM to launch, the same empty result
         g, u = split_interleaved(w_gu)
         return (rows @ g.t() * (rows @ u.t())) @ w_down.t()
-    if self.coda_params is None:
+    if getattr(self, "coda_params", None) is None:
         y = self.coda_mlp(rows.contiguous(), w_gu, w_down)["y"]
     else:  # the clamped SwiGLU, with biases (zeros that take no gradient where the projections have none)
         b_gu = fused.bias if fused.bias is not None else w_gu.new_zeros(w_gu.shape[0])

@@ -47,7 +47,7 @@ from .fused_weights import halves_from_interleaved, interleave_halves, interleav
 from .kernel import Kernel, KernelError
 
 TASKS = ("swiglu_mlp", "geglu_mlp")
-CLAMP_TASK = "swiglu_clamp_mlp"  # moe_experts' task too (its TASKS list it)
+CLAMP_TASK = "swiglu_clamp_mlp"  # moe_experts' clamped experts run as it too (its TASKS list it)
 SILU = (nn.SiLU, ACT2CLS["silu"])
 FUSED = "gate_up_proj"  # the fused gate/up weight's attribute
 
@@ -79,11 +79,16 @@ class Clamp:
 
     def params(self, module: nn.Module) -> dict[str, float] | None:
         """The kernel's params, or None where the module's values are no finite numbers."""
-        limit = getattr(module, self.limit, None)
         alpha = 1.0 if self.alpha is None else getattr(module, self.alpha, None)
-        if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in (limit, alpha)) or limit <= 0:
-            return None
-        return {"limit": float(limit), "alpha": float(alpha), "offset": self.offset}
+        return clamp_params(getattr(module, self.limit, None), alpha, self.offset)
+
+
+def clamp_params(limit: Any, alpha: Any, offset: float) -> dict[str, float] | None:
+    """``swiglu_clamp_mlp``'s params from a module's values, or None where the limit is no finite
+    positive number or alpha no finite number (a dense MLP's and an experts module's alike)."""
+    if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in (limit, alpha)) or limit <= 0:
+        return None
+    return {"limit": float(limit), "alpha": float(alpha), "offset": offset}
 
 
 _SPLIT = Layout(("gate_proj", "up_proj"), "down_proj", "act_fn")

@@ -38,7 +38,6 @@ graph where it breaks HF's (the experts that were hit are data).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Callable, Collection
 
@@ -53,11 +52,10 @@ from .adapters import wrapped_by_peft
 from .dropin import PatchedForward, check_mlp_widths, gelu_form
 from .families import same_code
 from .fused_weights import column_major, expert_halves, interleave_expert_halves, reorder
-from .gated_mlps import SILU
+from .gated_mlps import CLAMP_TASK, SILU, clamp_params
 from .kernel import Kernel, KernelError
 
-CLAMPED = "swiglu_clamp_mlp"
-TASKS = (CLAMPED,)  # the task experts run as beside gated_mlps' (swiglu_mlp, geglu_mlp)
+TASKS = (CLAMP_TASK,)  # the task experts run as beside gated_mlps' (swiglu_mlp, geglu_mlp)
 # the forward codes that qualify: the function use_experts_implementation wraps, where it does
 CODES = {"mixtral": MixtralExperts.forward.__wrapped__, "gate_method": DeepseekV4Experts.forward.__wrapped__,
          "gpt_oss": GptOssExperts.forward}
@@ -128,8 +126,7 @@ def _clamped(module: nn.Module, code: str, interleaved: bool) -> tuple[Variant |
     name = type(module).__name__
     limit = next((getattr(module, k) for k in ("limit", "swiglu_limit") if hasattr(module, k)), None)
     alpha = next((getattr(module, k) for k in ("alpha", "swiglu_alpha") if hasattr(module, k)), 1.0)
-    if not (isinstance(limit, (int, float)) and isinstance(alpha, (int, float)) and limit > 0
-            and math.isfinite(limit)):
+    if clamp_params(limit, alpha, 0.0) is None:
         return None, f"{name} has no finite clamp limit (limit or swiglu_limit): not the clamped SwiGLU"
     gen = torch.Generator().manual_seed(0)
     gate_up = (torch.rand(32, 48, generator=gen, dtype=torch.float64) * 6.0 - 3.0) * limit
@@ -144,7 +141,7 @@ def _clamped(module: nn.Module, code: str, interleaved: bool) -> tuple[Variant |
         want = g * torch.sigmoid(g * alpha) * (u + offset)
         if isinstance(got, torch.Tensor) and got.shape == want.shape and torch.allclose(got, want, rtol=1e-9,
                                                                                         atol=1e-12):
-            return Variant(code, CLAMPED, {"limit": float(limit), "alpha": float(alpha), "offset": offset}), ""
+            return Variant(code, CLAMP_TASK, clamp_params(limit, alpha, offset)), ""
     return None, (f"{name}._apply_gate is not min(g, {limit}) * sigmoid({alpha} * min(g, {limit})) * "
                   f"(clamp(u, -{limit}, {limit}) + 0 or 1), the clamped SwiGLU its kernel computes")
 
@@ -223,7 +220,7 @@ def _weights_of(self: nn.Module) -> Callable[[int], tuple[torch.Tensor, ...]]:
     if self.coda_variant.columns:
         return lambda e: (self.gate_up_proj[e].t(), self.gate_up_proj_bias[e], self.down_proj[e].t(),
                           self.down_proj_bias[e])
-    if self.coda_variant.task != CLAMPED:
+    if self.coda_variant.task != CLAMP_TASK:
         return lambda e: (self.gate_up_proj[e], self.down_proj[e])
     like = self.down_proj
     b_gu = torch.zeros(self.gate_up_proj.shape[1], dtype=like.dtype, device=like.device)

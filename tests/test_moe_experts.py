@@ -71,25 +71,10 @@ def test_top2_routing_runs_each_expert_on_its_tokens_as_hf_does():
     """The experts module given HF's routing (top 2 of 4, one expert left without a token): its
     output and every gradient against HF's module in fp32, within twice HF's own bf16 error."""
     base = tiny_moe("Olmoe", top_k=2).model.layers[0].mlp.experts
-    gen = torch.Generator().manual_seed(3)
-    hidden = torch.randn(40, 128, generator=gen)
-    index = torch.stack((torch.randint(0, 2, (40,), generator=gen), torch.full((40,), 2)), 1)  # expert 3: no token
-    weights = torch.softmax(torch.randn(40, 2, generator=gen), dim=1)
-    dout = torch.randn(40, 128, generator=gen)
-
-    def run(module, dtype):
-        module = module.to(dtype)
-        h = hidden.to(dtype).detach().requires_grad_(True)
-        w = weights.to(dtype).detach().requires_grad_(True)
-        y = module(h, index, w)
-        y.backward(dout.to(dtype))
-        grads = {f"d {k}": v.float() for k, v in hf_layout(module).items()}
-        return {"y": y.detach().float(), "dh": h.grad.float(), "dw": w.grad.float(), **grads}
-
-    hi, lo = run(copy.deepcopy(base), torch.float32), run(copy.deepcopy(base), torch.bfloat16)
+    hi, lo = (_routed_run(copy.deepcopy(base), dtype, 3) for dtype in (torch.float32, torch.bfloat16))
     module = copy.deepcopy(base).bfloat16()
     moe_experts.patch(module, None, "swiglu_mlp", coda_agent.kernels.dropin.suite_kernel("swiglu_mlp"))
-    got = run(module, torch.bfloat16)
+    got = _routed_run(module, torch.bfloat16, 3)
     assert_like_hf(got, hi, lo)
     assert not got["d down_proj"][3].any()  # the expert no token was routed to: no gradient
 

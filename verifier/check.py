@@ -235,10 +235,14 @@ def out_of_memory(stage: str, check: Check, error: str) -> StageResult:
     except RuntimeError as e:  # the card cannot say who holds it: no verdict on the program
         return StageResult(name=stage, status="error", message=f"the GPU ran out of memory and then could not "
                            f"report its use ({e}): {error[:300]}")
+    return memory_verdict(stage, judge, total - free - judge, total, *_largest_set(check, total), error)
+
+
+def _largest_set(check: Check, total: int) -> tuple[str, int]:
+    """The largest set the check runs on a card of ``total`` bytes, and its bytes in fp32."""
     sets = checked_sets(check.spec, check.shape_sets, total)[0]
     largest = max(sets, key=lambda s: set_bytes(check.spec, s, itemsize=4))
-    return memory_verdict(stage, judge, total - free - judge, total, largest,
-                          set_bytes(check.spec, largest, itemsize=4), error)
+    return largest, set_bytes(check.spec, largest, itemsize=4)
 
 
 _SIZE = r"([\d.]+) (GiB|MiB|KiB|B)\b"
@@ -254,10 +258,8 @@ def runner_out_of_memory(stage: str, check: Check, error: str) -> StageResult | 
     if found is None:
         return None
     asked, held, free, total = found
-    sets = checked_sets(check.spec, check.shape_sets, total)[0]
-    largest = max(sets, key=lambda s: set_bytes(check.spec, s, itemsize=4))
-    return memory_verdict(stage, max(total - free - held, 0), held + asked, total, largest,
-                          set_bytes(check.spec, largest, itemsize=4), error, held="held and asked for")
+    return memory_verdict(stage, max(total - free - held, 0), held + asked, total, *_largest_set(check, total),
+                          error, held="held and asked for")
 
 
 def runner_oom_bytes(error: str) -> tuple[int, int, int, int] | None:

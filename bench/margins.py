@@ -17,7 +17,7 @@ passes it).
 
 Runs on the CPU with the reference lowering, on the shape sets the reference
 stage checks (``small`` and ``ragged``; fresh draws, outlier channels, edge rows and
-other magnitudes, the last with params varied as the judge varies them)::
+other magnitudes, all but the first with params varied as the judge varies them)::
 
     python3 bench/margins.py OUT.json [--suites llama3,gpt2,llama3_fp8] [--tasks A,B] [--draws 20]
     python3 bench/margins.py OUT.json --program BAD.py --tasks SUITE/NAME   # how far a cheat stands
@@ -45,16 +45,18 @@ SECOND_LOOK_BELOW = 2.0  # first-look margins under this are measured with the s
 
 
 def margin(name: str, shape_set: str, out: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor, tol,
-           cap: float, steps: int = 12, noise=None) -> tuple[float, str]:
+           cap: float, steps: int = 12, noise=None, rows: bool = False) -> tuple[float, str]:
     """(the largest growth of ``out``'s error that still passes, the rule that growth breaks);
     (0, rule) when ``out`` fails as it is, (cap, "") when even ``cap`` times passes.  ``noise``:
-    judged against more samples of the reference's noise (the second look) instead."""
+    judged against more samples of the reference's noise (the second look) instead; ``rows``: the
+    whole-row rule too, as the judge applies it to the edge draw's rows."""
     from coda_agent.verifier.compare import compare
 
     err = out.double() - hi.double()
 
     def fails(a: float):
-        return compare(name, shape_set, (hi.double() + a * err).to(out.dtype), hi, lo, tol, noise=noise)
+        return compare(name, shape_set, (hi.double() + a * err).to(out.dtype), hi, lo, tol, noise=noise,
+                       rows=rows)
 
     if (broken := fails(1.0)) is not None:
         if fails(1.0 / cap) is not None:
@@ -76,31 +78,31 @@ def margin(name: str, shape_set: str, out: torch.Tensor, hi: torch.Tensor, lo: t
 def task_margins(task, draws: int, cap: float, rng: random.Random, program: Path | None = None) -> list[dict]:
     from coda_agent.kernels.contract import run
     from coda_agent.primitives import load_program, lowering
-    from coda_agent.verifier.calls import draw_case
+    from coda_agent.verifier.calls import draw_case, edge_rows
     from coda_agent.verifier.inputs import drawn_magnitude, drawn_params, reference_takes
 
     prog = load_program((program or task.expert_path).read_text(), task.name)
     seen: dict[str, list[tuple[float, str, str, str]]] = {}
     for shape_set in SETS:
         for _ in range(draws):
+            # as a check draws them: its varied params for every draw but the first, its magnitude
+            varied = drawn_params(task.spec, rng, lambda p: reference_takes(task, task.spec, p))
+            u = drawn_magnitude(rng)
             for draw in DRAWS:
-                varied, u = {}, 0.0
-                if draw == "scaled":  # as a check draws them: its magnitude and its varied params
-                    u = drawn_magnitude(rng)
-                    varied = drawn_params(task.spec, rng, lambda p: reference_takes(task, task.spec, p))
                 case = draw_case(task, task.spec, shape_set, rng.randrange(1 << 31), "cpu", draw,
-                                 varied=varied, magnitude=u)
+                                 varied=varied if draw != "seed" else {}, magnitude=u if draw == "scaled" else 0.0)
                 with lowering("reference"):
                     got = run(prog, case.inputs, case.params, case.grads, task.spec.outputs,
                               task.spec.gradients)
+                whole_rows = {name: draw == "edge" and edge_rows(task.spec, name) for name in case.hi}
                 first = {name: margin(name, shape_set, got[name], hi, case.lo[name], task.spec.tolerance_for(name),
-                                      cap) for name, hi in case.hi.items() if hi.is_floating_point()}
+                                      cap, rows=whole_rows[name]) for name, hi in case.hi.items() if hi.is_floating_point()}
                 thin = [name for name, (a, _) in first.items() if a < SECOND_LOOK_BELOW]
                 noise = case.noise_of(thin) if thin else {}
                 for name, (a, rule) in first.items():
                     judged = a if name not in noise else max(a, margin(
                         name, shape_set, got[name], case.hi[name], case.lo[name], task.spec.tolerance_for(name),
-                        cap, noise=noise[name])[0])
+                        cap, noise=noise[name], rows=whole_rows[name])[0])
                     seen.setdefault(name, []).append((a, rule, shape_set, draw, judged))
     rows = []
     for name, ms in seen.items():

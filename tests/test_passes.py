@@ -218,6 +218,20 @@ def test_erf_gelu_and_rounding_match_torch():
     assert erf(0.5) == pytest.approx(math.erf(0.5)) and round_bf16(1.0 + 2**-10) == 1.0
 
 
+def test_math_on_numbers_is_not_tensor_compute():
+    """A param rounded in an epilogue (``round_bf16(limit)``: the reference lowering hands it as a
+    Python float) is the catalogue's arithmetic on numbers: the verifier's audit of the program's
+    PyTorch calls (a TorchFunctionMode) sees none of it."""
+    from torch.overrides import TorchFunctionMode
+
+    class Seen(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            raise AssertionError(f"PyTorch call {func} on numbers")
+
+    with Seen():
+        assert round_bf16(0.593) == 0.59375 and erf(0.0) == 0.0
+
+
 # --------------------------------------------------------------------------- RMSNorm's entry pass
 
 

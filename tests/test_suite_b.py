@@ -91,3 +91,38 @@ MUTANTS = [
 @pytest.mark.parametrize("name,orig,mutant", MUTANTS)
 def test_checker_catches_mutant(name, orig, mutant):
     assert mutant_problems(_task(name), orig, mutant, "small", seed=99), f"{name}: mutant {mutant!r} passed"
+
+
+def test_the_clamped_expert_flips_at_a_kink_where_a_bf16_model_does():
+    """A gate pre-activation that rounds to bf16 onto the bf16-rounded limit: torch's clamp of a
+    bf16 tensor (an HF bf16 expert) passes its gradient there, the fp64 reference, whose
+    pre-activation lies past the exact limit, does not.  The expert clamps at the bf16 limit: its
+    b_gu gradient is the bf16 model's, so its flips at the kink fall where the bf16 reference's do."""
+    from coda_agent.kernels import contract
+    from coda_agent.primitives import lowering
+    from coda_agent.tasks.llama3.references_heads import swiglu_clamp_mlp
+
+    t = _task("swiglu_clamp_mlp")
+    inputs, grads = draw(t, "small", 3)
+    params = dict(t.spec.params, limit=0.593)  # bf16 rounds it to 0.59375
+    inputs["w_gu"] = torch.zeros_like(inputs["w_gu"])  # (g, u) = b_gu, exactly
+    b = inputs["b_gu"].float()
+    b[0::2] = torch.where(torch.arange(b.numel() // 2) % 2 == 0, 0.59375, b[0::2])  # half the gates on the bound
+    b[1::2] = 0.25
+    inputs["b_gu"] = b.to(torch.bfloat16)
+    with lowering("reference"):
+        got = contract.run(load_expert(t), {k: v.clone() for k, v in inputs.items()}, params, grads,
+                           t.spec.outputs, t.spec.gradients)
+
+    def db_gate(dtype, limit):
+        leaf = {k: v.to(dtype).clone().requires_grad_(k == "b_gu") for k, v in inputs.items()}
+        y = swiglu_clamp_mlp(**leaf, **dict(params, limit=limit))["y"]
+        y.backward(grads["dy"].to(dtype))
+        return leaf["b_gu"].grad[0::2].double()
+
+    on_bound = slice(0, None, 2)
+    bf16, exact = db_gate(torch.bfloat16, 0.593), db_gate(torch.float64, 0.593)
+    assert (exact[on_bound] == 0).all() and (bf16[on_bound] != 0).all()
+    # the bf16 model's semantics without its bf16 sums: fp64 with the limit it compares against
+    at_bf16_limit, ours = db_gate(torch.float64, 0.59375), got["db_gu"][0::2].double()
+    torch.testing.assert_close(ours, at_bf16_limit, rtol=0.02, atol=0.01 * float(at_bf16_limit.abs().max()))

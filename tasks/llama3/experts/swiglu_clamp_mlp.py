@@ -6,8 +6,10 @@ g' = min(g, limit), u' = clamp(u, -limit, limit).
 Forward: the gate/up GEMM's epilogue adds b_gu (a RowVec of 2I values, seen as a Pair beside the
 paired accumulator), keeps the biased pre-activation (g, u) in bf16 for the backward and writes the
 activation from those bf16 values (so a value at a bound is clamped in the forward exactly where the
-backward stops its gradient, as HF's bf16 experts clamp their bf16 pre-activation), the down GEMM's
-input; the down GEMM adds b_down.
+backward stops its gradient), the down GEMM's input; the down GEMM adds b_down.  Both clamps compare
+against the limit rounded to bf16, as torch's clamp of a bf16 tensor does (HF's bf16 experts): a
+pre-activation that rounds onto the bound passes its gradient there, and the program flips at a kink
+exactly where a bf16 model does.
 
 Backward: dy @ W_down's epilogue turns its accumulator d(act) into d(pre) = (dg, du), read against
 the saved (g, u) as pairs: each clamp passes the gradient only inside its range, bounds included
@@ -27,8 +29,9 @@ from coda_agent.primitives import (PairedTile, RowVec, Scalar, Tile, epilogue, g
 def clamp_swiglu(acc, b: RowVec, limit: Scalar, alpha: Scalar, offset: Scalar):
     g, u = unpack(acc + b)
     g, u = round_bf16(g), round_bf16(u)  # the values the backward reads: both clamp where the other does
-    gc = minimum(g, limit)
-    uc = maximum(minimum(u, limit), -limit)
+    lim = round_bf16(limit)
+    gc = minimum(g, lim)
+    uc = maximum(minimum(u, lim), -lim)
     return {"D": pack(g, u), "act": gc * sigmoid(alpha * gc) * (uc + offset)}
 
 
@@ -40,13 +43,14 @@ def bias(acc, b: RowVec):
 @epilogue(outputs={"act": "bf16"})
 def dclamp_swiglu(acc, pre: PairedTile, limit: Scalar, alpha: Scalar, offset: Scalar):
     g, u = unpack(pre)
-    gc = minimum(g, limit)
-    uc = maximum(minimum(u, limit), -limit)
+    lim = round_bf16(limit)
+    gc = minimum(g, lim)
+    uc = maximum(minimum(u, lim), -lim)
     s = sigmoid(alpha * gc)
     glu = gc * s
     up = uc + offset
-    dg = where(g <= limit, acc * up * s * (1.0 + alpha * gc * (1.0 - s)), 0.0)
-    du = where(u <= limit, where(u >= -limit, acc * glu, 0.0), 0.0)
+    dg = where(g <= lim, acc * up * s * (1.0 + alpha * gc * (1.0 - s)), 0.0)
+    du = where(u <= lim, where(u >= -lim, acc * glu, 0.0), 0.0)
     return {"D": pack(dg, du), "act": glu * up}
 
 

@@ -78,7 +78,7 @@ def margin(name: str, shape_set: str, out: torch.Tensor, hi: torch.Tensor, lo: t
 def task_margins(task, draws: int, cap: float, rng: random.Random, program: Path | None = None) -> list[dict]:
     from coda_agent.kernels.contract import run
     from coda_agent.primitives import load_program, lowering
-    from coda_agent.verifier.calls import draw_case, edge_rows
+    from coda_agent.verifier.calls import draw_case, judged_by
     from coda_agent.verifier.inputs import drawn_magnitude, drawn_params, reference_takes
 
     prog = load_program((program or task.expert_path).read_text(), task.name)
@@ -94,15 +94,15 @@ def task_margins(task, draws: int, cap: float, rng: random.Random, program: Path
                 with lowering("reference"):
                     got = run(prog, case.inputs, case.params, case.grads, task.spec.outputs,
                               task.spec.gradients)
-                whole_rows = {name: draw == "edge" and edge_rows(task.spec, name) for name in case.hi}
-                first = {name: margin(name, shape_set, got[name], hi, case.lo[name], task.spec.tolerance_for(name),
-                                      cap, rows=whole_rows[name]) for name, hi in case.hi.items() if hi.is_floating_point()}
+                rules = {name: judged_by(task.spec, name, draw) for name in case.hi}  # as the judge does
+                first = {name: margin(name, shape_set, got[name], hi, case.lo[name], rules[name][0], cap,
+                                      rows=rules[name][1]) for name, hi in case.hi.items() if hi.is_floating_point()}
                 thin = [name for name, (a, _) in first.items() if a < SECOND_LOOK_BELOW]
                 noise = case.noise_of(thin) if thin else {}
                 for name, (a, rule) in first.items():
                     judged = a if name not in noise else max(a, margin(
-                        name, shape_set, got[name], case.hi[name], case.lo[name], task.spec.tolerance_for(name),
-                        cap, noise=noise[name], rows=whole_rows[name])[0])
+                        name, shape_set, got[name], case.hi[name], case.lo[name], rules[name][0], cap,
+                        noise=noise[name], rows=rules[name][1])[0])
                     seen.setdefault(name, []).append((a, rule, shape_set, draw, judged))
     rows = []
     for name, ms in seen.items():

@@ -92,9 +92,8 @@ class Tolerance(_Strict):
     term (``dy * w``), which the bf16 reference's largest error holds or not by chance, the fewer
     the elements the likelier not; a bias gradient sums those flips over every row, and the
     gradients they feed carry them.  Such a gradient widens the max rule alone and keeps the dense
-    rules, which a flip barely moves (``tolerances: {dx: {factor: 1000, norm_factor: 2, rel_norm:
-    0.06}}``; ``tasks new`` says so).  Its rows go without the edge draw's whole-row rule
-    (:attr:`kinked`)."""
+    rules, which a flip barely moves where the rows share one scale (``tolerances: {dx: {factor:
+    1000, norm_factor: 2, rel_norm: 0.06}}``; ``tasks new`` says so)."""
 
     rule: Literal["coda"] = "coda"
     # Negative bounds would reject every program, whatever it computes.
@@ -112,10 +111,8 @@ class Tolerance(_Strict):
     @property
     def kinked(self) -> bool:
         """Whether the max rule is wider than the dense rules: a result through a kink, where one
-        flip is an error of a whole term.  A row of few active terms (an edge-draw row at 32 times
-        its scale clamps nearly all of them) can hold one flip as most of its norm, and a row
-        that is most of a flip cannot be told from a row left out, so the edge draw's whole-row
-        rule (coda_agent.verifier.compare) does not judge it; the norm and bias rules still do."""
+        flip is an error of a whole term (the edge draw judges it by its max rule alone:
+        coda_agent.verifier.calls.judged_by)."""
         return self.dense_factor < self.factor
 
 

@@ -28,7 +28,7 @@ from typing import Any, Protocol, Sequence
 
 import torch
 
-from coda_agent.tasks.spec import Task, TaskSpec
+from coda_agent.tasks.spec import Task, TaskSpec, Tolerance
 from coda_agent.verifier.compare import compare
 from coda_agent.verifier.cuda_ipc import Imports
 from coda_agent.verifier.inputs import (EDGE_ROLES, aligned_grads, edge_inputs, make_grads, make_inputs,
@@ -147,10 +147,9 @@ def _task_with(task: Task, spec: TaskSpec) -> Task:
 def verdict(spec: TaskSpec, case: Case, got: dict[str, torch.Tensor], poisoned: bool = False) -> list[Mismatch]:
     """Every result of a call compared with the references; a result that fails only by its
     size gets a second look against more samples of the references' noise (:mod:`.noise`)."""
-    # the edge draw's rows at 2^-12 to 2^5 of their scale: the whole-row rule (.compare) on results of those rows
-    rows = {name: case.draw == "edge" and edge_rows(spec, name) for name in case.hi}
-    found = {name: compare(name, case.shape_set, got[name], case.hi[name], case.lo[name],
-                           spec.tolerance_for(name), poisoned=poisoned, rows=rows[name]) for name in case.hi}
+    rules = {name: judged_by(spec, name, case.draw) for name in case.hi}
+    found = {name: compare(name, case.shape_set, got[name], case.hi[name], case.lo[name], rules[name][0],
+                           poisoned=poisoned, rows=rules[name][1]) for name in case.hi}
     again = [name for name, m in found.items() if m is not None and _sized(m, got[name], case.hi[name])]
     if again and case.task is not None:
         try:
@@ -158,14 +157,32 @@ def verdict(spec: TaskSpec, case: Case, got: dict[str, torch.Tensor], poisoned: 
         except Exception:  # noqa: BLE001 - a reference that refuses nudged values: the first look stands
             noise = {}
         for name in noise:
-            found[name] = compare(name, case.shape_set, got[name], case.hi[name], case.lo[name],
-                                  spec.tolerance_for(name), poisoned=poisoned, noise=noise[name], rows=rows[name])
+            found[name] = compare(name, case.shape_set, got[name], case.hi[name], case.lo[name], rules[name][0],
+                                  poisoned=poisoned, noise=noise[name], rows=rules[name][1])
     out = []
     for m in found.values():
         if m is not None:
             out.append(m.model_copy(update={"inputs": DRAWS[case.draw] + params_note(spec, case),
                                             "shape_set": set_label(spec, case.shape_set)}))
     return out
+
+
+def judged_by(spec: TaskSpec, name: str, draw: str) -> tuple[Tolerance, bool]:
+    """The rules result ``name`` is judged by on ``draw``: its tolerance, and whether the whole-row
+    rule (.compare) applies.  The edge draw puts rows at 2^-12 to 2^5 of their scale: the whole-row
+    rule judges the results of those rows (:func:`edge_rows`).  A result through a kink
+    (``Tolerance.kinked``) keeps its max rule alone there, its dense rules at the max rule's factor:
+    a row at 32 times its scale clamps nearly all its terms, one flip of the few left is most of
+    the row (a flip cannot be told from a row left out), and the few such rows carry the whole
+    tensor's norm, which one flip moves by whole percent (a clamped MLP's dw_gu: 4 times the bf16
+    reference's relative error, where the reference flipped elsewhere).  Every other draw, its rows
+    at one scale, judges it by all its rules."""
+    tol = spec.tolerance_for(name)
+    if draw != "edge":
+        return tol, False
+    if tol.kinked:
+        return tol.model_copy(update={"norm_factor": None}), False
+    return tol, edge_rows(spec, name)
 
 
 def edge_rows(spec: TaskSpec, name: str) -> bool:

@@ -36,8 +36,8 @@ unless the reference's own noise on that row (second look included) reaches
 ``factor * SIGMAS`` of that error: a row lost whole fails it at every scale,
 while rows whose reference is itself ill-conditioned (a cancellation:
 gradients along the output, a token predicted at near certainty) pass on their
-own noise.  A result through a kink (``Tolerance.kinked``) has no whole-row rule:
-one flip there can be most of a row, and no error model tells it from a row lost.
+own noise.  (A result through a kink has neither that rule nor the dense rules on
+the edge draw: ``calls.judged_by`` says why.)
 
 Where one element carries most of a tensor's noise (a weight gradient's
 column fed by an outlier channel), the reference's error there is one sample,
@@ -100,7 +100,7 @@ def compare(name: str, shape_set: str, out, hi: torch.Tensor, lo: torch.Tensor, 
         return _mismatch(name, shape_set, diff, bad, nan, allowed, rel, o, poisoned=poisoned, ref=h)
     lo = lo.to(h.device, work)
     del diff, bad, nan  # the whole-row rule's temporaries take their place on a large GPU set
-    if rows and not tol.kinked and (lost := _rows(name, shape_set, o, h, lo, tol, rel, noise)):
+    if rows and (lost := _rows(name, shape_set, o, h, lo, tol, rel, noise)):
         return lost
     return _bias(name, shape_set, o, h, lo, tol, rel, noise)
 

@@ -26,6 +26,10 @@ Contract, as one signature::
   extra outputs are half width (SwiGLU forward, RoPE).  A ``PairedTile``
   operand (the saved 16-bit pre-activation at twice the GEMM width) arrives as a
   Pair and D is ``pack(dg, du)`` at that tensor's width (SwiGLU backward).
+  Reductions in a paired epilogue: ``col_sum()``/``col_max()`` (the lanes of a
+  returned Pair fold into one value per row), and beside a PairedTile also
+  ``row_sum()``, one value per pair (per accumulator column): a gated
+  backward's bias gradients, one ``row_sum`` for each lane's value.
 - The body is straight-line math: no ``if``/``for``/``while``, conditional
   expressions, ``and``/``or``, ``try``, comprehensions or nested functions.  The
   GPU lowering traces it once per element; a Python branch on a traced value
@@ -336,10 +340,11 @@ def epilogue(outputs: dict[str, str] | None = None,
                 "them, or write them from an element-mode epilogue", line=line)
         if mode_pairs is not None:
             for name, red in reductions.items():
-                if not red.pairable:
+                if not (red.pairable if pairs == "acc" else red.beside_pairs):
                     raise CatalogueError(
                         f"epilogue {fn.__name__!r}: reduction {name!r} ({red.describe()}) is not "
-                        "available in a paired epilogue; only col_sum()/col_max() are", line=line)
+                        "available in a paired epilogue; only col_sum()/col_max() are (and row_sum(), "
+                        "one value per pair, beside a PairedTile operand)", line=line)
         _check_body(fn)
         epi = Epilogue(fn=fn, operands=operands,
                        outputs={k: OUTPUT_DTYPES[v] for k, v in outputs.items()},

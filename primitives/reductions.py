@@ -14,7 +14,9 @@ finished value comes back from ``gemm``:
 - ``col_sum()``/``col_max()``: fold across the columns of each row -> (M,) fp32
   (a column vector: one value per row; e.g. sum of squares for RMSNorm).
 - ``row_sum()``: fold down the rows of each column -> (N,) fp32 (e.g. the
-  gamma-gradient of RMSNorm).
+  gamma-gradient of RMSNorm); beside a PairedTile operand, one value per pair
+  (the accumulator's columns), so a gated backward's (gate, up) bias gradients
+  are two of them.
 - ``col_sum(partials=True)``: the per-N-tile partials (M, ceil(N / tile_n))
   instead of the finished sum, laid out exactly as the kernel writes them.
 
@@ -70,8 +72,16 @@ class Reduction:
 
     @property
     def pairable(self) -> bool:
-        """Whether a paired epilogue may declare it (its two lanes fold into one value per row)."""
+        """Whether a ``pairs="acc"`` epilogue may declare it (its two lanes fold into one value per
+        row)."""
         return False
+
+    @property
+    def beside_pairs(self) -> bool:
+        """Whether an epilogue with a PairedTile operand may declare it: there the accumulator
+        holds one value per pair (a gated backward's d(act)), and the fold takes the fn's value
+        per accumulator element as an unpaired epilogue's does."""
+        return self.pairable
 
     def describe(self) -> str:
         raise NotImplementedError
@@ -176,6 +186,7 @@ class ColMax(Reduction):
 class RowSum(Reduction):
     folds_padded_lanes = True
     per_column = True
+    beside_pairs = True  # one value per accumulator column: per pair, e.g. a gate's bias gradient
 
     def describe(self) -> str:
         return "row_sum()"

@@ -112,6 +112,26 @@ def test_paired_tile_is_read_as_interleaved_pairs(dtype, gen):
     torch.testing.assert_close(out["s"], (dg * g + du * u).sum(1), rtol=1e-5, atol=1e-4)
 
 
+def test_beside_a_paired_tile_row_sums_fold_each_lane_per_pair(gen):
+    """A gated backward's bias gradients in its own epilogue: beside a PairedTile the accumulator
+    holds one value per pair, and a row_sum of a lane's value gives that lane's (N,) sums."""
+    P = prog("""
+@epilogue(reductions={"db_g": row_sum(), "db_u": row_sum()})
+def dgate(acc, pre: PairedTile):
+    g, u = unpack(pre)
+    dg, du = acc * u * g, acc * g
+    return {"D": pack(dg, du), "db_g": dg, "db_u": du}
+""")
+    M, N, K = 120, 72, 64
+    A, B, acc = operands_for(M, N, K, torch.bfloat16, gen)
+    pre = rand(M, 2 * N, dtype=torch.bfloat16, gen=gen)
+    out = gemm(A, B, P.dgate, pre=pre)
+    g, u = pre.float()[:, 0::2], pre.float()[:, 1::2]
+    assert out["db_g"].shape == out["db_u"].shape == (N,)
+    torch.testing.assert_close(out["db_g"], (acc * u * g).sum(0), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(out["db_u"], (acc * g).sum(0), rtol=1e-5, atol=1e-4)
+
+
 def test_beside_a_paired_tile_a_row_vector_is_per_pair(gen):
     """A PairedTile (M, 2N) pass covers N outputs, pairs: a RowVec holds N values, one per pair,
     used on both lanes (its docstring says so); a per-column vector (2N) is refused by its shape."""
@@ -360,7 +380,9 @@ BAD_EPILOGUES = [
      "    return {'D': pack(g * f, u * f)}\n",
      r"not a Pair.*beside a PairedTile the other operands hold one value per pair.*without unpack"),
     ("@epilogue(pairs='acc', reductions={'r': row_sum()})\ndef f(acc):\n    return {'D': acc, 'r': acc}\n",
-     r"not available in a paired epilogue"),
+     r"not available in a paired epilogue.*row_sum\(\), one value per pair, beside a PairedTile"),
+    ("@epilogue(reductions={'r': col_sum(partials=True)})\ndef f(acc, pre: PairedTile):\n"
+     "    g, u = unpack(pre)\n    return {'D': pack(g, u), 'r': acc}\n", r"not available in a paired epilogue"),
     # c (logits, a cosine) is a name people give an operand; the error says it is reserved, why, and the rename
     ("@epilogue()\ndef f(c: Tile, lse: ColVec):\n    return {'D': c - lse}\n",
      r"'c' is a reserved name \(.*quack's name for its C operand.*\); rename it, e.g. 'c_'"),

@@ -51,6 +51,14 @@ def rope(acc, pos: ColVec, freq: RowVec):
     c, s = cos(pos * f1), sin(pos * f1)
     return {"D": pack(x1 * c - x2 * s, x1 * s + x2 * c)}
 ''',
+    "paired_row_sums": '''
+@epilogue(outputs={"act": "bf16"}, reductions={"db_g": row_sum(), "db_u": row_sum()})
+def paired_row_sums(acc, pre: PairedTile, limit: Scalar):
+    g, u = unpack(pre)
+    dg = where(g <= limit, acc * u * sigmoid(g), 0.0)
+    du = acc * g
+    return {"D": pack(dg, du), "act": g * u, "db_g": dg, "db_u": du}
+''',
     "paired_single": '''
 @epilogue(reductions={"sq": col_sum(), "mx": col_max()}, pairs="acc")
 def paired_single(acc):

@@ -126,3 +126,14 @@ def test_the_clamped_expert_flips_at_a_kink_where_a_bf16_model_does():
     # the bf16 model's semantics without its bf16 sums: fp64 with the limit it compares against
     at_bf16_limit, ours = db_gate(torch.float64, 0.59375), got["db_gu"][0::2].double()
     torch.testing.assert_close(ours, at_bf16_limit, rtol=0.02, atol=0.01 * float(at_bf16_limit.abs().max()))
+
+
+@pytest.mark.parametrize("shape_set", CPU_SETS)
+def test_the_clamped_mlp_candidate_with_row_sums_matches_the_reference(shape_set):
+    """bench/candidates/swiglu_clamp_mlp_row_sums.py, the expert with b_gu's gradient folded into
+    its dSwiGLU epilogue (row_sum beside a PairedTile), passes the verifier's compare as the
+    expert does; which of the two is faster is the GPU's to say (BENCHMARKS)."""
+    from pathlib import Path
+
+    source = (Path(__file__).resolve().parent.parent / "bench/candidates/swiglu_clamp_mlp_row_sums.py").read_text()
+    assert not problems(_task("swiglu_clamp_mlp"), shape_set, seed=77, source=source)

@@ -38,7 +38,13 @@ SMALL = dict(hidden_size=64, n_embd=64, d_model=64, num_hidden_layers=2, n_layer
              num_attention_heads=4, n_head=4, num_heads=4, num_key_value_heads=2, intermediate_size=128, n_inner=128,
              ffn_dim=128, vocab_size=256, head_dim=16, max_position_embeddings=128, n_positions=128,
              moe_intermediate_size=64, num_experts=4, num_local_experts=4, n_routed_experts=4,
-             shared_expert_intermediate_size=64, num_experts_per_tok=2, moe_topk=2)
+             shared_expert_intermediate_size=64, num_experts_per_tok=2, moe_topk=2, rotary_dim=16)
+# Multi-head latent attention (DeepSeek-V2/V3, GLM-4-MoE-Lite, MiniCPM3...): its config derives
+# head_dim and the query-key width from these in __init__, and its heads are never grouped; and
+# DeepSeek's MoE from the second layer on, its experts in one group (4 routed experts).
+MLA_SMALL = dict(qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, kv_lora_rank=32, q_lora_rank=32,
+                 num_key_value_heads=SMALL["num_attention_heads"], first_k_dense_replace=1, n_group=1,
+                 topk_group=1)
 # A patched model's loss against the unpatched bf16 model's: both round in bf16 (a loss near 5.5
 # moves ~0.02 per rounding step), and a wiring error misses by far more.
 LOSS_TOLERANCE = 0.01
@@ -54,14 +60,19 @@ def _alarm(*_: Any) -> None:
 
 
 def build(class_name: str, fixes: dict[str, float] | None = None) -> torch.nn.Module:
-    """transformers' ``class_name`` from its default config at the small widths (:data:`SMALL`),
-    with ``fixes`` (config values a refusal asked for) on top.  A default padding id past the
+    """transformers' ``class_name`` from its default config at the small widths (:data:`SMALL`,
+    and :data:`MLA_SMALL` for latent attention), with ``fixes`` (config values a refusal asked for)
+    on top.  A default padding id past the
     small vocabulary (Phi-3's 32000, SmolLM3's 128004) becomes 0: the embedding refuses it."""
     import transformers
 
     cls = getattr(transformers, class_name)
     config = cls.config_class()
-    for name, value in {**SMALL, **(fixes or {})}.items():
+    small = SMALL
+    if hasattr(config, "kv_lora_rank"):  # built again, so that __init__ derives the latent widths
+        small = {**{k: v for k, v in SMALL.items() if k != "head_dim"}, **MLA_SMALL}
+        config = cls.config_class(**small)
+    for name, value in {**small, **(fixes or {})}.items():
         if hasattr(config, name):
             try:
                 setattr(config, name, value)

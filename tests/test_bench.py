@@ -332,14 +332,16 @@ def test_dropin_coverage_patches_or_refuses_each_model_it_builds(tmp_path):
     """bench/dropin_coverage.py on real transformers models: each drop-in patches its own family
     (to HF's loss; GPT-2 rebuilt with the config value
     its refusal names, Phi-3 with its padding id moved into the small vocabulary, Mellum, whose
-    rotary embedding keeps no frequency table) and refuses the others with a KernelError; an
-    unknown model type is refused."""
+    rotary embedding keeps no frequency table, DeepSeek-V3 built at small latent-attention widths
+    with its MoE in the second layer) and refuses the others with a KernelError; an unknown model
+    type is refused."""
     pytest.importorskip("transformers")
     coverage = _bench_module("dropin_coverage")
     out = tmp_path / "coverage.json"
-    assert coverage.main([str(out), "--models", "llama,gpt_neox,phi,gemma,gpt2,phi3,mellum,olmo2"]) == 0
+    assert coverage.main([str(out), "--models", "llama,gpt_neox,phi,gemma,gpt2,phi3,mellum,olmo2,deepseek_v3"]) == 0
     report = json.loads(out.read_text())
-    assert report["summary"]["patched"] == ["gemma:apply_to_llama",  # its GeGLU MLP alone, as geglu_mlp
+    assert report["summary"]["patched"] == ["deepseek_v3:apply_to_model",  # MLA: its MLPs, experts and head
+                                            "gemma:apply_to_llama",  # its GeGLU MLP alone, as geglu_mlp
                                             "gpt2:apply_to_gpt2(resid_pdrop=0.0)",  # the config value it named
                                             "gpt_neox:apply_to_gpt_neox", "llama:apply_to_llama",
                                             "mellum:apply_to_llama(swiglu=False)",  # a rotary without inv_freq
@@ -359,6 +361,8 @@ def test_dropin_coverage_patches_or_refuses_each_model_it_builds(tmp_path):
                                                            "gelu_tanh_mlp": 0, "relu_mlp": 0, "relu2_mlp": 0, "linear_gelu": 0,
                                                            "linear_gelu_tanh": 0, "linear_relu": 0,
                                                            "fused_linear_cross_entropy": True}
+    # layer 0's dense MLP, layer 1's routed experts and its shared experts
+    assert rows["deepseek_v3"]["apply_to_model"]["parts"]["swiglu_mlp"] == 3
     phi = rows["phi"]["apply_to_model"]
     assert phi["flags"] == {"fused_linear_cross_entropy": False} and phi["result"] == "patched"
     assert phi["parts"]["gelu_tanh_mlp"] == 2 and abs(phi["loss"] - phi["hf_loss"]) < 0.01

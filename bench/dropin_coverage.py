@@ -12,7 +12,8 @@ is kept with its message.  The contract this checks: a drop-in either patches
 a model, which then computes HF's loss, or refuses it with a ``KernelError`` that says what to do;
 any other exception is a bug (``"error"`` rows).  A config that does not build at the small
 widths (its own constraints between sizes), or whose unpatched model then fails its own step, is
-listed as ``unbuilt``, not judged::
+listed as ``unbuilt``, not judged, unless it is a latent-attention config (DeepSeek-V2/V3's MLA)
+that builds and steps at small latent widths (``latent`` in its row)::
 
     python3 bench/dropin_coverage.py OUT.json [--models llama,phi,...] [--build-s 60]
 """
@@ -59,19 +60,17 @@ def _alarm(*_: Any) -> None:
     raise _Timeout
 
 
-def build(class_name: str, fixes: dict[str, float] | None = None) -> torch.nn.Module:
-    """transformers' ``class_name`` from its default config at the small widths (:data:`SMALL`,
-    and :data:`MLA_SMALL` for latent attention), with ``fixes`` (config values a refusal asked for)
-    on top.  A default padding id past the
-    small vocabulary (Phi-3's 32000, SmolLM3's 128004) becomes 0: the embedding refuses it."""
+def build(class_name: str, fixes: dict[str, float] | None = None, latent: bool = False) -> torch.nn.Module:
+    """transformers' ``class_name`` from its default config at the small widths (:data:`SMALL`),
+    with ``fixes`` (config values a refusal asked for) on top; ``latent``: a config built with
+    :data:`MLA_SMALL` too, so that its __init__ derives the latent widths.  A default padding id
+    past the small vocabulary (Phi-3's 32000, SmolLM3's 128004) becomes 0: the embedding refuses
+    it."""
     import transformers
 
     cls = getattr(transformers, class_name)
-    config = cls.config_class()
-    small = SMALL
-    if hasattr(config, "kv_lora_rank"):  # built again, so that __init__ derives the latent widths
-        small = {**{k: v for k, v in SMALL.items() if k != "head_dim"}, **MLA_SMALL}
-        config = cls.config_class(**small)
+    small = {**{k: v for k, v in SMALL.items() if k != "head_dim"}, **MLA_SMALL} if latent else SMALL
+    config = cls.config_class(**small) if latent else cls.config_class()
     for name, value in {**small, **(fixes or {})}.items():
         if hasattr(config, name):
             try:
@@ -98,7 +97,8 @@ def hf_loss(model: torch.nn.Module) -> float:
     return reference(input_ids=IDS, labels=IDS).loss.item()
 
 
-def patch_and_train(model: torch.nn.Module, drop_in: str, want: float, class_name: str) -> dict[str, Any]:
+def patch_and_train(model: torch.nn.Module, drop_in: str, want: float, class_name: str,
+                    latent: bool = False) -> dict[str, Any]:
     """One drop-in on a copy of ``model``: its loss beside HF's (``want``), or the refusal.  A
     refusal that names a flag (``pass swiglu=False``) is retried with it, one that names a config
     value (``build the model with resid_pdrop=0.0``) on the model rebuilt with it, as a user
@@ -120,7 +120,7 @@ def patch_and_train(model: torch.nn.Module, drop_in: str, want: float, class_nam
                 flags[flag[1]] = False
             elif fix is not None and fix[1] not in fixes:
                 fixes[fix[1]] = float(fix[2])
-                model = build(class_name, fixes).bfloat16()
+                model = build(class_name, fixes, latent).bfloat16()
                 want = hf_loss(model)
             else:
                 return {"result": "refused", "message": str(e), "flags": flags, "config": fixes}
@@ -148,10 +148,26 @@ def _flags(outcome: dict[str, Any]) -> str:
 
 def judge(class_name: str, build_s: int) -> dict[str, Any]:
     """One model type's row: why it is not judged (``unbuilt``), or its size and each drop-in's
-    outcome."""
+    outcome.  A latent-attention config that does not build or step at the small widths is
+    built again at :data:`MLA_SMALL`'s (``latent`` in its row)."""
+    row = _judged(class_name, build_s, latent=False)
+    if "unbuilt" in row and _latent_attention(class_name):
+        again = _judged(class_name, build_s, latent=True)
+        if "unbuilt" not in again:
+            return {"latent": True, **again}
+    return row
+
+
+def _latent_attention(class_name: str) -> bool:
+    import transformers
+
+    return hasattr(getattr(transformers, class_name).config_class(), "kv_lora_rank")
+
+
+def _judged(class_name: str, build_s: int, latent: bool) -> dict[str, Any]:
     signal.alarm(build_s)
     try:
-        model = build(class_name)
+        model = build(class_name, latent=latent)
     except _Timeout:
         return {"unbuilt": f"took over {build_s} s"}
     except Exception as e:
@@ -166,9 +182,9 @@ def judge(class_name: str, build_s: int) -> dict[str, Any]:
         want = hf_loss(model)
     except Exception as e:  # the small widths broke HF's own model (a top-k over fewer experts)
         return {"unbuilt": f"HF's own step fails at the small widths: {type(e).__name__}: {str(e)[:200]}"}
-    row = {drop_in: patch_and_train(model, drop_in, want, class_name) for drop_in in DROP_INS}
+    row = {drop_in: patch_and_train(model, drop_in, want, class_name, latent) for drop_in in DROP_INS}
     if not any(outcome["result"] == "patched" for outcome in row.values()):
-        row[FALLBACK] = patch_and_train(model, FALLBACK, want, class_name)
+        row[FALLBACK] = patch_and_train(model, FALLBACK, want, class_name, latent)
     return {"params": params, **row}
 
 

@@ -269,7 +269,7 @@ def test_margins_measure_each_output_with_the_judges_own_comparison(tmp_path, mo
     """bench/margins.py: every output of an expert gets a margin over 1 (the expert passes) and
     the rule its grown error breaks, per draw kind too; an error that already fails gets the
     factor below 1 it would have to shrink by, 0 past the cap; ``--program`` measures a cheat,
-    which stands below 1 only in the draw that catches it."""
+    which stands below 1 only in the draws that catch it."""
     import torch
 
     from coda_agent.tasks.spec import Tolerance
@@ -291,7 +291,10 @@ def test_margins_measure_each_output_with_the_judges_own_comparison(tmp_path, mo
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     by_draw = {r["output"]: r["judged_by_draw"] for r in json.loads(cheat.read_text())["rows"]}
-    assert by_draw["y"]["scaled"]["min"] < 1.0 <= min(by_draw["y"][d]["min"] for d in ("seed", "outliers", "edge"))
+    # the small magnitudes catch it, and the edge draw's tiny rows by the whole-row rule; rows at one
+    # scale near 1 keep their values
+    assert max(by_draw["y"][d]["min"] for d in ("scaled", "edge")) < 1.0 <= min(
+        by_draw["y"][d]["min"] for d in ("seed", "outliers"))
     monkeypatch.syspath_prepend(str(ROOT / "bench"))
     import margins
 

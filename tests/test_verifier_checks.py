@@ -311,6 +311,40 @@ def test_speed_decides_between_accepted_slow_and_impossible(rms, times, status, 
         assert text.startswith("CORRECT BUT SLOW") and "over it" in text and "gemm::add_residual" in text
 
 
+@pytest.mark.parametrize("blame,want", [("error", "passed"), ("failed", "failed")])
+def test_a_set_too_large_for_the_judges_timing_gives_way_unless_the_program_holds_the_memory(monkeypatch, blame,
+                                                                                             want):
+    timed = []
+
+    def perform(check, shape_set):
+        timed.append(shape_set)
+        if shape_set == "llama3-70b":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 7.83 GiB")
+        return StageResult(name="performance", status="passed", message=f"1.00x on {shape_set}")
+
+    monkeypatch.setattr(timing, "_timing_sets", lambda check: ["llama3-70b", "llama3-8b", "llama3-1b"])
+    monkeypatch.setattr(timing, "_perform", perform)
+    monkeypatch.setattr(timing, "out_of_memory", lambda stage, check, error: StageResult(
+        name=stage, status=blame, message=f"weighed: {error}"))
+    res = timing.performance(object())
+    assert res.status == want, res.message
+    if blame == "error":  # the judge's own baselines did not fit: the next set is timed, and the verdict says so
+        assert timed == ["llama3-70b", "llama3-8b"]
+        assert "timed at llama3-8b" in res.message and res.details["timing_sets_too_large"] == ["llama3-70b"]
+    else:  # the program's process held the card: a rejection, never a smaller set
+        assert timed == ["llama3-70b"] and "weighed" in res.message
+
+
+def test_blocks_grow_until_the_first_calls_enqueue_is_a_small_share():
+    room, result = 32 << 30, 128 << 20
+    assert timing.block_calls(141.0, 55.0, 0.5, room, result) == 4  # 200 ms of the slowest: the floor
+    assert timing.block_calls(1.0, 1.0, 0.02, room, result) == 32  # many short calls: the ceiling
+    n = timing.block_calls(141.0, 55.0, 40.0, room, result)  # a host-heavy program (the H100's LM head)
+    assert 40.0 / (n * 55.0) <= timing.HOST_SHARE < 40.0 / ((n - 1) * 55.0)
+    assert timing.block_calls(141.0, 55.0, 40.0, 6 * result, result) == 6  # never past the runner's room
+    assert timing.block_calls(141.0, 55.0, 1e9, room, result) == 32  # a claimed host time buys no more than the cap
+
+
 def test_correct_slow_is_its_own_outcome():
     passed = [StageResult(name=s, status="passed") for s in ("static", "reference", "compile", "correctness",
                                                                "launch_audit")]

@@ -13,7 +13,8 @@ a model, which then computes HF's loss, or refuses it with a ``KernelError`` tha
 any other exception is a bug (``"error"`` rows).  A config that does not build at the small
 widths (its own constraints between sizes), or whose unpatched model then fails its own step, is
 listed as ``unbuilt``, not judged, unless it is a latent-attention config (DeepSeek-V2/V3's MLA)
-that builds and steps at small latent widths (``latent`` in its row)::
+that builds and steps at small latent widths (``latent`` in its row), or one whose layers differ
+(Gemma-4's, the hybrids') that builds and steps with a layer of each kind (``layered``)::
 
     python3 bench/dropin_coverage.py OUT.json [--models llama,phi,...] [--build-s 60]
 """
@@ -46,6 +47,13 @@ SMALL = dict(hidden_size=64, n_embd=64, d_model=64, num_hidden_layers=2, n_layer
 MLA_SMALL = dict(qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, kv_lora_rank=32, q_lora_rank=32,
                  num_key_value_heads=SMALL["num_attention_heads"], first_k_dense_replace=1, n_group=1,
                  topk_group=1)
+# Configs whose layers differ (Gemma-3n/4's sliding and full attention, hybrids of attention and
+# state-space or linear-attention layers) keep a list or period per layer that the two small layers
+# must match; built again from these (``layered`` in its row): one layer of each kind its defaults
+# list, the hybrids' attention on the second layer, and Gemma's per-layer inputs small.
+LAYERED_SMALL = dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+                     attn_layer_indices=[1], vocab_size_per_layer_input=256, hidden_size_per_layer_input=16,
+                     num_kv_shared_layers=0)
 # A patched model's loss against the unpatched bf16 model's: both round in bf16 (a loss near 5.5
 # moves ~0.02 per rounding step), and a wiring error misses by far more.
 LOSS_TOLERANCE = 0.01
@@ -60,18 +68,23 @@ def _alarm(*_: Any) -> None:
     raise _Timeout
 
 
-def build(class_name: str, fixes: dict[str, float] | None = None, latent: bool = False) -> torch.nn.Module:
+def build(class_name: str, fixes: dict[str, float] | None = None, latent: bool = False,
+          layered: bool = False) -> torch.nn.Module:
     """transformers' ``class_name`` from its default config at the small widths (:data:`SMALL`),
     with ``fixes`` (config values a refusal asked for) on top; ``latent``: a config built with
-    :data:`MLA_SMALL` too, so that its __init__ derives the latent widths.  A default padding id
-    past the small vocabulary (Phi-3's 32000, SmolLM3's 128004) becomes 0: the embedding refuses
-    it."""
+    :data:`MLA_SMALL` too, so that its __init__ derives the latent widths; ``layered``: one built
+    with :data:`LAYERED_SMALL` and a layer of each kind.  A default padding id past the small
+    vocabulary (Phi-3's 32000, SmolLM3's 128004) becomes 0: the embedding refuses it."""
     import transformers
 
     cls = getattr(transformers, class_name)
     small = {**{k: v for k, v in SMALL.items() if k != "head_dim"}, **MLA_SMALL} if latent else SMALL
-    config = cls.config_class(**small) if latent else cls.config_class()
-    for name, value in {**small, **(fixes or {})}.items():
+    if layered:
+        small = {**SMALL, **LAYERED_SMALL, **_small_layer_types(cls)}
+    config = cls.config_class(**small) if latent or layered else cls.config_class()
+    # A layered config took its widths at __init__, where it spreads them per layer (Gemma-4's
+    # head_dim is then the layers' to read, not the config's): only the fixes come after.
+    for name, value in {**({} if layered else small), **(fixes or {})}.items():
         if hasattr(config, name):
             try:
                 setattr(config, name, value)
@@ -98,11 +111,12 @@ def hf_loss(model: torch.nn.Module) -> float:
 
 
 def patch_and_train(model: torch.nn.Module, drop_in: str, want: float, class_name: str,
-                    latent: bool = False) -> dict[str, Any]:
+                    **widths: bool) -> dict[str, Any]:
     """One drop-in on a copy of ``model``: its loss beside HF's (``want``), or the refusal.  A
     refusal that names a flag (``pass swiglu=False``) is retried with it, one that names a config
     value (``build the model with resid_pdrop=0.0``) on the model rebuilt with it, as a user
-    would; the row records both (``flags``, ``config``)."""
+    would; the row records both (``flags``, ``config``).  ``widths``: :func:`build`'s ``latent`` or
+    ``layered``, as the model was built."""
     import coda_agent
     from coda_agent.kernels import KernelError
 
@@ -120,7 +134,7 @@ def patch_and_train(model: torch.nn.Module, drop_in: str, want: float, class_nam
                 flags[flag[1]] = False
             elif fix is not None and fix[1] not in fixes:
                 fixes[fix[1]] = float(fix[2])
-                model = build(class_name, fixes, latent).bfloat16()
+                model = build(class_name, fixes, **widths).bfloat16()
                 want = hf_loss(model)
             else:
                 return {"result": "refused", "message": str(e), "flags": flags, "config": fixes}
@@ -149,13 +163,38 @@ def _flags(outcome: dict[str, Any]) -> str:
 def judge(class_name: str, build_s: int) -> dict[str, Any]:
     """One model type's row: why it is not judged (``unbuilt``), or its size and each drop-in's
     outcome.  A latent-attention config that does not build or step at the small widths is
-    built again at :data:`MLA_SMALL`'s (``latent`` in its row)."""
+    built again at :data:`MLA_SMALL`'s (``latent`` in its row), one with kinds of layer with a
+    layer of each (``layered``)."""
     row = _judged(class_name, build_s, latent=False)
-    if "unbuilt" in row and _latent_attention(class_name):
-        again = _judged(class_name, build_s, latent=True)
-        if "unbuilt" not in again:
-            return {"latent": True, **again}
+    for kind, applies in (("latent", _latent_attention), ("layered", _layered)):
+        if "unbuilt" in row and applies(class_name):
+            again = _judged(class_name, build_s, **{kind: True})
+            if "unbuilt" not in again:
+                return {kind: True, **again}
     return row
+
+
+def _small_layer_types(cls: Any) -> dict[str, list[str]]:
+    """The default config's kinds of layer, one each, as many as the small layers (none where it
+    lists no kinds)."""
+    kinds = getattr(cls.config_class(), "layer_types", None) if _lists_layer_types(cls) else None
+    if not isinstance(kinds, list) or not kinds:
+        return {}
+    distinct = list(dict.fromkeys(kinds))
+    n = SMALL["num_hidden_layers"]
+    return {"layer_types": (distinct * n)[:n]}
+
+
+def _lists_layer_types(cls: Any) -> bool:
+    return "layer_types" in cls.config_class().to_dict()
+
+
+def _layered(class_name: str) -> bool:
+    import transformers
+
+    cls = getattr(transformers, class_name)
+    keys = cls.config_class().to_dict()
+    return "layer_types" in keys or any(k in keys for k in LAYERED_SMALL)
 
 
 def _latent_attention(class_name: str) -> bool:
@@ -164,10 +203,10 @@ def _latent_attention(class_name: str) -> bool:
     return hasattr(getattr(transformers, class_name).config_class(), "kv_lora_rank")
 
 
-def _judged(class_name: str, build_s: int, latent: bool) -> dict[str, Any]:
+def _judged(class_name: str, build_s: int, latent: bool = False, layered: bool = False) -> dict[str, Any]:
     signal.alarm(build_s)
     try:
-        model = build(class_name, latent=latent)
+        model = build(class_name, latent=latent, layered=layered)
     except _Timeout:
         return {"unbuilt": f"took over {build_s} s"}
     except Exception as e:
@@ -182,9 +221,10 @@ def _judged(class_name: str, build_s: int, latent: bool) -> dict[str, Any]:
         want = hf_loss(model)
     except Exception as e:  # the small widths broke HF's own model (a top-k over fewer experts)
         return {"unbuilt": f"HF's own step fails at the small widths: {type(e).__name__}: {str(e)[:200]}"}
-    row = {drop_in: patch_and_train(model, drop_in, want, class_name, latent) for drop_in in DROP_INS}
+    widths = {"latent": latent, "layered": layered}
+    row = {drop_in: patch_and_train(model, drop_in, want, class_name, **widths) for drop_in in DROP_INS}
     if not any(outcome["result"] == "patched" for outcome in row.values()):
-        row[FALLBACK] = patch_and_train(model, FALLBACK, want, class_name, latent)
+        row[FALLBACK] = patch_and_train(model, FALLBACK, want, class_name, **widths)
     return {"params": params, **row}
 
 

@@ -99,6 +99,8 @@ A projection under LoRA keeps its LoRA layer; its ``base_layer`` is what the fus
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -216,12 +218,28 @@ def apply_to_llama(model: LlamaForCausalLM | LlamaModel, *, rope: bool = True, r
 def patch_causal_lm(model: nn.Module, kind: str, xent: Kernel, xent_frozen: Kernel, softcap: float | None = None
                     ) -> None:
     """In training with labels, ``model``'s LM head and loss run as the fused kernels; ``kind``:
-    whose causal LM code its forward is (``families.CAUSAL_LMS``, or Gemma-2's, which soft-caps
-    the logits by ``softcap``: the kernels then take it as their ``cap``)."""
+    whose causal LM code its forward is (``families.CAUSAL_LMS``, or ``modules.SOFTCAP_LMS``', which
+    soft-cap the logits by ``softcap``: the kernels then take it as their ``cap``).  The patched
+    forward returns the output class the model's own forward names (:func:`_output_class`)."""
     model.coda_xent, model.coda_xent_frozen, model.coda_softcap = xent, xent_frozen, softcap
     model.coda_logits_scale = float(model.config.logits_scaling) if kind == "Granite's" else 1.0
     model.coda_router_loss = kind == "Mixtral's"
+    model.coda_output = _output_class(model)
     model.forward = PatchedForward(model, _causal_lm_forward)
+
+
+def _output_class(model: nn.Module) -> type:
+    """The output class ``model``'s own forward returns (Gemma-4's carries the shared KV states),
+    where it names one with a causal LM output's fields; else CausalLMOutputWithPast."""
+    out = inspect.signature(type(model).forward).return_annotation
+    if isinstance(out, type) and dataclasses.is_dataclass(out) \
+            and _LM_OUTPUT_FIELDS <= {f.name for f in dataclasses.fields(out)}:
+        return out
+    return CausalLMOutputWithPast
+
+
+# What the patched forward fills itself; any other field of the output class comes from the decoder's
+_LM_OUTPUT_FIELDS = {"loss", "logits", "past_key_values", "hidden_states", "attentions"}
 
 
 # --------------------------------------------------------------------------- weights
@@ -407,8 +425,9 @@ def _causal_lm_forward(self: LlamaForCausalLM, input_ids: torch.Tensor | None = 
                        past_key_values: Any = None, inputs_embeds: torch.Tensor | None = None,
                        labels: torch.Tensor | None = None, use_cache: bool | None = None,
                        logits_to_keep: int | torch.Tensor = 0, **kwargs: Any) -> CausalLMOutputWithPast:
-    """LlamaForCausalLM.forward (or Granite's, Mixtral's, Gemma-2's, whose code it follows by the flags
-    ``patch_causal_lm`` sets); in training with labels, LM head + loss is the fused kernel."""
+    """LlamaForCausalLM.forward (or Granite's, Mixtral's, Gemma-2's or Gemma-4's, whose code it follows
+    by the flags ``patch_causal_lm`` sets; Gemma-4's per-layer inputs reach its decoder in
+    ``kwargs``); in training with labels, LM head + loss is the fused kernel."""
     shift_labels = kwargs.pop("shift_labels", None)
     if not (self.training and (labels is not None or shift_labels is not None)):
         if shift_labels is not None:
@@ -430,8 +449,11 @@ def _causal_lm_forward(self: LlamaForCausalLM, input_ids: torch.Tensor | None = 
     loss = causal_lm_loss(hidden, self.lm_head.weight, labels, shift_labels, self.coda_xent,
                           kwargs.get("num_items_in_batch"), self.coda_xent_frozen, self.coda_softcap)
     if not router:
-        return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=outputs.past_key_values,
-                                      hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+        cls = self.coda_output
+        extra = {f.name: getattr(outputs, f.name) for f in dataclasses.fields(cls)
+                 if f.name not in _LM_OUTPUT_FIELDS and hasattr(outputs, f.name)}
+        return cls(loss=loss, logits=None, past_key_values=outputs.past_key_values,
+                   hidden_states=outputs.hidden_states, attentions=outputs.attentions, **extra)
     aux = None
     if kwargs["output_router_logits"]:  # as MixtralForCausalLM.forward, whose code this model's is
         aux = load_balancing_loss_func(outputs.router_logits, self.num_experts, self.num_experts_per_tok,

@@ -31,9 +31,9 @@ one by one, by their code (``families.same_code``) as the layer drop-ins recogni
 - **The LM head and loss**: where the causal LM's forward is LLaMA's, Granite's or Mixtral's code
   (``families.CAUSAL_LMS``) and its loss is HF's causal-LM loss, training with labels runs the
   fused LM head + cross-entropy (``lm_head_xent``; no full logits, ``logits`` is None, as with
-  Liger), as ``apply_to_llama``'s does.  Gemma-2's code (Gemma-3's, VaultGemma's, NanoChat's)
-  soft-caps the logits by ``final_logit_softcapping``, which ``lm_head_xent_softcap`` takes as
-  its ``cap``.  A forward that scales the logits otherwise (Cohere's) keeps HF's head.
+  Liger), as ``apply_to_llama``'s does.  Gemma-2's code (Gemma-3's, Gemma-3n's, VaultGemma's,
+  NanoChat's) and Gemma-4's soft-cap the logits by ``final_logit_softcapping``, which
+  ``lm_head_xent_softcap`` takes as its ``cap`` (``lm_head_xent`` where the config sets none).  A forward that scales the logits otherwise (Cohere's) keeps HF's head.
 
 Everything else stays HF's (attention, norms, embeddings), and torch.compile compiles it around the
 kernels' custom ops.  What was patched is ``model.coda_flags`` (the MLPs by name, under their
@@ -52,6 +52,8 @@ from typing import Any
 from torch import nn
 from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.models.gemma2.modeling_gemma2 import Gemma2ForCausalLM
+from transformers.models.gemma4.modeling_gemma4 import Gemma4ForCausalLM
+from transformers.models.gemma4_unified.modeling_gemma4_unified import Gemma4UnifiedForCausalLM
 
 from coda_agent.tasks import SUITE_DIR
 
@@ -65,8 +67,11 @@ from .kernel import Kernel, KernelError
 MLP_TASKS = (*gated_mlps.TASKS, *moe_experts.TASKS, *plain_mlps.TASKS.values(), *linear_acts.TASKS.values())
 GPT2_TASKS = (*plain_mlps.TASKS.values(), *linear_acts.TASKS.values())  # the slots the GPT-2 suite's kernels fill
 SLOTS = (*MLP_TASKS, "lm_head_xent", "lm_head_xent_frozen", "lm_head_xent_softcap", "lm_head_xent_softcap_frozen")
-# Causal LMs whose forward soft-caps the logits (config.final_logit_softcapping) before HF's loss
-SOFTCAP_LMS = {"Gemma-2's": Gemma2ForCausalLM.forward}
+# Causal LMs whose forward soft-caps the logits (config.final_logit_softcapping, where set) before
+# HF's loss.  Gemma-4's forwards also pass the model its per-layer inputs and return the shared KV
+# states, in their own output class (``llama.patch_causal_lm`` keeps both).
+SOFTCAP_LMS = {"Gemma-2's": Gemma2ForCausalLM.forward, "Gemma-4's": Gemma4ForCausalLM.forward,
+               "Gemma-4 Unified's": Gemma4UnifiedForCausalLM.forward}
 
 
 def apply_to_model(model: nn.Module, *, mlp: bool = True, fused_linear_cross_entropy: bool = True,
@@ -170,4 +175,4 @@ def _head_refusal(model: nn.Module) -> str:
     if getattr(model, "loss_function", None) is not ForCausalLMLoss and any(
             same_code(type(model).forward, fn) for fn in (*CAUSAL_LMS.values(), *SOFTCAP_LMS.values())):
         return f"its loss is {getattr(model, 'loss_type', None)!r}, not HF's causal-LM loss"
-    return f"{type(model).__name__}.forward is not LLaMA's, Granite's, Mixtral's or Gemma-2's causal LM code"
+    return f"{type(model).__name__}.forward is not LLaMA's, Granite's, Mixtral's, Gemma-2's or Gemma-4's causal LM code"

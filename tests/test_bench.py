@@ -336,14 +336,15 @@ def test_dropin_coverage_patches_or_refuses_each_model_it_builds(tmp_path):
     (to HF's loss; GPT-2 rebuilt with the config value
     its refusal names, Phi-3 with its padding id moved into the small vocabulary, Mellum, whose
     rotary embedding keeps no frequency table, DeepSeek-V3 built at small latent-attention widths
-    with its MoE in the second layer) and refuses the others with a KernelError; an unknown model
-    type is refused."""
+    with its MoE in the second layer, Gemma-4 with a layer of each of its two kinds) and refuses
+    the others with a KernelError; an unknown model type is refused."""
     pytest.importorskip("transformers")
     coverage = _bench_module("dropin_coverage")
     out = tmp_path / "coverage.json"
-    assert coverage.main([str(out), "--models", "llama,gpt_neox,phi,gemma,gpt2,phi3,mellum,olmo2,deepseek_v3"]) == 0
+    assert coverage.main([str(out), "--models", "llama,gpt_neox,phi,gemma,gpt2,phi3,mellum,olmo2,deepseek_v3,gemma4_text"]) == 0
     report = json.loads(out.read_text())
     assert report["summary"]["patched"] == ["deepseek_v3:apply_to_model",  # MLA: its MLPs, experts and head
+                                            "gemma4_text:apply_to_model",  # sliding and full layers, its head
                                             "gemma:apply_to_llama",  # its GeGLU MLP alone, as geglu_mlp
                                             "gpt2:apply_to_gpt2(resid_pdrop=0.0)",  # the config value it named
                                             "gpt_neox:apply_to_gpt_neox", "llama:apply_to_llama",
@@ -366,6 +367,9 @@ def test_dropin_coverage_patches_or_refuses_each_model_it_builds(tmp_path):
                                                            "fused_linear_cross_entropy": True}
     # layer 0's dense MLP, layer 1's routed experts and its shared experts
     assert rows["deepseek_v3"]["apply_to_model"]["parts"]["swiglu_mlp"] == 3
+    gemma4 = rows["gemma4_text"]
+    assert gemma4["layered"] and gemma4["apply_to_model"]["parts"]["geglu_mlp"] == 2
+    assert gemma4["apply_to_model"]["parts"]["fused_linear_cross_entropy"]
     phi = rows["phi"]["apply_to_model"]
     assert phi["flags"] == {"fused_linear_cross_entropy": False} and phi["result"] == "patched"
     assert phi["parts"]["gelu_tanh_mlp"] == 2 and abs(phi["loss"] - phi["hf_loss"]) < 0.01

@@ -79,6 +79,40 @@ def test_gemma2s_soft_capped_logits_train_like_hf(cap):
     assert ("capped_logits" if cap else "logits_lse") in {launch.name for launch in launched}
 
 
+@pytest.mark.parametrize("cls_name", ["Gemma4ForCausalLM", "Gemma4UnifiedForCausalLM"])
+def test_gemma4s_soft_capped_head_trains_like_hf_and_keeps_its_output(cls_name):
+    """Gemma-4's causal LM code is its own (the decoder takes per-layer inputs and returns the
+    shared KV states, in Gemma-4's output class) and soft-caps as Gemma-2's does: its head runs
+    as the capped kernel, and the patched forward still returns the model's own output class with
+    the decoder's fields."""
+    import transformers
+    from test_llama import CONFIG, with_norms_off_one
+
+    cls = getattr(transformers, cls_name)
+    torch.manual_seed(0)
+    config = cls.config_class(**{**CONFIG, "pad_token_id": None, "bos_token_id": None, "eos_token_id": None,
+                                 # the last layer reads the one before's keys and values: shared KV states
+                                 "num_hidden_layers": 3, "num_kv_shared_layers": 1,
+                                 "layer_types": ["sliding_attention", "full_attention", "full_attention"],
+                                 "sliding_window": 8,
+                                 "hidden_size_per_layer_input": 16, "vocab_size_per_layer_input": CONFIG["vocab_size"],
+                                 "final_logit_softcapping": 5.0})
+    base = with_norms_off_one(cls(config))
+    with torch.no_grad():
+        base.lm_head.weight.mul_(30.0)  # logits past the cap
+    hi, lo = truth_of(base)
+    model = coda_agent.apply_to_model(copy.deepcopy(base).bfloat16())
+    assert model.coda_softcap == 5.0 and model.coda_flags["fused_linear_cross_entropy"]
+    with launch_ledger() as launched:
+        got = train_and_eval(model)
+    assert_like_hf(got, hi, lo)
+    assert "capped_logits" in {launch.name for launch in launched}
+    ids, labels = batch()
+    out, hf = (m.train()(ids, labels=labels, return_shared_kv_states=True) for m in (model, base.bfloat16()))
+    assert type(out) is type(hf) and out.logits is None
+    assert set(out.shared_kv_states) == set(hf.shared_kv_states) != set()
+
+
 def test_a_phi3_mlp_and_a_model_a_layer_drop_in_takes():
     """Phi-3's MLP keeps gate and up in one projection, in halves: fused into interleaved rows all
     the same.  apply_to_llama takes Phi-3 and fuses more, which apply_to_model says."""

@@ -4,6 +4,8 @@ judge's or the runner's, is weighed between the program and the judge."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -138,3 +140,18 @@ def test_the_judge_keeps_two_draws_of_a_set_alive_not_all_of_them():
     # at a call: the previous draw's results or this draw's (a needs call), and the first draw's case,
     # the previous one's and this one's
     assert max(r for r, _ in alive) <= 1 and max(c for _, c in alive) <= 3, alive
+
+
+def test_the_judge_grows_its_allocator_s_segments_and_runners_keep_theirs_fixed(monkeypatch, tmp_path):
+    from coda_agent.verifier import judge, sandbox
+
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "")  # records the session's value, restored after
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    judge.allocator_settings()
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    plan = sandbox.Plan(namespaces=False, scratch=str(tmp_path))
+    # The runner exports its buffers over CUDA IPC, which an expandable segment cannot.
+    assert sandbox.runner_env(plan, {})["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:False"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")  # the user's choice stands
+    judge.allocator_settings()
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"

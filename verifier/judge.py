@@ -35,12 +35,24 @@ def _machine_has_gpu() -> bool:
     return bool(os.environ.get("CUDA_VISIBLE_DEVICES", "x")) and os.path.exists("/dev/nvidia0")
 
 
+def allocator_settings() -> None:
+    """The judge's CUDA allocator grows its segments in place (PyTorch's expandable segments),
+    unless the user chose otherwise: a fixed-segment cache fragments under the references'
+    logits-sized fp32 tensors (an H100's judge for lm_head_xent_softcap at llama3-8b ran out of
+    memory holding 11.8 GiB reserved but unallocated, with 52.5 GiB allocated).  The judge only
+    imports runner memory over CUDA IPC and exports none (:mod:`.cuda_ipc`), which is what an
+    expandable segment cannot do; runners keep fixed segments (``sandbox.runner_env``).  Read
+    when CUDA starts: called before torch is imported."""
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+
 def main(events_fd: int, compiles: bool) -> int:
     """``compiles``: the checks may run the compile stage, so the runner zygote loads the compile
     lowering's libraries once (:mod:`.zygote`)."""
     from coda_agent.verifier import sandbox
 
     ctypes.CDLL(None).prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
+    allocator_settings()
     sandbox.prune_kernel_caches(time.time())
     zygote = None
     if not _machine_has_gpu():  # its imports overlap the judge's own

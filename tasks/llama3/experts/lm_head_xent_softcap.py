@@ -15,7 +15,7 @@ The logits chunk is kept raw in fp32, and the pass computes the cap and its slop
 a cap of 30 a bf16 rounding moves a logit by up to 1/16 (half a bf16 step there), which the
 softmax turns into a 6% change of that token's probability, and the slope of a saturated logit,
 sech^2, is lost to cancellation in 1 - (c / cap)^2 of a rounded c.  So the chunk's budget,
-LOGITS_BYTES, holds half as many rows as lm_head_xent's bf16 chunk, but never fewer than the
+LOGITS_BYTES, is twice lm_head_xent's bf16 one for as many rows, and never fewer rows than the
 dx GEMM needs to fill the GPU (DX_TILES).
 """
 
@@ -23,7 +23,11 @@ from coda_agent.primitives import (ColVec, RowVec, Scalar, Tile, column_index, c
                                    maximum, online_lse, reciprocal, select_col, tile_pass, to_fp32, where, xent_loss,
                                    zeros_like)
 
-LOGITS_BYTES = 256 * 2**20  # the fp32 logits chunk alive at once, unless DX_TILES needs more rows
+# The fp32 logits chunk alive at once, unless DX_TILES needs more rows: 1024 rows of LLaMA-3's
+# 128256-token vocabulary, lm_head_xent's chunk.  Each chunk costs its launches' host time (an
+# H100's host took 20-40 ms for the 32 chunks of 512 rows at T = 16384) and, with dw, a read and
+# write of the whole dw (1 GiB at 8B).
+LOGITS_BYTES = 512 * 2**20
 # The dx GEMM of a chunk (rows x H, K = V) has (rows / 128) * (H / 128) output tiles, each a long
 # K loop: fewer tiles than a Hopper's 132 SMs leave SMs idle for the whole GEMM (an H100 at
 # LLaMA-3 1B, 512 rows, 64 tiles: the step ran at 1.97x its plain GEMMs).  So a chunk has rows

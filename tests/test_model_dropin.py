@@ -79,31 +79,33 @@ def test_gemma2s_soft_capped_logits_train_like_hf(cap):
     assert ("capped_logits" if cap else "logits_lse") in {launch.name for launch in launched}
 
 
-@pytest.mark.parametrize("cls_name", ["Gemma4ForCausalLM", "Gemma4UnifiedForCausalLM"])
-def test_gemma4s_soft_capped_head_trains_like_hf_and_keeps_its_output(cls_name):
-    """Gemma-4's causal LM code is its own (the decoder takes per-layer inputs and returns the
-    shared KV states, in Gemma-4's output class) and soft-caps as Gemma-2's does: its head runs
-    as the capped kernel, and the patched forward still returns the model's own output class with
-    the decoder's fields."""
+def tiny_gemma4(cls_name: str) -> torch.nn.Module:
+    """Gemma-4 (or Gemma-4 Unified) at the tiny config's widths, a layer of each attention kind and a
+    last layer reading the one before's keys and values (shared KV states), its logits capped at 5
+    and its tied head scaled so that they reach past the cap."""
+    import test_llama
     import transformers
-    from test_llama import CONFIG, with_norms_off_one
 
     cls = getattr(transformers, cls_name)
     torch.manual_seed(0)
-    config = cls.config_class(**{**CONFIG, "pad_token_id": None, "bos_token_id": None, "eos_token_id": None,
-                                 # the last layer reads the one before's keys and values: shared KV states
-                                 "num_hidden_layers": 3, "num_kv_shared_layers": 1,
+    config = cls.config_class(**{**test_llama.CONFIG, "pad_token_id": None, "bos_token_id": None,
+                                 "eos_token_id": None, "num_hidden_layers": 3, "num_kv_shared_layers": 1,
                                  "layer_types": ["sliding_attention", "full_attention", "full_attention"],
-                                 "sliding_window": 8,
-                                 "hidden_size_per_layer_input": 16, "vocab_size_per_layer_input": CONFIG["vocab_size"],
+                                 "sliding_window": 8, "hidden_size_per_layer_input": 16,
+                                 "vocab_size_per_layer_input": test_llama.CONFIG["vocab_size"],
                                  "final_logit_softcapping": 5.0})
-    base = with_norms_off_one(cls(config))
+    base = test_llama.with_norms_off_one(cls(config).to(test_llama.DEVICE))
     with torch.no_grad():
-        base.lm_head.weight.mul_(30.0)  # logits past the cap
+        base.lm_head.weight.mul_(30.0)
+    return base
+
+
+def assert_gemma4_trains_like_hf(cls_name: str) -> None:
+    base = tiny_gemma4(cls_name)
     hi, lo = truth_of(base)
     model = coda_agent.apply_to_model(copy.deepcopy(base).bfloat16())
     assert model.coda_softcap == 5.0 and model.coda_flags["fused_linear_cross_entropy"]
-    with launch_ledger() as launched:
+    with launch_ledger() as launched, torch.autograd.set_multithreading_enabled(False):
         got = train_and_eval(model)
     assert_like_hf(got, hi, lo)
     assert "capped_logits" in {launch.name for launch in launched}
@@ -111,6 +113,15 @@ def test_gemma4s_soft_capped_head_trains_like_hf_and_keeps_its_output(cls_name):
     out, hf = (m.train()(ids, labels=labels, return_shared_kv_states=True) for m in (model, base.bfloat16()))
     assert type(out) is type(hf) and out.logits is None
     assert set(out.shared_kv_states) == set(hf.shared_kv_states) != set()
+
+
+@pytest.mark.parametrize("cls_name", ["Gemma4ForCausalLM", "Gemma4UnifiedForCausalLM"])
+def test_gemma4s_soft_capped_head_trains_like_hf_and_keeps_its_output(cls_name):
+    """Gemma-4's causal LM code is its own (the decoder takes per-layer inputs and returns the
+    shared KV states, in Gemma-4's output class) and soft-caps as Gemma-2's does: its head runs
+    as the capped kernel, and the patched forward still returns the model's own output class with
+    the decoder's fields."""
+    assert_gemma4_trains_like_hf(cls_name)
 
 
 def test_a_phi3_mlp_and_a_model_a_layer_drop_in_takes():
@@ -221,6 +232,16 @@ def test_lora_on_the_attention_trains_and_on_the_mlp_is_refused():
     with pytest.raises(KernelError, match=r"mlp.gate_proj has LoRA adapters.*pass mlp=False"):
         coda_agent.apply_to_model(with_lora(tiny_olmo2().bfloat16(), ["gate_proj"]))
     assert peft
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Hopper)")
+def test_gemma4s_soft_capped_head_trains_like_hf_on_gpu(monkeypatch):
+    """The cute lowering: Gemma-4's capped head and its GeGLU MLPs' GEMMs on the GPU."""
+    import test_llama
+
+    monkeypatch.setattr(test_llama, "DEVICE", "cuda")
+    assert_gemma4_trains_like_hf("Gemma4ForCausalLM")
 
 
 @pytest.mark.gpu

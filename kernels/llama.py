@@ -218,7 +218,7 @@ def apply_to_llama(model: LlamaForCausalLM | LlamaModel, *, rope: bool = True, r
 def patch_causal_lm(model: nn.Module, kind: str, xent: Kernel, xent_frozen: Kernel, softcap: float | None = None
                     ) -> None:
     """In training with labels, ``model``'s LM head and loss run as the fused kernels; ``kind``:
-    whose causal LM code its forward is (``families.CAUSAL_LMS``, or ``modules.SOFTCAP_LMS``', which
+    whose causal LM code its forward is (``families.CAUSAL_LMS``, or ``modules.SOFTCAP_LMS``, which
     soft-cap the logits by ``softcap``: the kernels then take it as their ``cap``).  The patched
     forward returns the output class the model's own forward names (:func:`_output_class`)."""
     model.coda_xent, model.coda_xent_frozen, model.coda_softcap = xent, xent_frozen, softcap

@@ -33,7 +33,8 @@ one by one, by their code (``families.same_code``) as the layer drop-ins recogni
   fused LM head + cross-entropy (``lm_head_xent``; no full logits, ``logits`` is None, as with
   Liger), as ``apply_to_llama``'s does.  Gemma-2's code (Gemma-3's, Gemma-3n's, VaultGemma's,
   NanoChat's) and Gemma-4's soft-cap the logits by ``final_logit_softcapping``, which
-  ``lm_head_xent_softcap`` takes as its ``cap`` (``lm_head_xent`` where the config sets none).  A forward that scales the logits otherwise (Cohere's) keeps HF's head.
+  ``lm_head_xent_softcap`` takes as its ``cap`` (``lm_head_xent`` where the config sets none).  A
+  forward that scales the logits otherwise (Cohere's) keeps HF's head.
 
 Everything else stays HF's (attention, norms, embeddings), and torch.compile compiles it around the
 kernels' custom ops.  What was patched is ``model.coda_flags`` (the MLPs by name, under their
@@ -175,4 +176,5 @@ def _head_refusal(model: nn.Module) -> str:
     if getattr(model, "loss_function", None) is not ForCausalLMLoss and any(
             same_code(type(model).forward, fn) for fn in (*CAUSAL_LMS.values(), *SOFTCAP_LMS.values())):
         return f"its loss is {getattr(model, 'loss_type', None)!r}, not HF's causal-LM loss"
-    return f"{type(model).__name__}.forward is not LLaMA's, Granite's, Mixtral's, Gemma-2's or Gemma-4's causal LM code"
+    return (f"{type(model).__name__}.forward is not LLaMA's, Granite's, Mixtral's, Gemma-2's or Gemma-4's causal "
+            "LM code")

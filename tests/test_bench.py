@@ -341,7 +341,8 @@ def test_dropin_coverage_patches_or_refuses_each_model_it_builds(tmp_path):
     pytest.importorskip("transformers")
     coverage = _bench_module("dropin_coverage")
     out = tmp_path / "coverage.json"
-    assert coverage.main([str(out), "--models", "llama,gpt_neox,phi,gemma,gpt2,phi3,mellum,olmo2,deepseek_v3,gemma4_text"]) == 0
+    models = "llama,gpt_neox,phi,gemma,gpt2,phi3,mellum,olmo2,deepseek_v3,gemma4_text"
+    assert coverage.main([str(out), "--models", models]) == 0
     report = json.loads(out.read_text())
     assert report["summary"]["patched"] == ["deepseek_v3:apply_to_model",  # MLA: its MLPs, experts and head
                                             "gemma4_text:apply_to_model",  # sliding and full layers, its head

@@ -50,10 +50,13 @@ MLA_SMALL = dict(qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, kv_lora
 # Configs whose layers differ (Gemma-3n/4's sliding and full attention, hybrids of attention and
 # state-space or linear-attention layers) keep a list or period per layer that the two small layers
 # must match; built again from these (``layered`` in its row): one layer of each kind its defaults
-# list, the hybrids' attention on the second layer, and Gemma's per-layer inputs small.
+# list, the hybrids' attention on the second layer and their state-space layers at small widths
+# (Bamba's defaults, 128 heads of a 256-wide state, asked its reference scan for 16 GiB), and Gemma's
+# per-layer inputs small.
 LAYERED_SMALL = dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
                      attn_layer_indices=[1], vocab_size_per_layer_input=256, hidden_size_per_layer_input=16,
-                     num_kv_shared_layers=0)
+                     num_kv_shared_layers=0, mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16,
+                     mamba_chunk_size=16)
 # A patched model's loss against the unpatched bf16 model's: both round in bf16 (a loss near 5.5
 # moves ~0.02 per rounding step), and a wiring error misses by far more.
 LOSS_TOLERANCE = 0.01

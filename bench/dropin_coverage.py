@@ -177,13 +177,18 @@ def judge(class_name: str, build_s: int) -> dict[str, Any]:
     return row
 
 
+ATTENTION_KINDS = {"full_attention", "sliding_attention", "attention"}
+
+
 def _small_layer_types(cls: Any) -> dict[str, list[str]]:
-    """The default config's kinds of layer, one each, as many as the small layers (none where it
-    lists no kinds)."""
+    """The default config's kinds of layer, one each and an attention layer among them, as many as
+    the small layers (none where it lists no kinds)."""
     kinds = getattr(cls.config_class(), "layer_types", None) if _lists_layer_types(cls) else None
     if not isinstance(kinds, list) or not kinds:
         return {}
     distinct = list(dict.fromkeys(kinds))
+    if not set(distinct) & ATTENTION_KINDS:  # a hybrid whose defaults list no attention layer: HF's own
+        distinct.append("full_attention")  # step needs one (Granite-MoE-Hybrid's cache asks it its length)
     n = SMALL["num_hidden_layers"]
     return {"layer_types": (distinct * n)[:n]}
 

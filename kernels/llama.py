@@ -231,7 +231,10 @@ def patch_causal_lm(model: nn.Module, kind: str, xent: Kernel, xent_frozen: Kern
 def _output_class(model: nn.Module) -> type:
     """The output class ``model``'s own forward returns (Gemma-4's carries the shared KV states),
     where it names one with a causal LM output's fields; else CausalLMOutputWithPast."""
-    out = inspect.signature(type(model).forward).return_annotation
+    try:  # a modeling file with postponed annotations names the class as a string
+        out = inspect.signature(type(model).forward, eval_str=True).return_annotation
+    except (NameError, SyntaxError, TypeError):
+        out = None
     if isinstance(out, type) and dataclasses.is_dataclass(out) \
             and _LM_OUTPUT_FIELDS <= {f.name for f in dataclasses.fields(out)}:
         return out

@@ -80,7 +80,7 @@ CHECK_FRACTION = 0.25  # chance a per-call timing's results are compared
 BLOCK_ROUNDS, BLOCK_MS, BLOCK_CALLS = 5, 200.0, (4, 32)
 BLOCK_BYTES = 32 << 30  # results a block may keep alive in the runner (and at most a third of free memory)
 # A block's first call is enqueued while the device idles: a program whose host takes 40 ms to
-# enqueue a 55 ms call (the soft-capped LM head's 32 token chunks on an H100) lost 15% back to
+# enqueue a 55 ms call (the soft-capped LM head's 32 token chunks on an H100) lost 17% back to
 # back in blocks of 4, past HIDDEN_TOLERANCE.  Blocks grow until that wait is at most this share.
 HOST_SHARE, HOST_CAP_MS = 0.03, 1000.0
 CHECKED_PER_BLOCK = 2

@@ -225,6 +225,9 @@ def patch_causal_lm(model: nn.Module, kind: str, xent: Kernel, xent_frozen: Kern
     model.coda_logits_scale = float(model.config.logits_scaling) if kind == "Granite's" else 1.0
     model.coda_router_loss = kind == "Mixtral's"
     model.coda_output = _output_class(model)
+    # read once here: torch.compile cannot trace dataclasses.fields inside the forward
+    model.coda_output_extra = tuple(f.name for f in dataclasses.fields(model.coda_output)
+                                    if f.name not in _LM_OUTPUT_FIELDS)
     model.forward = PatchedForward(model, _causal_lm_forward)
 
 
@@ -453,8 +456,7 @@ def _causal_lm_forward(self: LlamaForCausalLM, input_ids: torch.Tensor | None = 
                           kwargs.get("num_items_in_batch"), self.coda_xent_frozen, self.coda_softcap)
     if not router:
         cls = self.coda_output
-        extra = {f.name: getattr(outputs, f.name) for f in dataclasses.fields(cls)
-                 if f.name not in _LM_OUTPUT_FIELDS and hasattr(outputs, f.name)}
+        extra = {name: getattr(outputs, name, None) for name in self.coda_output_extra}
         return cls(loss=loss, logits=None, past_key_values=outputs.past_key_values,
                    hidden_states=outputs.hidden_states, attentions=outputs.attentions, **extra)
     aux = None

@@ -183,7 +183,8 @@ ATTENTION_KINDS = {"full_attention", "sliding_attention", "attention"}
 def _small_layer_types(cls: Any) -> dict[str, list[str]]:
     """The default config's kinds of layer, one each and an attention layer among them, as many as
     the small layers (none where it lists no kinds)."""
-    kinds = getattr(cls.config_class(), "layer_types", None) if _lists_layer_types(cls) else None
+    defaults = cls.config_class()
+    kinds = defaults.layer_types if "layer_types" in defaults.to_dict() else None
     if not isinstance(kinds, list) or not kinds:
         return {}
     distinct = list(dict.fromkeys(kinds))
@@ -191,10 +192,6 @@ def _small_layer_types(cls: Any) -> dict[str, list[str]]:
         distinct.append("full_attention")  # step needs one (Granite-MoE-Hybrid's cache asks it its length)
     n = SMALL["num_hidden_layers"]
     return {"layer_types": (distinct * n)[:n]}
-
-
-def _lists_layer_types(cls: Any) -> bool:
-    return "layer_types" in cls.config_class().to_dict()
 
 
 def _layered(class_name: str) -> bool:

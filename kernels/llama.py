@@ -224,24 +224,23 @@ def patch_causal_lm(model: nn.Module, kind: str, xent: Kernel, xent_frozen: Kern
     model.coda_xent, model.coda_xent_frozen, model.coda_softcap = xent, xent_frozen, softcap
     model.coda_logits_scale = float(model.config.logits_scaling) if kind == "Granite's" else 1.0
     model.coda_router_loss = kind == "Mixtral's"
-    model.coda_output = _output_class(model)
     # read once here: torch.compile cannot trace dataclasses.fields inside the forward
-    model.coda_output_extra = tuple(f.name for f in dataclasses.fields(model.coda_output)
-                                    if f.name not in _LM_OUTPUT_FIELDS)
+    model.coda_output, model.coda_output_extra = _output_class(model)
     model.forward = PatchedForward(model, _causal_lm_forward)
 
 
-def _output_class(model: nn.Module) -> type:
+def _output_class(model: nn.Module) -> tuple[type, tuple[str, ...]]:
     """The output class ``model``'s own forward returns (Gemma-4's carries the shared KV states),
-    where it names one with a causal LM output's fields; else CausalLMOutputWithPast."""
+    where it names one with a causal LM output's fields, else CausalLMOutputWithPast; and the
+    fields it adds to those, which the decoder's output fills."""
     try:  # a modeling file with postponed annotations names the class as a string
         out = inspect.signature(type(model).forward, eval_str=True).return_annotation
     except (NameError, SyntaxError, TypeError):
         out = None
-    if isinstance(out, type) and dataclasses.is_dataclass(out) \
-            and _LM_OUTPUT_FIELDS <= {f.name for f in dataclasses.fields(out)}:
-        return out
-    return CausalLMOutputWithPast
+    names = [f.name for f in dataclasses.fields(out)] if isinstance(out, type) and dataclasses.is_dataclass(out) else []
+    if not _LM_OUTPUT_FIELDS <= set(names):
+        return CausalLMOutputWithPast, ()
+    return out, tuple(n for n in names if n not in _LM_OUTPUT_FIELDS)
 
 
 # What the patched forward fills itself; any other field of the output class comes from the decoder's

@@ -345,6 +345,19 @@ def test_blocks_grow_until_the_first_calls_enqueue_is_a_small_share():
     assert timing.block_calls(141.0, 55.0, 1e9, room, result) == 32  # a claimed host time buys no more than the cap
 
 
+def test_what_the_runner_says_of_a_block_is_kept_only_when_well_formed():
+    """A block's diagnostics are the runner's word: numbers under short names are kept for the
+    report beside the judge's own wall clock; anything else (the program may answer for the
+    runner) is dropped, never raised on and never read by the verdict."""
+    good = {"host_ms": 334.6, "num_alloc_retries": 0}
+    assert timing._seen(good, 483.4) == {**good, "judge_wall_ms": 483.4}
+    forged = {"host_ms": float("nan"), "x" * 50: 1, "num_device_alloc": "11", 3: 4, "block_ms": True,
+              **{f"k{i}": i for i in range(20)}}
+    kept = timing._seen(forged, 12.0)
+    assert kept["judge_wall_ms"] == 12.0 and len(kept) == 9 and all(k.startswith("k") for k in list(kept)[:8])
+    assert timing._seen(["not", "a", "dict"], 1.0) == {"judge_wall_ms": 1.0}
+
+
 def test_correct_slow_is_its_own_outcome():
     passed = [StageResult(name=s, status="passed") for s in ("static", "reference", "compile", "correctness",
                                                                "launch_audit")]

@@ -112,3 +112,18 @@ def test_an_out_of_memory_is_weighed_by_what_the_other_process_holds(other_gib, 
         proc.stdin.flush()
         proc.wait(timeout=60)
     assert res.status == status, res.message
+
+
+def test_the_performance_stage_reports_what_the_runner_saw_of_each_block():
+    """Each back-to-back block of the program comes with the runner's account of it (its host's share,
+    its allocator's device calls) next to the judge's own clock, for the report."""
+    from verifier_helpers import EXPERT_PATH, TASK_PATH
+
+    from coda_agent.tasks.spec import load_task
+    from coda_agent.verifier import Verifier, timing
+
+    report = Verifier(cache=False).check(load_task(TASK_PATH), EXPERT_PATH.read_text())
+    blocks = report.stage("performance").details["program_blocks"]
+    assert len(blocks) == timing.BLOCK_ROUNDS, blocks
+    assert all(0 < b["host_ms"] <= b["block_ms"] <= b["judge_wall_ms"] + 1 for b in blocks), blocks
+    assert all(b["num_alloc_retries"] >= 0 for b in blocks)

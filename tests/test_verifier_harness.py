@@ -14,7 +14,7 @@ from verifier_helpers import CORPUS, EXPERT_PATH, TASK_PATH
 from coda_agent.tasks.spec import load_task
 from coda_agent.verifier import Verifier
 from coda_agent.verifier import cache as verdict_cache
-from coda_agent.verifier import harness, timing
+from coda_agent.verifier import harness
 from coda_agent.verifier.feedback import render_feedback
 from coda_agent.verifier.report import Report, StageResult
 
@@ -461,10 +461,6 @@ def test_expert_correct_on_gpu(task):
     assert report.correct, report.model_dump_json(indent=1)
     perf = report.stage("performance").details
     assert perf["ms"]["program"] > 0 and "vs_gemm" in perf and perf["wall_ms"]["program"] > 0
-    # every block's diagnostics: the runner's host time within the judge's wall clock of it
-    blocks = perf["program_blocks"]
-    assert len(blocks) == timing.BLOCK_ROUNDS
-    assert all(0 < b["host_ms"] <= b["block_ms"] <= b["judge_wall_ms"] + 1 for b in blocks), blocks
 
 
 def test_a_stopped_zygote_is_replaced_not_waited_for(monkeypatch, tmp_path):

@@ -34,7 +34,10 @@ one by one, by their code (``families.same_code``) as the layer drop-ins recogni
   Liger), as ``apply_to_llama``'s does.  Gemma-2's code (Gemma-3's, Gemma-3n's, VaultGemma's,
   NanoChat's) and Gemma-4's soft-cap the logits by ``final_logit_softcapping``, which
   ``lm_head_xent_softcap`` takes as its ``cap`` (``lm_head_xent`` where the config sets none).  A
-  forward that scales the logits otherwise (Cohere's) keeps HF's head.
+  causal LM's forward of other code (GPT-J's, OPT's, Cohere's, Mamba's, some eighty families) keeps
+  running as it is where the head probe (``causal_heads``) finds that it hands the head's logits to
+  HF's loss with only a cast or a scale between: the head then passes its input on, and the loss
+  runs the fused kernel over it.  A forward that bends the logits otherwise keeps HF's head.
 
 Everything else stays HF's (attention, norms, embeddings), and torch.compile compiles it around the
 kernels' custom ops.  What was patched is ``model.coda_flags`` (the MLPs by name, under their
@@ -58,7 +61,7 @@ from transformers.models.gemma4_unified.modeling_gemma4_unified import Gemma4Uni
 
 from coda_agent.tasks import SUITE_DIR
 
-from . import gated_mlps, linear_acts, moe_experts, plain_mlps
+from . import causal_heads, gated_mlps, linear_acts, moe_experts, plain_mlps
 from .adapters import peft_base, wrapped_by_peft
 from .dropin import (GPT2_SUITE, NO_KERNEL, STACKS, check_lm_head, check_slots, refusal_by, refuse_patched,
                      refuse_wrapped, require_kernel_dtypes, slot_kernel, suite_kernel)
@@ -73,6 +76,7 @@ SLOTS = (*MLP_TASKS, "lm_head_xent", "lm_head_xent_frozen", "lm_head_xent_softca
 # states, in their own output class (``llama.patch_causal_lm`` keeps both).
 SOFTCAP_LMS = {"Gemma-2's": Gemma2ForCausalLM.forward, "Gemma-4's": Gemma4ForCausalLM.forward,
                "Gemma-4 Unified's": Gemma4UnifiedForCausalLM.forward}
+PROBED = "a probed"  # a causal LM of other code whose head and loss ``causal_heads.probe`` found
 
 
 def apply_to_model(model: nn.Module, *, mlp: bool = True, fused_linear_cross_entropy: bool = True,
@@ -86,11 +90,11 @@ def apply_to_model(model: nn.Module, *, mlp: bool = True, fused_linear_cross_ent
     require_kernel_dtypes(model, "apply_to_model")
     check_slots(kernels, SLOTS)
     mlps, passed = _mlps(model) if mlp else ({}, [])
-    head = _causal_lm(model) if fused_linear_cross_entropy else None
+    head, head_why = _causal_lm(model) if fused_linear_cross_entropy else (None, "")
     if not mlps and head is None:
         looked = [what for what, on in (("MLPs", mlp), ("the LM head and loss", fused_linear_cross_entropy))
                   if on]
-        why = "; ".join(passed + ([_head_refusal(model)] if fused_linear_cross_entropy else []))
+        why = "; ".join(passed + ([head_why] if head_why else []))
         raise KernelError(f"apply_to_model found none of {' or '.join(looked) or 'nothing (every flag is off)'} in "
                           f"{type(model).__name__} that the suite's kernels compute{f' ({why})' if why else ''}"
                           f"{NO_KERNEL}")
@@ -108,7 +112,9 @@ def apply_to_model(model: nn.Module, *, mlp: bool = True, fused_linear_cross_ent
         for name in SLOTS if name in used or name in (kernels or {})}
     for name, (module, site, task, family) in mlps.items():
         family.patch(module, site, task, chosen[task])
-    if head is not None:
+    if head == PROBED:
+        causal_heads.patch(model, chosen[xent], chosen[f"{xent}_frozen"])
+    elif head is not None:
         from .llama import patch_causal_lm  # the LLaMA drop-in's patched causal LM, whose code this one is
 
         patch_causal_lm(model, head, chosen[xent], chosen[f"{xent}_frozen"], None if cap is None else float(cap))
@@ -159,22 +165,25 @@ def _mlps(model: nn.Module) -> tuple[dict[str, tuple[nn.Module, Any, str, Any]],
     return found, passed
 
 
-def _causal_lm(model: nn.Module) -> str | None:
-    """Whose causal LM ``model`` is (a key of ``CAUSAL_LMS`` or :data:`SOFTCAP_LMS`) if its LM head
-    and loss can run fused."""
+def _causal_lm(model: nn.Module) -> tuple[str | None, str]:
+    """(whose causal LM ``model`` is: a key of ``CAUSAL_LMS`` or :data:`SOFTCAP_LMS`, or
+    :data:`PROBED` for a forward of other code that passed ``causal_heads.probe``; None where its LM
+    head and loss cannot run fused, and then why not)."""
     kind = next((k for k, fn in {**CAUSAL_LMS, **SOFTCAP_LMS}.items() if same_code(type(model).forward, fn)), None)
-    if kind is None or not isinstance(getattr(model, "model", None), nn.Module) \
-            or getattr(model, "loss_function", None) is not ForCausalLMLoss:
-        return None
+    if kind is None:  # a forward of other code: its head runs fused where the probe finds it, and the
+        # kernel takes it (BERT's decoder has a bias: opportunistic here, so not refused, kept HF's)
+        why = causal_heads.probe(model)
+        if why is None:
+            try:
+                check_lm_head(model.get_output_embeddings())
+                return PROBED, ""
+            except KernelError as e:
+                why = f"{str(e).split(';')[0]}"
+        return None, f"{type(model).__name__}.forward is not LLaMA's, Granite's, Mixtral's, Gemma-2's or " \
+                     f"Gemma-4's causal LM code, and {why}"
+    if not isinstance(getattr(model, "model", None), nn.Module):
+        return None, f"{type(model).__name__} has no decoder stack as model.model"
+    if getattr(model, "loss_function", None) is not ForCausalLMLoss:
+        return None, f"its loss is {getattr(model, 'loss_type', None)!r}, not HF's causal-LM loss"
     check_lm_head(model.lm_head)  # names the fix for a head the fused kernel does not take
-    return kind
-
-
-def _head_refusal(model: nn.Module) -> str:
-    if not hasattr(model, "lm_head"):
-        return f"{type(model).__name__} has no lm_head"
-    if getattr(model, "loss_function", None) is not ForCausalLMLoss and any(
-            same_code(type(model).forward, fn) for fn in (*CAUSAL_LMS.values(), *SOFTCAP_LMS.values())):
-        return f"its loss is {getattr(model, 'loss_type', None)!r}, not HF's causal-LM loss"
-    return (f"{type(model).__name__}.forward is not LLaMA's, Granite's, Mixtral's, Gemma-2's or Gemma-4's causal "
-            "LM code")
+    return kind, ""

@@ -22,9 +22,11 @@ import coda_agent  # noqa: E402
 from coda_agent.kernels import KernelError  # noqa: E402
 from coda_agent.primitives import launch_ledger  # noqa: E402
 
-# family -> its MLPs' kernel, and its LM head's logits epilogue where the head and loss run fused (its
-# causal LM's forward is LLaMA's code, or Gemma-2's, which soft-caps the logits; Cohere's scales them)
-FAMILIES = {"Olmo2": ("swiglu_mlp", "logits_lse"), "Cohere": ("swiglu_mlp", None), "StableLm": ("swiglu_mlp", None),
+# family -> its MLPs' kernel, and its LM head's logits epilogue: the head and loss run fused where the
+# causal LM's forward is LLaMA's code, Gemma-2's (which soft-caps the logits), or code of its own that
+# passes the head probe (Cohere's scales the logits, StableLM's is its own copy of LLaMA's)
+FAMILIES = {"Olmo2": ("swiglu_mlp", "logits_lse"), "Cohere": ("swiglu_mlp", "logits_lse"),
+            "StableLm": ("swiglu_mlp", "logits_lse"),
             "Exaone4": ("swiglu_mlp", "logits_lse"), "Gemma2": ("geglu_mlp", "capped_logits")}
 DEVICE = "cpu"
 
@@ -185,23 +187,88 @@ def test_an_mlp_no_token_reaches_returns_the_empty_result():
 
 
 def test_what_the_kernels_do_not_take_is_refused_with_the_fix():
-    with pytest.raises(KernelError, match=r"found none of MLPs or the LM head and loss in "
-                                          r"CohereForCausalLM .*CohereMLP is LLaMA's MLP code with GELUActivation, "
-                                          r"neither SiLU nor GELU's tanh form.*CohereForCausalLM.forward is not "
-                                          r"LLaMA's"):
-        coda_agent.apply_to_model(tiny("Cohere", hidden_act="gelu").bfloat16())
+    with pytest.raises(KernelError, match=r"found none of MLPs in CohereForCausalLM .*CohereMLP is LLaMA's MLP "
+                                          r"code with GELUActivation, neither SiLU nor GELU's tanh form"):
+        coda_agent.apply_to_model(tiny("Cohere", hidden_act="gelu").bfloat16(), fused_linear_cross_entropy=False)
     with pytest.raises(KernelError, match=r"mlp.gate_proj.bias: MLP biases are not in the swiglu_mlp kernel; "
                                           r"pass mlp=False"):
         coda_agent.apply_to_model(tiny_llama(mlp_bias=True).bfloat16())
-    # Cohere's head scales its logits (not LLaMA's code): with the MLPs off nothing is left
-    with pytest.raises(KernelError, match=r"found none of the LM head and loss in CohereForCausalLM"):
-        coda_agent.apply_to_model(tiny("Cohere").bfloat16(), mlp=False)
+    # a head of code no drop-in knows, which soft-caps its logits: with the MLPs off nothing is left
+    with pytest.raises(KernelError, match=r"found none of the LM head and loss in OwnHeadLM .*OwnHeadLM.forward "
+                                          r"is not LLaMA's.*and its forward maps the logits between the LM head and "
+                                          r"the loss \(the (loss|logits) disagree"):
+        coda_agent.apply_to_model(own_head("softcap").bfloat16(), mlp=False)
     parted = tiny_olmo2().bfloat16()
     parted.model.layers[1].mlp.up_proj.weight.requires_grad_(False)
     with pytest.raises(KernelError, match=r"model.layers.1.mlp: requires_grad differs across gate_proj, up_proj"):
         coda_agent.apply_to_model(parted)
     with pytest.raises(KernelError, match=r"kernels: 'mlp_block' is not a task the drop-in runs"):
         coda_agent.apply_to_model(tiny_olmo2().bfloat16(), kernels={"mlp_block": "runs/x"})
+
+
+def own_head(post: str, loss: str = "hf", seed: int = 0) -> torch.nn.Module:
+    """A causal LM of its own code (LLaMA's decoder inside, the tiny LLaMA's weights): what its forward
+    does between the LM head and the loss is ``post``, and ``loss`` says whose loss it computes."""
+    from transformers import LlamaForCausalLM
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    class OwnHeadLM(LlamaForCausalLM):
+        def forward(self, input_ids=None, attention_mask=None, labels=None, return_dict=True, **kwargs):
+            h = self.model(input_ids, attention_mask=attention_mask, **kwargs).last_hidden_state
+            logits = self.lm_head(h)
+            if post == "scale":  # Cohere's logit_scale, by a number no power of two, and GPT-J's fp32 cast
+                logits = (logits * 0.37).float()
+            elif post == "softcap":
+                logits = 3.0 * torch.tanh(logits / 3.0)
+            out = None
+            if labels is not None and loss == "hf":
+                out = self.loss_function(logits, labels, vocab_size=self.config.vocab_size)
+            elif labels is not None:  # its own cross-entropy, not HF's loss function
+                out = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten())
+            if not return_dict:
+                return (out, logits)
+            return CausalLMOutputWithPast(loss=out, logits=logits)
+
+    base = tiny_llama(seed)
+    model = OwnHeadLM(base.config)
+    model.load_state_dict(base.state_dict())
+    return model.to(base.device)
+
+
+def test_a_head_of_any_code_runs_fused_where_its_forward_maps_the_logits_linearly():
+    """A causal LM's forward of code no drop-in knows keeps running as it is: where the head probe finds
+    only maps that commute with the head between it and HF's loss (a scale, a cast), the head's input
+    reaches the loss, which runs the fused kernel; the logits are None in training, as with the known
+    forwards, and a forward that bends the logits (a soft-cap) or computes its own loss keeps HF's head."""
+    base = own_head("scale")
+    hi, lo = truth_of(base)
+    model = coda_agent.apply_to_model(copy.deepcopy(base).bfloat16())
+    assert model.coda_flags["fused_linear_cross_entropy"] and len(model.coda_flags["swiglu_mlp"]) == 2
+    with launch_ledger() as launched:
+        got = train_and_eval(model)
+    assert_like_hf(got, hi, lo)
+    assert "logits_lse" in {launch.name for launch in launched}
+    ids, labels = batch()
+    model.train()
+    assert model(ids, labels=labels).logits is None and model(ids).logits.shape[-1] == base.config.vocab_size
+    loss, logits = model(ids, labels=labels, return_dict=False)
+    assert logits is None and torch.allclose(loss.float(), got["loss"].float(), rtol=1e-2)
+    assert "labels" in __import__("inspect").signature(model.forward).parameters  # HF's Trainer reads it
+    for post, loss in (("softcap", "hf"), ("none", "own")):
+        other = coda_agent.apply_to_model(own_head(post, loss).bfloat16())
+        assert not other.coda_flags["fused_linear_cross_entropy"] and len(other.coda_flags["swiglu_mlp"]) == 2
+        assert "_loss_function" not in other.__dict__ and "forward" not in other.lm_head.__dict__
+    twin = copy.deepcopy(model)  # a deep copy defers its own head
+    assert twin.loss_function.head is twin.lm_head and twin.lm_head.forward.head is twin.lm_head
+
+
+def test_a_head_of_any_code_compiles_whole():
+    """torch.compile(fullgraph=True) traces the probed head's deferral (the flag set and reset around
+    the model's own forward) with no graph break."""
+    from test_llama import assert_compiles_like_eager
+
+    ids, labels = batch()
+    assert_compiles_like_eager(coda_agent.apply_to_model(own_head("scale").bfloat16()), ids, labels)
 
 
 def test_a_model_is_patched_once_by_any_drop_in():

@@ -178,7 +178,7 @@ def _causal_lm(model: nn.Module) -> tuple[str | None, str]:
                 check_lm_head(model.get_output_embeddings())
                 return PROBED, ""
             except KernelError as e:
-                why = f"{str(e).split(';')[0]}"
+                why = str(e).split(";")[0]
         return None, f"{type(model).__name__}.forward is not LLaMA's, Granite's, Mixtral's, Gemma-2's or " \
                      f"Gemma-4's causal LM code, and {why}"
     if not isinstance(getattr(model, "model", None), nn.Module):

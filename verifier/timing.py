@@ -144,9 +144,9 @@ class _Program:
     def ready(self) -> None:
         """Before a block: what the baselines' calls left in the judge's allocator cache goes back
         to the device.  A block keeps every call's results in the runner, a process of its own,
-        which cannot use that cache; beside eager's cached peak (47 GiB for the soft-capped LM
-        head at LLaMA-3 1B) its allocator would free and retry, synchronising the device, in
-        every call."""
+        which cannot use that cache: beside eager's cached peak (47 GiB for the soft-capped LM
+        head at LLaMA-3 1B) the runner works at the edge of the card's memory, which costs the
+        program, and no baseline, back-to-back time (BENCHMARKS, run 33)."""
         torch.cuda.empty_cache()
 
     def block(self, calls: int, ping_ms: float) -> float:

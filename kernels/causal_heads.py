@@ -58,18 +58,21 @@ def probe(model: nn.Module) -> str | None:
         return f"its loss is {getattr(model, 'loss_type', None)!r}, not HF's causal-LM loss"
     if head.weight.device.type == "meta":
         return "its weights are on the meta device (patch it once they are loaded)"
-    if "labels" not in inspect.signature(type(model).forward).parameters:
+    params = inspect.signature(type(model).forward).parameters
+    if "labels" not in params:
         return f"{type(model).__name__}.forward takes no labels"
     if "forward" in head.__dict__:  # accelerate's hooks (a device map) wrap the head's forward so
         return "its LM head's forward is replaced already (accelerate's hooks?)"
     ids = (torch.arange(PROBE_TOKENS, device=head.weight.device) * 7919 % head.weight.shape[0])[None]
+    # no KV cache (nor a state-space model's, which some models size by their whole context)
+    call = {"input_ids": ids, "labels": ids, **({"use_cache": False} if "use_cache" in params else {})}
     modes = {m: m.training for m in model.modules()}
     own_loss = model.__dict__.get("_loss_function")
     model.eval()
     try:
         with torch.no_grad():
             for scale in PROBE_SCALES:
-                if (why := _compare(model, head, ids, scale)) is not None:
+                if (why := _compare(model, head, call, scale)) is not None:
                     return why
     except Exception as e:  # noqa: BLE001 - any failure of the probe keeps HF's head, and says why
         return f"its forward failed the head probe ({type(e).__name__}: {str(e)[:200]})"
@@ -84,7 +87,7 @@ def probe(model: nn.Module) -> str | None:
     return None
 
 
-def _compare(model: nn.Module, head: nn.Linear, ids: torch.Tensor, scale: float) -> str | None:
+def _compare(model: nn.Module, head: nn.Linear, call: dict[str, Any], scale: float) -> str | None:
     """HF's forward with the logits scaled by ``scale`` against the deferred path's (the head's
     input scaled, the loss taking the logits of what reaches it)."""
     calls = {"head": 0, "loss": 0}
@@ -105,11 +108,11 @@ def _compare(model: nn.Module, head: nn.Linear, ids: torch.Tensor, scale: float)
 
     head.forward = scaled_logits
     model.__dict__.pop("_loss_function", None)
-    want = _loss_and_logits(type(model).forward(model, input_ids=ids, labels=ids))
+    want = _loss_and_logits(type(model).forward(model, **call))
     if calls["head"] != 1:
         return f"its forward calls the LM head {calls['head']} times, not once"
     head.forward, model.loss_function = deferred, loss_of_reached
-    got = _loss_and_logits(type(model).forward(model, input_ids=ids, labels=ids))
+    got = _loss_and_logits(type(model).forward(model, **call))
     if calls["loss"] != 1 or seen[0].shape[-1] != head.in_features:
         return "its forward does not hand the LM head's logits to self.loss_function"
     reached = F.linear(seen[0].to(head.weight.dtype), head.weight).float()

@@ -3,8 +3,8 @@
 ``apply_to_llama`` and ``apply_to_model`` replace a causal LM's forward where it is code they know
 (LLaMA's, Granite's, Mixtral's, Gemma-2's, Gemma-4's: ``families.CAUSAL_LMS``,
 ``modules.SOFTCAP_LMS``).  Most causal LMs' forwards are other code that does the same thing: the
-decoder, ``logits = self.lm_head(h)``, perhaps a cast or a scale of the logits (GPT-J's and
-CodeGen's fp32, Cohere's ``logit_scale``, Mamba's casts), then HF's causal-LM loss, and whatever the
+decoder, ``logits = self.lm_head(h)``, perhaps a cast or a scale of the logits (Mamba's fp32,
+Cohere's ``logit_scale``, Falcon-H1's ``lm_head_multiplier``), then HF's causal-LM loss, and whatever the
 forward adds after it (a router's load-balancing loss) or returns beside it (its own output class).
 Here the forward stays the model's own, and only the step from head to loss changes:
 

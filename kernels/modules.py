@@ -34,10 +34,10 @@ one by one, by their code (``families.same_code``) as the layer drop-ins recogni
   Liger), as ``apply_to_llama``'s does.  Gemma-2's code (Gemma-3's, Gemma-3n's, VaultGemma's,
   NanoChat's) and Gemma-4's soft-cap the logits by ``final_logit_softcapping``, which
   ``lm_head_xent_softcap`` takes as its ``cap`` (``lm_head_xent`` where the config sets none).  A
-  causal LM's forward of other code (GPT-J's, OPT's, Cohere's, Mamba's, some eighty families) keeps
-  running as it is where the head probe (``causal_heads``) finds that it hands the head's logits to
-  HF's loss with only a cast or a scale between: the head then passes its input on, and the loss
-  runs the fused kernel over it.  A forward that bends the logits otherwise keeps HF's head.
+  causal LM's forward of other code (OPT's, Falcon's, Cohere's, Mamba's: 37 more model types in the
+  coverage sweep) keeps running as it is where the head probe (``causal_heads``) finds that it hands
+  the head's logits to HF's loss with only a cast or a scale between: the head then passes its input
+  on, and the loss runs the fused kernel over it.  A forward that bends the logits otherwise keeps HF's head.
 
 Everything else stays HF's (attention, norms, embeddings), and torch.compile compiles it around the
 kernels' custom ops.  What was patched is ``model.coda_flags`` (the MLPs by name, under their

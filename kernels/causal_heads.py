@@ -61,7 +61,7 @@ def probe(model: nn.Module) -> str | None:
     params = inspect.signature(type(model).forward).parameters
     if "labels" not in params:
         return f"{type(model).__name__}.forward takes no labels"
-    if "forward" in head.__dict__:  # accelerate's hooks (a device map) wrap the head's forward so
+    if "forward" in head.__dict__:  # accelerate's hooks (a device map) set it on the instance, as the patch does
         return "its LM head's forward is replaced already (accelerate's hooks?)"
     ids = (torch.arange(PROBE_TOKENS, device=head.weight.device) * 7919 % head.weight.shape[0])[None]
     # no KV cache (nor a state-space model's, which some models size by their whole context)

@@ -83,7 +83,7 @@ def quantize_rows(x: torch.Tensor, dtype: str = "fp8_e4m3", row_scale: torch.Ten
     return {"q": q, "scale": scale}
 
 
-def _quantize_both_shapes(x: torch.Tensor, dtype: str) -> tuple[torch.Tensor, ...]:
+def _quantize_both_shapes(x: torch.Tensor, dtype: str, row_scale: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
     """The op's fake: what quantize_both returns, shapes and dtypes only."""
     rows, cols = x.shape
     fp8 = FP8_DTYPES[dtype]
@@ -93,26 +93,41 @@ def _quantize_both_shapes(x: torch.Tensor, dtype: str) -> tuple[torch.Tensor, ..
 
 
 @aux_kernel("quantize_both", fake=_quantize_both_shapes)
-def _quantize_both(x: torch.Tensor, dtype: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _quantize_both(x: torch.Tensor, dtype: str, row_scale: torch.Tensor | None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     fp8 = FP8_DTYPES[dtype]
     if x.is_cuda:
         from .quantize_triton import quantize_both_triton  # lazy: CPU runs never import Triton
 
-        out = quantize_both_triton(x, fp8)
+        out = quantize_both_triton(x, fp8, row_scale)
         return out["q"], out["scale"], out["qt"], out["scale_t"]
     v = x.float()
+    if row_scale is not None:
+        v = v * row_scale.float()[:, None]
     q, scale = _per_row(v, fp8)
     qt, scale_t = _per_row(v.t(), fp8)
     return q, scale, qt, scale_t
 
 
-def quantize_both(x: torch.Tensor, dtype: str = "fp8_e4m3") -> dict[str, torch.Tensor]:
+def quantize_both(x: torch.Tensor, dtype: str = "fp8_e4m3", row_scale: torch.Tensor | None = None
+                  ) -> dict[str, torch.Tensor]:
     """``quantize_rows(x)`` and ``quantize_rows(x.t())`` in one call, from two reads of
     x instead of four: ``{"q": (R, C), "scale": (R,), "qt": (C, R), "scale_t": (C,)}``,
     the same bits as the two calls.  For a tensor that two GEMMs read along
     different axes, e.g. an incoming gradient dy: ``q`` (per token) is the A of
     the input-gradient GEMM, ``qt`` (per feature, the contiguous transposed copy)
-    the A of the weight-gradient GEMM dy^T @ x, with ``scale_t`` its ColVec."""
+    the A of the weight-gradient GEMM dy^T @ x, with ``scale_t`` its ColVec.
+
+    ``row_scale`` (R,): ``v = x * row_scale[:, None]`` is quantized both ways, e.g.
+    ``quantize_both(xg, row_scale=rstd)`` for RMSNorm's output from ``rms_prepare``'s
+    ``xg``.  A per-token factor leaves the per-token copy's precision as it is, but
+    the per-feature copy's scale is the amax over every token: quantize the tensor
+    the math has (the normalized input, the gradient before a norm's ``r``), not one
+    with a per-token factor left out, or the rows that factor makes large set every
+    feature's scale and the other rows lose their bits."""
     _check(x, dtype, "quantize_both")
-    q, scale, qt, scale_t = _quantize_both(x, dtype)
+    if row_scale is not None and (not isinstance(row_scale, torch.Tensor) or tuple(row_scale.shape) != (x.shape[0],)):
+        raise CatalogueError(f"quantize_both: row_scale must be a tensor of shape ({x.shape[0]},); got "
+                             f"{tuple(getattr(row_scale, 'shape', ())) or type(row_scale).__name__}")
+    q, scale, qt, scale_t = _quantize_both(x, dtype, row_scale)
     return {"q": q, "scale": scale, "qt": qt, "scale_t": scale_t}

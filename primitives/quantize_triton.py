@@ -159,9 +159,11 @@ def _amax_strip_kernel(Y, syr, syc, PRE_R, PRE_C, POST_R, POST_C, RAMAX, CAMAX, 
 
 
 @triton.jit
-def _quantize_both_kernel(X, sxr, sxc, RAMAX, CAMAX, Q, QT, SCALE, SCALE_T, rows, cols, fmax, eps,
-                          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _quantize_both_kernel(X, sxr, sxc, RS, RAMAX, CAMAX, Q, QT, SCALE, SCALE_T, rows, cols, fmax, eps,
+                          HAS_RS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     v, r, c, m, rb, cb = _tile(X, sxr, sxc, rows, cols, BLOCK_R, BLOCK_C)
+    if HAS_RS:  # v = x * row_scale, as the amax pass read it
+        v = v * tl.load(RS + r, mask=r < rows, other=0.0).to(tl.float32)[:, None]
     rs = _scale_of(tl.load(RAMAX + r, mask=r < rows, other=1.0), fmax, eps)
     cs = _scale_of(tl.load(CAMAX + c, mask=c < cols, other=1.0), fmax, eps)
     if cb == 0:
@@ -199,18 +201,18 @@ def _tile_quantize_kernel(X, sxr, sxc, RS, CS, AMAX, Q, SCALE, rows, cols, fmax,
 
 
 def _amaxes(x: torch.Tensor, ramax: torch.Tensor | None, camax: torch.Tensor | None,
-            pre_c: torch.Tensor | None = None, post_r: torch.Tensor | None = None, *,
-            step: int = AMAX_STEP, width: int = AMAX_WIDTH, programs: int = AMAX_PROGRAMS,
-            warps: int = AMAX_WARPS) -> None:
-    """Fold x's row amaxes (of ``|x * pre_c| * |post_r|``) into ``ramax`` and/or its column amaxes
-    (of ``|x|``) into ``camax`` (fp32, zeros or earlier maxima).  The strip kernel reads its view's
+            pre_c: torch.Tensor | None = None, post_r: torch.Tensor | None = None,
+            pre_r: torch.Tensor | None = None, *, step: int = AMAX_STEP, width: int = AMAX_WIDTH,
+            programs: int = AMAX_PROGRAMS, warps: int = AMAX_WARPS) -> None:
+    """Fold the row amaxes of ``|x * pre_r * pre_c| * |post_r|`` into ``ramax`` and/or its column
+    amaxes into ``camax`` (fp32, zeros or earlier maxima).  The strip kernel reads its view's
     rows along memory, so a view whose columns lie along memory (a transpose) runs as its transpose,
     rows and columns swapped.  ``step``, ``width`` (a power of two), ``programs`` and ``warps`` are
     the kernel's geometry (any gives the same maxima)."""
-    view, rbuf, cbuf, pre_r, post_c = x, ramax, camax, None, None
+    view, rbuf, cbuf, post_c = x, ramax, camax, None
     if x.stride(1) != 1 and x.stride(0) == 1:  # x's rows are the view's columns, and its factors swap sides
         view, rbuf, cbuf = x.t(), camax, ramax
-        pre_r, pre_c = pre_c, None
+        pre_r, pre_c = pre_c, pre_r
         post_c, post_r = post_r, None
     rows, cols = view.shape
     block_c = min(width, max(16, triton.next_power_of_2(cols)))
@@ -236,7 +238,8 @@ def _tiles(rows: int, cols: int, block: int) -> tuple[int]:
     return (triton.cdiv(rows, block) * triton.cdiv(cols, block),)
 
 
-def quantize_both_triton(x: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def quantize_both_triton(x: torch.Tensor, dtype: torch.dtype, row_scale: torch.Tensor | None = None
+                         ) -> dict[str, torch.Tensor]:
     rows, cols = x.shape
     dev = x.device
     out = {"q": torch.empty(rows, cols, dtype=dtype, device=dev), "scale": torch.empty(rows, device=dev),
@@ -245,10 +248,12 @@ def quantize_both_triton(x: torch.Tensor, dtype: torch.dtype) -> dict[str, torch
         return out
     # Zeros are the identity of a maximum of absolute values.
     ramax, camax = torch.zeros(rows, device=dev), torch.zeros(cols, device=dev)
-    _amaxes(x, ramax, camax)
+    rs = row_scale.float().contiguous() if row_scale is not None else None
+    _amaxes(x, ramax, camax, pre_r=rs)
     _quantize_both_kernel[_tiles(rows, cols, CAST_TILE)](
-        x, x.stride(0), x.stride(1), ramax, camax, out["q"], out["qt"], out["scale"], out["scale_t"], rows, cols,
-        fp8_max(dtype), EPS, BLOCK_R=CAST_TILE, BLOCK_C=CAST_TILE)
+        x, x.stride(0), x.stride(1), ramax if rs is None else rs, ramax, camax, out["q"], out["qt"], out["scale"],
+        out["scale_t"], rows, cols, fp8_max(dtype), EPS, HAS_RS=rs is not None, BLOCK_R=CAST_TILE,
+        BLOCK_C=CAST_TILE)
     return out
 
 

@@ -95,6 +95,14 @@ def test_quantize_both_is_quantize_rows_along_each_axis():
         for got, want in ((both["q"], rows["q"]), (both["scale"], rows["scale"]), (both["qt"], cols["q"]),
                           (both["scale_t"], cols["scale"])):
             assert got.dtype == want.dtype and torch.equal(got.float(), want.float())
+        # row_scale: both copies of x * row_scale (RMSNorm's r on rms_prepare's x * gamma)
+        r = torch.logspace(-3, 3, view.shape[0])
+        both = quantize_both(view, row_scale=r)
+        for got, want in ((both["q"], quantize_rows(view, row_scale=r)["q"]),
+                          (both["qt"], quantize_rows(view.t(), col_scale=r)["q"])):
+            assert torch.equal(got.float(), want.float())
+    with pytest.raises(CatalogueError, match=r"row_scale must be a tensor of shape \(70,\)"):
+        quantize_both(x, row_scale=torch.ones(300))
     e5 = quantize_both(x, "fp8_e5m2")
     assert e5["q"].dtype == e5["qt"].dtype == E5M2
     with pytest.raises(CatalogueError, match="quantize_both: dtype 'e4m3'"):
@@ -163,14 +171,14 @@ def test_promoting_fp8_gemms_get_only_tiles_that_hold_both_accumulators():
 @pytest.mark.slow
 def test_every_promoted_candidate_compiles_spill_free_and_the_rule_is_the_compilers():
     """What fits_promoted admits compiles without spills for a heavy fp8 epilogue (the paired
-    dSwiGLU backward of mlp_block_fp8), and a tile it refuses spills there."""
+    dSwiGLU backward of llama3_block_fp8), and a tile it refuses spills there."""
     import importlib.util
 
     from coda_agent.primitives import tuning
     from coda_agent.tasks import SUITE_DIR
 
-    path = SUITE_DIR.parent / "llama3_fp8" / "experts" / "mlp_block_fp8.py"
-    spec = importlib.util.spec_from_file_location("mlp_block_fp8_expert", path)
+    path = SUITE_DIR.parent / "llama3_fp8" / "experts" / "llama3_block_fp8.py"
+    spec = importlib.util.spec_from_file_location("llama3_block_fp8_expert", path)
     expert = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(expert)
     M, N, K = 256, 512, 256
@@ -243,6 +251,12 @@ _TRITON = textwrap.dedent("""
             assert torch.equal(both["q" + key].float(), alone["q"].float())
         assert torch.equal(both["scale"], quantize.quantize_rows(view, "fp8_e4m3")["scale"])  # the CPU path's
         assert torch.equal(both["scale_t"], quantize.quantize_rows(view.t(), "fp8_e4m3")["scale"])
+        r = torch.rand(view.shape[0]) * 100 + 0.01  # row_scale: the row kernels' bits with it on each side
+        both = quantize_both_triton(view, torch.float8_e4m3fn, r)
+        for key, alone in (("", quantize_rows_triton(view, torch.float8_e4m3fn, r, None)),
+                           ("t", quantize_rows_triton(view.t(), torch.float8_e4m3fn, None, r))):
+            assert torch.equal(both["scale" + ("_t" if key else "")], alone["scale"])
+            assert torch.equal(both["q" + key].float(), alone["q"].float())
     # the amax pass's geometry (bench/fp8.py --casts sweeps it) never changes the maxima
     from coda_agent.primitives.quantize_triton import _amaxes
     for view in (wide, wide.t()):
@@ -321,7 +335,10 @@ def test_quantize_rows_on_cuda_matches_the_cpu_path():
 def test_quantize_both_on_cuda_matches_the_cpu_path(rows, cols):
     x = (torch.randn(rows, cols) * torch.logspace(-2, 2, cols)).to(torch.bfloat16)
     for view in (x, x.t()):
-        got = quantize_both(view.cuda() if view is x else x.cuda().t())
-        want = quantize_both(view)
-        for key in ("q", "scale", "qt", "scale_t"):
-            assert torch.equal(got[key].cpu().float(), want[key].float()), key
+        r = torch.logspace(-3, 3, view.shape[0])
+        for row_scale in (None, r):
+            got = quantize_both(view.cuda() if view is x else x.cuda().t(),
+                                row_scale=None if row_scale is None else row_scale.cuda())
+            want = quantize_both(view, row_scale=row_scale)
+            for key in ("q", "scale", "qt", "scale_t"):
+                assert torch.equal(got[key].cpu().float(), want[key].float()), (key, row_scale is None)

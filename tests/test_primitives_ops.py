@@ -167,7 +167,7 @@ AUX = {
     "add": (bf(M, N), bf(M, N, seed=8)),
     "concat_rows": ([torch.randn(3), torch.randn(5)],),
     "quantize_rows": (bf(M, N), "fp8_e4m3", torch.rand(M) + 0.5, None),
-    "quantize_both": (bf(M, N), "fp8_e4m3"),
+    "quantize_both": (bf(M, N), "fp8_e4m3", torch.rand(M) + 0.5),
 }
 
 

@@ -55,6 +55,33 @@ def test_llama3_block_fp8_epilogues_reduce_the_amax_of_what_they_store():
         torch.testing.assert_close(out[amax], references.hg_amax(h, gamma).float(), rtol=1e-2, atol=1e-3)
 
 
+def test_mlp_block_fp8_keeps_the_bits_of_every_token_where_rstd_is_large():
+    """A weight gradient's per-feature fp8 scale spans every token.  With one row in eight of h at
+    2**-12, one in eight at 2**5 and a small eps, RMSNorm's r on the tiny rows is in the thousands:
+    the expert quantizes the normalized input and d(pre), as the reference's recipe does, so dw_gu
+    errs as much as the fp8 reference run.  (With x = h * gamma left unnormalized and r moved into
+    d(pre), the large rows set each feature's scale of x and the tiny rows rounded to zero there:
+    dw_gu erred 3.2 times the reference run here, and a judge's edge draw rejected the expert.)"""
+    from coda_agent.kernels.contract import run
+    from coda_agent.primitives import load_program, lowering
+
+    t = _task("mlp_block_fp8")
+    x = inputs.make_inputs(t.spec, "ragged", 11)
+    row = torch.arange(x["h"].shape[0])[:, None] % 8
+    x["h"] = (x["h"].float() * torch.where(row == 3, 2.0 ** -12, torch.where(row == 5, 2.0 ** 5, 1.0))).to(x["h"].dtype)
+    grads = inputs.make_grads(t.spec, "ragged", 11)
+    params = {"eps": 1e-7}
+    hi = inputs.run_reference(t, x, grads, torch.float64, params=params)
+    lo = inputs.run_reference(t, x, grads, None, params=params)
+    with lowering("reference"):
+        got = run(load_program(t.expert_path.read_text(), "tiny_rows"), x, params, grads, t.spec.outputs,
+                  t.spec.gradients)
+    for name in ("dw_gu", "dw_down", "dh", "dgamma"):
+        err = float((got[name].double() - hi[name]).abs().max())
+        floor = float((lo[name].double() - hi[name]).abs().max())
+        assert err < 1.5 * floor, (name, err, floor)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("name", TASKS)

@@ -1,10 +1,19 @@
 """The MLP sub-block of mlp_block, forward and backward, with all six GEMMs on
 fp8 operands (current row-wise scales, e4m3: torchao's rowwise recipe).
 
-The epilogues are mlp_block's (RMSNorm's r applied after the gate/up GEMM,
-SwiGLU pairs, the residual, dSwiGLU reducing s, the RMSNorm backward), each
-first multiplying the fp32 accumulator by its operands' dequantization
-scales: A's per row (a ColVec), B's per output column (a RowVec).
+The epilogues are mlp_block's (SwiGLU pairs, the residual, dSwiGLU reducing s,
+the RMSNorm backward), each first multiplying the fp32 accumulator by its
+operands' dequantization scales: A's per row (a ColVec), B's per output column
+(a RowVec).
+
+RMSNorm's r stays inside the quantized tensors, not outside the GEMMs as in
+mlp_block: the entry norm's output is quantized as ``h * gamma`` times ``r``
+(``quantize_both``'s ``row_scale``), and dSwiGLU stores d(pre) without it.  A
+per-token copy would not care (its scale takes any per-token factor), but a
+weight gradient's per-feature copy has one scale over all the tokens: with r
+left out of x (and moved into d(pre)), the tokens of large norm set each
+feature's scale of x, and a token of tiny norm rounds to zero there although,
+times its large r, it weighs in dw_gu as much as any other.
 
 What no epilogue can write in fp8 is quantized by ``quantize_rows`` or
 ``quantize_both``: the entry norm's h * gamma (no GEMM produces it), SwiGLU's
@@ -30,8 +39,8 @@ from coda_agent.primitives import (ColVec, PairedTile, RowVec, Scalar, Tile, col
 
 
 @epilogue(outputs={"act": "bf16"}, pairs="acc")
-def norm_swiglu(acc, a_scale: ColVec, w_scale: RowVec, rstd: ColVec):
-    g, u = unpack(acc * (a_scale * rstd) * w_scale)
+def norm_swiglu(acc, a_scale: ColVec, w_scale: RowVec):
+    g, u = unpack(acc * a_scale * w_scale)
     return {"D": pack(g, u), "act": g * sigmoid(g) * u}
 
 
@@ -41,20 +50,20 @@ def add_residual(acc, a_scale: ColVec, w_scale: RowVec, residual: Tile):
 
 
 @epilogue(reductions={"s": col_sum()})
-def dswiglu(acc, pre: PairedTile, a_scale: ColVec, w_scale: RowVec, rstd: ColVec):
+def dswiglu(acc, pre: PairedTile, a_scale: ColVec, w_scale: RowVec):
     dact = acc * a_scale * w_scale
     g, u = unpack(pre)
     sg = sigmoid(g)
     dg = dact * u * sg * (1.0 + g * (1.0 - sg))
     du = dact * g * sg
-    return {"D": pack(dg * rstd, du * rstd), "s": g * dg + u * du}
+    return {"D": pack(dg, du), "s": g * dg + u * du}
 
 
 @epilogue(reductions={"dgamma": row_sum()})
 def rmsnorm_bwd(acc, a_scale: ColVec, w_scale: RowVec, rstd: ColVec, s: ColVec, gamma: RowVec, h: Tile,
                 dy: Tile, inv_dim: Scalar):
-    # d = r * (d(pre) @ W_gu): the A operand was r * d(pre).
-    d = acc * a_scale * w_scale
+    # d = r * (d(pre) @ W_gu), RMSNorm's input gradient before its own r.
+    d = acc * a_scale * w_scale * rstd
     hr = h * rstd
     return {"D": dy + gamma * d - hr * rstd * s * inv_dim, "dgamma": d * h}
 
@@ -66,10 +75,9 @@ def dequantize(acc, a_scale: ColVec, b_scale: RowVec):
 
 def forward(h, gamma, w_gu, w_down, eps):
     prep = rms_prepare(h, gamma, eps)
-    x = quantize_both(prep["xg"])
+    x = quantize_both(prep["xg"], row_scale=prep["rstd"])  # RMSNorm(h), both ways
     wgu = quantize_rows(w_gu)
-    gu = gemm(x["q"], wgu["q"].t(), norm_swiglu, a_scale=x["scale"], w_scale=wgu["scale"],
-              rstd=prep["rstd"], fast_accum=True)
+    gu = gemm(x["q"], wgu["q"].t(), norm_swiglu, a_scale=x["scale"], w_scale=wgu["scale"], fast_accum=True)
     act = quantize_both(gu["act"])
     wd = quantize_rows(w_down)
     y = gemm(act["q"], wd["q"].t(), add_residual, a_scale=act["scale"], w_scale=wd["scale"], residual=h,
@@ -93,8 +101,7 @@ def backward(saved, dy, needs):
     if not needs & {"dh", "dgamma", "dw_gu"}:
         return grads
     wd_t = quantize_rows(w_down.t())  # (I, H): K = H for the input gradient
-    da = gemm(g["q"], wd_t["q"].t(), dswiglu, pre=saved["pre"], a_scale=g["scale"], w_scale=wd_t["scale"],
-              rstd=rstd)
+    da = gemm(g["q"], wd_t["q"].t(), dswiglu, pre=saved["pre"], a_scale=g["scale"], w_scale=wd_t["scale"])
     dp = _quantize(da["D"], "dw_gu" in needs)
     if "dh" in needs or "dgamma" in needs:
         wgu_t = quantize_rows(w_gu.t())  # (H, 2I)

@@ -335,6 +335,28 @@ def test_a_set_too_large_for_the_judges_timing_gives_way_unless_the_program_hold
         assert timed == ["llama3-70b"] and "weighed" in res.message
 
 
+def test_a_fallback_that_reaches_a_set_where_the_host_is_the_call_gives_no_speed_verdict(monkeypatch):
+    """Below the set the judge could not time, a set whose call the host outlasts measures the host:
+    the stage says so (the larger set's error, not blamed on the program), never "slow"."""
+    def perform(check, shape_set):
+        if shape_set == "llama3-1b":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 7.83 GiB")
+        ms = {"ragged": 2.5, "small": 0.087}[shape_set]
+        return StageResult(name="performance", status="slow", message=f"36.9x on {shape_set}",
+                           details={"host_ms": 1.99, "ms": {"program": ms, "gemm": 0.0024}})
+
+    monkeypatch.setattr(timing, "_perform", perform)
+    monkeypatch.setattr(timing, "out_of_memory", lambda stage, check, error: StageResult(
+        name=stage, status="error", message=f"weighed: {error}"))
+    monkeypatch.setattr(timing, "_timing_sets", lambda check: ["llama3-1b", "small"])
+    res = timing.performance(object())
+    assert res.status == "error" and res.details["host_bound_at"] == "small", res.message
+    assert "1.990 ms to enqueue a call of 0.087 ms" in res.message and "weighed" in res.message
+    monkeypatch.setattr(timing, "_timing_sets", lambda check: ["llama3-1b", "ragged"])  # kernels outlast the host
+    res = timing.performance(object())
+    assert res.status == "slow" and "timed at ragged" in res.message
+
+
 def test_blocks_grow_until_the_first_calls_enqueue_is_a_small_share():
     room, result = 32 << 30, 128 << 20
     assert timing.block_calls(141.0, 55.0, 0.5, room, result) == 4  # 200 ms of the slowest: the floor

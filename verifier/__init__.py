@@ -84,7 +84,8 @@ What each stage guarantees, and what it does not:
   inside catalogue calls.  A rule for honest programs, not a guarantee.
 - **performance** (GPU, :mod:`.timing`): on the largest set that fits (the
   next one, named in the verdict, where the judge's baselines run the card
-  out of memory with the program within its share), the
+  out of memory with the program within its share; no verdict where the
+  host outlasts the call there), the
   program in the runner and the plain GEMMs, eager and torch.compile in the
   judge, interleaved in random rounds; input sets rotated; results of calls
   picked at random after they return compared; the judge's own wall clock

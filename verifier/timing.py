@@ -5,7 +5,9 @@ shapes, eager and torch.compile of the reference) run in the judge.  On the
 largest named shape set that fits the device (the correctness stage's
 estimate; where the baselines' own memory, eager's full logits say, still
 runs the card out of memory and the weighing in ``check.out_of_memory`` finds
-the program within its share, on the next largest, named in the verdict):
+the program within its share, on the next largest, named in the verdict, unless
+the host's enqueue outlasts the program's call there: a verdict about the host,
+so none):
 
 1. **Input sets rotate**: the judge draws :data:`INPUT_SETS` sets with fresh
    seeds, and every timed call takes one at random, so a result cached from
@@ -269,9 +271,11 @@ def reference_call(fn: Callable[..., Any], spec: Any, inputs: dict[str, torch.Te
 
 def performance(check: Check) -> StageResult:
     """Times the program at the largest set that fits (module docstring); a set whose timing runs
-    the card out of memory where the program is within its share gives way to the next one."""
+    the card out of memory where the program is within its share gives way to the next one, unless
+    the program's call there is mostly its host's (no speed verdict: the first set's error)."""
     sets = _timing_sets(check)
     too_large: list[str] = []
+    first: StageResult | None = None  # the largest set's out-of-memory, weighed
     for shape_set in sets:
         try:
             res = _perform(check, shape_set)
@@ -284,14 +288,27 @@ def performance(check: Check) -> StageResult:
                 weighed.details["timing_sets_too_large"] = too_large
                 return weighed
             too_large.append(shape_set)
+            first = first or weighed
             torch.cuda.empty_cache()
             continue
+        if first is not None and (host := _host_bound(res)):
+            first.details.update(timing_sets_too_large=too_large, host_bound_at=shape_set)
+            first.message += (f"; the sets that fit below it are too small to judge a speed: at {shape_set} the host "
+                              f"takes {host[0]:.3f} ms to enqueue a call of {host[1]:.3f} ms (a verdict about the "
+                              "host, not the kernels). A card with more memory times it")
+            return first
         if too_large:
             res.details["timing_sets_too_large"] = too_large
             res.message += (f" (timed at {shape_set}: the judge's timing of {', '.join(too_large)} ran this GPU "
                             "out of memory with the program within its share; a card with more memory times it)")
         return res
     raise AssertionError("unreachable: the last set returns")
+
+
+def _host_bound(res: StageResult) -> tuple[float, float] | None:
+    """(host ms, program ms) of a timed set where the host's enqueue of a call outlasts the call."""
+    host, prog = res.details.get("host_ms"), res.details.get("ms", {}).get("program")
+    return (host, prog) if host is not None and prog is not None and host >= prog else None
 
 
 def _perform(check: Check, shape_set: str) -> StageResult:

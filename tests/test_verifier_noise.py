@@ -3,6 +3,7 @@ a tensor's noise against more samples of the reference's own (verifier/noise.py)
 
 from __future__ import annotations
 
+import pytest
 import torch
 from suite_checks import load_expert, run_program, task
 from verifier_helpers import CORPUS
@@ -190,3 +191,30 @@ def test_the_whole_row_rule_judges_the_rows_of_tokens_alone():
     assert [n for n in ("loss", "dx", "dw") if edge_rows(head, n)] == ["loss", "dx"]  # loss: (T,), the tokens' too
     softcap = load_task(CORPUS.parent / "tasks" / "families" / "gemma2" / "softcap_xent.yaml").spec
     assert edge_rows(softcap, "dx") and not edge_rows(softcap, "dw")  # outputs named like gradients
+
+
+def test_norms_of_results_past_1e17_are_summed_without_overflow():
+    """The judge's fp32 results on a GPU: a norm summed in fp32 overflows once the squares pass
+    fp32's range (inf / inf, a NaN relative error that rejected an honest fp8 expert on its
+    scaled draw); ``norm64`` sums slices in fp64."""
+    from coda_agent.verifier.compare import NORM_SLICE, norm64
+
+    t = torch.full((2 * NORM_SLICE + 5,), 1e18)
+    assert torch.linalg.vector_norm(t) == float("inf")
+    want = 1e18 * t.numel() ** 0.5
+    assert abs(float(norm64(t)) / want - 1) < 1e-6
+    rows = norm64(t[:-5], rows=4096)
+    assert rows.shape == (2 * NORM_SLICE // 4096,) and torch.allclose(rows, torch.full_like(rows, 1e18 * 64))
+    assert float(norm64(torch.zeros(0))) == 0.0 and norm64(torch.zeros(0, 8), rows=8).shape == (0,)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_the_gpu_results_near_1e18_are_judged_by_their_relative_error():
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    hi = torch.randn(16384, 4096, device="cuda", generator=gen) * 1e18
+    lo = hi * (1 + 2 ** -8 * torch.randn(hi.shape, device="cuda", generator=gen))
+    tol = Tolerance(rel_norm=0.01, factor=2)
+    assert compare("y", "big", lo.bfloat16(), hi, lo, tol) is None
+    wrong = compare("y", "big", (hi * 0.9).bfloat16(), hi, lo, tol)
+    assert wrong is not None and abs(wrong.rel_norm_err - 0.1) < 0.01, wrong

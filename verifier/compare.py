@@ -61,6 +61,25 @@ BIAS_Z = 8.0  # standard errors of the mean that rounding noise may reach
 ROW_SHARE = 0.5  # the whole-row rule: a row may not err by half its own norm, its noise aside
 
 
+# The most elements a norm casts to fp64 at a time: 128 MiB beside the judge's set.
+NORM_SLICE = 1 << 24
+
+
+def norm64(t: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+    """The 2-norm of ``t`` (with ``rows``: of each of its rows of ``rows`` elements), summed in
+    fp64 a slice at a time.  In fp32 the squares of values past about 1e17 overflow a large set's
+    sum (an fp8 GEMM's operands over the format's range, times spread scales, make products of
+    1e18: an honest program's relative error came out inf / inf), and an fp64 copy of the whole
+    set would not fit beside it."""
+    if rows is None:
+        parts = [torch.linalg.vector_norm(c, dtype=torch.float64) for c in t.reshape(-1).split(NORM_SLICE)]
+        return torch.linalg.vector_norm(torch.stack(parts)) if parts else torch.zeros((), dtype=torch.float64)
+    grid = t.reshape(-1, rows)
+    return torch.cat([torch.linalg.vector_norm(c, dim=1, dtype=torch.float64)
+                      for c in grid.split(max(1, NORM_SLICE // max(rows, 1)))]) if grid.shape[0] else \
+        torch.zeros(0, dtype=torch.float64, device=t.device)
+
+
 def compare(name: str, shape_set: str, out, hi: torch.Tensor, lo: torch.Tensor, tol: Tolerance,
             poisoned: bool = False, noise: Noise | None = None, rows: bool = False) -> Mismatch | None:
     """None when ``out`` passes; else a Mismatch saying where it differs.  ``noise``: more
@@ -91,9 +110,9 @@ def compare(name: str, shape_set: str, out, hi: torch.Tensor, lo: torch.Tensor, 
     bar = allowed if noise is None else torch.clamp_min(tol.factor * SIGMAS * noise.rms.to(h.device, work),
                                                         allowed)
     bad = (diff > bar) | nan
-    hnorm = max(float(torch.linalg.vector_norm(torch.nan_to_num(h))), 1e-30)
-    rel = float(torch.linalg.vector_norm(torch.nan_to_num(diff, nan=0.0, posinf=0.0))) / hnorm
-    rel_lo = max(float(torch.linalg.vector_norm(lo_err)), noise.norm if noise else 0.0) / hnorm
+    hnorm = max(float(norm64(torch.nan_to_num(h))), 1e-30)
+    rel = float(norm64(torch.nan_to_num(diff, nan=0.0, posinf=0.0))) / hnorm
+    rel_lo = max(float(norm64(lo_err)), noise.norm if noise else 0.0) / hnorm
     if nan.any():
         rel = float("nan")
     if bad.any() or not rel <= max(tol.rel_norm, tol.dense_factor * rel_lo):
@@ -115,12 +134,12 @@ def _rows(name: str, shape_set: str, o: torch.Tensor, h: torch.Tensor, lo: torch
     infinite = ~(torch.isfinite(h) & torch.isfinite(lo))
 
     def row_norms(t: torch.Tensor) -> torch.Tensor:  # t is a temporary: masked in place, one at a time
-        return torch.linalg.vector_norm(t.masked_fill_(infinite, 0.0).reshape(-1, cols), dim=1)
+        return norm64(t.masked_fill_(infinite, 0.0), rows=cols)
 
     err, own, ref_noise = row_norms(o - h), row_norms(h.clone()), row_norms(lo - h)
     del infinite
     if noise is not None:
-        sampled = torch.linalg.vector_norm(noise.rms.to(h.device, h.dtype).reshape(-1, cols), dim=1)
+        sampled = norm64(noise.rms.to(h.device, h.dtype), rows=cols)
         ref_noise = torch.maximum(ref_noise, sampled)
     # the floor in norm, and a row of exact zeros may hold what fp32 leaves of a cancellation
     floor = tol.floor * cols ** 0.5 + 2.0 ** -20 * float(own.max())
@@ -144,7 +163,7 @@ def mean_noise(e: torch.Tensor, n: int) -> float:
     """The standard error of the mean of rounding errors ``e`` (n of them finite, the rest
     zero): independent errors give rms / sqrt(n); errors a row (or column) shares make the
     row (column) means spread more, and their spread over sqrt(rows) is the larger one."""
-    se = (float(e.square().sum()) / n) ** 0.5 / n ** 0.5
+    se = float(norm64(e)) / n ** 0.5 / n ** 0.5
     if e.dim() >= 2 and e.shape[-1] > 1 and e.numel() // e.shape[-1] > 1:
         grid = e.reshape(-1, e.shape[-1])
         for axis in (0, 1):
@@ -163,7 +182,7 @@ def _bias(name: str, shape_set: str, o: torch.Tensor, h: torch.Tensor, lo: torch
     err = torch.where(finite, o - h, zero)
     ref_err = torch.where(finite, lo - h, zero)
     mean = float(err.sum()) / n
-    scale = (float(torch.where(finite, h, zero).square().sum()) / n) ** 0.5
+    scale = float(norm64(torch.where(finite, h, zero))) / n ** 0.5
     ref_mean, ref_se = abs(float(ref_err.sum()) / n), mean_noise(ref_err, n)
     if noise is not None:
         ref_mean, ref_se = max(ref_mean, noise.mean), max(ref_se, noise.se)

@@ -79,13 +79,13 @@ def sample_noise(task, inputs: dict[str, torch.Tensor], grads: dict[str, torch.T
     """The reference's noise on the float results ``names`` (module docstring), from the original
     draw's ``hi``/``lo`` references and :data:`SAMPLES` nudged draws of ``inputs`` and ``grads``;
     accumulated draw by draw, so it holds one result's worth of memory beyond the references."""
-    from coda_agent.verifier.compare import mean_noise  # compare imports this module
+    from coda_agent.verifier.compare import mean_noise, norm64  # compare imports this module
     from coda_agent.verifier.inputs import run_reference
 
     names = [n for n in names if hi[n].is_floating_point()]
     first = {n: _errors(lo[n], hi[n]) for n in names}
     sumsq = {n: first[n].square() for n in names}
-    norms = {n: [float(torch.linalg.vector_norm(first[n]))] for n in names}
+    norms = {n: [float(norm64(first[n]))] for n in names}
     means = {n: [_mean(first[n])] for n in names}
     ses = {n: [mean_noise(first[n], first[n].numel())] for n in names}
     del first
@@ -99,7 +99,7 @@ def sample_noise(task, inputs: dict[str, torch.Tensor], grads: dict[str, torch.T
         for n in names:
             e = _errors(ref_lo[n], ref_hi[n])
             sumsq[n] += e.square()
-            norms[n].append(float(torch.linalg.vector_norm(e)))
+            norms[n].append(float(norm64(e)))
             means[n].append(_mean(e))
             ses[n].append(mean_noise(e, e.numel()))
         del ref_hi, ref_lo

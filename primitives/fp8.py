@@ -48,6 +48,10 @@ values on any device):
   scales, powers of two (exact dequantization), torchao's rowwise recipe; a tensor that
   two GEMMs read along different axes (a gradient, for its input- and weight-gradient
   GEMMs) by ``quantize_both``, which writes both copies from two reads of it.
+  A per-row factor that commutes with a GEMM (RMSNorm's r) may leave a per-token copy,
+  whose scale takes it, but not a weight gradient's per-feature copy, whose one scale
+  spans every token: quantize the normalized tensor there (``row_scale=``), or the
+  tokens of large norm set the scale and those of tiny norm round to zero.
 - **The recipe the fp8 experts use** (tasks/llama3_fp8): delayed per-tensor
   scales for what epilogues write, current row-wise scales for the rest, e4m3
   throughout, fast accumulation in the forward GEMMs.  Chosen by loss curves

@@ -16,15 +16,15 @@ feature's scale of x, and a token of tiny norm rounds to zero there although,
 times its large r, it weighs in dw_gu as much as any other.
 
 What no epilogue can write in fp8 is quantized by ``quantize_rows`` or
-``quantize_both``: the entry norm's h * gamma (no GEMM produces it), SwiGLU's
-silu(g) * u and dSwiGLU's r * d(pre) (paired stores are 16-bit on SM90), the
+``quantize_both``: the entry norm's output (no GEMM produces it), SwiGLU's
+silu(g) * u and dSwiGLU's d(pre) (paired stores are 16-bit on SM90), the
 incoming gradient, and the weights (once per layout: along K of the forward and
 of the input gradient).  The weight gradients contract over the tokens, so
 their operands are quantized per feature, into K-major transposed copies.
 What two GEMMs read along different axes is quantized both ways in one call
-from two reads: h * gamma and silu(g) * u in the forward (its GEMM's copy per
+from two reads: RMSNorm(h) and silu(g) * u in the forward (its GEMM's copy per
 token, and the weight gradient's per feature, which the backward keeps in
-place of the bf16 tensor: half the bytes), dy and r * d(pre) in the backward.
+place of the bf16 tensor: half the bytes), dy and d(pre) in the backward.
 The forward GEMMs use fast accumulation, the gradient GEMMs promote to fp32
 (torchao's choice).
 
@@ -62,7 +62,7 @@ def dswiglu(acc, pre: PairedTile, a_scale: ColVec, w_scale: RowVec):
 @epilogue(reductions={"dgamma": row_sum()})
 def rmsnorm_bwd(acc, a_scale: ColVec, w_scale: RowVec, rstd: ColVec, s: ColVec, gamma: RowVec, h: Tile,
                 dy: Tile, inv_dim: Scalar):
-    # d = r * (d(pre) @ W_gu), RMSNorm's input gradient before its own r.
+    # d = r * (d(pre) @ W_gu), the gradient at h * gamma: the A operand is d(pre), r is applied here.
     d = acc * a_scale * w_scale * rstd
     hr = h * rstd
     return {"D": dy + gamma * d - hr * rstd * s * inv_dim, "dgamma": d * h}

@@ -16,10 +16,12 @@ judged margin is the larger of the two (a grown error passes when either look
 passes it).
 
 Runs on the CPU with the reference lowering, on the shape sets the reference
-stage checks (``small`` and ``ragged``; fresh draws, outlier channels, edge rows and
-other magnitudes, all but the first with params varied as the judge varies them)::
+stage checks (``small`` and ``ragged``, and with ``--beyond`` the set past them at
+sizes drawn as a check draws them, where edge rows meet the tiles' ragged edges at
+larger sizes; fresh draws, outlier channels, edge rows and other magnitudes, all but
+the first with params varied as the judge varies them)::
 
-    python3 bench/margins.py OUT.json [--suites llama3,gpt2,llama3_fp8] [--tasks A,B] [--draws 20]
+    python3 bench/margins.py OUT.json [--suites llama3,gpt2,llama3_fp8] [--tasks A,B] [--draws 20] [--beyond]
     python3 bench/margins.py OUT.json --program BAD.py --tasks SUITE/NAME   # how far a cheat stands
 
 OUT.json gets one row per (task, output): the smallest first-look margin seen,
@@ -75,15 +77,22 @@ def margin(name: str, shape_set: str, out: torch.Tensor, hi: torch.Tensor, lo: t
     return good, broken.pattern.split(":")[0]
 
 
-def task_margins(task, draws: int, cap: float, rng: random.Random, program: Path | None = None) -> list[dict]:
+def task_margins(task, draws: int, cap: float, rng: random.Random, program: Path | None = None,
+                 beyond: bool = False) -> list[dict]:
     from coda_agent.kernels.contract import run
     from coda_agent.primitives import load_program, lowering
     from coda_agent.verifier.calls import draw_case, judged_by
     from coda_agent.verifier.inputs import drawn_magnitude, drawn_params, reference_takes
+    from coda_agent.verifier.shape_sets import beyond_set
 
     prog = load_program((program or task.expert_path).read_text(), task.name)
     seen: dict[str, list[tuple[float, str, str, str]]] = {}
-    for shape_set in SETS:
+    sets = list(SETS)
+    if beyond:  # one drawn size per task, as one check draws it
+        name, sizes = beyond_set(task.spec, rng)
+        task.spec = task.spec.model_copy(update={"shapes": {**task.spec.shapes, name: sizes}})
+        sets.append(name)
+    for shape_set in sets:
         for _ in range(draws):
             # as a check draws them: its varied params for every draw but the first, its magnitude
             varied = drawn_params(task.spec, rng, lambda p: reference_takes(task, task.spec, p))
@@ -129,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draws", type=int, default=20, help="fresh draws per shape set (each with edge rows too)")
     ap.add_argument("--cap", type=float, default=8.0, help="the largest growth tried")
     ap.add_argument("--seed", type=int, default=None, help="for a repeatable run (the judge's draws are not)")
+    ap.add_argument("--beyond", action="store_true", help="the set past small and ragged too (drawn sizes)")
     ap.add_argument("--program", type=Path, default=None,
                     help="measure this program instead of the experts (with --tasks SUITE/NAME)")
     args = ap.parse_args(argv)
@@ -143,12 +153,12 @@ def main(argv: list[str] | None = None) -> int:
         if len(only) != 1 or "/" not in next(iter(only)):
             ap.error("--program measures one task: --tasks SUITE/NAME")
         rows = task_margins(load_task(ROOT / "tasks" / f"{next(iter(only))}.yaml"), args.draws, args.cap, rng,
-                            args.program)
+                            args.program, args.beyond)
         only = {""}  # and no suite task besides
     for suite in args.suites.split(","):
         for task in load_suite(ROOT / "tasks" / suite):
             if not only or task.name in only:
-                rows += task_margins(task, args.draws, args.cap, rng)
+                rows += task_margins(task, args.draws, args.cap, rng, beyond=args.beyond)
                 print(json.dumps(min((r for r in rows if r["task"] == task.name), key=lambda r: r["min_margin"])),
                       flush=True)
     rows.sort(key=lambda r: r["min_margin"])

@@ -267,7 +267,7 @@ def test_host_path_measures_each_expert_call_without_a_gpu(tmp_path):
 
 def test_margins_measure_each_output_with_the_judges_own_comparison(tmp_path, monkeypatch):
     """bench/margins.py: every output of an expert gets a margin over 1 (the expert passes) and
-    the rule its grown error breaks, per draw kind too; an error that already fails gets the
+    the rule its grown error breaks, per draw kind too, with ``--beyond`` on the drawn set as well; an error that already fails gets the
     factor below 1 it would have to shrink by, 0 past the cap; ``--program`` measures a cheat,
     which stands below 1 only in the draws that catch it."""
     import torch
@@ -276,11 +276,13 @@ def test_margins_measure_each_output_with_the_judges_own_comparison(tmp_path, mo
 
     out = tmp_path / "m.json"
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "margins.py"), str(out), "--suites", "llama3",
-                           "--tasks", "swiglu_fwd", "--draws", "1", "--seed", "0"], capture_output=True, text=True)
+                           "--tasks", "swiglu_fwd", "--draws", "1", "--seed", "0", "--beyond"],
+                          capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert {r["output"] for r in rows} == {"y", "pre"}
-    assert all(1.0 < r["min_margin"] <= r["median_margin"] and r["samples"] == 8 for r in rows), rows
+    # four draws on each of small, ragged and the drawn set past them
+    assert all(1.0 < r["min_margin"] <= r["median_margin"] and r["samples"] == 12 for r in rows), rows
     assert all(r["rule"] for r in rows if r["min_margin"] < 8.0), rows
     assert all(r["min_judged"] >= r["min_margin"] for r in rows), rows  # the second look only adds
     assert all(set(r["judged_by_draw"]) == {"seed", "outliers", "edge", "scaled"} for r in rows), rows

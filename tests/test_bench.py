@@ -267,9 +267,9 @@ def test_host_path_measures_each_expert_call_without_a_gpu(tmp_path):
 
 def test_margins_measure_each_output_with_the_judges_own_comparison(tmp_path, monkeypatch):
     """bench/margins.py: every output of an expert gets a margin over 1 (the expert passes) and
-    the rule its grown error breaks, per draw kind too, with ``--beyond`` on the drawn set as well; an error that already fails gets the
-    factor below 1 it would have to shrink by, 0 past the cap; ``--program`` measures a cheat,
-    which stands below 1 only in the draws that catch it."""
+    the rule its grown error breaks, per draw kind too, with ``--beyond`` on the drawn set as well;
+    an error that already fails gets the factor below 1 it would have to shrink by, 0 past the cap;
+    ``--program`` measures a cheat, which stands below 1 only in the draws that catch it."""
     import torch
 
     from coda_agent.tasks.spec import Tolerance

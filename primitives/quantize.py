@@ -32,6 +32,25 @@ def _check(x: torch.Tensor, dtype: str, call: str) -> None:
         raise CatalogueError(f"{call}: dtype {dtype!r} is not one of {sorted(FP8_DTYPES)}")
 
 
+def _check_scales(call: str, x: torch.Tensor, **scales: torch.Tensor | None) -> None:
+    """Each given scale is a vector along its axis of x: ``row_scale`` (R,), ``col_scale`` (C,)."""
+    for name, v in scales.items():
+        n = x.shape[0 if name == "row_scale" else 1]
+        if v is not None and (not isinstance(v, torch.Tensor) or tuple(v.shape) != (n,)):
+            raise CatalogueError(f"{call}: {name} must be a tensor of shape ({n},); got "
+                                 f"{tuple(getattr(v, 'shape', ())) or type(v).__name__}")
+
+
+def _scaled(x: torch.Tensor, row_scale: torch.Tensor | None, col_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``x * row_scale[:, None] * col_scale[None, :]`` in fp32 (each optional): what the CPU path quantizes."""
+    v = x.float()
+    if row_scale is not None:
+        v = v * row_scale.float()[:, None]
+    if col_scale is not None:
+        v = v * col_scale.float()[None, :]
+    return v
+
+
 def _quantize_shapes(x: torch.Tensor, dtype: str, row_scale: torch.Tensor | None,
                      col_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The op's fake: what quantize_rows returns, shapes and dtypes only."""
@@ -48,12 +67,7 @@ def _quantize_rows(x: torch.Tensor, dtype: str, row_scale: torch.Tensor | None,
 
         out = quantize_rows_triton(x, fp8, row_scale, col_scale)
         return out["q"], out["scale"]
-    v = x.float()
-    if row_scale is not None:
-        v = v * row_scale.float()[:, None]
-    if col_scale is not None:
-        v = v * col_scale.float()[None, :]
-    return _per_row(v, fp8)
+    return _per_row(_scaled(x, row_scale, col_scale), fp8)
 
 
 def _per_row(v: torch.Tensor, fp8: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,10 +89,7 @@ def quantize_rows(x: torch.Tensor, dtype: str = "fp8_e4m3", row_scale: torch.Ten
     scale)``, so ``v ~= q * scale[:, None]``; in a GEMM ``scale`` is a ColVec for
     an A operand and a RowVec for a B = ``q.t()`` operand."""
     _check(x, dtype, "quantize_rows")
-    for name, v, n in (("row_scale", row_scale, x.shape[0]), ("col_scale", col_scale, x.shape[1])):
-        if v is not None and (not isinstance(v, torch.Tensor) or tuple(v.shape) != (n,)):
-            raise CatalogueError(f"quantize_rows: {name} must be a tensor of shape ({n},); got "
-                                 f"{tuple(getattr(v, 'shape', ())) or type(v).__name__}")
+    _check_scales("quantize_rows", x, row_scale=row_scale, col_scale=col_scale)
     q, scale = _quantize_rows(x, dtype, row_scale, col_scale)
     return {"q": q, "scale": scale}
 
@@ -101,9 +112,7 @@ def _quantize_both(x: torch.Tensor, dtype: str, row_scale: torch.Tensor | None
 
         out = quantize_both_triton(x, fp8, row_scale)
         return out["q"], out["scale"], out["qt"], out["scale_t"]
-    v = x.float()
-    if row_scale is not None:
-        v = v * row_scale.float()[:, None]
+    v = _scaled(x, row_scale)
     q, scale = _per_row(v, fp8)
     qt, scale_t = _per_row(v.t(), fp8)
     return q, scale, qt, scale_t
@@ -126,8 +135,6 @@ def quantize_both(x: torch.Tensor, dtype: str = "fp8_e4m3", row_scale: torch.Ten
     with a per-token factor left out, or the rows that factor makes large set every
     feature's scale and the other rows lose their bits."""
     _check(x, dtype, "quantize_both")
-    if row_scale is not None and (not isinstance(row_scale, torch.Tensor) or tuple(row_scale.shape) != (x.shape[0],)):
-        raise CatalogueError(f"quantize_both: row_scale must be a tensor of shape ({x.shape[0]},); got "
-                             f"{tuple(getattr(row_scale, 'shape', ())) or type(row_scale).__name__}")
+    _check_scales("quantize_both", x, row_scale=row_scale)
     q, scale, qt, scale_t = _quantize_both(x, dtype, row_scale)
     return {"q": q, "scale": scale, "qt": qt, "scale_t": scale_t}

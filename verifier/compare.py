@@ -71,13 +71,12 @@ def norm64(t: torch.Tensor, rows: int | None = None) -> torch.Tensor:
     sum (an fp8 GEMM's operands over the format's range, times spread scales, make products of
     1e18: an honest program's relative error came out inf / inf), and an fp64 copy of the whole
     set would not fit beside it."""
+    # split() gives an empty tensor one empty slice, so an empty t needs no case of its own
     if rows is None:
         parts = [torch.linalg.vector_norm(c, dtype=torch.float64) for c in t.reshape(-1).split(NORM_SLICE)]
-        return torch.linalg.vector_norm(torch.stack(parts)) if parts else torch.zeros((), dtype=torch.float64)
-    grid = t.reshape(-1, rows)
+        return torch.linalg.vector_norm(torch.stack(parts))
     return torch.cat([torch.linalg.vector_norm(c, dim=1, dtype=torch.float64)
-                      for c in grid.split(max(1, NORM_SLICE // max(rows, 1)))]) if grid.shape[0] else \
-        torch.zeros(0, dtype=torch.float64, device=t.device)
+                      for c in t.reshape(-1, rows).split(max(1, NORM_SLICE // max(rows, 1)))])
 
 
 def compare(name: str, shape_set: str, out, hi: torch.Tensor, lo: torch.Tensor, tol: Tolerance,

@@ -93,6 +93,56 @@ def test_expert_is_correct_on_the_gpu(name):
     assert res.status == "passed", res.message
 
 
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views of one storage count once)."""
+    seen = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors
+            if isinstance(t, torch.Tensor)}
+    return sum(seen.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Hopper)")
+@pytest.mark.parametrize("name", ["mlp_block_fp8", "llama3_block_fp8"])
+def test_an_fp8_block_holds_no_temporary_past_its_last_reader(name):
+    """Peak memory of an fp8 block's forward + backward at llama3-1b, beyond its inputs: at most
+    what it must hold (what the forward returns, the gradients), d(pre)'s two fp8 copies (per
+    token for the input gradient, per feature for W_gu's) and three (T, H) bf16 tensors of
+    slack (gradients in flight, a weight's fp8 copy).  A backward that wrote d(pre) to a new
+    tensor beside the saved pre-activation, or kept a cast's copies past its GEMMs, holds a
+    (T, 2I) bf16 tensor more (537 MB here) and fails."""
+    from coda_agent.kernels.contract import call_backward, call_forward, saved_state
+    from coda_agent.primitives import load_program, lowering
+
+    t = _task(name)
+    spec, prog = t.spec, load_program(t.expert_path.read_text(), name)
+    x = inputs.make_inputs(spec, "llama3-1b", 11, device="cuda")
+    dys = inputs.make_grads(spec, "llama3-1b", 11, device="cuda")
+    params = spec.params_at("llama3-1b")
+
+    def step():
+        outs = call_forward(prog, x, params, spec.outputs)
+        grads = call_backward(prog, saved_state(x, params, outs), dys, spec.gradients, None)
+        return outs, grads
+
+    with lowering("cute"):
+        step()  # compiles every kernel: its allocations are not the block's
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        outs, grads = step()
+        torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    kept, held = _storage_bytes(outs.values()), _storage_bytes(grads.values())
+    tokens, dim = x["h"].shape
+    d_pre_fp8 = outs["pre"].numel() * 2  # q and qt, one byte an element each
+    slack = 3 * tokens * dim * 2
+    bound = kept + held + d_pre_fp8 + slack
+    mb = {k: round(v / 1e6) for k, v in dict(peak=peak, kept=kept, grads=held, d_pre_fp8=d_pre_fp8,
+                                              slack=slack, bound=bound).items()}
+    assert peak <= bound, mb
+    assert peak >= kept + held, mb  # the measurement sees the block at all
+
+
 def _on_grid(rows: int, k: int, dtype: torch.dtype, device: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator(device="cpu").manual_seed(seed)
     q, scale = references.quantize_rows(torch.randn(rows, k, generator=g) * 3, dtype)

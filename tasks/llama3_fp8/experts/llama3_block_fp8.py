@@ -20,6 +20,9 @@ backward keeps in place of the bf16 tensor); fast accumulation in the forward
 GEMMs only.  The QKV-side statistic s2 = sum(dqkv * qkv) is reduced by a tile
 pass over both, as in llama3_block.
 
+Memory as in mlp_block_fp8: d(pre) over the saved pre-activation, each
+temporary dropped once its last reader has run.
+
 Frozen weights (``needs`` lacks their gradients) skip their gradient GEMMs, the
 xn store only W_qkv's gradient reads, and the per-feature copy of each
 gradient that only a frozen weight's gradient would read (``quantize_rows``
@@ -108,10 +111,10 @@ def _weight_grad(grad, x):
     return gemm(grad["qt"], x["qt"].t(), dequantize, a_scale=grad["scale_t"], w_scale=x["scale_t"])["D"]
 
 
-def _input_grad(grad, weight, epi, **operands):
+def _input_grad(grad, weight, epi, out=None, **operands):
     """grad @ weight (stored (out, in)): grad's per-token copy, the weight per input feature."""
     b = quantize_rows(weight.t())
-    return gemm(grad["q"], b["q"].t(), epi, a_scale=grad["scale"], w_scale=b["scale"], **operands)
+    return gemm(grad["q"], b["q"].t(), epi, a_scale=grad["scale"], w_scale=b["scale"], out=out, **operands)
 
 
 def forward(attn, h, w_o, gamma_mlp, w_gu, w_down, gamma_attn, w_qkv, hg1_scale, hg2_scale, eps):
@@ -119,20 +122,26 @@ def forward(attn, h, w_o, gamma_mlp, w_gu, w_down, gamma_attn, w_qkv, hg1_scale,
     x, wo = quantize_rows(attn), quantize_rows(w_o)
     a = gemm(x["q"], wo["q"].t(), residual_norm_stats, a_scale=x["scale"], w_scale=wo["scale"], residual=h,
              gamma=gamma_mlp, hg_scale=hg1_scale, fast_accum=True)
+    del x, wo
     r1 = rms_rstd(a["sumsq"], dim, eps)
     wgu = quantize_rows(w_gu)
     gu = gemm(a["hg"], wgu["q"].t(), norm_swiglu, w_scale=wgu["scale"], rstd=r1, hg_scale=hg1_scale,
               fast_accum=True)
-    act, wd = quantize_both(gu["act"]), quantize_rows(w_down)
+    del wgu
+    pre = gu["D"]
+    act = quantize_both(gu["act"])
+    del gu  # the (T, I) bf16 silu(g) * u: its fp8 copies replace it
+    wd = quantize_rows(w_down)
     c = gemm(act["q"], wd["q"].t(), residual_norm_stats, a_scale=act["scale"], w_scale=wd["scale"],
              residual=a["D"], gamma=gamma_attn, hg_scale=hg2_scale, fast_accum=True)
+    del wd
     r2 = rms_rstd(c["sumsq"], dim, eps)
     wqkv = quantize_rows(w_qkv)
     qkv = gemm(c["hg"], wqkv["q"].t(), norm_rows, w_scale=wqkv["scale"], rstd=r2, hg_scale=hg2_scale,
                fast_accum=True)["D"]
     # Kept for backward: h1, the fp8 gate/up operand, SwiGLU's output (its per-feature fp8 copy),
     # and the row amax of both fp8 epilogue outputs (the next step's delayed scales).
-    return {"h_out": c["D"], "qkv": qkv, "h1": a["D"], "hg1": a["hg"], "r1": r1, "pre": gu["D"],
+    return {"h_out": c["D"], "qkv": qkv, "h1": a["D"], "hg1": a["hg"], "r1": r1, "pre": pre,
             "act_t": act["qt"], "act_t_scale": act["scale_t"], "r2": r2, "hg1_amax": a["amax"],
             "hg2_amax": c["amax"]}
 
@@ -151,20 +160,27 @@ def backward(saved, dh_out, dqkv, needs):
     g_qkv = _quantize(dqkv, "dw_qkv" in needs)
     d2 = _input_grad(g_qkv, saved["w_qkv"], rmsnorm_bwd if "dw_qkv" in needs else rmsnorm_bwd_frozen,
                      rstd=saved["r2"], s=s2, gamma=saved["gamma_attn"], h=h2, dy=dh_out, inv_dim=inv_dim)
-    grads["dgamma_attn"] = d2["dgamma"]
-    g2 = _quantize(d2["D"], "dw_down" in needs)  # dh2
+    grads["dgamma_attn"], dh2 = d2["dgamma"], d2["D"]
+    g2 = _quantize(dh2, "dw_down" in needs)
     if "dw_qkv" in needs:
         grads["dw_qkv"] = _weight_grad(g_qkv, _per_feature(d2["xn"]))
-    # SwiGLU MLP + its RMSNorm (+ the residual gradient dh2).
-    da = _input_grad(g2, saved["w_down"], dswiglu, pre=saved["pre"], rstd=saved["r1"])
-    dp = _quantize(da["D"], "dw_gu" in needs)
-    d1 = _input_grad(dp, saved["w_gu"], rmsnorm_bwd_scaled, rstd=saved["r1"], s=da["s"],
-                     gamma=saved["gamma_mlp"], h=h1, dy=d2["D"], inv_dim=inv_dim)
-    grads["dh"], grads["dgamma_mlp"] = d1["D"], d1["dgamma"]
-    if "dw_gu" in needs:
-        grads["dw_gu"] = _weight_grad(dp, _per_feature(saved["hg1"], col_scale=saved["hg1_scale"]))
+    del g_qkv, d2
+    # SwiGLU MLP + its RMSNorm (+ the residual gradient dh2).  d(pre) overwrites the saved
+    # pre-activation it is computed from: the two never coexist.
+    da = _input_grad(g2, saved["w_down"], dswiglu, out=saved["pre"], pre=saved["pre"], rstd=saved["r1"])
     if "dw_down" in needs:
         grads["dw_down"] = _weight_grad(g2, {"qt": saved["act_t"], "scale_t": saved["act_t_scale"]})
+    del g2
+    s1 = da["s"]
+    dp = _quantize(da["D"], "dw_gu" in needs)
+    del da
+    d1 = _input_grad(dp, saved["w_gu"], rmsnorm_bwd_scaled, rstd=saved["r1"], s=s1, gamma=saved["gamma_mlp"],
+                     h=h1, dy=dh2, inv_dim=inv_dim)
+    grads["dh"], grads["dgamma_mlp"] = d1["D"], d1["dgamma"]
+    del dh2
+    if "dw_gu" in needs:
+        grads["dw_gu"] = _weight_grad(dp, _per_feature(saved["hg1"], col_scale=saved["hg1_scale"]))
+    del dp
     # Out-projection + residual.
     if needs & {"dattn", "dw_o"}:
         g1 = _quantize(d1["D"], "dw_o" in needs)  # dh1

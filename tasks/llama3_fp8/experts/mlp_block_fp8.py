@@ -28,6 +28,11 @@ place of the bf16 tensor: half the bytes), dy and d(pre) in the backward.
 The forward GEMMs use fast accumulation, the gradient GEMMs promote to fp32
 (torchao's choice).
 
+Memory: d(pre) is written over the saved pre-activation it is computed from
+(``gemm(..., out=pre)``), and every temporary is dropped (``del``) once its
+last reader has run: beside the saved tensors and the gradients, the backward
+holds d(pre)'s two fp8 copies and one GEMM's operands at a time.
+
 Frozen weights (LoRA, a frozen base: ``needs`` lacks their gradients) skip
 their gradient GEMMs, and a gradient no weight-gradient GEMM reads is
 quantized per token only (``quantize_rows``: the same bits as
@@ -75,15 +80,21 @@ def dequantize(acc, a_scale: ColVec, b_scale: RowVec):
 
 def forward(h, gamma, w_gu, w_down, eps):
     prep = rms_prepare(h, gamma, eps)
-    x = quantize_both(prep["xg"], row_scale=prep["rstd"])  # RMSNorm(h), both ways
+    rstd = prep["rstd"]
+    x = quantize_both(prep["xg"], row_scale=rstd)  # RMSNorm(h), both ways
+    del prep
     wgu = quantize_rows(w_gu)
     gu = gemm(x["q"], wgu["q"].t(), norm_swiglu, a_scale=x["scale"], w_scale=wgu["scale"], fast_accum=True)
+    x_t, x_t_scale = x["qt"], x["scale_t"]  # RMSNorm(h) per feature, for dw_gu
+    del x, wgu
+    pre = gu["D"]
     act = quantize_both(gu["act"])
+    del gu  # the (T, I) bf16 silu(g) * u: its fp8 copies replace it
     wd = quantize_rows(w_down)
     y = gemm(act["q"], wd["q"].t(), add_residual, a_scale=act["scale"], w_scale=wd["scale"], residual=h,
              fast_accum=True)["D"]
-    return {"y": y, "pre": gu["D"], "act_t": act["qt"], "act_t_scale": act["scale_t"], "x_t": x["qt"],
-            "x_t_scale": x["scale_t"], "rstd": prep["rstd"]}
+    return {"y": y, "pre": pre, "act_t": act["qt"], "act_t_scale": act["scale_t"], "x_t": x_t,
+            "x_t_scale": x_t_scale, "rstd": rstd}
 
 
 def _quantize(x, both):
@@ -101,14 +112,20 @@ def backward(saved, dy, needs):
     if not needs & {"dh", "dgamma", "dw_gu"}:
         return grads
     wd_t = quantize_rows(w_down.t())  # (I, H): K = H for the input gradient
-    da = gemm(g["q"], wd_t["q"].t(), dswiglu, pre=saved["pre"], a_scale=g["scale"], w_scale=wd_t["scale"])
+    # d(pre) overwrites the saved pre-activation it is computed from: the two never coexist.
+    da = gemm(g["q"], wd_t["q"].t(), dswiglu, pre=saved["pre"], a_scale=g["scale"], w_scale=wd_t["scale"],
+              out=saved["pre"])
+    del g, wd_t
+    s = da["s"]
     dp = _quantize(da["D"], "dw_gu" in needs)
+    del da
     if "dh" in needs or "dgamma" in needs:
         wgu_t = quantize_rows(w_gu.t())  # (H, 2I)
         d = gemm(dp["q"], wgu_t["q"].t(), rmsnorm_bwd, a_scale=dp["scale"], w_scale=wgu_t["scale"], rstd=rstd,
-                 s=da["s"], gamma=gamma, h=h, dy=dy, inv_dim=1.0 / h.shape[1])
+                 s=s, gamma=gamma, h=h, dy=dy, inv_dim=1.0 / h.shape[1])
         grads["dh"], grads["dgamma"] = d["D"], d["dgamma"]
-    # The weight gradients contract over the tokens: each operand's per-feature copy.
+        del wgu_t
+    # The weight gradient contracts over the tokens: each operand's per-feature copy.
     if "dw_gu" in needs:
         grads["dw_gu"] = gemm(dp["qt"], saved["x_t"].t(), dequantize, a_scale=dp["scale_t"],
                               b_scale=saved["x_t_scale"])["D"]

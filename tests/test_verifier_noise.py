@@ -14,7 +14,7 @@ from coda_agent.tasks.spec import Tolerance, load_task
 from coda_agent.verifier.calls import draw_case, verdict
 from coda_agent.verifier.compare import compare
 from coda_agent.verifier.inputs import make_inputs
-from coda_agent.verifier.noise import Noise, nudged
+from coda_agent.verifier.noise import Noise, nudged, nudged_params
 from coda_agent.verifier.outliers import outlier_inputs
 
 
@@ -55,6 +55,53 @@ def test_nudged_inputs_move_by_an_ulp_at_most():
     ulp = 2.0 ** (torch.floor(torch.log2(x[16:].float().abs())) - 7)
     step = (out["x"][16:].float() - x[16:].float()).abs()
     assert bool((step <= ulp * 2 + 1e-30).all()) and 0.2 < float((step > 0).float().mean()) < 0.8
+
+
+def test_nudged_params_move_the_float_ones_by_an_ulp_at_most():
+    g = torch.Generator().manual_seed(1)
+    params = {"limit": 7.0, "alpha": -1.702, "zero": 0.0, "n": 3, "flag": True, "name": "x"}
+    moved = [nudged_params(params, 2.0 ** -7, g) for _ in range(20)]
+    for m in moved:
+        assert {k: m[k] for k in ("zero", "n", "flag", "name")} == {"zero": 0.0, "n": 3, "flag": True, "name": "x"}
+        assert type(m["n"]) is int and type(m["flag"]) is bool
+        for k in ("limit", "alpha"):
+            assert abs(m[k] / params[k] - 1.0) <= 2.0 ** -7
+    assert len({m["limit"] for m in moved}) == 20
+
+
+# The clamped SwiGLU at a bound the judge drew (0.24652, with alpha and offset varied too) and
+# inputs at 2^8.5-2^12: most pre-activations sit at a bound, the activation takes two values,
+# and dW_down = dy^T @ act sums them against dy's column means.  (seed, magnitude) of scaled draws.
+CLAMP_PARAMS = {"limit": 0.24652, "alpha": 2.34189, "offset": 3.08677}
+CLAMP_DRAWS = [(271041745, 8.537), (242886303, 11.824), (560161641, 8.952)]
+
+
+def test_errors_a_clamp_s_bound_pins_are_judged_by_the_reference_s_at_nearby_bounds():
+    """The expert rounds its activation once, from the bound rounded to bf16 as torch's clamp
+    does; the bf16 reference rounds it op by op and, at this bound, lands its two values on
+    errors of opposite signs that all but cancel.  No nudge of the inputs moves them, so a second
+    look that nudged the inputs alone kept that one lucky draw, and the expert's honest rounding
+    failed it (6 of 12 such draws, one clean-clone CI run): with the bound nudged too, it passes
+    these three draws, two of which its first look fails.  An activation 2% off (five ulps of
+    its values) still fails every draw (`bench/results/cpu-2026-12-06-clamp-bias/`)."""
+    from coda_agent.kernels.contract import run
+
+    t = task("swiglu_clamp_mlp")
+    source = t.expert_path.read_text()
+    biased = source.replace('"act": glu * up}', '"act": glu * up * 1.02}')
+    assert biased != source
+    first_look = 0
+    for seed, magnitude in CLAMP_DRAWS:
+        case = draw_case(t, t.spec, "small", seed, "cpu", "scaled", varied=CLAMP_PARAMS, magnitude=magnitude)
+        for mod, honest in ((load_expert(t), True), (load_expert(t, biased, "biased_act"), False)):
+            with lowering("reference"):
+                got = run(mod, case.inputs, case.params, case.grads, t.spec.outputs, t.spec.gradients)
+            found = [m.tensor for m in verdict(t.spec, case, got)]
+            assert found == ([] if honest else ["dw_down"]), (seed, honest, found)
+            if honest:
+                first_look += compare("dw_down", "small", got["dw_down"], case.hi["dw_down"], case.lo["dw_down"],
+                                      t.spec.tolerance_for("dw_down")) is not None
+    assert first_look >= 2
 
 
 def test_an_element_that_carries_the_noise_is_judged_by_more_samples_of_it():

@@ -16,24 +16,41 @@ the GPT-2 MLP block's dgamma did, in 10 of 16 checks with outlier channels.
 So a result that fails the first look gets a second one: the judge nudges
 every float input by at most an ulp of its dtype (each element times
 ``1 + eps * u``, u uniform in [-1, 1], rounded back: the inputs stay a draw of
-the same distribution, and every rounding downstream lands elsewhere), runs
-both references on the nudged inputs, and keeps ``ref_lo - ref_hi`` there
-as another sample of the reference's noise at each element.  With
-:data:`SAMPLES` of them :func:`sample_noise` summarises, per result, the
-per-element RMS of the noise (the original sample included), the RMS of its
-norm, and the largest mean and standard error of the mean over the samples;
-:func:`.compare.compare` then lets an element err by ``factor *``
-:data:`SIGMAS` of its own noise RMS where that exceeds the first look's bar.
+the same distribution, and every rounding downstream lands elsewhere) and
+every float param by as much at the ulp of the coarsest dtype the results
+round to (fp8 aside), runs both references on the nudged call, and keeps
+``ref_lo - ref_hi`` there as another sample of the reference's noise at each
+element.  With :data:`SAMPLES` of them :func:`sample_noise` summarises, per
+result, the per-element RMS of the noise (the original sample included), the
+RMS of its norm, and the largest mean and standard error of the mean over the
+samples; :func:`.compare.compare` then lets an element err by ``factor *``
+:data:`SIGMAS` of its own noise RMS where that exceeds the first look's bar,
+and a result's mean by ``dense_factor`` times the largest sample's.
 An honest program with the reference's noise fails that with the probability
 of a Student t with ``SAMPLES + 1`` degrees of freedom beyond 6: about 2e-4 an
 element.  Elements of ordinary noise keep the first look's bar (six of their
 own sigmas is below twice the extreme of thousands), so a program wrong there
 gains nothing from the second look; it costs ``2 * SAMPLES`` reference runs,
 paid only by a result that failed the first.
+
+The params move too because some results are pinned by a param, not by the
+inputs.  A clamp's bound or a cap that most elements saturate at makes a
+tensor of a few distinct values whose roundings no nudge of the inputs moves:
+the reference's error there is one draw, the same in every sample.  Where a
+weight gradient sums such a tensor against gradients of one sign (a clamped
+SwiGLU's activation at large magnitudes, dW_down = dy^T @ act), that draw,
+lucky or not, set both the bias and the per-column errors allowed, and an
+honest program that rounds the bound once (as torch's clamp of a bf16 tensor
+does) failed half of such draws.  Nudged by an ulp, the bound's rounding
+lands elsewhere in every sample: the bars then hold the spread of the
+reference's rounding there, about an ulp of the saturated values, so an
+error of a few ulps of them passes the second look where it is all the
+noise there is, and a larger one still fails.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,6 +84,16 @@ def nudged(tensors: dict[str, torch.Tensor], gen: torch.Generator) -> dict[str, 
     return out
 
 
+def nudged_params(params: dict[str, Any], ulp: float, gen: torch.Generator) -> dict[str, Any]:
+    """Every float param times ``1 + ulp * u`` (u uniform in [-1, 1]); the others as they are."""
+    out = dict(params)
+    for k, v in params.items():
+        if isinstance(v, float) and v != 0.0 and math.isfinite(v):
+            u = float(torch.rand((), generator=gen, device=gen.device, dtype=torch.float64)) * 2.0 - 1.0
+            out[k] = v * (1.0 + ulp * u)
+    return out
+
+
 def _errors(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
     work = torch.float64 if hi.device.type == "cpu" else torch.float32
     e = lo.to(hi.device, work) - hi.to(work)
@@ -91,11 +118,16 @@ def sample_noise(task, inputs: dict[str, torch.Tensor], grads: dict[str, torch.T
     del first
     device = next(iter(inputs.values())).device if inputs else torch.device("cpu")
     gen = torch.Generator(device=device).manual_seed(seed ^ 0x901CE)
+    # An fp8 result's ulp (1/8 at e4m3) would move a param far past its own rounding: the
+    # params enter the math through 16- and 32-bit ops.
+    ulp = max((torch.finfo(t.dtype).eps for t in lo.values() if t.is_floating_point() and t.element_size() > 1),
+              default=0.0)
     for _ in range(SAMPLES):
         x = nudged(inputs, gen)
         g = nudged(grads, gen) if grads else None
-        ref_hi = run_reference(task, x, g, hi_dtype, params=params)
-        ref_lo = run_reference(task, x, g, None, params=params)
+        p = nudged_params(params, ulp, gen)
+        ref_hi = run_reference(task, x, g, hi_dtype, params=p)
+        ref_lo = run_reference(task, x, g, None, params=p)
         for n in names:
             e = _errors(ref_lo[n], ref_hi[n])
             sumsq[n] += e.square()

@@ -81,7 +81,7 @@ def test_errors_a_clamp_s_bound_pins_are_judged_by_the_reference_s_at_nearby_bou
     does; the bf16 reference rounds it op by op and, at this bound, lands its two values on
     errors of opposite signs that all but cancel.  No nudge of the inputs moves them, so a second
     look that nudged the inputs alone kept that one lucky draw, and the expert's honest rounding
-    failed it (6 of 12 such draws, one CI run): with the bound nudged too, it passes these
+    failed it (6 of 12 such draws, a CPU test run): with the bound nudged too, it passes these
     three draws, two of which its first look fails.  An activation 2% off (three to five ulps of
     its values) still fails every draw (`bench/results/cpu-2026-12-06-clamp-bias/`)."""
     from coda_agent.kernels.contract import run

@@ -37,8 +37,8 @@ API: dict[str, tuple[str, ...]] = {
     "the mainloop": ("gemm", "TileConfig"),
     "passes without a GEMM": ("tile_pass", "vector_pass"),
     "operand kinds": ("Tile", "RowVec", "ColVec", "Scalar", "PairedTile", "HeadStat"),
-    "reductions and stateful transforms": ("col_sum", "col_max", "row_sum", "head_rstd", "online_lse",
-                                           "select_col"),
+    "reductions and stateful transforms": ("col_sum", "col_max", "row_sum", "col_amax", "row_amax", "head_rstd",
+                                           "online_lse", "select_col"),
     "math inside epilogue fns": ("unpack", "pack", "exp", "exp2", "log", "rsqrt", "sqrt", "reciprocal", "tanh",
                                  "tanh_fast", "sin", "cos", "sigmoid", "silu", "gelu_tanh", "erf", "gelu",
                                  "sigmoid_grad", "silu_grad", "tanh_grad", "gelu_tanh_grad", "gelu_grad", "round_bf16",
@@ -147,6 +147,8 @@ RAGGED_LANES: tuple[RaggedLanes, ...] = (
                                           "lanes."),
     RaggedLanes("row_sum", "folds every lane of the column's last M tile, padded rows included: " + _PADDED + "."),
     RaggedLanes("col_max", "padded lanes are masked to -inf: any value is safe."),
+    RaggedLanes("col_amax, row_amax", "fold every lane of the last tile, padded lanes included (their 0 is the "
+                                      "identity of a largest absolute value): " + _PADDED + "."),
     RaggedLanes("online_lse", "padded lanes are masked to -inf: any value is safe (an unaligned vocabulary "
                               "is fine)."),
     RaggedLanes("select_col", "reads only column `index[m]`; a row whose index is outside [0, N) gets 0.0."),

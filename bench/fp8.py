@@ -21,6 +21,9 @@ that cost most, device ms per catalogue launch, the whole call's kernel time
 beside its span on the device, and the longest idle gaps.  ``--tune`` tunes the
 CODA programs' GEMMs on their shapes first (``coda_fp8_tuned``: each tuned
 call's winner and candidates' times; the runs after read the tuning cache).
+``--compare DIR`` adds ``coda_fp8_compare``, the fp8 program ``DIR/<block>_fp8.py``
+(another version of the expert, e.g. the one before a change: timed interleaved with
+it on the same machine, profiled too with ``--profile``).
 ``--casts`` adds the casts alone, at the gradients' shapes of an 8B layer:
 ``quantize_rows`` along each axis alone and along both (two calls),
 ``quantize_both`` (one call, two reads) and a copy of the bf16 tensor (the
@@ -107,11 +110,13 @@ class Llama3Block(nn.Module):
 MODULES = {"mlp_block": (MLPBlock, ("h",)), "llama3_block": (Llama3Block, ("attn", "h"))}
 
 
-def _program(task: Any, inputs: dict, grads: dict, lowering_name: str) -> Callable[[], Any]:
+def _program(task: Any, inputs: dict, grads: dict, lowering_name: str, source: str | None = None
+             ) -> Callable[[], Any]:
+    """The task's expert (or the program ``source``) as one forward + backward call."""
     from coda_agent.kernels.contract import run
     from coda_agent.primitives import load_program, lowering
 
-    prog = load_program(task.expert_path.read_text(), task.name)
+    prog = load_program(source if source is not None else task.expert_path.read_text(), task.name)
     params = dict(task.spec.params)
 
     def fused() -> Any:
@@ -259,7 +264,7 @@ def amax_geometries(x: torch.Tensor, reps: int, device: str = "cuda") -> list[di
 
 
 def bench_block(name: str, shape_set: str, reps: int, device: str, profile: bool = False,
-                tune: bool = False) -> dict:
+                tune: bool = False, compare: Path | None = None) -> dict:
     from coda_agent.primitives.tuning import autotune
     from coda_agent.verifier.inputs import make_grads, make_inputs
 
@@ -281,6 +286,10 @@ def bench_block(name: str, shape_set: str, reps: int, device: str, profile: bool
         **_plain_gemms(spec.gemm_shapes(shape_set), device)}
     row: dict[str, Any] = {"block": name, "shape_set": shape_set, "shapes": spec.shapes[shape_set],
                            "compiled": compiled}
+    other = compare / f"{name}_fp8.py" if compare is not None else None
+    if other is not None and other.exists():
+        contenders["coda_fp8_compare"] = _program(fp8_task, fp8_inputs, grads, low, other.read_text())
+        row["compare_program"] = str(other)
     for recipe in ("rowwise", "tensorwise"):
         try:
             contenders[f"torchao_{recipe}"] = _torch_block(name, inputs, grads, eps, recipe, compiled)
@@ -311,8 +320,12 @@ def bench_block(name: str, shape_set: str, reps: int, device: str, profile: bool
                 row[f"coda_fp8_speedup_vs_{other}"] = ms[other] / ms["coda_fp8"]
         row["targets_met"] = {"vs_torchao_rowwise >= 1.2": row.get("coda_fp8_speedup_vs_torchao_rowwise", 0) >= 1.2,
                               "vs_fp8_gemms <= 1.05": row["coda_fp8_over_fp8_gemms"] <= 1.05}
+        if "coda_fp8_compare" in ms:
+            row["coda_fp8_speedup_vs_compare"] = ms["coda_fp8_compare"] / ms["coda_fp8"]
         if profile:
-            row["coda_fp8_profile"] = launch_split(contenders["coda_fp8"], device)
+            for key in ("coda_fp8", "coda_fp8_compare"):
+                if key in contenders:
+                    row[f"{key}_profile"] = launch_split(contenders[key], device)
     return row
 
 
@@ -327,6 +340,8 @@ def main() -> int:
     ap.add_argument("--profile", action="store_true", help="the fp8 program's device ms per catalogue launch")
     ap.add_argument("--tune", action="store_true",
                     help="tune the CODA programs' GEMMs on their shapes first (minutes of compiles on a cold cache)")
+    ap.add_argument("--compare", type=Path, default=None,
+                    help="a folder of other versions of the fp8 programs (<block>_fp8.py), timed beside them")
     ap.add_argument("--dry-run", action="store_true",
                     help="on CPU, reference lowering, eager torch: checks the plumbing, measures nothing")
     args = ap.parse_args()
@@ -345,14 +360,15 @@ def main() -> int:
                 continue
             start = time.time()
             try:
-                row = bench_block(name, shape_set, args.reps, device, args.profile, args.tune)
+                row = bench_block(name, shape_set, args.reps, device, args.profile, args.tune, args.compare)
             except Exception as e:  # noqa: BLE001 - one block's failure is a row
                 traceback.print_exc(limit=4)
                 row = {"block": name, "shape_set": shape_set, "error": f"{type(e).__name__}: {str(e)[:400]}"}
             row["bench_s"] = round(time.time() - start, 1)
             results["rows"].append(row)
             print(json.dumps({k: row.get(k) for k in ("block", "shape_set", "coda_fp8_over_fp8_gemms",
-                                                      "coda_fp8_speedup_vs_torchao_rowwise", "error")}),
+                                                      "coda_fp8_speedup_vs_torchao_rowwise",
+                                                      "coda_fp8_speedup_vs_compare", "error")}),
                   flush=True)
             write_atomic(path, json.dumps(results, indent=1))
             if device == "cuda":

@@ -20,7 +20,7 @@ The five CODA families:
    LayerNorm's rank-1 form (``layernorm_fold``, ``normalize_rows``);
 3. tile load/store: ``Tile`` operands and extra ``outputs`` with their own dtype,
    and epilogues over tiles without a GEMM (``tile_pass``);
-4. tile reductions: ``col_sum``, ``col_max``, ``row_sum`` and the aux kernels
+4. tile reductions: ``col_sum``, ``col_max``, ``row_sum``, ``col_amax``, ``row_amax`` and the aux kernels
    that finish them (``rms_rstd``, ``layernorm_stats``, ``row_stats``);
    per-head statistics (``head_rstd``);
 5. stateful transforms: ``online_lse`` and ``select_col`` across N tiles.
@@ -69,7 +69,7 @@ from .pair import pack, unpack
 from .passes import tile_pass, vector_pass
 from .program import load_program
 from .quantize import quantize_both, quantize_rows
-from .reductions import col_max, col_sum, head_rstd, online_lse, row_sum, select_col
+from .reductions import col_amax, col_max, col_sum, head_rstd, online_lse, row_amax, row_sum, select_col
 from .tile_config import TileConfig
 from .version import CATALOGUE_VERSION
 

@@ -175,7 +175,7 @@ def run(epi: Epilogue | None, A: torch.Tensor, B: torch.Tensor, operands: dict[s
                                       add_to_output=accumulate, **kw, **sinks)
     for name, red in epi.reductions.items():
         if not red.caller_owned:  # a finished (M,) or (N,) vector quack allocated: O(M) to copy
-            buffers[name].copy_(red.from_quack(res[name]))
+            buffers[name].copy_(red.from_quack(res[name], pairs=epi.pairs == "acc"))
 
 
 @lru_cache(maxsize=1)

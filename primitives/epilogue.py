@@ -26,10 +26,11 @@ Contract, as one signature::
   extra outputs are half width (SwiGLU forward, RoPE).  A ``PairedTile``
   operand (the saved 16-bit pre-activation at twice the GEMM width) arrives as a
   Pair and D is ``pack(dg, du)`` at that tensor's width (SwiGLU backward).
-  Reductions in a paired epilogue: ``col_sum()``/``col_max()`` (the lanes of a
-  returned Pair fold into one value per row), and beside a PairedTile also
-  ``row_sum()``, one value per pair (per accumulator column): a gated
-  backward's bias gradients, one ``row_sum`` for each lane's value.
+  Reductions in a paired epilogue: ``col_sum()``/``col_max()``/``col_amax()``
+  (the lanes of a returned Pair fold into one value per row), ``row_amax()``
+  (one value per pair column, the extra outputs' width), and beside a
+  PairedTile also ``row_sum()``, one value per pair (per accumulator column): a
+  gated backward's bias gradients, one ``row_sum`` for each lane's value.
 - The body is straight-line math: no ``if``/``for``/``while``, conditional
   expressions, ``and``/``or``, ``try``, comprehensions or nested functions.  The
   GPU lowering traces it once per element; a Python branch on a traced value
@@ -296,7 +297,7 @@ def epilogue(outputs: dict[str, str] | None = None,
         for name, red in reductions.items():
             if not isinstance(red, Reduction):
                 raise CatalogueError(f"epilogue {fn.__name__!r}: reduction {name!r} must be declared "
-                                     "with col_sum(), col_max(), row_sum(), online_lse() or "
+                                     "with col_sum(), col_max(), row_sum(), col_amax(), row_amax(), online_lse() or "
                                      "select_col(...)", line=line)
         stat_params = {n for n, k in operands.items() if k is HeadStat}
         for name, stat in head_stats.items():
@@ -343,8 +344,8 @@ def epilogue(outputs: dict[str, str] | None = None,
                 if not (red.pairable if pairs == "acc" else red.beside_pairs):
                     raise CatalogueError(
                         f"epilogue {fn.__name__!r}: reduction {name!r} ({red.describe()}) is not "
-                        "available in a paired epilogue; only col_sum()/col_max() are (and row_sum(), "
-                        "one value per pair, beside a PairedTile operand)", line=line)
+                        "available in a paired epilogue; only col_sum(), col_max(), col_amax() and row_amax() "
+                        "are (and row_sum(), one value per pair, beside a PairedTile operand)", line=line)
         _check_body(fn)
         epi = Epilogue(fn=fn, operands=operands,
                        outputs={k: OUTPUT_DTYPES[v] for k, v in outputs.items()},

@@ -47,7 +47,10 @@ values on any device):
   Everything else is quantized by ``quantize_rows`` (:mod:`.quantize`): current row-wise
   scales, powers of two (exact dequantization), torchao's rowwise recipe; a tensor that
   two GEMMs read along different axes (a gradient, for its input- and weight-gradient
-  GEMMs) by ``quantize_both``, which writes both copies from two reads of it.
+  GEMMs) by ``quantize_both``, which writes both copies from two reads of it.  Where an
+  epilogue writes the tensor in 16 bits, it can reduce the current scales' amaxes as it
+  goes (``col_amax()`` per row, ``row_amax()`` per column: a paired store included) and
+  hand them to the cast (``row_amax=``, ``col_amax=``), which then reads the tensor once.
   A per-row factor that commutes with a GEMM (RMSNorm's r) may leave a per-token copy,
   whose scale takes it, but not a weight gradient's per-feature copy, whose one scale
   spans every token: quantize the normalized tensor there (``row_scale=``), or the

@@ -24,7 +24,8 @@ non-negative float orders like its bits.  A 128 x 128 tile per program, with an
 atomic per row and per column of every tile, took half of quantize_both's time
 on the H200 (BENCHMARKS.md, run 15).
 
-``quantize_both``: pass 1 reduces the row and column amaxes into two buffers; pass 2
+``quantize_both``: pass 1 reduces the row and column amaxes into two buffers (skipped
+where the epilogue that wrote x reduced them: ``row_amax``/``col_amax``); pass 2
 walks the tiles and writes each twice, quantized by its rows'
 scales into ``q`` and by its columns' scales, transposed, into ``qt``.  Two reads
 of x and two fp8 writes, where ``quantize_rows(x)`` and ``quantize_rows(x.t())``
@@ -238,7 +239,8 @@ def _tiles(rows: int, cols: int, block: int) -> tuple[int]:
     return (triton.cdiv(rows, block) * triton.cdiv(cols, block),)
 
 
-def quantize_both_triton(x: torch.Tensor, dtype: torch.dtype, row_scale: torch.Tensor | None = None
+def quantize_both_triton(x: torch.Tensor, dtype: torch.dtype, row_scale: torch.Tensor | None = None,
+                         row_amax: torch.Tensor | None = None, col_amax: torch.Tensor | None = None
                          ) -> dict[str, torch.Tensor]:
     rows, cols = x.shape
     dev = x.device
@@ -246,10 +248,12 @@ def quantize_both_triton(x: torch.Tensor, dtype: torch.dtype, row_scale: torch.T
            "qt": torch.empty(cols, rows, dtype=dtype, device=dev), "scale_t": torch.empty(cols, device=dev)}
     if rows == 0 or cols == 0:
         return out
-    # Zeros are the identity of a maximum of absolute values.
-    ramax, camax = torch.zeros(rows, device=dev), torch.zeros(cols, device=dev)
     rs = row_scale.float().contiguous() if row_scale is not None else None
-    _amaxes(x, ramax, camax, pre_r=rs)
+    if row_amax is not None:  # reduced by the epilogue that wrote x: one read of x, not two
+        ramax, camax = row_amax.float().contiguous(), col_amax.float().contiguous()
+    else:  # zeros are the identity of a maximum of absolute values
+        ramax, camax = torch.zeros(rows, device=dev), torch.zeros(cols, device=dev)
+        _amaxes(x, ramax, camax, pre_r=rs)
     _quantize_both_kernel[_tiles(rows, cols, CAST_TILE)](
         x, x.stride(0), x.stride(1), ramax if rs is None else rs, ramax, camax, out["q"], out["qt"], out["scale"],
         out["scale_t"], rows, cols, fp8_max(dtype), EPS, HAS_RS=rs is not None, BLOCK_R=CAST_TILE,
@@ -258,7 +262,8 @@ def quantize_both_triton(x: torch.Tensor, dtype: torch.dtype, row_scale: torch.T
 
 
 def quantize_rows_triton(x: torch.Tensor, dtype: torch.dtype, row_scale: torch.Tensor | None,
-                         col_scale: torch.Tensor | None) -> dict[str, torch.Tensor]:
+                         col_scale: torch.Tensor | None, row_amax: torch.Tensor | None = None
+                         ) -> dict[str, torch.Tensor]:
     rows, cols = x.shape
     q = torch.empty(rows, cols, dtype=dtype, device=x.device)
     scale = torch.empty(rows, dtype=torch.float32, device=x.device)
@@ -267,16 +272,22 @@ def quantize_rows_triton(x: torch.Tensor, dtype: torch.dtype, row_scale: torch.T
     rs = row_scale.float().contiguous() if row_scale is not None else scale  # unread when absent
     cs = col_scale.float().contiguous() if col_scale is not None else scale
     fmax, has = fp8_max(dtype), dict(HAS_RS=row_scale is not None, HAS_CS=col_scale is not None)
+    given = row_amax.float().contiguous() if row_amax is not None else None  # the epilogue's: no amax pass
     if x.stride(1) == 1:  # rows contiguous: a few whole rows per program, long column blocks
-        amax = torch.empty(rows, dtype=torch.float32, device=x.device)
         grid = (triton.cdiv(rows, 4),)
-        _row_amax_kernel[grid](x, x.stride(0), x.stride(1), rs, cs, amax, rows, cols, BLOCK_R=4, BLOCK_C=1024,
-                               **has)
+        amax = given
+        if amax is None:
+            amax = torch.empty(rows, dtype=torch.float32, device=x.device)
+            _row_amax_kernel[grid](x, x.stride(0), x.stride(1), rs, cs, amax, rows, cols, BLOCK_R=4,
+                                   BLOCK_C=1024, **has)
         _quantize_kernel[grid](x, x.stride(0), x.stride(1), rs, cs, amax, q, scale, rows, cols, fmax, EPS,
                                BLOCK_R=4, BLOCK_C=1024, **has)
         return {"q": q, "scale": scale}
-    amax = torch.zeros(rows, dtype=torch.float32, device=x.device)  # the identity of the atomic maxima
-    _amaxes(x, amax, None, pre_c=cs if col_scale is not None else None, post_r=rs if row_scale is not None else None)
+    amax = given
+    if amax is None:
+        amax = torch.zeros(rows, dtype=torch.float32, device=x.device)  # the identity of the atomic maxima
+        _amaxes(x, amax, None, pre_c=cs if col_scale is not None else None,
+                post_r=rs if row_scale is not None else None)
     _tile_quantize_kernel[_tiles(rows, cols, CAST_TILE)](
         x, x.stride(0), x.stride(1), rs, cs, amax, q, scale, rows, cols, fmax, EPS, BLOCK_R=CAST_TILE,
         BLOCK_C=CAST_TILE, **has)

@@ -17,6 +17,15 @@ finished value comes back from ``gemm``:
   gamma-gradient of RMSNorm); beside a PairedTile operand, one value per pair
   (the accumulator's columns), so a gated backward's (gate, up) bias gradients
   are two of them.
+- ``col_amax()``/``row_amax()``: the largest absolute value, along each row ->
+  (M,) or down each column -> (N,) fp32: an fp8 cast's current scales, per
+  token and per feature, reduced where the tensor is made (``quantize_both``'s
+  ``row_amax``/``col_amax``), so the cast reads the tensor once instead of
+  twice.  The fold is PTX ``max.abs``, whose identity is the 0 of a padded
+  lane: no mask, unlike ``col_max``.  In a ``pairs="acc"`` epilogue both take
+  one value per pair (``row_amax``: per pair column, the extra outputs'
+  width) or a Pair, whose lanes fold into it; beside a PairedTile operand one
+  value per accumulator column, as ``row_sum``.
 - ``col_sum(partials=True)``: the per-N-tile partials (M, ceil(N / tile_n))
   instead of the finished sum, laid out exactly as the kernel writes them.
 
@@ -98,8 +107,9 @@ class Reduction:
         """The finished result's shape."""
         return (m,)
 
-    def from_quack(self, t: torch.Tensor) -> torch.Tensor:
-        """quack's result in the catalogue's shape: one value per row comes back (1, M)."""
+    def from_quack(self, t: torch.Tensor, pairs: bool = False) -> torch.Tensor:
+        """quack's result in the catalogue's shape: one value per row comes back (1, M);
+        ``pairs``: the kernel's epilogue is ``pairs="acc"``."""
         return t.reshape(-1) if t.dim() > 1 else t
 
     def fold_lanes(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -183,6 +193,52 @@ class ColMax(Reduction):
 
 
 @dataclass(frozen=True)
+class ColAmax(Reduction):
+    folds_padded_lanes = True  # max.abs folds them, and their 0 is its identity
+
+    @property
+    def pairable(self) -> bool:
+        return True
+
+    def describe(self) -> str:
+        return "col_amax()"
+
+    def quack_sink(self, name: str) -> tuple[Any, tuple[Any, ...]]:
+        return _vec_reduce(name, "max_abs")
+
+    def fold_lanes(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.maximum(a.abs(), b.abs())
+
+    def fold(self, values: torch.Tensor, operands: dict[str, Any], tile_n: int) -> torch.Tensor:
+        return values.abs().amax(dim=1)
+
+
+@dataclass(frozen=True)
+class RowAmax(ColAmax):
+    per_column = True
+
+    def describe(self) -> str:
+        return "row_amax()"
+
+    def trim(self, result: torch.Tensor, m: int, n: int) -> torch.Tensor:
+        return result[:n]
+
+    def quack_sink(self, name: str) -> tuple[Any, tuple[Any, ...]]:
+        return _vec_reduce(name, "max_abs", rows=True)
+
+    def result_shape(self, m: int, n: int) -> tuple[int, ...]:
+        return (n,)
+
+    def from_quack(self, t: torch.Tensor, pairs: bool = False) -> torch.Tensor:
+        # A pairs="acc" kernel folds each lane into its own accumulator column (2j, 2j+1):
+        # the pair's value is the larger of the two, as fold_lanes gives it.
+        return t.view(-1, 2).amax(dim=1) if pairs else t
+
+    def fold(self, values: torch.Tensor, operands: dict[str, Any], tile_n: int) -> torch.Tensor:
+        return values.abs().amax(dim=0)
+
+
+@dataclass(frozen=True)
 class RowSum(Reduction):
     folds_padded_lanes = True
     per_column = True
@@ -200,7 +256,7 @@ class RowSum(Reduction):
     def result_shape(self, m: int, n: int) -> tuple[int, ...]:
         return (n,)
 
-    def from_quack(self, t: torch.Tensor) -> torch.Tensor:
+    def from_quack(self, t: torch.Tensor, pairs: bool = False) -> torch.Tensor:
         return t
 
     def fold_lanes(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -278,6 +334,16 @@ def col_max(*, identity: float | None = None) -> Reduction:
     """Max across the columns of each row -> (M,) fp32 (ragged lanes masked to -inf)."""
     _check_identity("col_max", identity, -math.inf)
     return ColMax()
+
+
+def col_amax() -> Reduction:
+    """Max of the absolute values across the columns of each row -> (M,) fp32 (an fp8 row scale's amax)."""
+    return ColAmax()
+
+
+def row_amax() -> Reduction:
+    """Max of the absolute values down the rows of each column -> (N,) fp32 (a per-feature fp8 scale's amax)."""
+    return RowAmax()
 
 
 def row_sum(*, identity: float | None = None) -> Reduction:

@@ -22,8 +22,11 @@ def _run(*args: str) -> None:
 
 
 def test_anchor_table_runs_every_contender(tmp_path):
+    compare = tmp_path / "before"  # another version of one block's program, timed beside the expert
+    compare.mkdir()
+    (compare / "mlp_block_fp8.py").write_text((ROOT / "tasks/llama3_fp8/experts/mlp_block_fp8.py").read_text())
     _run(str(ROOT / "bench" / "fp8.py"), str(tmp_path), "--dry-run", "--sets", "small", "--reps", "1", "--casts", "--profile",
-         "--tune")
+         "--tune", "--compare", str(compare))
     results = json.loads((tmp_path / "fp8-anchors-dryrun.json").read_text())
     (casts,) = results["casts"]
     assert {"rows", "cols", "rows_and_cols", "both", "copy"} <= set(casts) and casts["both"]["gb_per_s"] > 0
@@ -38,6 +41,10 @@ def test_anchor_table_runs_every_contender(tmp_path):
         assert r["coda_fp8_tuned"] == [] and r["coda_bf16_tuned"] == []  # the reference lowering tunes nothing
         launches = r["coda_fp8_profile"]["launches"]  # the program's catalogue launches, by name
         assert "coda::aux::quantize_both" in launches and any(k.startswith("coda::gemm") for k in launches), launches
+    mlp, llama = sorted(rows, key=lambda r: r["block"] != "mlp_block")
+    assert mlp["coda_fp8_compare"]["median_ms"] > 0 and mlp["coda_fp8_speedup_vs_compare"] > 0
+    assert "launches" in mlp["coda_fp8_compare_profile"]
+    assert "coda_fp8_compare" not in llama  # no llama3_block_fp8.py in the folder
 
 
 def test_loss_curves_train_every_recipe_and_plot(tmp_path, bench_main):

@@ -111,6 +111,31 @@ def test_quantize_both_is_quantize_rows_along_each_axis():
         quantize_both(x[0])
 
 
+def test_amaxes_an_epilogue_reduced_give_the_cast_s_bits_and_a_short_one_saturates():
+    """quantize_both/quantize_rows with the amaxes given (an epilogue's col_amax()/row_amax() of the
+    value it stores): the bits of the cast that reduces them itself; an amax below the tensor's
+    clips what lies past it to the format's largest value, and never makes a NaN."""
+    x = (torch.randn(70, 300, generator=torch.Generator().manual_seed(3)) * torch.logspace(-3, 3, 300)).to(
+        torch.bfloat16)
+    v = x.float()
+    for view, ra, ca in ((x, v.abs().amax(1), v.abs().amax(0)), (x.t(), v.abs().amax(0), v.abs().amax(1))):
+        own, given = quantize_both(view), quantize_both(view, row_amax=ra, col_amax=ca)
+        for key in ("q", "scale", "qt", "scale_t"):
+            assert torch.equal(own[key].float(), given[key].float()), key
+        rows = quantize_rows(view, row_amax=ra)
+        assert torch.equal(rows["q"].float(), own["q"].float()) and torch.equal(rows["scale"], own["scale"])
+    short = quantize_both(x, row_amax=v.abs().amax(1) / 16, col_amax=v.abs().amax(0))
+    q = short["q"].float()
+    assert not q.isnan().any() and q.abs().max() == 448.0
+    assert float((q.abs() == 448.0).float().mean()) > 0.01  # the largest of each row clip
+    with pytest.raises(CatalogueError, match="give row_amax and col_amax together"):
+        quantize_both(x, row_amax=v.abs().amax(1))
+    with pytest.raises(CatalogueError, match=r"col_amax must be a tensor of shape \(300,\)"):
+        quantize_both(x, row_amax=v.abs().amax(1), col_amax=v.abs().amax(1))
+    with pytest.raises(CatalogueError, match=r"row_amax must be a tensor of shape \(70,\)"):
+        quantize_rows(x, row_amax=torch.ones(300))
+
+
 def test_fp8_misuse_names_the_fix():
     A, W = fp8(64, 64), fp8(64, 64)
     with pytest.raises(CatalogueError, match=r"fp8 B must be K-major.*W\.t\(\)"):
@@ -257,6 +282,14 @@ _TRITON = textwrap.dedent("""
                            ("t", quantize_rows_triton(view.t(), torch.float8_e4m3fn, None, r))):
             assert torch.equal(both["scale" + ("_t" if key else "")], alone["scale"])
             assert torch.equal(both["q" + key].float(), alone["q"].float())
+    # amaxes given (an epilogue's): no amax pass, the same bits, along either layout
+    for view in (y, wide.t()):
+        own = quantize_both_triton(view, torch.float8_e4m3fn)
+        vf = view.float().abs()
+        given = quantize_both_triton(view, torch.float8_e4m3fn, None, vf.amax(1), vf.amax(0))
+        assert all(torch.equal(own[k].float(), given[k].float()) for k in own)
+        rows = quantize_rows_triton(view, torch.float8_e4m3fn, None, None, vf.amax(1))
+        assert torch.equal(rows["q"].float(), own["q"].float()) and torch.equal(rows["scale"], own["scale"])
     # the amax pass's geometry (bench/fp8.py --casts sweeps it) never changes the maxima
     from coda_agent.primitives.quantize_triton import _amaxes
     for view in (wide, wide.t()):
@@ -342,3 +375,10 @@ def test_quantize_both_on_cuda_matches_the_cpu_path(rows, cols):
             want = quantize_both(view, row_scale=row_scale)
             for key in ("q", "scale", "qt", "scale_t"):
                 assert torch.equal(got[key].cpu().float(), want[key].float()), (key, row_scale is None)
+        # the amaxes an epilogue reduced, given: the same bits
+        vf = view.float().abs()
+        got = quantize_both((view.cuda() if view is x else x.cuda().t()), row_amax=vf.amax(1).cuda(),
+                            col_amax=vf.amax(0).cuda())
+        want = quantize_both(view)
+        for key in ("q", "scale", "qt", "scale_t"):
+            assert torch.equal(got[key].cpu().float(), want[key].float()), key

@@ -59,6 +59,24 @@ def paired_row_sums(acc, pre: PairedTile, limit: Scalar):
     du = acc * g
     return {"D": pack(dg, du), "act": g * u, "db_g": dg, "db_u": du}
 ''',
+    "amax": '''
+@epilogue(reductions={"ra": col_amax(), "ca": row_amax()})
+def amax(acc, s: ColVec):
+    return {"D": acc, "ra": acc * s, "ca": acc * s}
+''',
+    "paired_amax": '''
+@epilogue(outputs={"act": "bf16"}, reductions={"ra": col_amax(), "ca": row_amax(), "pa": row_amax()}, pairs="acc")
+def paired_amax(acc):
+    g, u = unpack(acc)
+    return {"D": pack(g, u), "act": g * u, "ra": g * u, "ca": g * u, "pa": pack(g, u)}
+''',
+    "beside_amax": '''
+@epilogue(reductions={"s": col_sum(), "ra": col_amax(), "cg": row_amax(), "cu": row_amax()})
+def beside_amax(acc, pre: PairedTile):
+    g, u = unpack(pre)
+    dg, du = acc * g, acc * u
+    return {"D": pack(dg, du), "s": dg + du, "ra": maximum(maximum(dg, -dg), maximum(du, -du)), "cg": dg, "cu": du}
+''',
     "paired_single": '''
 @epilogue(reductions={"sq": col_sum(), "mx": col_max()}, pairs="acc")
 def paired_single(acc):

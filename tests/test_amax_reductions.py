@@ -1,0 +1,103 @@
+"""The amax reductions, ``col_amax()`` and ``row_amax()`` (family 4): the largest absolute value
+along each row and down each column, the current scales of an fp8 cast reduced by the epilogue
+that writes the tensor.  The reference lowering against direct PyTorch math in every epilogue
+mode, and the cute lowering compiled for sm_90a on the CPU; the GPU tier's cases are in
+test_primitives_gpu.py (``amax``, ``paired_amax``, ``beside_amax``)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from coda_agent.primitives import TileConfig, compile_only, gemm, load_program
+
+HEADER = "from coda_agent.primitives import *\n"
+SHAPES = [(64, 96, 128), (200, 136, 64), (37, 248, 48)]
+
+
+def rand(*shape, dtype=torch.float32, gen=None):
+    return torch.randn(*shape, generator=gen, dtype=torch.float32).to(dtype)
+
+
+@pytest.fixture
+def gen():
+    return torch.Generator().manual_seed(1234)
+
+
+def operands_for(M, N, K, dtype, gen):
+    A = rand(M, K, dtype=dtype, gen=gen)
+    B = (rand(K, N, gen=gen) / math.sqrt(K)).to(dtype)
+    return A, B, A.float() @ B.float()
+
+
+@pytest.mark.parametrize("M,N,K", SHAPES)
+def test_amax_reductions_fold_absolute_values_each_way_and_per_pair(M, N, K, gen):
+    """col_amax/row_amax: the largest |value| along each row / down each column; in a pairs="acc"
+    epilogue one value per pair (or a Pair, whose lanes fold into it), beside a PairedTile one per
+    accumulator column, as row_sum is."""
+    P = load_program(HEADER + '''
+@epilogue(reductions={"ra": col_amax(), "ca": row_amax()})
+def amax(acc, s: ColVec):
+    return {"D": acc, "ra": acc * s, "ca": acc * s}
+
+@epilogue(outputs={"act": "bf16"}, reductions={"ra": col_amax(), "ca": row_amax(), "pa": row_amax()}, pairs="acc")
+def paired(acc):
+    g, u = unpack(acc)
+    return {"D": pack(g, u), "act": g * u, "ra": g * u, "ca": g * u, "pa": pack(g, u)}
+
+@epilogue(reductions={"ra": col_amax(), "cg": row_amax(), "cu": row_amax()})
+def beside(acc, pre: PairedTile):
+    g, u = unpack(pre)
+    return {"D": pack(acc * g, acc * u), "ra": maximum(maximum(acc * g, -acc * g), maximum(acc * u, -acc * u)),
+            "cg": acc * g, "cu": acc * u}
+''', "amaxes")
+    A, B, acc = operands_for(M, 2 * N, K, torch.bfloat16, gen)
+    s = rand(M, gen=gen)  # negative factors too: the fold takes absolute values
+    out = gemm(A, B, P.amax, s=s)
+    v = acc * s[:, None]
+    assert torch.equal(out["ra"], v.abs().amax(1)) and torch.equal(out["ca"], v.abs().amax(0))
+    out = gemm(A, B, P.paired)
+    g, u = acc[:, 0::2], acc[:, 1::2]
+    assert out["ca"].shape == (N,) and torch.equal(out["ca"], (g * u).abs().amax(0))
+    assert torch.equal(out["ra"], (g * u).abs().amax(1))
+    assert torch.equal(out["pa"], torch.maximum(g.abs(), u.abs()).amax(0))  # a Pair's lanes fold into its value
+    pre = rand(M, 4 * N, gen=gen).to(torch.bfloat16)
+    out = gemm(A, B, P.beside, pre=pre)
+    pg, pu = pre.float()[:, 0::2], pre.float()[:, 1::2]
+    assert out["cg"].shape == out["cu"].shape == (2 * N,)
+    assert torch.equal(out["cg"], (acc * pg).abs().amax(0)) and torch.equal(out["cu"], (acc * pu).abs().amax(0))
+    assert torch.equal(out["ra"], torch.maximum((acc * pg).abs(), (acc * pu).abs()).amax(1))
+
+
+
+AMAXES = HEADER + '''
+@epilogue(outputs={"act": "bf16"}, reductions={"ra": col_amax(), "ca": row_amax()}, pairs="acc")
+def paired_amax(acc):
+    g, u = unpack(acc)
+    return {"D": pack(g, u), "act": g * u, "ra": g * u, "ca": g * u}
+
+@epilogue(reductions={"s": col_sum(), "ra": col_amax(), "cg": row_amax(), "cu": row_amax()})
+def beside_amax(acc, pre: PairedTile):
+    g, u = unpack(pre)
+    dg, du = acc * g, acc * u
+    return {"D": pack(dg, du), "s": dg + du, "ra": maximum(maximum(dg, -dg), maximum(du, -du)), "cg": dg, "cu": du}
+'''
+
+
+@pytest.mark.slow
+def test_amax_reductions_compile_in_paired_epilogues_spill_free():
+    """col_amax/row_amax (quack's max.abs folds) in a pairs="acc" epilogue and beside a
+    PairedTile: the two epilogues of an fp8 SwiGLU that reduce their casts' amaxes, the second
+    on the cooperative tile a promoting fp8 GEMM gives it (on the pingpong 128x128 of a bf16
+    GEMM it spills about 20 registers each way)."""
+    P = load_program(AMAXES, "amaxes")
+    A, B = rand(256, 128, dtype=torch.bfloat16), rand(128, 384, dtype=torch.bfloat16)
+    with compile_only() as kernels:
+        gemm(A, B, P.paired_amax)
+        gemm(A, B, P.beside_amax, pre=rand(256, 768, dtype=torch.bfloat16),
+             config=TileConfig(tile_n=128, cluster_m=1, cluster_n=2, pingpong=False))
+    assert len(kernels) == 2
+    for k in kernels:
+        assert k.sass.hgmma > 0 and k.sass.spill_stores == 0 and k.sass.spill_loads == 0, (k.config, k.sass)

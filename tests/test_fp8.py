@@ -193,27 +193,19 @@ def test_promoting_fp8_gemms_get_only_tiles_that_hold_both_accumulators():
 # --------------------------------------------------------------------------- sm_90a compile
 
 
-DSWIGLU_FP8 = '''
-@epilogue(reductions={"s": col_sum()})
-def dswiglu(acc, pre: PairedTile, a_scale: ColVec, w_scale: RowVec, rstd: ColVec):
-    dact = acc * a_scale * w_scale
-    g, u = unpack(pre)
-    sg = sigmoid(g)
-    dg = dact * u * sg * (1.0 + g * (1.0 - sg))
-    du = dact * g * sg
-    return {"D": pack(dg * rstd, du * rstd), "s": g * dg + u * du}
-'''
-
-
 @pytest.mark.slow
 def test_every_promoted_candidate_compiles_spill_free_and_the_rule_is_the_compilers():
     """What fits_promoted admits compiles without spills for a heavy fp8 epilogue (the paired
-    dSwiGLU backward of llama3_block_fp8, without the amaxes its expert reduces now: with them the
-    128x192 cooperative candidates spill 6 registers, which the tuner weighs by time), and a tile
-    it refuses spills there."""
-    from coda_agent.primitives import tuning
+    dSwiGLU backward of llama3_block_fp8), and a tile it refuses spills there."""
+    import importlib.util
 
-    expert = load_program(HEADER + DSWIGLU_FP8, "dswiglu_fp8")
+    from coda_agent.primitives import tuning
+    from coda_agent.tasks import SUITE_DIR
+
+    path = SUITE_DIR.parent / "llama3_fp8" / "experts" / "llama3_block_fp8.py"
+    spec = importlib.util.spec_from_file_location("llama3_block_fp8_expert", path)
+    expert = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(expert)
     M, N, K = 256, 512, 256
     g, w = quantize_rows(torch.randn(M, K)), quantize_rows(torch.randn(N, K))
     ops = dict(pre=torch.randn(M, 2 * N).bfloat16(), a_scale=g["scale"], w_scale=w["scale"], rstd=torch.rand(M))

@@ -17,9 +17,7 @@ Everything else as in mlp_block_fp8: current row-wise scales from
 and from ``quantize_both`` for what an input-gradient GEMM and a weight-gradient
 GEMM both read (the four gradients; SwiGLU's output, whose per-feature copy the
 backward keeps in place of the bf16 tensor); fast accumulation in the forward
-GEMMs only.  The epilogues that write SwiGLU's output and d(pre) reduce their
-amaxes per token and per feature (``col_amax``, ``row_amax``), so those two casts
-read their tensors once instead of twice.  The QKV-side statistic s2 = sum(dqkv * qkv) is reduced by a tile
+GEMMs only.  The QKV-side statistic s2 = sum(dqkv * qkv) is reduced by a tile
 pass over both, as in llama3_block.
 
 Memory as in mlp_block_fp8: d(pre) over the saved pre-activation, each
@@ -31,9 +29,9 @@ gradient that only a frozen weight's gradient would read (``quantize_rows``
 instead of ``quantize_both``: the same per-token bits).
 """
 
-from coda_agent.primitives import (ColVec, PairedTile, RowVec, Scalar, Tile, col_amax, col_max, col_sum,
-                                   epilogue, gemm, interleave_columns, maximum, pack, quantize_both, quantize_rows,
-                                   reciprocal, rms_rstd, row_amax, row_sum, sigmoid, tile_pass, unpack)
+from coda_agent.primitives import (ColVec, PairedTile, RowVec, Scalar, Tile, col_max, col_sum, epilogue,
+                                   gemm, maximum, pack, quantize_both, quantize_rows, reciprocal, rms_rstd,
+                                   row_sum, sigmoid, tile_pass, unpack)
 
 
 @epilogue(outputs={"hg": "fp8_e4m3"}, reductions={"sumsq": col_sum(), "amax": col_max()})
@@ -44,11 +42,10 @@ def residual_norm_stats(acc, a_scale: ColVec, w_scale: RowVec, residual: Tile, g
     return {"D": h, "hg": hg * reciprocal(hg_scale), "sumsq": h * h, "amax": maximum(hg, -hg)}
 
 
-@epilogue(outputs={"act": "bf16"}, reductions={"amax": col_amax(), "amax_t": row_amax()}, pairs="acc")
+@epilogue(outputs={"act": "bf16"}, pairs="acc")
 def norm_swiglu(acc, w_scale: RowVec, rstd: ColVec, hg_scale: ColVec):
     g, u = unpack(acc * (rstd * hg_scale) * w_scale)
-    act = g * sigmoid(g) * u
-    return {"D": pack(g, u), "act": act, "amax": act, "amax_t": act}
+    return {"D": pack(g, u), "act": g * sigmoid(g) * u}
 
 
 @epilogue()
@@ -79,17 +76,14 @@ def rmsnorm_bwd_frozen(acc, a_scale: ColVec, w_scale: RowVec, rstd: ColVec, s: C
     return {"D": dy + rstd * (gamma * d - hr * s * inv_dim), "dgamma": d * hr}
 
 
-@epilogue(reductions={"s": col_sum(), "amax": col_amax(), "amax_g": row_amax(), "amax_u": row_amax()})
+@epilogue(reductions={"s": col_sum()})
 def dswiglu(acc, pre: PairedTile, a_scale: ColVec, w_scale: RowVec, rstd: ColVec):
     dact = acc * a_scale * w_scale
     g, u = unpack(pre)
     sg = sigmoid(g)
     dg = dact * u * sg * (1.0 + g * (1.0 - sg))
     du = dact * g * sg
-    dgr, dur = dg * rstd, du * rstd
-    # The stored d(pre)'s amaxes for its casts: per token over both lanes, per feature one lane each.
-    return {"D": pack(dgr, dur), "s": g * dg + u * du, "amax": maximum(maximum(dgr, -dgr), maximum(dur, -dur)),
-            "amax_g": dgr, "amax_u": dur}
+    return {"D": pack(dg * rstd, du * rstd), "s": g * dg + u * du}
 
 
 @epilogue(reductions={"dgamma": row_sum()})
@@ -135,7 +129,7 @@ def forward(attn, h, w_o, gamma_mlp, w_gu, w_down, gamma_attn, w_qkv, hg1_scale,
               fast_accum=True)
     del wgu
     pre = gu["D"]
-    act = quantize_both(gu["act"], row_amax=gu["amax"], col_amax=gu["amax_t"])
+    act = quantize_both(gu["act"])
     del gu  # the (T, I) bf16 silu(g) * u: its fp8 copies replace it
     wd = quantize_rows(w_down)
     c = gemm(act["q"], wd["q"].t(), residual_norm_stats, a_scale=act["scale"], w_scale=wd["scale"],
@@ -155,15 +149,6 @@ def forward(attn, h, w_o, gamma_mlp, w_gu, w_down, gamma_attn, w_qkv, hg1_scale,
 def _quantize(x, both):
     """x per token, and per feature too (``qt``, ``scale_t``) where a weight gradient reads it."""
     return quantize_both(x) if both else quantize_rows(x)
-
-
-def _quantize_dpre(da, both):
-    """d(pre) as ``_quantize`` does, from the amaxes dswiglu reduced (its two lanes' per-feature
-    amaxes interleaved as its columns are)."""
-    if not both:
-        return quantize_rows(da["D"], row_amax=da["amax"])
-    cols = interleave_columns(da["amax_g"].view(1, -1), da["amax_u"].view(1, -1)).view(-1)
-    return quantize_both(da["D"], row_amax=da["amax"], col_amax=cols)
 
 
 def backward(saved, dh_out, dqkv, needs):
@@ -187,7 +172,7 @@ def backward(saved, dh_out, dqkv, needs):
         grads["dw_down"] = _weight_grad(g2, {"qt": saved["act_t"], "scale_t": saved["act_t_scale"]})
     del g2
     s1 = da["s"]
-    dp = _quantize_dpre(da, "dw_gu" in needs)
+    dp = _quantize(da["D"], "dw_gu" in needs)
     del da
     d1 = _input_grad(dp, saved["w_gu"], rmsnorm_bwd_scaled, rstd=saved["r1"], s=s1, gamma=saved["gamma_mlp"],
                      h=h1, dy=dh2, inv_dim=inv_dim)

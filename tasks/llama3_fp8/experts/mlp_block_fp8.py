@@ -25,9 +25,6 @@ What two GEMMs read along different axes is quantized both ways in one call
 from two reads: RMSNorm(h) and silu(g) * u in the forward (its GEMM's copy per
 token, and the weight gradient's per feature, which the backward keeps in
 place of the bf16 tensor: half the bytes), dy and d(pre) in the backward.
-silu(g) * u and d(pre) take one read: the epilogues that write them reduce
-their amaxes per token and per feature (``col_amax``, ``row_amax``), which the
-casts take as they are.
 The forward GEMMs use fast accumulation, the gradient GEMMs promote to fp32
 (torchao's choice).
 
@@ -42,16 +39,14 @@ quantized per token only (``quantize_rows``: the same bits as
 ``quantize_both``'s ``q``, from half its traffic).
 """
 
-from coda_agent.primitives import (ColVec, PairedTile, RowVec, Scalar, Tile, col_amax, col_sum, epilogue, gemm,
-                                   interleave_columns, maximum, pack, quantize_both, quantize_rows, rms_prepare,
-                                   row_amax, row_sum, sigmoid, unpack)
+from coda_agent.primitives import (ColVec, PairedTile, RowVec, Scalar, Tile, col_sum, epilogue, gemm,
+                                   pack, quantize_both, quantize_rows, rms_prepare, row_sum, sigmoid, unpack)
 
 
-@epilogue(outputs={"act": "bf16"}, reductions={"amax": col_amax(), "amax_t": row_amax()}, pairs="acc")
+@epilogue(outputs={"act": "bf16"}, pairs="acc")
 def norm_swiglu(acc, a_scale: ColVec, w_scale: RowVec):
     g, u = unpack(acc * a_scale * w_scale)
-    act = g * sigmoid(g) * u
-    return {"D": pack(g, u), "act": act, "amax": act, "amax_t": act}
+    return {"D": pack(g, u), "act": g * sigmoid(g) * u}
 
 
 @epilogue()
@@ -59,16 +54,14 @@ def add_residual(acc, a_scale: ColVec, w_scale: RowVec, residual: Tile):
     return {"D": acc * a_scale * w_scale + residual}
 
 
-@epilogue(reductions={"s": col_sum(), "amax": col_amax(), "amax_g": row_amax(), "amax_u": row_amax()})
+@epilogue(reductions={"s": col_sum()})
 def dswiglu(acc, pre: PairedTile, a_scale: ColVec, w_scale: RowVec):
     dact = acc * a_scale * w_scale
     g, u = unpack(pre)
     sg = sigmoid(g)
     dg = dact * u * sg * (1.0 + g * (1.0 - sg))
     du = dact * g * sg
-    # d(pre)'s amaxes for its casts: per token over both lanes, per feature one lane each.
-    return {"D": pack(dg, du), "s": g * dg + u * du, "amax": maximum(maximum(dg, -dg), maximum(du, -du)),
-            "amax_g": dg, "amax_u": du}
+    return {"D": pack(dg, du), "s": g * dg + u * du}
 
 
 @epilogue(reductions={"dgamma": row_sum()})
@@ -95,7 +88,7 @@ def forward(h, gamma, w_gu, w_down, eps):
     x_t, x_t_scale = x["qt"], x["scale_t"]  # RMSNorm(h) per feature, for dw_gu
     del x, wgu
     pre = gu["D"]
-    act = quantize_both(gu["act"], row_amax=gu["amax"], col_amax=gu["amax_t"])
+    act = quantize_both(gu["act"])
     del gu  # the (T, I) bf16 silu(g) * u: its fp8 copies replace it
     wd = quantize_rows(w_down)
     y = gemm(act["q"], wd["q"].t(), add_residual, a_scale=act["scale"], w_scale=wd["scale"], residual=h,
@@ -107,15 +100,6 @@ def forward(h, gamma, w_gu, w_down, eps):
 def _quantize(x, both):
     """x per token, and per feature too (``qt``, ``scale_t``) where a weight gradient reads it."""
     return quantize_both(x) if both else quantize_rows(x)
-
-
-def _quantize_dpre(da, both):
-    """d(pre) as ``_quantize`` does, from the amaxes dswiglu reduced (its two lanes' per-feature
-    amaxes interleaved as its columns are)."""
-    if not both:
-        return quantize_rows(da["D"], row_amax=da["amax"])
-    cols = interleave_columns(da["amax_g"].view(1, -1), da["amax_u"].view(1, -1)).view(-1)
-    return quantize_both(da["D"], row_amax=da["amax"], col_amax=cols)
 
 
 def backward(saved, dy, needs):
@@ -133,7 +117,7 @@ def backward(saved, dy, needs):
               out=saved["pre"])
     del g, wd_t
     s = da["s"]
-    dp = _quantize_dpre(da, "dw_gu" in needs)
+    dp = _quantize(da["D"], "dw_gu" in needs)
     del da
     if "dh" in needs or "dgamma" in needs:
         wgu_t = quantize_rows(w_gu.t())  # (H, 2I)

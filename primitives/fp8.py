@@ -53,10 +53,11 @@ values on any device):
   hand them to the cast (``row_amax=``, ``col_amax=``), which then reads the tensor once.
   That trades a read for epilogue work, and in the fp8 SwiGLU block it lost (an H100 at
   LLaMA-3 8B, bench/results/h100-2026-12-07): dSwiGLU's kernel with a ``col_amax`` and two
-  ``row_amax`` took 3.31 ms against 2.26, the SwiGLU forward's with one of each 2.74 against
-  2.60, where the amax reads they saved took 0.52 ms: mlp_block 5.5% slower, llama3_block 1.2%.  The fold down
-  the columns is the likely cost: quack merges it across the warps through shared memory, behind
-  a barrier, for every N stripe (not profiled further).  So the experts let the casts reduce their own amaxes.
+  ``row_amax`` took 3.31 ms against 2.26, the SwiGLU forward's with one of each 2.74
+  against 2.60, where the amax reads they saved took 0.52 ms: mlp_block 5.5% slower,
+  llama3_block 1.2%. The fold down the columns is the likely cost: quack merges it across
+  the warps through shared memory, behind a barrier, for every N stripe (not profiled
+  further). So the experts let the casts reduce their own amaxes.
   A per-row factor that commutes with a GEMM (RMSNorm's r) may leave a per-token copy,
   whose scale takes it, but not a weight gradient's per-feature copy, whose one scale
   spans every token: quantize the normalized tensor there (``row_scale=``), or the

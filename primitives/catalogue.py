@@ -221,9 +221,8 @@ def render() -> str:
         out += [f"- `{kind.name}`: {_doc(kind)}"]
     out += ["", "## Families 4-5: reductions, per-head statistics, stateful transforms", "",
             "Reductions (family 4)" + _doc(reductions).split("Reductions (family 4)", 1)[-1], ""]
-    for fn in (reductions.col_sum, reductions.col_max, reductions.row_sum, reductions.col_amax, reductions.row_amax,
-               reductions.head_rstd,
-               reductions.online_lse, reductions.select_col):
+    for fn in (reductions.col_sum, reductions.col_max, reductions.row_sum, reductions.col_amax,
+               reductions.row_amax, reductions.head_rstd, reductions.online_lse, reductions.select_col):
         out += [f"- `{_sig(fn)}`: {_doc(fn)}"]
     out += ["", "At the ragged edge (a last tile that sticks out past M or N):", "", *ragged_lines()]
     out += ["", "## Family 1: math vocabulary (inside epilogue fns)", "",

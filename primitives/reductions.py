@@ -21,7 +21,9 @@ finished value comes back from ``gemm``:
   (M,) or down each column -> (N,) fp32: an fp8 cast's current scales, per
   token and per feature, reduced where the tensor is made (``quantize_both``'s
   ``row_amax``/``col_amax``), so the cast reads the tensor once instead of
-  twice.  The fold is PTX ``max.abs``, whose identity is the 0 of a padded
+  twice.  Weigh it: a ``row_amax`` folds across the warps once per N stripe, and in
+  the fp8 dSwiGLU epilogue two of them cost twice the read they saved (the FP8
+  section's numbers).  The fold is PTX ``max.abs``, whose identity is the 0 of a padded
   lane: no mask, unlike ``col_max``.  In a ``pairs="acc"`` epilogue both take
   one value per pair (``row_amax``: per pair column, the extra outputs'
   width) or a Pair, whose lanes fold into it; beside a PairedTile operand one

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from coda_agent.primitives import TileConfig, compile_only, gemm, load_program
+from coda_agent.primitives import TileConfig, compile_only, gemm, load_program, tile_pass
 
 HEADER = "from coda_agent.primitives import *\n"
 SHAPES = [(64, 96, 128), (200, 136, 64), (37, 248, 48)]
@@ -101,3 +101,22 @@ def test_amax_reductions_compile_in_paired_epilogues_spill_free():
     assert len(kernels) == 2
     for k in kernels:
         assert k.sass.hgmma > 0 and k.sass.spill_stores == 0 and k.sass.spill_loads == 0, (k.config, k.sass)
+
+
+@pytest.mark.slow
+def test_a_tile_pass_reduces_amaxes_over_quack_s_zero_mainloop(gen):
+    """The catalogue's own pass kernel folds sums and col_max only; a pass with an amax runs as the
+    epilogue of quack's GEMM over a zero mainloop, which compiles, and the reference folds it."""
+    P = load_program(HEADER + '''
+@epilogue(reductions={"ra": col_amax(), "ca": row_amax()})
+def amax_pass(x: Tile, s: ColVec):
+    return {"ra": x * s, "ca": x * s}
+''', "amax_pass")
+    x, s = rand(300, 200, dtype=torch.bfloat16, gen=gen), rand(300, gen=gen)
+    out = tile_pass(P.amax_pass, x=x, s=s)
+    v = x.float() * s[:, None]
+    assert torch.equal(out["ra"], v.abs().amax(1)) and torch.equal(out["ca"], v.abs().amax(0))
+    with compile_only() as kernels:
+        tile_pass(P.amax_pass, x=x, s=s)
+    (k,) = kernels
+    assert k.kind == "pass" and k.sass.sm90a and k.sass.spill_stores == 0

@@ -77,6 +77,11 @@ def beside_amax(acc, pre: PairedTile):
     dg, du = acc * g, acc * u
     return {"D": pack(dg, du), "s": dg + du, "ra": maximum(maximum(dg, -dg), maximum(du, -du)), "cg": dg, "cu": du}
 ''',
+    "amax_pass": '''
+@epilogue(reductions={"ra": col_amax(), "ca": row_amax()})
+def amax_pass(x: Tile, s: ColVec):
+    return {"ra": x * s, "ca": x * s}
+''',
     "paired_single": '''
 @epilogue(reductions={"sq": col_sum(), "mx": col_max()}, pairs="acc")
 def paired_single(acc):

@@ -215,21 +215,28 @@ class ColAmax(Reduction):
         return values.abs().amax(dim=1)
 
 
-@dataclass(frozen=True)
-class RowAmax(ColAmax):
-    per_column = True
+class _DownColumns:
+    """A fold down the rows: one value per output column, (N,) as quack returns it."""
 
-    def describe(self) -> str:
-        return "row_amax()"
+    per_column = True
 
     def trim(self, result: torch.Tensor, m: int, n: int) -> torch.Tensor:
         return result[:n]
 
-    def quack_sink(self, name: str) -> tuple[Any, tuple[Any, ...]]:
-        return _vec_reduce(name, "max_abs", rows=True)
-
     def result_shape(self, m: int, n: int) -> tuple[int, ...]:
         return (n,)
+
+    def from_quack(self, t: torch.Tensor, pairs: bool = False) -> torch.Tensor:
+        return t
+
+
+@dataclass(frozen=True)
+class RowAmax(_DownColumns, ColAmax):
+    def describe(self) -> str:
+        return "row_amax()"
+
+    def quack_sink(self, name: str) -> tuple[Any, tuple[Any, ...]]:
+        return _vec_reduce(name, "max_abs", rows=True)
 
     def from_quack(self, t: torch.Tensor, pairs: bool = False) -> torch.Tensor:
         # A pairs="acc" kernel folds each lane into its own accumulator column (2j, 2j+1):
@@ -241,25 +248,15 @@ class RowAmax(ColAmax):
 
 
 @dataclass(frozen=True)
-class RowSum(Reduction):
+class RowSum(_DownColumns, Reduction):
     folds_padded_lanes = True
-    per_column = True
     beside_pairs = True  # one value per accumulator column: per pair, e.g. a gate's bias gradient
 
     def describe(self) -> str:
         return "row_sum()"
 
-    def trim(self, result: torch.Tensor, m: int, n: int) -> torch.Tensor:
-        return result[:n]
-
     def quack_sink(self, name: str) -> tuple[Any, tuple[Any, ...]]:
         return _vec_reduce(name, "add", rows=True)
-
-    def result_shape(self, m: int, n: int) -> tuple[int, ...]:
-        return (n,)
-
-    def from_quack(self, t: torch.Tensor, pairs: bool = False) -> torch.Tensor:
-        return t
 
     def fold_lanes(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return a + b

@@ -2,34 +2,22 @@
 along each row and down each column, the current scales of an fp8 cast reduced by the epilogue
 that writes the tensor.  The reference lowering against direct PyTorch math in every epilogue
 mode, and the cute lowering compiled for sm_90a on the CPU; the GPU tier's cases are in
-test_primitives_gpu.py (``amax``, ``paired_amax``, ``beside_amax``)."""
+test_primitives_gpu.py (``amax``, ``paired_amax``, ``beside_amax``, ``amax_pass``)."""
 
 from __future__ import annotations
-
-import math
 
 import pytest
 import torch
 
 from coda_agent.primitives import TileConfig, compile_only, gemm, load_program, tile_pass
+from test_primitives import SHAPES, operands_for, rand
 
 HEADER = "from coda_agent.primitives import *\n"
-SHAPES = [(64, 96, 128), (200, 136, 64), (37, 248, 48)]
-
-
-def rand(*shape, dtype=torch.float32, gen=None):
-    return torch.randn(*shape, generator=gen, dtype=torch.float32).to(dtype)
 
 
 @pytest.fixture
 def gen():
     return torch.Generator().manual_seed(1234)
-
-
-def operands_for(M, N, K, dtype, gen):
-    A = rand(M, K, dtype=dtype, gen=gen)
-    B = (rand(K, N, gen=gen) / math.sqrt(K)).to(dtype)
-    return A, B, A.float() @ B.float()
 
 
 @pytest.mark.parametrize("M,N,K", SHAPES)

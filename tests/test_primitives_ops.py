@@ -166,8 +166,9 @@ AUX = {
     "zeros": (5, torch.randn(3)),
     "add": (bf(M, N), bf(M, N, seed=8)),
     "concat_rows": ([torch.randn(3), torch.randn(5)],),
-    "quantize_rows": (bf(M, N), "fp8_e4m3", torch.rand(M) + 0.5, None),
-    "quantize_both": (bf(M, N), "fp8_e4m3", torch.rand(M) + 0.5),
+    # quantize_rows with an epilogue's amaxes given, quantize_both with a row scale and none
+    "quantize_rows": (bf(M, N, seed=9), "fp8_e4m3", None, None, bf(M, N, seed=9).float().abs().amax(1)),
+    "quantize_both": (bf(M, N), "fp8_e4m3", torch.rand(M) + 0.5, None, None),
 }
 
 

@@ -1,5 +1,5 @@
 # stage: reference
-# expect: targets the reference predicts || with fresh inputs with outlier channels
+# expect: targets the reference predicts || with fresh inputs with outlier channels || with fresh inputs at other magnitudes
 # task: lm_head_xent
 """The LM head's training step sending no gradient through the tokens the model already predicts
 fairly well (a loss below log 2: p(target) above one half): drawn uniformly, a target is almost

@@ -345,6 +345,11 @@ def main() -> int:
     ap.add_argument("--dry-run", action="store_true",
                     help="on CPU, reference lowering, eager torch: checks the plumbing, measures nothing")
     args = ap.parse_args()
+    if args.compare is not None:
+        wanted = [args.compare / f"{name}_fp8.py" for name in args.blocks.split(",")]
+        if not any(p.is_file() for p in wanted):
+            ap.error(f"--compare {args.compare}: none of {', '.join(p.name for p in wanted)} is there; give the "
+                     "folder that holds the other versions of the programs")
     device = "cpu" if args.dry_run else "cuda"
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{'fp8-anchors' if device == 'cuda' else 'fp8-anchors-dryrun'}.json"

@@ -45,6 +45,10 @@ def test_anchor_table_runs_every_contender(tmp_path):
     assert mlp["coda_fp8_compare"]["median_ms"] > 0 and mlp["coda_fp8_speedup_vs_compare"] > 0
     assert "launches" in mlp["coda_fp8_compare_profile"]
     assert "coda_fp8_compare" not in llama  # no llama3_block_fp8.py in the folder
+    # a folder holding no program of the blocks asked for is named back, not silently ignored
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "fp8.py"), str(tmp_path), "--dry-run", "--blocks",
+                           "llama3_block", "--compare", str(compare)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "none of llama3_block_fp8.py is there" in proc.stderr, proc.stderr[-500:]
 
 
 def test_loss_curves_train_every_recipe_and_plot(tmp_path, bench_main):

@@ -11,8 +11,10 @@ import torch
 
 from coda_agent.primitives import TileConfig, compile_only, gemm, load_program, tile_pass
 from test_primitives import SHAPES, operands_for, rand
+from test_primitives_gpu import EXTRA, HEADER
 
-HEADER = "from coda_agent.primitives import *\n"
+# The epilogues are the GPU tier's cases, so the CPU checks and the H200's check one program.
+AMAXES = HEADER + "".join(EXTRA[case] for case in ("amax", "paired_amax", "beside_amax", "amax_pass"))
 
 
 @pytest.fixture
@@ -25,53 +27,23 @@ def test_amax_reductions_fold_absolute_values_each_way_and_per_pair(M, N, K, gen
     """col_amax/row_amax: the largest |value| along each row / down each column; in a pairs="acc"
     epilogue one value per pair (or a Pair, whose lanes fold into it), beside a PairedTile one per
     accumulator column, as row_sum is."""
-    P = load_program(HEADER + '''
-@epilogue(reductions={"ra": col_amax(), "ca": row_amax()})
-def amax(acc, s: ColVec):
-    return {"D": acc, "ra": acc * s, "ca": acc * s}
-
-@epilogue(outputs={"act": "bf16"}, reductions={"ra": col_amax(), "ca": row_amax(), "pa": row_amax()}, pairs="acc")
-def paired(acc):
-    g, u = unpack(acc)
-    return {"D": pack(g, u), "act": g * u, "ra": g * u, "ca": g * u, "pa": pack(g, u)}
-
-@epilogue(reductions={"ra": col_amax(), "cg": row_amax(), "cu": row_amax()})
-def beside(acc, pre: PairedTile):
-    g, u = unpack(pre)
-    return {"D": pack(acc * g, acc * u), "ra": maximum(maximum(acc * g, -acc * g), maximum(acc * u, -acc * u)),
-            "cg": acc * g, "cu": acc * u}
-''', "amaxes")
+    P = load_program(AMAXES, "amaxes")
     A, B, acc = operands_for(M, 2 * N, K, torch.bfloat16, gen)
     s = rand(M, gen=gen)  # negative factors too: the fold takes absolute values
     out = gemm(A, B, P.amax, s=s)
     v = acc * s[:, None]
     assert torch.equal(out["ra"], v.abs().amax(1)) and torch.equal(out["ca"], v.abs().amax(0))
-    out = gemm(A, B, P.paired)
+    out = gemm(A, B, P.paired_amax)
     g, u = acc[:, 0::2], acc[:, 1::2]
     assert out["ca"].shape == (N,) and torch.equal(out["ca"], (g * u).abs().amax(0))
     assert torch.equal(out["ra"], (g * u).abs().amax(1))
     assert torch.equal(out["pa"], torch.maximum(g.abs(), u.abs()).amax(0))  # a Pair's lanes fold into its value
     pre = rand(M, 4 * N, gen=gen).to(torch.bfloat16)
-    out = gemm(A, B, P.beside, pre=pre)
+    out = gemm(A, B, P.beside_amax, pre=pre)
     pg, pu = pre.float()[:, 0::2], pre.float()[:, 1::2]
     assert out["cg"].shape == out["cu"].shape == (2 * N,)
     assert torch.equal(out["cg"], (acc * pg).abs().amax(0)) and torch.equal(out["cu"], (acc * pu).abs().amax(0))
     assert torch.equal(out["ra"], torch.maximum((acc * pg).abs(), (acc * pu).abs()).amax(1))
-
-
-
-AMAXES = HEADER + '''
-@epilogue(outputs={"act": "bf16"}, reductions={"ra": col_amax(), "ca": row_amax()}, pairs="acc")
-def paired_amax(acc):
-    g, u = unpack(acc)
-    return {"D": pack(g, u), "act": g * u, "ra": g * u, "ca": g * u}
-
-@epilogue(reductions={"s": col_sum(), "ra": col_amax(), "cg": row_amax(), "cu": row_amax()})
-def beside_amax(acc, pre: PairedTile):
-    g, u = unpack(pre)
-    dg, du = acc * g, acc * u
-    return {"D": pack(dg, du), "s": dg + du, "ra": maximum(maximum(dg, -dg), maximum(du, -du)), "cg": dg, "cu": du}
-'''
 
 
 @pytest.mark.slow
@@ -95,11 +67,7 @@ def test_amax_reductions_compile_in_paired_epilogues_spill_free():
 def test_a_tile_pass_reduces_amaxes_over_quack_s_zero_mainloop(gen):
     """The catalogue's own pass kernel folds sums and col_max only; a pass with an amax runs as the
     epilogue of quack's GEMM over a zero mainloop, which compiles, and the reference folds it."""
-    P = load_program(HEADER + '''
-@epilogue(reductions={"ra": col_amax(), "ca": row_amax()})
-def amax_pass(x: Tile, s: ColVec):
-    return {"ra": x * s, "ca": x * s}
-''', "amax_pass")
+    P = load_program(AMAXES, "amaxes")
     x, s = rand(300, 200, dtype=torch.bfloat16, gen=gen), rand(300, gen=gen)
     out = tile_pass(P.amax_pass, x=x, s=s)
     v = x.float() * s[:, None]

@@ -208,7 +208,7 @@ def test_every_promoted_candidate_compiles_spill_free_and_the_rule_is_the_compil
     spec.loader.exec_module(expert)
     M, N, K = 256, 512, 256
     g, w = quantize_rows(torch.randn(M, K)), quantize_rows(torch.randn(N, K))
-    ops = dict(pre=torch.randn(M, 2 * N).bfloat16(), a_scale=g["scale"], w_scale=w["scale"], rstd=torch.rand(M))
+    ops = dict(pre=torch.randn(M, 2 * N).bfloat16(), a_scale=g["scale"], w_scale=w["scale"])
     refused = TileConfig(128, 128, 1, 1, True)
     with compile_only() as kernels:
         for cfg in (*tuning.candidates_for(expert.dswiglu, ops, promote=True), refused):

@@ -55,31 +55,46 @@ def test_llama3_block_fp8_epilogues_reduce_the_amax_of_what_they_store():
         torch.testing.assert_close(out[amax], references.hg_amax(h, gamma).float(), rtol=1e-2, atol=1e-3)
 
 
-def test_mlp_block_fp8_keeps_the_bits_of_every_token_where_rstd_is_large():
-    """A weight gradient's per-feature fp8 scale spans every token.  With one row in eight of h at
-    2**-12, one in eight at 2**5 and a small eps, RMSNorm's r on the tiny rows is in the thousands:
-    the expert quantizes the normalized input and d(pre), as the reference's recipe does, so dw_gu
-    errs as much as the fp8 reference run.  (With x = h * gamma left unnormalized and r moved into
-    d(pre), the large rows set each feature's scale of x and the tiny rows rounded to zero there:
-    dw_gu erred 3.2 times the reference run here, and a judge's edge draw rejected the expert.)"""
+@pytest.mark.parametrize("name", ["mlp_block_fp8", "llama3_block_fp8"])
+def test_an_fp8_block_keeps_the_bits_of_every_token_where_rstd_is_large(name):
+    """A weight gradient's per-feature fp8 scale spans every token.  With one row in eight of the
+    RMSNorm input at 2**-12, one in eight at 2**5 and a small eps, RMSNorm's r on the tiny rows is
+    in the thousands: the experts quantize the normalized input and d(pre), as the references'
+    recipe does, so dw_gu errs as much as the fp8 reference run.  (With x = h * gamma left
+    unnormalized and r moved into d(pre), the large rows set each feature's scale of x and the
+    tiny rows rounded to zero there: dw_gu erred 3.2 times the reference run in mlp_block_fp8, 4.6
+    times in llama3_block_fp8, and a judge's edge draw rejected the mlp expert.)  llama3_block_fp8's
+    RMSNorm input h1 = h + attn @ w_o leaves its epilogue in fp8 at a delayed per-row scale, here
+    one that fits each row, as a scale the tiny rows' amax history set would."""
     from coda_agent.kernels.contract import run
     from coda_agent.primitives import load_program, lowering
 
-    t = _task("mlp_block_fp8")
+    t = _task(name)
     x = inputs.make_inputs(t.spec, "ragged", 11)
     row = torch.arange(x["h"].shape[0])[:, None] % 8
-    x["h"] = (x["h"].float() * torch.where(row == 3, 2.0 ** -12, torch.where(row == 5, 2.0 ** 5, 1.0))).to(x["h"].dtype)
-    grads = inputs.make_grads(t.spec, "ragged", 11)
+    factor = torch.where(row == 3, 2.0 ** -12, torch.where(row == 5, 2.0 ** 5, 1.0))
+    for k in ("h", "attn"):
+        if k in x:
+            x[k] = (x[k].float() * factor).to(x[k].dtype)
     params = {"eps": 1e-7}
+    if name == "llama3_block_fp8":
+        exact = references.llama3_block_fp8(**{k: v.double() for k, v in x.items()}, **params)
+        h1 = x["h"].double() + x["attn"].double() @ x["w_o"].double().t()
+        x["hg1_scale"] = (references.hg_amax(h1, x["gamma_mlp"].double()) / 448).float()
+        x["hg2_scale"] = (references.hg_amax(exact["h_out"], x["gamma_attn"].double()) / 448).float()
+    grads = inputs.make_grads(t.spec, "ragged", 11)
     hi = inputs.run_reference(t, x, grads, torch.float64, params=params)
     lo = inputs.run_reference(t, x, grads, None, params=params)
     with lowering("reference"):
         got = run(load_program(t.expert_path.read_text(), "tiny_rows"), x, params, grads, t.spec.outputs,
                   t.spec.gradients)
-    for name in ("dw_gu", "dw_down", "dh", "dgamma"):
-        err = float((got[name].double() - hi[name]).abs().max())
-        floor = float((lo[name].double() - hi[name]).abs().max())
-        assert err < 1.5 * floor, (name, err, floor)
+    assert {f"d{g}" for g in t.spec.gradients} <= set(got)
+    for grad in (f"d{g}" for g in t.spec.gradients):
+        err = float((got[grad].double() - hi[grad]).abs().max())
+        floor = float((lo[grad].double() - hi[grad]).abs().max())
+        assert err < 1.5 * floor, (grad, err, floor)
+    # The reference's recipe itself keeps the tiny rows: its dw_gu errs a tenth of the largest value.
+    assert float((lo["dw_gu"].double() - hi["dw_gu"]).abs().max()) < 0.15 * float(hi["dw_gu"].abs().max())
 
 
 @pytest.mark.gpu

@@ -260,13 +260,17 @@ def llama3_block_fp8(attn, h, w_o, gamma_mlp, w_gu, w_down, gamma_attn, w_qkv, h
     hg1 = _hi(h1) * gamma_mlp
     r1 = torch.rsqrt(_hi(h1).pow(2).sum(-1, keepdim=True) / dim + eps)
     hg1_q = _DelayedQuant.apply(hg1, hg1_scale.float()) if lowp else hg1
-    pre = linear(hg1_q, w_gu, lowp, x_on_grid=True, x_scale=hg1_scale) * r1
+    # r1 goes into the GEMM's input, not after it (r2 too): the weight gradient's per-feature
+    # copy of that input spans every token, and RMSNorm(h1) keeps each token's bits in it where
+    # h1 * gamma would let the tokens of large norm set the scale and round those of tiny norm
+    # (large r1) to zero.  Per row the two are the same GEMM: the dequantization scale takes r1.
+    pre = linear(hg1_q * r1, w_gu, lowp, x_on_grid=True, x_scale=hg1_scale * r1[:, 0])
     act = _out(F.silu(pre[:, 0::2]) * pre[:, 1::2], lowp)
     h2 = _out(_hi(h1) + linear(act, w_down, lowp), lowp)
     hg2 = _hi(h2) * gamma_attn
     r2 = torch.rsqrt(_hi(h2).pow(2).sum(-1, keepdim=True) / dim + eps)
     hg2_q = _DelayedQuant.apply(hg2, hg2_scale.float()) if lowp else hg2
-    qkv = _out(linear(hg2_q, w_qkv, lowp, x_on_grid=True, x_scale=hg2_scale) * r2, lowp)
+    qkv = _out(linear(hg2_q * r2, w_qkv, lowp, x_on_grid=True, x_scale=hg2_scale * r2[:, 0]), lowp)
     return {"h_out": h2, "qkv": qkv}
 
 

@@ -7,10 +7,17 @@ gate/up and QKV GEMMs read them without a cast pass.  Their row-wise *current*
 scale would need the row's amax over every N tile, so they are quantized with
 a delayed per-row dequantization scale (``hg1_scale``, ``hg2_scale``: known
 before the GEMM), ``q = sat(h * gamma / scale)``, and the consumer multiplies
-by ``scale`` next to RMSNorm's r (both per row, both commute with the GEMM).
-The same epilogues reduce the row amax of h * gamma (``col_max``) for the next
-step's delayed scales.  In the backward, the weight gradient of the gate/up
-GEMM reads that fp8 copy through ``quantize_rows(hg.t(), col_scale=scale)``.
+by ``scale`` times RMSNorm's r (both per row, both commute with the GEMM:
+``x1_scale``, one vector_pass).  The same epilogues reduce the row amax of
+h * gamma (``col_max``) for the next step's delayed scales.
+
+RMSNorm's r stays with the GEMMs' input, as in mlp_block_fp8: the gate/up
+weight gradient reads the normalized input per feature,
+``quantize_rows(hg1.t(), col_scale=x1_scale)``, and d(pre) without r (the
+RMSNorm backward's epilogue applies it), as the QKV side reads xn and dqkv.  A
+per-feature scale spans every token: with r moved into d(pre) instead, the
+tokens of large norm would set each feature's scale of h1 * gamma and round
+those of tiny norm to zero, although times their large r they weigh as much.
 
 Everything else as in mlp_block_fp8: current row-wise scales from
 ``quantize_rows`` for the attention output and the weights (once per layout),
@@ -31,7 +38,7 @@ instead of ``quantize_both``: the same per-token bits).
 
 from coda_agent.primitives import (ColVec, PairedTile, RowVec, Scalar, Tile, col_max, col_sum, epilogue,
                                    gemm, maximum, pack, quantize_both, quantize_rows, reciprocal, rms_rstd,
-                                   row_sum, sigmoid, tile_pass, unpack)
+                                   row_sum, sigmoid, tile_pass, unpack, vector_pass)
 
 
 @epilogue(outputs={"hg": "fp8_e4m3"}, reductions={"sumsq": col_sum(), "amax": col_max()})
@@ -42,9 +49,14 @@ def residual_norm_stats(acc, a_scale: ColVec, w_scale: RowVec, residual: Tile, g
     return {"D": h, "hg": hg * reciprocal(hg_scale), "sumsq": h * h, "amax": maximum(hg, -hg)}
 
 
+@epilogue()
+def times(a: ColVec, b: ColVec):
+    return {"D": a * b}
+
+
 @epilogue(outputs={"act": "bf16"}, pairs="acc")
-def norm_swiglu(acc, w_scale: RowVec, rstd: ColVec, hg_scale: ColVec):
-    g, u = unpack(acc * (rstd * hg_scale) * w_scale)
+def norm_swiglu(acc, w_scale: RowVec, x_scale: ColVec):
+    g, u = unpack(acc * x_scale * w_scale)
     return {"D": pack(g, u), "act": g * sigmoid(g) * u}
 
 
@@ -77,20 +89,20 @@ def rmsnorm_bwd_frozen(acc, a_scale: ColVec, w_scale: RowVec, rstd: ColVec, s: C
 
 
 @epilogue(reductions={"s": col_sum()})
-def dswiglu(acc, pre: PairedTile, a_scale: ColVec, w_scale: RowVec, rstd: ColVec):
+def dswiglu(acc, pre: PairedTile, a_scale: ColVec, w_scale: RowVec):
     dact = acc * a_scale * w_scale
     g, u = unpack(pre)
     sg = sigmoid(g)
     dg = dact * u * sg * (1.0 + g * (1.0 - sg))
     du = dact * g * sg
-    return {"D": pack(dg * rstd, du * rstd), "s": g * dg + u * du}
+    return {"D": pack(dg, du), "s": g * dg + u * du}
 
 
 @epilogue(reductions={"dgamma": row_sum()})
-def rmsnorm_bwd_scaled(acc, a_scale: ColVec, w_scale: RowVec, rstd: ColVec, s: ColVec, gamma: RowVec,
-                       h: Tile, dy: Tile, inv_dim: Scalar):
-    # d = r * (d(pre) @ W_gu): the A operand was r * d(pre).
-    d = acc * a_scale * w_scale
+def rmsnorm_bwd_r(acc, a_scale: ColVec, w_scale: RowVec, rstd: ColVec, s: ColVec, gamma: RowVec,
+                  h: Tile, dy: Tile, inv_dim: Scalar):
+    # d = r * (d(pre) @ W_gu), the gradient at h * gamma: the A operand is d(pre), r is applied here.
+    d = acc * a_scale * w_scale * rstd
     hr = h * rstd
     return {"D": dy + gamma * d - hr * rstd * s * inv_dim, "dgamma": d * h}
 
@@ -124,9 +136,9 @@ def forward(attn, h, w_o, gamma_mlp, w_gu, w_down, gamma_attn, w_qkv, hg1_scale,
              gamma=gamma_mlp, hg_scale=hg1_scale, fast_accum=True)
     del x, wo
     r1 = rms_rstd(a["sumsq"], dim, eps)
+    x1_scale = vector_pass(times, a=r1, b=hg1_scale)["D"]  # RMSNorm(h1) = hg1 * x1_scale per row
     wgu = quantize_rows(w_gu)
-    gu = gemm(a["hg"], wgu["q"].t(), norm_swiglu, w_scale=wgu["scale"], rstd=r1, hg_scale=hg1_scale,
-              fast_accum=True)
+    gu = gemm(a["hg"], wgu["q"].t(), norm_swiglu, w_scale=wgu["scale"], x_scale=x1_scale, fast_accum=True)
     del wgu
     pre = gu["D"]
     act = quantize_both(gu["act"])
@@ -141,7 +153,7 @@ def forward(attn, h, w_o, gamma_mlp, w_gu, w_down, gamma_attn, w_qkv, hg1_scale,
                fast_accum=True)["D"]
     # Kept for backward: h1, the fp8 gate/up operand, SwiGLU's output (its per-feature fp8 copy),
     # and the row amax of both fp8 epilogue outputs (the next step's delayed scales).
-    return {"h_out": c["D"], "qkv": qkv, "h1": a["D"], "hg1": a["hg"], "r1": r1, "pre": pre,
+    return {"h_out": c["D"], "qkv": qkv, "h1": a["D"], "hg1": a["hg"], "r1": r1, "x1_scale": x1_scale, "pre": pre,
             "act_t": act["qt"], "act_t_scale": act["scale_t"], "r2": r2, "hg1_amax": a["amax"],
             "hg2_amax": c["amax"]}
 
@@ -167,19 +179,19 @@ def backward(saved, dh_out, dqkv, needs):
     del g_qkv, d2
     # SwiGLU MLP + its RMSNorm (+ the residual gradient dh2).  d(pre) overwrites the saved
     # pre-activation it is computed from: the two never coexist.
-    da = _input_grad(g2, saved["w_down"], dswiglu, out=saved["pre"], pre=saved["pre"], rstd=saved["r1"])
+    da = _input_grad(g2, saved["w_down"], dswiglu, out=saved["pre"], pre=saved["pre"])
     if "dw_down" in needs:
         grads["dw_down"] = _weight_grad(g2, {"qt": saved["act_t"], "scale_t": saved["act_t_scale"]})
     del g2
     s1 = da["s"]
     dp = _quantize(da["D"], "dw_gu" in needs)
     del da
-    d1 = _input_grad(dp, saved["w_gu"], rmsnorm_bwd_scaled, rstd=saved["r1"], s=s1, gamma=saved["gamma_mlp"],
+    d1 = _input_grad(dp, saved["w_gu"], rmsnorm_bwd_r, rstd=saved["r1"], s=s1, gamma=saved["gamma_mlp"],
                      h=h1, dy=dh2, inv_dim=inv_dim)
     grads["dh"], grads["dgamma_mlp"] = d1["D"], d1["dgamma"]
     del dh2
     if "dw_gu" in needs:
-        grads["dw_gu"] = _weight_grad(dp, _per_feature(saved["hg1"], col_scale=saved["hg1_scale"]))
+        grads["dw_gu"] = _weight_grad(dp, _per_feature(saved["hg1"], col_scale=saved["x1_scale"]))
     del dp
     # Out-projection + residual.
     if needs & {"dattn", "dw_o"}:

@@ -201,14 +201,17 @@ class Layer(nn.Module):
     def _norm_linear(self, h: torch.Tensor, gamma: torch.Tensor, lin: nn.Linear, mm: Callable,
                      epi: EpilogueScales | None, name: str) -> torch.Tensor:
         """RMSNorm(h) @ W^T.  With an epilogue recipe, CODA's form: the producing
-        epilogue stores h * gamma in fp8 and the GEMM multiplies by r = rstd(h)."""
+        epilogue stores h * gamma in fp8 and the GEMM's epilogue multiplies by r = rstd(h),
+        which its input keeps for the backward (the experts' recipe,
+        tasks/llama3_fp8/references.py): the weight gradient reads RMSNorm's output per
+        feature and the incoming gradient without r."""
         hf = h.float()
         r = torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-5)
         if epi is None:
             return mm((hf * r).to(h.dtype) * gamma, lin)
         rows = h.reshape(-1, h.shape[-1])
         hg = epi.quantize(name, rows, gamma)
-        return (mm(hg.view_as(h), lin, on_grid=True).float() * r).to(h.dtype)
+        return mm(hg.view_as(h).float() * r, lin, on_grid=True).to(h.dtype)
 
 
 class Model(nn.Module):

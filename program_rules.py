@@ -63,6 +63,14 @@ TENSOR_ATTRIBUTES: tuple[str, ...] = ("shape", "dtype", "ndim", "device", "T", "
 TENSOR_METHODS: tuple[str, ...] = ("t", "view", "size", "dim")
 # On the dicts and lists a function builds, and on `saved` (read only).
 CONTAINER_METHODS: tuple[str, ...] = ("items", "keys", "values", "get", "append")
+# The builtins a program may name; the static stage refuses every other one, and a loaded
+# program's module sees only these (``primitives/program.py``), so a name the static stage
+# resolved wrongly still finds no ``eval`` or ``getattr`` when it runs.
+BUILTINS: frozenset[str] = frozenset({
+    "abs", "all", "any", "bool", "dict", "divmod", "enumerate", "float", "int", "isinstance", "len", "list", "max",
+    "min", "pow", "print", "range", "reversed", "round", "sorted", "sum", "tuple", "zip", "None", "True", "False",
+    "ArithmeticError", "AssertionError", "NotImplementedError", "RuntimeError", "TypeError", "ValueError"})
+MESSAGE_BUILTINS: frozenset[str] = frozenset({"str", "repr", "format"})  # text, only inside an error's message
 
 
 @dataclass(frozen=True)
@@ -117,7 +125,8 @@ HOST_RULES: tuple[Rule, ...] = (
                          "finished reduction. With `accumulate_into=buf` (an (M, N) tensor, e.g. a slice of a "
                          "`zeros_like` buffer) D is added into `buf` in place and `'D'` is `buf` itself; with "
                          "`out=buf` D is written over `buf` (D's shape and dtype; a buffer dead after this GEMM, "
-                         "which may be a Tile or the PairedTile the epilogue reads, never A or B); either way the "
+                         "which may be a Tile or the PairedTile the epilogue reads, never A or B, and never one of the "
+                         "task's inputs); either way the "
                          "epilogue must return a D. Results are dense row-major tensors: a column slice of "
                          "one GEMM's D is a view, not a result (run one GEMM per part, over the weight's "
                          "row slices)."),

@@ -109,7 +109,7 @@ def report_lines(report: dict[str, Any], c: Candidate) -> list[str]:
     import yaml
 
     out = [f"- {s['name']}: {s['status']}" + (f" ({s['seconds']:.1f}s)" if s.get("seconds") else "")
-           + (f": {s['message']}" if s.get("message") else "") for s in report["stages"]]
+           + (f": {s['message'].strip()}".replace("\n", "\n  ") if s.get("message") else "") for s in report["stages"]]
     perf = next((s for s in report["stages"] if s["name"] == "performance" and s["status"] == "passed"), None)
     if perf:
         d = perf["details"]

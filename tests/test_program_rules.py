@@ -120,3 +120,39 @@ def test_config_none_lines_are_what_gemm_picks(catalogue):
     assert f"- {small.what}: `{launch.config}`" in catalogue
     big = next(c for c in rules.CONFIG_CASES if c.epilogue == "elementwise" and c.m >= 1024)
     assert f"- {big.what}: `{launch.config}`" not in catalogue  # the two differ: the text says which is which
+
+
+# A program the static stage misread (a name resolved in the wrong scope) still runs by the rules:
+# its module's builtins are the table's, and its imports find the catalogue's program API and math.
+ESCAPES = {
+    "a lambda default": ("def forward(x):\n    return (lambda e=eval: e)()('1')\n", "name 'eval' is not defined"),
+    "a comprehension's iterable": ("def forward(x):\n    return [g for g in [getattr]][0](x, 'shape')\n",
+                                   "name 'getattr' is not defined"),
+    "vars": ("def forward(x):\n    return vars(x)\n", "name 'vars' is not defined"),
+    "open": ("def forward(x):\n    return open('/etc/hostname').read()\n", "name 'open' is not defined"),
+    "an import in a function": ("def forward(x):\n    import os\n    return os.environ\n", "import of `os`"),
+    "a harness entry point": ("def forward(x):\n    from coda_agent.primitives import load_program\n"
+                              "    return load_program\n", "cannot import name 'load_program'"),
+    "a catalogue submodule": ("def forward(x):\n    from coda_agent.primitives import program\n"
+                              "    return program\n", "cannot import name 'program'"),
+}
+
+
+@pytest.mark.parametrize("name", list(ESCAPES))
+def test_a_loaded_program_finds_only_the_builtins_and_imports_of_the_rules(name):
+    from coda_agent.primitives import load_program
+
+    source, error = ESCAPES[name]
+    mod = load_program("import math\nfrom coda_agent.primitives import gemm\n\n" + source, "escape")
+    assert mod.gemm is not None and mod.math.sqrt(4.0) == 2.0
+    with pytest.raises((NameError, ImportError), match=error):
+        mod.forward(torch.zeros(2, 2))
+    assert set(mod.__builtins__) == rules.BUILTINS | rules.MESSAGE_BUILTINS | {"__import__"}
+
+
+def test_without_the_python_rules_a_program_has_pythons_builtins():
+    """What the verifier does without its static stage (its tests' stand-in for an escaped program)."""
+    from coda_agent.primitives import load_program
+
+    mod = load_program(ESCAPES["vars"][0], "escaped", python_rules=False)
+    assert mod.forward(torch.zeros(2)) is not None

@@ -65,6 +65,8 @@ def _probe(plan: sandbox.Plan, targets: dict[str, str], env: dict[str, str] | No
             for name, path in targets.items():
                 out[name] = _try(lambda p=path: _write(p))
             out["read secret"] = _try(lambda: open(targets["secret"]).read() and None)
+            if "verdict key" in targets:
+                out["read verdict key"] = _try(lambda: open(targets["verdict key"]).read() and None)
             out["network"] = _try(lambda: socket.create_connection(("10.255.255.1", 80), timeout=1))
             out["parent memory"] = _try(lambda: open(f"/proc/{os.getppid()}/mem", "rb").read(1))
             out["proc sysctl"] = _try(lambda: _write("/proc/sys/vm/drop_caches"))
@@ -120,8 +122,14 @@ def places(tmp_path):
 def test_namespaces_and_no_capabilities(places):
     plan, targets = places
     plan.uid = None  # the judge's uid without its capabilities: what the machine that runs CI gets
+    # The verdict cache's signing key: root reads any file, so the folder is covered, not locked.
+    key = Path(plan.hidden[0]) / ".key"
+    key.write_bytes(b"the judge's signing key")
+    targets["verdict key"] = str(key)
     found = _probe(plan, targets)
     assert "error" not in found, found
+    assert found["read verdict key"] == "Permission denied"  # an empty tmpfs of mode 000 over the folder
+    assert found["verdict key"] != "ok" and key.read_bytes() == b"the judge's signing key"
     assert found["walls"] == "clean env, no network, read-only fs, own processes, the judge's uid, no capabilities"
     assert found["scratch"] == found["kernels"] == "ok"
     assert found["tmp"] == found["repo"] == found["cache"] == found["proc sysctl"] == "Read-only file system"

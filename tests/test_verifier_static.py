@@ -111,3 +111,31 @@ def test_backward_may_declare_needs_and_nothing_else(spec, signature, why):
     assert f"def backward({signature})" in source
     text = "; ".join(map(str, check_source(source, spec)))
     assert (why in text) if why else text == "", text
+
+
+# Python evaluates a function's defaults, decorators and annotations, and a comprehension's first
+# iterable, in the scope around it: a name there that the inner scope also binds is the outer one.
+SCOPE_ESCAPES = {
+    "lambda default": "    g = (lambda getattr=getattr: getattr)()\n",
+    "lambda keyword-only default": "    g = (lambda *, open=open: open)()\n",
+    "list comprehension iterable": "    g = [getattr for getattr in [getattr]][0]\n",
+    "dict comprehension iterable": "    g = {vars: 0 for vars in [vars]}\n",
+    "generator iterable": "    g = list(eval for eval in [eval])\n",
+    "set comprehension iterable": "    g = {open for open in [open]}\n",
+}
+
+
+@pytest.mark.parametrize("name", list(SCOPE_ESCAPES))
+def test_a_name_is_resolved_where_python_evaluates_it(name):
+    source = ("from coda_agent.primitives import epilogue, gemm\n\n\ndef forward(x, w, r):\n"
+              + SCOPE_ESCAPES[name] + "    return {}\n")
+    found = "; ".join(str(v) for v in check_source(source, load_task(TASK_PATH).spec))
+    assert "dynamic code" in found or "files, the network" in found, found
+
+
+def test_a_decorator_argument_and_an_annotation_are_read_outside_the_function():
+    source = ("from coda_agent.primitives import epilogue, gemm\n\n\n@epilogue(outputs=vars)\ndef f(acc, vars):\n"
+              "    return {'D': acc}\n\n\ndef helper(x, eval: eval):\n    return x\n\n\ndef forward(x, w, r):\n"
+              "    return {}\n")
+    found = "; ".join(str(v) for v in check_source(source, load_task(TASK_PATH).spec))
+    assert "line 4: `vars`" in found and "line 9: `eval`" in found, found

@@ -62,6 +62,9 @@ DRAWS = {"seed": "fresh inputs",
                    "scale; fp8 inputs over their format's range)",
          "forward": "the first fresh inputs, forward alone (no backward after it, as when the next layer or "
                     "an inference reads the output)"}
+# The fix for an input written in place: most often a gemm's `out=` or `accumulate_into=`.
+READ_ONLY = ("inputs are read-only: no `out=` or `accumulate_into=` on an input or a view of one (write "
+             "a new output instead)")
 
 
 @dataclass
@@ -98,6 +101,7 @@ class Case:
         """This case's forward call without a backward: its outputs' references alone."""
         return dataclasses.replace(self, draw="forward", grads=None, needs=None,
                                    hi={k: self.hi[k] for k in spec.outputs}, lo={k: self.lo[k] for k in spec.outputs})
+
 
 
 def draw_case(task: Task, spec: TaskSpec, shape_set: str, seed: int, device: str, draw: str = "seed",
@@ -253,8 +257,7 @@ class CpuCalls:
         digests = reply.get("digests") if isinstance(reply.get("digests"), dict) else {}
         for (name, _), blob in zip(sent, blobs):
             if digests.get(name) != hashlib.sha256(blob).hexdigest():
-                raise CandidateError(f"the program modified its input `{name}` in place; inputs are read-only "
-                                     "(write a new output instead)")
+                raise CandidateError(f"the program modified its input `{name}` in place; {READ_ONLY}")
         if isinstance(reply.get("torch_compute"), dict):
             err = reply["torch_compute"]
             raise CandidateError(str(err.get("message"))[:2000], err.get("line") if type(err.get("line")) is int
@@ -355,8 +358,7 @@ class GpuCalls:
         for name, t in _request_tensors(self.spec, case):
             b = bufs[name]
             if not (torch.equal(b, t) or (b.is_floating_point() and bool(((b == t) | (b.isnan() & t.isnan())).all()))):
-                raise CandidateError(f"the program modified its input `{name}` in place; inputs are read-only "
-                                     "(write a new output instead)")
+                raise CandidateError(f"the program modified its input `{name}` in place; {READ_ONLY}")
 
     def run(self, case: Case, set_id: int, poison: bool) -> dict[str, torch.Tensor]:
         """One call on buffer set ``set_id`` (which holds ``case``): its results, inputs checked."""

@@ -50,6 +50,7 @@ class Check:
         self.params = drawn_params(self.spec, self.rng, lambda p: reference_takes(self.task, self.spec, p))
         self.magnitude = drawn_magnitude(self.rng)  # the scaled draw's exponent
         self.source: str = req["source"]
+        self.python_rules: bool = req.get("python_rules", True)
         self.shape_sets: list[str] | None = req.get("shape_sets")
         self.reps: int = req["reps"]
         self.compile_cache: bool = req.get("compile_cache", False)
@@ -117,7 +118,7 @@ class Check:
     def load(self, tag: str, lowering: str) -> None:
         """Load the program in the runner under its own time limit."""
         header = {"op": "load", "tag": tag, "lowering": lowering, "source": self.source,
-                  "contract": self.contract()}
+                  "python_rules": self.python_rules, "contract": self.contract()}
         try:
             self.runner().request(header, timeout=self.load_timeout_s)
         except RunnerTimeout as e:

@@ -53,6 +53,7 @@ def verify(
     from coda_agent.tasks.spec import load_task, shape_set_names
     from coda_agent.verifier import Verifier
     from coda_agent.verifier.feedback import render_feedback
+    from coda_agent.verifier.report import headline
 
     loaded = load_task(task)
     if not program.is_file():
@@ -72,7 +73,7 @@ def verify(
         typer.echo(render_feedback(report, source))
     else:
         for s in report.stages:
-            typer.echo(f"{s.name:13s} {s.status:8s} {s.seconds:7.1f}s  {s.message}")
+            typer.echo(f"{s.name:13s} {s.status:8s} {s.seconds:7.1f}s  {headline(s.message)}")
         typer.echo(f"outcome: {report.outcome}{' (cached)' if report.cached else ''}")
         typer.echo(render_feedback(report, source))
     if save:
@@ -83,12 +84,15 @@ def verify(
 
 def _print_table(report) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
+
+    from coda_agent.verifier.report import headline
 
     colour = {"passed": "green", "slow": "yellow", "failed": "red", "skipped": "yellow", "error": "magenta"}
     table = Table(title=f"{report.task}: {report.outcome}{' (cached)' if report.cached else ''}")
     for col in ("stage", "status", "s", "message"):
         table.add_column(col)
     for s in report.stages:
-        table.add_row(s.name, f"[{colour[s.status]}]{s.status}[/]", f"{s.seconds:.1f}", s.message)
+        table.add_row(s.name, f"[{colour[s.status]}]{s.status}[/]", f"{s.seconds:.1f}", escape(headline(s.message)))
     Console().print(table)

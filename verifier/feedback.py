@@ -31,7 +31,7 @@ def _trim_log(log: str) -> str:
 
 
 def _stage_text(stage: StageResult, source: str) -> list[str]:
-    out = [f"Stage `{stage.name}` {stage.status.upper()}: {stage.message}"]
+    out = [f"Stage `{stage.name}` {stage.status.upper()}: {_indented(stage.message)}"]
     violations = stage.details.get("violations") or []
     for v in violations[:8]:
         out.append(f"- line {v['line']}: {v['message']}")
@@ -41,6 +41,9 @@ def _stage_text(stage: StageResult, source: str) -> list[str]:
         out.append(f"At line {stage.line}:\n{q}")
     for m in stage.mismatches[:6]:
         rel = "" if m.rel_norm_err is None else f", relative norm error {m.rel_norm_err:.3g}"
+        if m.pattern.startswith("systematic bias"):  # a rule on the mean: the pattern holds its numbers
+            out.append(f"- `{m.tensor}` ({m.shape_set}): {m.pattern}; max abs error {m.max_abs_err:.3g}{rel}")
+            continue
         nans = f", {m.nan_count} NaN" if m.nan_count else ""
         unwritten = f", {m.unwritten_count} never written" if m.unwritten_count else ""
         out.append(f"- `{m.tensor}` ({m.shape_set}): {m.pattern}; max abs error {m.max_abs_err:.3g} > allowed "
@@ -49,11 +52,17 @@ def _stage_text(stage: StageResult, source: str) -> list[str]:
                                                       and stage.name != "static"):
         log = _trim_log(_program_frames_only(stage.log))
         if log:
-            out.append("Log (trimmed):\n" + log)
+            out.append("Log (trimmed):\n" + "\n".join("  | " + ln for ln in log.splitlines()))
     if spills := stage.details.get("spills"):
         out.append("Register spills (STL/LDL instructions): "
                    + ", ".join(f"{k}: {v}" for k, v in spills.items()))
     return out
+
+
+def _indented(message: str) -> str:
+    """A message's later lines indented under its first: text a program raised (quoted in the
+    message) never starts a line of the report."""
+    return message.strip().replace("\n", "\n    ")
 
 
 def _program_frames_only(log: str) -> str:

@@ -260,7 +260,10 @@ class Verifier:
     def _judged(self, task: Task, source: str, stages: list[str], versions: dict[str, str]) -> list[StageResult]:
         judge = self._take_judge(task)
         try:
+            # Without the static stage the program also runs without the builtins guard: the
+            # Python rules are one (primitives/program.py); the corpus's escaped programs use it.
             n = judge.send({"task_path": str(task.path), "source": source, "stages": stages,
+                            "python_rules": "static" in self.stages,
                             "shape_sets": self.shape_sets, "reps": self.reps, "compile_cache": self.compile_cache,
                             "timeout_s": self.timeout_s, "load_timeout_s": self.load_timeout_s})
             return self._events(judge, n, stages, versions)

@@ -79,12 +79,12 @@ def candidate_error(e: BaseException, name: str, doing: str) -> CandidateError:
 _READS: "weakref.WeakKeyDictionary[ModuleType, frozenset[str] | None]" = weakref.WeakKeyDictionary()
 
 
-def load(source: str, tag: str) -> ModuleType:
+def load(source: str, tag: str, python_rules: bool = True) -> ModuleType:
     from coda_agent.primitives import load_program
 
     name = f"candidate_{tag}"
     try:
-        mod = load_program(source, name)
+        mod = load_program(source, name, python_rules=python_rules)
     except Exception as e:  # noqa: BLE001 - the candidate's failure, reported with its line
         raise candidate_error(e, name, "loading the program") from None
     _READS[mod] = backward_reads(source)
@@ -268,6 +268,21 @@ def _basic_index(index: Any) -> bool:
     return all(i is None or i is Ellipsis or isinstance(i, (int, slice)) for i in items)
 
 
+def _holds_tensor(value: Any) -> bool:
+    """A tensor among a free op's arguments (``w[:t]``, ``x.view(t, -1)`` with a 0-d ``t``): the
+    op reads its value into a size, and the result's shape hands it to Python, which is reading
+    the data past the audit."""
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, slice):
+        return _holds_tensor((value.start, value.stop, value.step))
+    if isinstance(value, (tuple, list)):
+        return any(_holds_tensor(v) for v in value)
+    if isinstance(value, dict):
+        return any(_holds_tensor(v) for v in value.values())
+    return False
+
+
 def _vocabulary_files() -> frozenset[str]:
     """The catalogue's epilogue vocabulary (``exp``, ``silu``, ``fma``..., and ``Pair``'s lanes):
     inside an epilogue fn it is the epilogue's math; handed whole tensors on the host it runs
@@ -322,8 +337,9 @@ class TorchAudit(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         name = getattr(func, "__name__", str(func))
-        line = self._program_line(sys._getframe(1), name, name in _TORCH_OK or (
-            name == "__getitem__" and _basic_index(args[1] if len(args) > 1 else None)))
+        free = (name in _TORCH_OK or (name == "__getitem__" and _basic_index(args[1] if len(args) > 1 else None))) \
+            and not _holds_tensor((args[1:], kwargs))
+        line = self._program_line(sys._getframe(1), name, free)
         if line is not None:
             self.calls.append((line, name))
             if self._in_epilogue:
@@ -337,6 +353,9 @@ class TorchAudit(TorchFunctionMode):
         while f is not None and (f.f_code.co_filename.startswith(self._torch_dir)
                                  or f.f_code.co_filename in self._skip):
             vocabulary = vocabulary or f.f_code.co_filename in self._skip
+            f = f.f_back
+        # Code compiled from a string (``<string>``: eval, exec) runs for whoever called it.
+        while f is not None and f.f_code.co_filename.startswith("<") and f.f_code.co_filename != self.program_file:
             f = f.f_back
         if f is None or f.f_code.co_filename != self.program_file:
             return None

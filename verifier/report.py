@@ -20,13 +20,21 @@ Outcome rules (the part everyone depends on):
   judge, or is faster than the plain GEMMs can be).
 - ``error``: the harness itself could not judge (a bug or a broken install);
   the candidate is not blamed for it.
+
+A stage's ``message`` and ``log`` may quote the program (what it raised, what it
+printed), so they hold no control characters (:func:`printable`): a carriage
+return or an escape sequence in an exception would rewrite the verdict on a
+terminal.  Renderers print a message's first line where a line is all there
+is room for (:func:`headline`) and indent the rest, so quoted text never
+stands where a verdict line would.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 STAGES = ("static", "reference", "compile", "correctness", "launch_audit", "performance")
 GPU_STAGES = ("correctness", "launch_audit", "performance")
@@ -37,6 +45,21 @@ StageName = Literal["static", "reference", "compile", "correctness", "launch_aud
 StageStatus = Literal["passed", "slow", "failed", "skipped", "error"]
 Outcome = Literal["accepted", "correct_slow", "cpu_passed", "rejected", "error"]
 CORRECT = ("accepted", "correct_slow")  # outcomes whose program passed every correctness check on a GPU
+
+
+# C0 and C1 controls but tab and newline, and the bidirectional overrides that reorder a line.
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def printable(text: str) -> str:
+    """``text`` with every control character but tab and newline written as its escape (``\\r``)."""
+    return _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode(), text)
+
+
+def headline(message: str) -> str:
+    """A message's first line, marked when more follows."""
+    first, _, rest = message.strip().partition("\n")
+    return first + (" [...]" if rest.strip() else "")
 
 
 class Mismatch(BaseModel):
@@ -63,6 +86,11 @@ class StageResult(BaseModel):
     line: int | None = None  # line in the candidate program the error points at
     mismatches: list[Mismatch] = Field(default_factory=list)
     details: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("message", "log")
+    @classmethod
+    def _printable(cls, text: str) -> str:
+        return printable(text)
 
 
 class Report(BaseModel):

@@ -58,7 +58,7 @@ def _load(st: State, req: dict, blobs: list[bytes]) -> tuple[dict, list]:
 
     st.contract = Contract.from_json(req["contract"])
     with lowering(req["lowering"]):
-        mod = prog.load(req["source"], req["tag"])
+        mod = prog.load(req["source"], req["tag"], req.get("python_rules", True))
     st.programs[req["tag"]] = (mod, req["lowering"])
     return {"loaded": req["tag"]}, []
 
@@ -128,7 +128,7 @@ def _compile(st: State, req: dict, blobs: list[bytes]) -> tuple[dict, list]:
     kernels_json: list[dict] = []
     with compile_only() as kernels:
         try:
-            mod = prog.load(req["source"], "compile")
+            mod = prog.load(req["source"], "compile", req.get("python_rules", True))
             prog.call(st.contract, mod, inputs, grads)
             full = len(kernels)
             for needs in req.get("needs_sets", []):  # a backward's paths for smaller gradient sets

@@ -20,7 +20,8 @@ each applied where the machine allows it and reported back
    (nothing but a down loopback) and a private mount namespace in which every
    file system is read-only, /proc and /dev included (device nodes, the GPU's,
    still open read-write), except the scratch directory and the program's own
-   kernel cache.  A CPU runner also gets PID and IPC namespaces of its own
+   kernel cache; and the verdict cache, whose signing key root could read, is
+   covered by an empty read-only tmpfs (:data:`Plan.hidden`).  A CPU runner also gets PID and IPC namespaces of its own
    (:func:`_own_processes`: it can name no process outside, its /proc lists
    its own, and every process it starts, SysV segment it makes, dies with it)
    and a small private tmpfs on /dev/shm (the machine's is RAM that outlives
@@ -41,8 +42,8 @@ rule can compute, waste its own time and memory, write its scratch directory
 and its kernel cache, and lie on its channel; the verdict depends on nothing
 it can reach.  If it keeps uid 0 (the Python installation is under a private
 home directory, as on the machine the tests run on) it can still read what
-root can read (and put it in an error message: keep secrets out of files on
-verifier machines); from a GPU runner, or a CPU runner behind lower walls (a
+root can read outside the folders it hides (and put it in an error message: keep
+secrets out of files on verifier machines); from a GPU runner, or a CPU runner behind lower walls (a
 CPU runner's namespace hides them), it can also signal root's processes:
 killing the judge is a rejection, never the verifier's error (:mod:`.harness`), a
 stopped zygote is replaced (:mod:`.zygote`), but it could kill other
@@ -77,6 +78,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from coda_agent import storage
 from coda_agent.verifier.trees import remove_tree
 
 MODES = ("auto", "uid", "none")
@@ -122,6 +124,7 @@ class Plan:
     namespaces: bool
     scratch: str  # the fresh working directory (HOME, TMPDIR)
     writable: list[str] = field(default_factory=list)  # other directories left writable (the kernel cache)
+    hidden: list[str] = field(default_factory=list)  # directories covered by an empty tmpfs (the verdict cache)
     uid: int | None = None  # None: keep the judge's user
     drop_privileges: bool = False  # give up root's capabilities (as uid, when one is set)
     cpu_seconds: int = 3600
@@ -207,8 +210,11 @@ def plan_for(source: str, scratch: Path, cuda: bool, cpu_seconds: int, m: str | 
         os.utime(d)  # in use (prune_kernel_caches)
         if root:  # the runner's own, whoever it runs as (a program may have run under another plan before)
             _chown_tree(d, uid if uid is not None else 0)
-    return Plan(namespaces=m == "auto" and root, scratch=str(scratch), writable=[str(kernels)], uid=uid,
-                drop_privileges=m != "none" and root, cpu_seconds=cpu_seconds, cuda=cuda)
+    verdicts = storage.cache_dir("verdicts")  # its key signs cached verdicts (cache.py)
+    verdicts.mkdir(mode=0o700, parents=True, exist_ok=True)  # a folder made later would not be covered
+    return Plan(namespaces=m == "auto" and root, scratch=str(scratch), writable=[str(kernels)],
+                hidden=[os.path.realpath(verdicts)], uid=uid, drop_privileges=m != "none" and root,
+                cpu_seconds=cpu_seconds, cuda=cuda)
 
 
 def _strangers_can_run(cuda: bool) -> bool:
@@ -462,6 +468,9 @@ def _namespaces(plan: Plan) -> None:
     writable = [os.path.realpath(p) for p in [plan.scratch, *plan.writable]]
     for path in writable:  # each its own mount, so the read-only remounts below pass them by
         _check(libc.mount(path.encode(), path.encode(), None, _MS_BIND | _MS_REC, None), f"binding {path}")
+    for path in plan.hidden:
+        _check(libc.mount(b"tmpfs", path.encode(), b"tmpfs", _MS_RDONLY | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC,
+                          b"size=4k,mode=0"), f"covering {path}")
     for point, options in _mounts():
         if point in writable or any(point == u or point.startswith(u + "/") for u in untouched):
             continue

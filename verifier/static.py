@@ -60,16 +60,11 @@ import difflib
 import math
 from dataclasses import dataclass, field
 
-from coda_agent.program_rules import static_allow_list
+from coda_agent.program_rules import BUILTINS, MESSAGE_BUILTINS, static_allow_list
 from coda_agent.syntax import parse
 from coda_agent.tasks.spec import TaskSpec
 
 ALLOWED = static_allow_list()  # the program rules table: the same one the catalogue text renders
-BUILTINS = {"abs", "all", "any", "bool", "dict", "divmod", "enumerate", "float", "int", "isinstance", "len",
-            "list", "max", "min", "pow", "print", "range", "reversed", "round", "sorted", "sum",
-            "tuple", "zip", "None", "True", "False", "ArithmeticError", "AssertionError", "NotImplementedError",
-            "RuntimeError", "TypeError", "ValueError"}
-MESSAGE_BUILTINS = {"str", "repr", "format"}  # text, allowed only inside an error's message
 MATH_NAMES = frozenset(n for n in dir(math) if not n.startswith("_"))
 
 _WHY = {
@@ -350,12 +345,34 @@ class _Checker(ast.NodeVisitor):
                          "call's tensors)")
         self._scoped(node)
 
+    def visit_Lambda(self, node: ast.Lambda) -> None:
+        for default in [*node.args.defaults, *(d for d in node.args.kw_defaults if d is not None)]:
+            if not _literal(default):
+                self.bad(default, "default argument of a lambda is not a constant (a computed default is "
+                         "evaluated where the lambda is made, and keeps what it names); use None or a number")
+        self._scoped(node)
+
     def _scoped(self, node: ast.AST) -> None:
+        """Visit ``node``'s parts as Python evaluates them: a function's decorators, defaults and
+        annotations, and a comprehension's first iterable, in the enclosing scope; the rest in the
+        scope ``node`` makes."""
+        outer = _evaluated_outside(node)
+        for part in outer:
+            self.visit(part)
+        skip = {id(part) for part in outer}
         self.scopes.append(_bound_in(node))
-        super().generic_visit(node)
+        stack = [node]
+        while stack:  # the children of node, and of its `arguments` and comprehensions, minus `outer`
+            for child in ast.iter_child_nodes(stack.pop()):
+                if id(child) in skip:
+                    continue
+                if isinstance(child, (ast.arguments, ast.arg, ast.comprehension)):
+                    stack.append(child)
+                else:
+                    self.visit(child)
         self.scopes.pop()
 
-    visit_Lambda = visit_ListComp = visit_SetComp = visit_DictComp = visit_GeneratorExp = _scoped
+    visit_ListComp = visit_SetComp = visit_DictComp = visit_GeneratorExp = _scoped
 
     # ------------------------------------------------------------------ names and attributes
 
@@ -385,9 +402,11 @@ class _Checker(ast.NodeVisitor):
                      "functions; they do not reach inside them")
         elif id(node) in self.call_targets:
             if node.attr not in ALLOWED.methods:
-                self.bad(node, f"method call `.{node.attr}()` on a non-catalogue object: that is PyTorch "
-                         "compute outside the catalogue; express it with catalogue primitives (allowed "
-                         f"methods: {', '.join('.' + m + '()' for m in sorted(ALLOWED.methods))})")
+                self.bad(node, f"method call `.{node.attr}()`: host code may call only "
+                         f"{', '.join('.' + m + '()' for m in sorted(ALLOWED.methods))} (views of tensors, "
+                         "and the dicts and lists it builds); anything else on a tensor is PyTorch compute "
+                         "outside the catalogue (express it with catalogue primitives), and a string's or "
+                         "dict's other methods are not needed (text belongs in an error's message)")
         elif node.attr not in ALLOWED.attributes:
             self.bad(node, f"attribute `.{node.attr}` on a non-catalogue object: only "
                      f"{', '.join('.' + a for a in sorted(ALLOWED.attributes))} may be read; use a catalogue "
@@ -481,6 +500,18 @@ class _Checker(ast.NodeVisitor):
         if len(extra) > len(a.defaults) + sum(d is not None for d in a.kw_defaults):
             self.bad(fn, f"{what} has parameters {extra} the verifier does not pass; its parameters "
                      f"must be ({', '.join(wanted)})")
+
+
+def _evaluated_outside(node: ast.AST) -> list[ast.AST]:
+    """The parts of a function, lambda or comprehension that run in the scope around it."""
+    if isinstance(node, (ast.FunctionDef, ast.Lambda)):
+        a = node.args
+        parts: list[ast.AST | None] = [*a.defaults, *a.kw_defaults]
+        if isinstance(node, ast.FunctionDef):
+            params = [*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg]
+            parts += [*node.decorator_list, *(p.annotation for p in params if p is not None), node.returns]
+        return [p for p in parts if p is not None]
+    return [node.generators[0].iter]
 
 
 def _literal(node: ast.expr) -> bool:

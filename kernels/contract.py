@@ -60,8 +60,8 @@ def call_forward(program: ModuleType, inputs: Mapping[str, Any], params: Mapping
         raise ContractError(f"forward returned {type(outs).__name__}; return a dict with {outputs}")
     missing = [o for o in outputs if o not in outs]
     if missing:
-        raise ContractError(f"forward's returned dict lacks {missing}; it must hold every task output "
-                            f"{outputs} (extra entries are saved state for backward)")
+        raise ContractError(f"forward's returned dict lacks {missing}{_instead(missing, outs)}; it must hold "
+                            f"every task output {outputs} (extra entries are saved state for backward)")
     return dict(outs)
 
 
@@ -154,8 +154,18 @@ def call_backward(program: ModuleType, saved: Mapping[str, Any], grads: Mapping[
     missing = [w for w in wanted if w not in back]
     if missing:
         asked = f" (called with needs={sorted(needs)}: return every name in needs)" if needs is not None else ""
-        raise ContractError(f"backward's returned dict lacks {missing}{asked}")
+        raise ContractError(f"backward's returned dict lacks {missing}{_instead(missing, back)}{asked}")
     return {w: back[w] for w in wanted}
+
+
+def _instead(missing: list[str], returned: dict) -> str:
+    """The returned names that look like a missing one (``d_gamma`` for ``dgamma``), as a hint."""
+    import difflib
+
+    keys = [k for k in returned if isinstance(k, str) and k not in missing]
+    near = {m: difflib.get_close_matches(m, keys, n=1, cutoff=0.6) for m in missing}
+    pairs = [f"`{hit[0]}` for `{m}`" for m, hit in near.items() if hit]
+    return f" (it returned {', '.join(pairs)}: rename them)" if pairs else ""
 
 
 def saved_state(inputs: Mapping[str, Any], params: Mapping[str, Any], outs: Mapping[str, Any],

@@ -1,10 +1,12 @@
 """What ``coda-agent tasks check`` finds in a task beyond its spec's validation: values the
-reference treats apart that the verifier's draws never hold (:func:`undrawn_values`), and float
+reference treats apart that the verifier's draws never hold (:func:`undrawn_values`), float
 params the verifier can never vary because the reference refuses every value near the written one
-(:func:`unvaried_params`)."""
+(:func:`unvaried_params`), and float params written as whole numbers, which the verifier takes for
+integers and never varies (:func:`whole_number_floats`)."""
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -72,3 +74,23 @@ def unvaried_params(task: Any) -> list[str]:
             f"program that types the value in would pass; list it in fixed_params if it is a constant of the task, "
             "else let the reference take nearby values"
             for name in spec.varied_params if not any(takes(name, written[name] * 2.0 ** s) for s in (-u, u))]
+
+
+def whole_number_floats(task: Any) -> list[str]:
+    """The params written as an int (``alpha: 2``) whose default in the reference's signature is a
+    float (``alpha=2.0``): the judge varies float params only, so it would keep this one as written
+    and a program that types it in would pass."""
+    try:
+        signature = inspect.signature(task.reference_fn)
+    except (TypeError, ValueError):
+        return []
+    spec = task.spec
+    found = []
+    for name, value in spec.params.items():
+        p = signature.parameters.get(name)
+        if (type(value) is int and name not in spec.fixed_params and p is not None
+                and isinstance(p.default, float)):
+            found.append(f"params.{name}: written {value} (an integer) where the reference's default is "
+                         f"{p.default!r} (a float); the verifier varies only float params, so a program that "
+                         f"types {value} in would pass: write {float(value)!r}")
+    return found

@@ -93,7 +93,8 @@ class Tolerance(_Strict):
     the elements the likelier not; a bias gradient sums those flips over every row, and the
     gradients they feed carry them.  Such a gradient widens the max rule alone and keeps the dense
     rules, which a flip barely moves where the rows share one scale (``tolerances: {dx: {factor:
-    1000, norm_factor: 2, rel_norm: 0.06}}``; ``tasks new`` says so)."""
+    1000, norm_factor: 2}}``; ``tasks new`` says so; a weight's gradient that sums the flips of
+    every row may also need ``rel_norm: 0.06``, as the suite's ReLU tasks measured)."""
 
     rule: Literal["coda"] = "coda"
     # Negative bounds would reject every program, whatever it computes.

@@ -190,9 +190,9 @@ def _bias(name: str, shape_set: str, o: torch.Tensor, h: torch.Tensor, lo: torch
         return None
     return Mismatch(tensor=name, shape_set=shape_set, max_abs_err=float(err.abs().max()), allowed=allowed,
                     rel_norm_err=rel, pattern=f"systematic bias: mean signed error {mean:.3g} over {n} "
-                                              f"elements (allowed {allowed:.3g}): every element is off "
-                                              "the same way, an offset or a rounding that always goes "
-                                              "one way")
+                                              f"elements (allowed {allowed:.3g}): the errors lean one "
+                                              "way, an offset or a rounding that goes one way more often "
+                                              "than the other")
 
 
 def _mismatch(name, shape_set, diff, bad, nan, allowed, rel, out, poisoned=False, ref=None) -> Mismatch:

@@ -13,6 +13,7 @@ import torch
 
 from coda_agent.errors import CodaError
 
+from . import params as param_rules
 from .dryrun import TORCH_DTYPES
 from .spec import Scalar
 
@@ -75,7 +76,9 @@ class Call(torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         name = getattr(func, "__name__", "")
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        # A sequence argument's tensors count as the call's own: torch.cat((freqs, freqs), -1)
+        # makes HF's RoPE angles from the frequencies.
+        tensors = [t for a in args for t in (a if isinstance(a, (list, tuple)) else (a,)) if isinstance(t, torch.Tensor)]
         self._kink_uses(name, args, tensors)
         if name in NORMS and args and isinstance(args[0], torch.Tensor):
             kw = kwargs or {}
@@ -241,7 +244,7 @@ def _run(fn: Callable, inputs: dict[str, tuple[list[str], str]], params: dict[st
     args = {k: _draw(dims, dtype, binding, gen) for k, (dims, dtype) in inputs.items()}
     recorder = Call({_storage(t): k for k, t in args.items()}, {k: t.dim() for k, t in args.items()})
     with torch.no_grad(), recorder:
-        outs = fn(**args, **params)
+        outs = fn(**args, **param_rules.at(params, binding))  # `head_dim: D` is an int on each set
     if not isinstance(outs, dict) or not outs:
         got = "an empty dict" if isinstance(outs, dict) else f"a {type(outs).__name__}"
         raise CodaError(f"the reference returned {got}; a task reference returns a dict of its outputs, "

@@ -92,9 +92,8 @@ class Tolerance(_Strict):
     term (``dy * w``), which the bf16 reference's largest error holds or not by chance, the fewer
     the elements the likelier not; a bias gradient sums those flips over every row, and the
     gradients they feed carry them.  Such a gradient widens the max rule alone and keeps the dense
-    rules, which a flip barely moves where the rows share one scale (``tolerances: {dx: {factor:
-    1000, norm_factor: 2}}``; ``tasks new`` says so; a weight's gradient that sums the flips of
-    every row may also need ``rel_norm: 0.06``, as the suite's ReLU tasks measured)."""
+    rules, which a flip barely moves where the rows share one scale (``{dx: {factor: 1000,
+    norm_factor: 2}}``, ``tasks new`` says so; a weight's gradient may need ``rel_norm: 0.06``)."""
 
     rule: Literal["coda"] = "coda"
     # Negative bounds would reject every program, whatever it computes.

@@ -433,3 +433,35 @@ def test_check_names_a_float_param_written_as_a_whole_number(tmp_path):
     r = cli("tasks", "check", task)
     assert r.exit_code == 1 and "params.cap: written 30 (an integer) where the reference's default is 30.0" \
         in r.output and "write 30.0" in r.output, r.output
+
+
+def test_new_evaluates_a_param_of_the_shape_symbols_on_each_set(tmp_path, monkeypatch):
+    """`--param head_dim=D` reaches the reference as an int on every shape set, and the task keeps
+    it as the expression."""
+    monkeypatch.chdir(tmp_path)
+    Path("ref.py").write_text("def heads(q, head_dim):\n"
+                              "    t = q.shape[0]\n"
+                              "    return {'y': (q.view(t, -1, head_dim) * 2.0).view(t, -1)}\n")
+    r = cli("tasks", "new", "heads", "--reference", "ref.py:heads", "--input", "q=T,NH*D", "--param", "head_dim=D",
+            "--shapes", "small=T:64,NH:4,D:16", "--shapes", "wide=T:32,NH:2,D:64")
+    assert r.exit_code == 0, r.output
+    assert "params: {head_dim: D}" in Path("heads.yaml").read_text()
+
+
+def test_new_finds_rotary_inputs_through_a_concatenation(tmp_path, monkeypatch):
+    """HF's RoPE makes its angles as torch.cat((freqs, freqs), -1): the inputs inside the tuple are
+    the angle's positions and frequencies all the same."""
+    monkeypatch.chdir(tmp_path)
+    Path("ref.py").write_text(
+        "import torch\n\n\ndef rope(q, pos, inv_freq):\n"
+        "    freqs = pos[:, None] * inv_freq[None, :]\n"
+        "    emb = torch.cat((freqs, freqs), -1)\n"
+        "    h = q.shape[-1] // 2\n"
+        "    rot = torch.cat((-q[:, h:], q[:, :h]), -1)\n"
+        "    return {'y': (q.float() * emb.cos() + rot.float() * emb.sin()).to(q.dtype)}\n")
+    r = cli("tasks", "new", "rope", "--reference", "ref.py:rope", "--input", "q=T,D", "--input", "pos=T:fp32",
+            "--input", "inv_freq=D//2:fp32", "--shapes", "small=T:64,D:32")
+    assert r.exit_code == 0, r.output
+    inputs = yaml.safe_load(Path("rope.yaml").read_text())["inputs"]
+    assert inputs["pos"]["init"] == {"dist": "positions", "high": 4096}
+    assert inputs["inv_freq"]["init"]["dist"] == "uniform"

@@ -63,6 +63,7 @@ from dataclasses import dataclass, field
 from coda_agent.program_rules import BUILTINS, MESSAGE_BUILTINS, static_allow_list
 from coda_agent.syntax import parse
 from coda_agent.tasks.spec import TaskSpec
+from coda_agent.verifier.static_contract import check_contract
 
 ALLOWED = static_allow_list()  # the program rules table: the same one the catalogue text renders
 MATH_NAMES = frozenset(n for n in dir(math) if not n.startswith("_"))
@@ -128,7 +129,7 @@ def check_source(source: str, spec: TaskSpec) -> list[Violation]:
         from coda_agent.verifier.static_epilogue import check_epilogues  # it reads this module's bindings
 
         check_epilogues(checker, tree)
-        checker.check_contract(tree, spec)
+        check_contract(checker.bad, tree, spec)
     except SyntaxError as e:
         return [Violation(e.lineno or 1, f"syntax error: {e.msg}; fix the Python syntax")]
     except (RecursionError, ValueError, MemoryError) as e:  # nesting too deep for the parser, a NUL byte
@@ -456,50 +457,6 @@ class _Checker(ast.NodeVisitor):
                     self.bad(t, "item assignment into an input, `saved` or a tensor: programs may not mutate "
                              "their inputs or write tensors in place; build a new dict "
                              "(`outs = {}; outs[\"y\"] = ...`) or have the epilogue write the output")
-
-    # ------------------------------------------------------------------ the contract
-
-    def check_contract(self, tree: ast.Module, spec: TaskSpec) -> None:
-        funcs = {s.name: s for s in tree.body if isinstance(s, ast.FunctionDef)}
-        wanted = [*spec.inputs, *spec.params]
-        fwd = funcs.get("forward")
-        if fwd is None:
-            self.bad(tree.body[0] if tree.body else tree, f"no top-level `def forward({', '.join(wanted)})`; "
-                     f"define it, returning a dict with {sorted(spec.outputs)}")
-        else:
-            a = fwd.args
-            if a.posonlyargs:
-                self.bad(fwd, "forward: parameters are passed by keyword; drop the `/`")
-            self._check_params(fwd, [p.arg for p in [*a.posonlyargs, *a.args, *a.kwonlyargs]], wanted, "forward")
-        bwd = funcs.get("backward")
-        grads = [f"d{o}" for o in spec.grad_outputs]
-        if spec.has_backward and bwd is None:
-            self.bad(fwd or tree, f"the task asks for gradients {spec.gradients}: define "
-                     f"`def backward(saved, {', '.join(grads)})` returning "
-                     f"{{{', '.join(repr('d' + g) for g in spec.gradients)}}}")
-        elif not spec.has_backward and bwd is not None:
-            self.bad(bwd, "this task has no gradients; remove `backward`")
-        elif bwd is not None:
-            positional = [*bwd.args.posonlyargs, *bwd.args.args]
-            if not positional:
-                self.bad(bwd, "backward's first parameter must be `saved` (the forward's inputs, params and "
-                         "returned dict)")
-            else:
-                rest = [p.arg for p in positional[1:]] + [p.arg for p in bwd.args.kwonlyargs]
-                # ``needs``: the gradients the caller reads, passed to a backward that declares it
-                self._check_params(bwd, rest, grads, "backward", optional=("needs",))
-
-    def _check_params(self, fn: ast.FunctionDef, names: list[str], wanted: list[str], what: str,
-                      optional: tuple[str, ...] = ()) -> None:
-        a = fn.args
-        missing = [w for w in wanted if w not in names]
-        if missing and not a.kwarg:
-            self.bad(fn, f"{what} does not accept {missing}; its parameters must be "
-                     f"({', '.join(wanted)}) (called by keyword)")
-        extra = [n for n in names if n not in wanted and n not in optional]
-        if len(extra) > len(a.defaults) + sum(d is not None for d in a.kw_defaults):
-            self.bad(fn, f"{what} has parameters {extra} the verifier does not pass; its parameters "
-                     f"must be ({', '.join(wanted)})")
 
 
 def _evaluated_outside(node: ast.AST) -> list[ast.AST]:

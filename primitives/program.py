@@ -34,6 +34,11 @@ def _import(name: str, globals=None, locals=None, fromlist=(), level: int = 0) -
         return math
     if level == 0 and name == CATALOGUE_MODULE and fromlist:
         return _catalogue_view()
+    if level == 0 and isinstance(fromlist, list) and name in sys.modules:
+        # C code fetching a module through the running frame's builtins (PyImport_Import passes a
+        # list; an import statement, a tuple or None): PyTorch's operators on a Python number
+        # look up `torch`.  Only what the process has loaded already; nothing new runs.
+        return sys.modules[name]
     raise ImportError(f"import of `{'.' * level}{name}`: programs may import only `from {CATALOGUE_MODULE} "
                       f"import ...` and `{MATH_MODULE}`")
 

@@ -156,3 +156,18 @@ def test_without_the_python_rules_a_program_has_pythons_builtins():
 
     mod = load_program(ESCAPES["vars"][0], "escaped", python_rules=False)
     assert mod.forward(torch.zeros(2)) is not None
+
+
+def test_pytorchs_own_imports_from_a_programs_frame_find_their_modules():
+    """A tensor compared with a Python number makes PyTorch's C code import `torch` through the
+    running frame's builtins, the program's, once per process: a fresh process loads a program
+    whose epilogue does that (its dry run runs the fn on the host)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    program = Path(__file__).parent / "bad_programs" / "extreme" / "flushes_small_values.py"
+    code = ("from coda_agent.primitives import load_program\n"
+            f"load_program(open({str(program)!r}).read(), 'fresh')\nprint('loaded')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "loaded" in r.stdout, r.stderr[-2000:]

@@ -78,7 +78,8 @@ class Call(torch.overrides.TorchFunctionMode):
         name = getattr(func, "__name__", "")
         # A sequence argument's tensors count as the call's own: torch.cat((freqs, freqs), -1)
         # makes HF's RoPE angles from the frequencies.
-        tensors = [t for a in args for t in (a if isinstance(a, (list, tuple)) else (a,)) if isinstance(t, torch.Tensor)]
+        tensors = [t for a in args for t in (a if isinstance(a, (list, tuple)) else (a,))
+                   if isinstance(t, torch.Tensor)]
         self._kink_uses(name, args, tensors)
         if name in NORMS and args and isinstance(args[0], torch.Tensor):
             kw = kwargs or {}

@@ -21,7 +21,8 @@ each applied where the machine allows it and reported back
    file system is read-only, /proc and /dev included (device nodes, the GPU's,
    still open read-write), except the scratch directory and the program's own
    kernel cache; and the verdict cache, whose signing key root could read, is
-   covered by an empty read-only tmpfs (:data:`Plan.hidden`).  A CPU runner also gets PID and IPC namespaces of its own
+   covered by an empty read-only tmpfs (:data:`Plan.hidden`).  A CPU runner
+   also gets PID and IPC namespaces of its own
    (:func:`_own_processes`: it can name no process outside, its /proc lists
    its own, and every process it starts, SysV segment it makes, dies with it)
    and a small private tmpfs on /dev/shm (the machine's is RAM that outlives

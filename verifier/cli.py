@@ -33,7 +33,8 @@ def verify(
     task: Path = typer.Argument(..., help="task YAML, e.g. tasks/llama3/swiglu_fwd.yaml"),
     program: Path = typer.Argument(..., help="the epilogue program (a .py file)"),
     stages: str = typer.Option("", help="comma-separated subset of "
-                               "static,reference,compile,correctness,launch_audit,performance"),
+                               "static,reference,compile,correctness,launch_audit,performance (without "
+                               "static the program also runs with Python's full builtins)"),
     sets: Optional[str] = typer.Option(None, "--sets", help="shape sets the GPU stages check, comma-separated "
                                                             "(default: the task's own); the CPU reference stage "
                                                             "checks every CPU-sized one and a size drawn past "

@@ -29,6 +29,7 @@ from coda_agent.agent.rundir import read_events, utc_now
 from coda_agent.kernels.source import CPU_ONLY as CPU_ONLY_BANNER
 from coda_agent.kernels.source import final_program, task_file
 from coda_agent.storage import write_json
+from coda_agent.verifier.report import indented
 
 
 @dataclass
@@ -109,7 +110,7 @@ def report_lines(report: dict[str, Any], c: Candidate) -> list[str]:
     import yaml
 
     out = [f"- {s['name']}: {s['status']}" + (f" ({s['seconds']:.1f}s)" if s.get("seconds") else "")
-           + (f": {s['message'].strip()}".replace("\n", "\n  ") if s.get("message") else "") for s in report["stages"]]
+           + (f": {indented(s['message'], 2)}" if s.get("message") else "") for s in report["stages"]]
     perf = next((s for s in report["stages"] if s["name"] == "performance" and s["status"] == "passed"), None)
     if perf:
         d = perf["details"]

@@ -103,7 +103,6 @@ class Case:
                                    hi={k: self.hi[k] for k in spec.outputs}, lo={k: self.lo[k] for k in spec.outputs})
 
 
-
 def draw_case(task: Task, spec: TaskSpec, shape_set: str, seed: int, device: str, draw: str = "seed",
               varied: dict[str, float] | None = None, magnitude: float = 0.0) -> Case:
     """Inputs for one call and the judge's references (fp64 on the CPU, fp32 on the GPU, and in

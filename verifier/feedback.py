@@ -10,7 +10,7 @@ model needs the fix, not the harness's log.
 
 from __future__ import annotations
 
-from coda_agent.verifier.report import Report, StageResult
+from coda_agent.verifier.report import Report, StageResult, indented
 
 LOG_LINES = 25
 
@@ -31,7 +31,7 @@ def _trim_log(log: str) -> str:
 
 
 def _stage_text(stage: StageResult, source: str) -> list[str]:
-    out = [f"Stage `{stage.name}` {stage.status.upper()}: {_indented(stage.message)}"]
+    out = [f"Stage `{stage.name}` {stage.status.upper()}: {indented(stage.message)}"]
     violations = stage.details.get("violations") or []
     for v in violations[:8]:
         out.append(f"- line {v['line']}: {v['message']}")
@@ -57,12 +57,6 @@ def _stage_text(stage: StageResult, source: str) -> list[str]:
         out.append("Register spills (STL/LDL instructions): "
                    + ", ".join(f"{k}: {v}" for k, v in spills.items()))
     return out
-
-
-def _indented(message: str) -> str:
-    """A message's later lines indented under its first: text a program raised (quoted in the
-    message) never starts a line of the report."""
-    return message.strip().replace("\n", "\n    ")
 
 
 def _program_frames_only(log: str) -> str:

@@ -56,6 +56,11 @@ def printable(text: str) -> str:
     return _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode(), text)
 
 
+def indented(message: str, by: int = 4) -> str:
+    """A message's later lines indented under its first: quoted text never starts a line."""
+    return message.strip().replace("\n", "\n" + " " * by)
+
+
 def headline(message: str) -> str:
     """A message's first line, marked when more follows."""
     first, _, rest = message.strip().partition("\n")

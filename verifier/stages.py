@@ -188,8 +188,7 @@ def _compile(check: Check) -> StageResult:
     carriers += [{"name": f"d{o}", "dtype": spec.outputs[o].dtype,
                   "shape": list(spec.shape_of(spec.outputs[o], shape_set))} for o in spec.grad_outputs]
     reply = check.request({"op": "compile", "source": check.source, "python_rules": check.python_rules,
-                           "contract": check.contract(),
-                           "tensors": carriers, "backward": spec.has_backward,
+                           "contract": check.contract(), "tensors": carriers, "backward": spec.has_backward,
                            "needs_sets": [sorted(s) for s in needs_sets(check)]})
     return compile_result(kernel_reports(reply), shape_set)
 

@@ -166,7 +166,7 @@ def _bound_in(node: ast.AST) -> _Scope:
     scope = _Scope()
     if isinstance(node, (ast.FunctionDef, ast.Lambda)):
         a = node.args
-        scope.names |= {p.arg for p in [*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg] if p}
+        scope.names |= {p.arg for p in _parameters(a)}
         body = node.body if isinstance(node.body, list) else [node.body]
     else:
         scope.names |= {n.id for g in node.generators for n in ast.walk(g.target) if isinstance(n, ast.Name)}
@@ -459,14 +459,18 @@ class _Checker(ast.NodeVisitor):
                              "(`outs = {}; outs[\"y\"] = ...`) or have the epilogue write the output")
 
 
+def _parameters(a: ast.arguments) -> list[ast.arg]:
+    """Every parameter a function or lambda declares, ``*args`` and ``**kwargs`` included."""
+    return [p for p in [*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg] if p is not None]
+
+
 def _evaluated_outside(node: ast.AST) -> list[ast.AST]:
     """The parts of a function, lambda or comprehension that run in the scope around it."""
     if isinstance(node, (ast.FunctionDef, ast.Lambda)):
         a = node.args
         parts: list[ast.AST | None] = [*a.defaults, *a.kw_defaults]
         if isinstance(node, ast.FunctionDef):
-            params = [*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg]
-            parts += [*node.decorator_list, *(p.annotation for p in params if p is not None), node.returns]
+            parts += [*node.decorator_list, *(p.annotation for p in _parameters(a)), node.returns]
         return [p for p in parts if p is not None]
     return [node.generators[0].iter]
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import keyword
 import math
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -26,6 +26,8 @@ NORMS = {"layer_norm": True, "group_norm": True, "rms_norm": False}
 # Losses whose second argument is a target index into the first's classes (dim 1, or 0 unbatched).
 LOSSES = {"cross_entropy", "nll_loss"}
 GATHERS = {"gather"}  # gather(scores, 1, index): an index input picking one column of each row's scores
+# Calls that index a dimension with an integer tensor, the bound of whose values they show.
+INDEXERS = {"gather", "index_select", "take_along_dim", "embedding", "one_hot", "__getitem__"}
 # An angle's functions (RoPE's): the inputs an angle is computed from are positions and frequencies.
 ROTATIONS = {"sin", "cos"}
 ADDS = {"add", "__add__", "__radd__"}
@@ -68,6 +70,7 @@ class Call(torch.overrides.TorchFunctionMode):
         self.targets: dict[str, tuple[int, int]] = {}
         self.specials: dict[str, set[int]] = {}  # integer inputs compared with a constant: value(s)
         self.scores: dict[str, torch.Tensor] = {}  # a 1-D integer input -> the (rows, classes) it indexes
+        self.ranges: dict[str, int] = {}  # an input an index is made of -> the size of the dimension indexed
         self.rotary: set[str] = set()  # inputs an angle of sin/cos is computed from
         self.dims: dict[str, int] = dims or {}  # each input's number of dimensions
         self.outs: dict[str, torch.Tensor] = {}
@@ -107,6 +110,10 @@ class Call(torch.overrides.TorchFunctionMode):
             dim, index = (args[1] if len(args) > 1 else kw.get("dim")), (args[2] if len(args) > 2 else kw.get("index"))
             if isinstance(index, torch.Tensor) and dim in (1, -1):
                 self._scores(args[0], self._sources_of(index))
+        if name in INDEXERS:
+            for index, size in _indexed(name, args, kwargs or {}):
+                for input_ in self._sources_of(index):
+                    self.ranges.setdefault(input_, size)
         if name in MATMULS and len(tensors) >= 2:
             a, b = tensors[-2:] if name == "addmm" else tensors[:2]
             if name == "__rmatmul__":  # w.__rmatmul__(x) is x @ w
@@ -186,6 +193,36 @@ class Call(torch.overrides.TorchFunctionMode):
         name = self.storages.get(_storage(b))
         if name is not None:
             self.weights.setdefault(name, k)
+
+
+def _indexed(name: str, args: tuple, kw: dict) -> list[tuple[torch.Tensor, int]]:
+    """(integer index tensor, size of the dimension it indexes) of one call of an INDEXERS function:
+    ``gather(x, d, i)``, ``index_select(x, d, i)``, ``take_along_dim(x, i, d)``, ``embedding(i, w)``,
+    ``one_hot(i, n)``, and ``x[..., i]`` (a tensor subscript at its dimension)."""
+    def arg(i: int, key: str) -> Any:
+        return args[i] if len(args) > i else kw.get(key)
+
+    found: list[tuple[Any, int | None]] = []
+    src = arg(0, "input")
+    if name in ("gather", "index_select") and isinstance(src, torch.Tensor) and isinstance(arg(1, "dim"), int):
+        found.append((arg(2, "index"), src.shape[arg(1, "dim")]))
+    elif name == "take_along_dim" and isinstance(src, torch.Tensor):
+        dim = arg(2, "dim")
+        found.append((arg(1, "indices"), src.numel() if dim is None else src.shape[dim]))
+    elif name == "embedding" and isinstance(arg(1, "weight"), torch.Tensor):
+        found.append((src, arg(1, "weight").shape[0]))
+    elif name == "one_hot" and isinstance(arg(1, "num_classes"), int) and arg(1, "num_classes") > 0:
+        found.append((arg(0, "tensor"), arg(1, "num_classes")))
+    elif name == "__getitem__" and isinstance(src, torch.Tensor):
+        dim = 0
+        for item in args[1] if isinstance(args[1], tuple) else (args[1],):
+            if item is Ellipsis:  # the dimensions after it count from the end: left alone
+                break
+            if item is not None:  # None adds a dimension of the result, none of src's
+                found.append((item, src.shape[dim] if dim < src.dim() else None))
+                dim += 1
+    return [(i, n) for i, n in found if isinstance(i, torch.Tensor) and n and not i.is_floating_point()
+            and i.dtype != torch.bool]
 
 
 def _storage(t: torch.Tensor) -> int:

@@ -22,8 +22,9 @@ gradients through it.
 
 What a call cannot tell is left as a ``TODO ...`` value for a person:
 ``families``, ``gemms`` (with the reference's own matmuls as a hint),
-``target``, an integer input's range, and a summary if the reference has no
-docstring.  ``load_task`` reports every TODO by name, so ``coda-agent tasks
+``target``, the range of an integer input the reference uses as no index (a
+target, ``gather``, ``embedding``, ``index_select`` and ``x[i]`` show theirs),
+and a summary if the reference has no docstring.  ``load_task`` reports every TODO by name, so ``coda-agent tasks
 check`` fails until each is filled in.
 """
 
@@ -249,6 +250,28 @@ def _targets(calls: dict[str, Call], shapes: dict[str, dict[str, int]]) -> dict[
     return {k: (expr, next(iter(calls.values())).targets[k][1]) for k, expr in classes.items()}
 
 
+def _index_init(k: str, targets: dict[str, tuple[str, int]], ranges: dict[str, str],
+                specials: dict[str, set[int]], positions: bool) -> tuple[str | None, dict[str, Any]]:
+    """An integer input's role and init: a cross-entropy's target drawn among its classes with its
+    padding, an index (``gather``, ``embedding``, ``x[i]``...) below the size it indexes (positions
+    as packed sequences'), padded where the reference tells a value outside that range apart
+    (``targets == -100``); else a TODO."""
+    if k in targets:
+        return "index", {"dist": "randint", "high": targets[k][0],
+                         "ignore": {"value": targets[k][1], "fraction": 0.125}}
+    if positions or "pos" in k.lower() and k in ranges:  # an angle's, or a table's rows'
+        return "index", {"dist": "positions", "high": ranges.get(k, 4096)}
+    if k not in ranges:
+        # a loss's targets usually hold padding: ignore: {value: -100, fraction: 0.125} draws it
+        return None, {"dist": "randint", "high": f"{TODO} the exclusive upper bound of {k}'s values (an "
+                                                 "expression; targets with padding add ignore: {value: -100})"}
+    init: dict[str, Any] = {"dist": "randint", "high": ranges[k]}
+    outside = sorted(v for v in specials.get(k, ()) if v < 0)
+    if outside:  # a value the reference masks (the index it gathers with is clamped or replaced first)
+        init["ignore"] = {"value": outside[0], "fraction": 0.125}
+    return "index", init
+
+
 def _rotary_roles(rotary: set[str], inputs: dict[str, tuple[list[str], str]], binding: dict[str, int]
                   ) -> dict[str, str]:
     """The inputs an angle is made of: positions (named so, else the largest) and frequencies."""
@@ -294,6 +317,8 @@ def skeleton(name: str, reference: str, folder: Path, shapes: dict[str, dict[str
     norms.update(_rotary_roles(next(iter(calls.values())).rotary - set(fan_in) - set(norms), inputs,
                                next(iter(shapes.values()))))
     targets = _targets(calls, shapes)
+    ranges = {k: v for k, v in _on_every_set(calls, shapes, lambda c: c.ranges).items() if k not in targets}
+    specials = next(iter(calls.values())).specials
     if targets:
         lines.append(f"  # {', '.join(targets)}: a cross-entropy's target, drawn among its classes with one in "
                      "eight set to its ignore_index (padding: a program must give those rows no loss and no "
@@ -309,13 +334,9 @@ def skeleton(name: str, reference: str, folder: Path, shapes: dict[str, dict[str
         elif k in norms:
             role, init = NORM_INITS[norms[k]]
             entry.update({"role": role} if role else {})
-        if dtype.startswith("int") and k in targets:  # a cross-entropy's target: its classes and padding
-            entry["role"], init = "index", {"dist": "randint", "high": targets[k][0],
-                                            "ignore": {"value": targets[k][1], "fraction": 0.125}}
-        elif dtype.startswith("int"):
-            # a loss's targets usually hold padding: ignore: {value: -100, fraction: 0.125} draws it
-            init = {"dist": "randint", "high": f"{TODO} the exclusive upper bound of {k}'s values (an expression; "
-                                               "targets with padding add ignore: {value: -100})"}
+        if dtype.startswith("int"):
+            role, init = _index_init(k, targets, ranges, specials, norms.get(k) == "positions")
+            entry.update({"role": role} if role else {})
         lines.append(f"  {k}: {_flow({**entry, 'init': init})}")
     if params:
         lines.append(f"params: {_flow(params)}")

@@ -42,13 +42,15 @@ def test_new_infers_outputs_dtypes_and_symbolic_shapes_and_leaves_todos(tmp_path
     assert raw["params"] == {"eps": 1e-6, "causal": False}  # --param, then the reference's own defaults
     assert raw["outputs"] == {"logits": {"shape": ["T", "V"], "dtype": "bf16"}, "row_max": {"shape": ["T"], "dtype": "fp32"},
                               "picked": {"shape": ["T"], "dtype": "fp32"}, "both": {"shape": ["T", "2*V"], "dtype": "bf16"}}
-    assert raw["inputs"]["target"]["dtype"] == "int64" and raw["inputs"]["target"]["init"]["high"].startswith("TODO")
+    # gather(1, target) picks one of V columns: target is an index below V
+    assert raw["inputs"]["target"] == {"shape": ["T"], "dtype": "int64", "role": "index",
+                                       "init": {"dist": "randint", "high": "V"}}
     assert raw["summary"] == "Logits and their per-row maximum; target only picks a column."
     assert "the reference's forward runs [[T, V, H]]" in raw["gemms"]
     r = cli("tasks", "check", "tasks")
     assert r.exit_code == 1, r.output
     todo = [line.split(": ")[1] for line in r.output.splitlines() if "still TODO" in line]
-    assert todo == ["families", "inputs.target.init.high", "gemms", "target"]
+    assert todo == ["families", "gemms", "target"]
     written = Path("tasks/rows.yaml").read_text()
     r = cli("tasks", "new", "rows", "--reference", "ref.py:rowwise", "--input", "x=T,H", "--shapes", "small=T:1,H:1",
             "--out", "tasks")
@@ -465,3 +467,54 @@ def test_new_finds_rotary_inputs_through_a_concatenation(tmp_path, monkeypatch):
     inputs = yaml.safe_load(Path("rope.yaml").read_text())["inputs"]
     assert inputs["pos"]["init"] == {"dist": "positions", "high": 4096}
     assert inputs["inv_freq"]["init"]["dist"] == "uniform"
+
+
+INDEXES = '''import torch
+import torch.nn.functional as F
+
+
+def masked_nll(h, w, t):
+    """The target's log-probability by gather, padding (-100) masked out."""
+    logp = torch.log_softmax((h @ w.t()).float(), -1)
+    valid = t != -100
+    nll = -logp.gather(-1, torch.where(valid, t, 0).unsqueeze(-1)).squeeze(-1)
+    return {"loss": (nll * valid).sum() / valid.sum()}
+
+
+def embed_rotate(ids, table, cos, sin, pos):
+    """An embedding, rotated by tables of angles read at each token's position."""
+    x1, x2 = F.embedding(ids, table).chunk(2, -1)
+    c, s = cos[pos], sin[pos]
+    return {"y": torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), -1)}
+
+
+def picked(logits, t, experts):
+    """One column per row by a subscript, and rows of a table by index_select."""
+    return {"p": logits[torch.arange(logits.shape[0]), t], "e": logits.index_select(1, experts)}
+'''
+
+
+@pytest.mark.parametrize(("fn", "inputs", "want"), [
+    ("masked_nll", ["h=T,H", "w=V,H", "t=T:int64"],
+     {"t": {"dist": "randint", "high": "V", "ignore": {"value": -100, "fraction": 0.125}}}),
+    ("embed_rotate", ["ids=T:int64", "table=V,H", "cos=S,H//2", "sin=S,H//2", "pos=T:int64"],
+     {"ids": {"dist": "randint", "high": "V"}, "pos": {"dist": "positions", "high": "S"}}),
+    ("picked", ["logits=T,V", "t=T:int64", "experts=H:int64"],
+     {"t": {"dist": "randint", "high": "V"}, "experts": {"dist": "randint", "high": "V"}}),
+])
+def test_new_draws_an_index_below_the_size_it_indexes(tmp_path, monkeypatch, fn, inputs, want):
+    """An integer input that gather, embedding, index_select or a subscript reads as an index is
+    drawn below the size of the dimension it indexes (an expression of the symbols), padded with
+    the value the reference masks, positions into a table as packed sequences'; no TODO is left
+    for its range."""
+    monkeypatch.chdir(tmp_path)
+    Path("ref.py").write_text(INDEXES)
+    r = cli("tasks", "new", fn, "--reference", f"ref.py:{fn}", *[a for i in inputs for a in ("--input", i)],
+            "--shapes", "small=T:64,H:32,V:96,S:128", "--shapes", "ragged=T:50,H:40,V:104,S:160")
+    assert r.exit_code == 0, r.output
+    raw = yaml.safe_load(Path(f"{fn}.yaml").read_text())
+    assert {k: raw["inputs"][k]["init"] for k in want} == want
+    assert all(raw["inputs"][k]["role"] == "index" for k in want)
+    r = cli("tasks", "check", f"{fn}.yaml")
+    assert [line.split(": ")[1] for line in r.output.splitlines() if "still TODO" in line] == [
+        "families", "gemms", "target"], r.output

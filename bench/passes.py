@@ -77,7 +77,7 @@ def _geometries() -> tuple:
 
 def bandwidth(device: str = "cuda", shapes: tuple = ((16384, 768), (16384, 3072), (16384, 16384)),
               reps: int = 20) -> dict:
-    from coda_agent.primitives import load_program, lowering, pass_kernel, tile_pass
+    from coda_agent.primitives import column_index, load_program, lowering, pass_kernel, tile_pass
     from coda_agent.primitives.norm import normalize, row_moments
     from coda_agent.primitives.tile_config import PASS_CONFIG
 
@@ -112,7 +112,7 @@ def bandwidth(device: str = "cuda", shapes: tuple = ((16384, 768), (16384, 3072)
         cases: dict[str, tuple[int, dict[str, Callable[[], Any]]]] = {
             "dgelu": (3 * tile, {**contenders(dgelu, dy=dy, pre=pre),
                                  **({"compile": lambda: _compiled(_dgelu_torch)(dy, pre)} if compiled else {})}),
-            "row_stats": (tile, {**contenders(row_moments, x=x),
+            "row_stats": (tile, {**contenders(row_moments, x=x, shift=mean, col=column_index(n, device), n=float(n)),
                                  **({"compile": lambda: _compiled(_stats_torch)(x)} if compiled else {})}),
             "normalize_rows": (2 * tile, {**contenders(normalize, x=x, mean=mean, rstd=rstd, gamma=gamma, beta=beta),
                                           **({"compile": lambda: _compiled(_normalize_torch)(x, mean, rstd, gamma, beta)}

@@ -24,7 +24,10 @@ vectors along the rows and along the columns)::
   block's first LayerNorm) :func:`row_stats` reads x once, in a tile pass.
   Both form var = E[x^2] - mean^2 in fp32 (clamped at 0), whose relative
   error is about 2^-24 * (1 + mean^2 / var): below bf16 precision while
-  |mean| < ~100 std.  A sum folds the padded lanes of a ragged last tile too,
+  |mean| < ~100 std.  row_stats sums x less a shift per row (the mean of
+  its first columns), which takes mean^2 down to (mean - shift)^2: its
+  fp32 statistics hold an fp32 reference's, which a program that returns
+  them (a backward's saved mean and rstd) is held to.  A sum folds the padded lanes of a ragged last tile too,
   where the accumulator and Tile loads are 0 but vectors are not: so with a
   bias (x = acc + residual + bias) the epilogue folds a = acc + residual, a^2
   and a * bias, and ``layernorm_stats(..., bias=, bias_dot=)`` adds the
@@ -48,18 +51,20 @@ from __future__ import annotations
 
 import torch
 
-from .aux import composite, need, offset_weight
+from .aux import column_index, composite, need, offset_weight
 from .epilogue import Epilogue, epilogue
 from .errors import CatalogueError
-from .math import round_bf16, round_fp16
-from .operands import ColVec, RowVec, Tile
+from .math import round_bf16, round_fp16, where
+from .operands import ColVec, RowVec, Scalar, Tile
 from .passes import tile_pass
 from .reductions import col_sum, row_sum
 
 
 @epilogue(reductions={"sum": col_sum(), "sumsq": col_sum()})
-def row_moments(x: Tile):
-    return {"sum": x, "sumsq": x * x}
+def row_moments(x: Tile, shift: ColVec, col: RowVec, n: Scalar):
+    # a ragged last tile's padded lanes load 0, which less the shift is not: masked by column
+    d = where(col < n, x - shift, 0.0)
+    return {"sum": d, "sumsq": d * d}
 
 
 @epilogue()
@@ -119,14 +124,25 @@ def layernorm_stats(sums: torch.Tensor, sumsq: torch.Tensor, dim: int, eps: floa
     return _mean_rstd(sums, sumsq, dim, eps)
 
 
+SHIFT_COLUMNS = 64  # the columns whose mean shifts row_stats' sums
+
+
 @composite
 def row_stats(x: torch.Tensor, eps: float) -> dict[str, torch.Tensor]:
     """``{"mean", "rstd"}`` (M,) fp32 of each row of x (M, H), which no GEMM
     produced (a block's first LayerNorm): one read of x in a tile pass (sums
-    in fp32), finished as :func:`layernorm_stats` does."""
+    in fp32 of x less a shift per row, the mean of its first 64 columns),
+    finished as :func:`layernorm_stats` does.  The shift keeps the variance's
+    cancellation at about (1 + (mean - shift)^2 / var) ulps, where sums of x
+    itself lose (1 + mean^2 / var): fp32 statistics as accurate as a two-pass
+    LayerNorm's, for a row whose mean is many times its spread too."""
     need("x", x, 2)
-    sums = tile_pass(row_moments, x=x)
-    return _mean_rstd(sums["sum"], sums["sumsq"], x.shape[1], eps)
+    m, h = x.shape
+    shift = x[:, :SHIFT_COLUMNS].float().mean(dim=1) if h else x.new_zeros(m, dtype=torch.float32)
+    sums = tile_pass(row_moments, x=x, shift=shift, col=column_index(h, x.device), n=float(h))
+    mean = sums["sum"] / float(h)
+    var = (sums["sumsq"] / float(h) - mean * mean).clamp_min(0.0)
+    return {"mean": shift + mean, "rstd": torch.rsqrt(var + float(eps))}
 
 
 @composite

@@ -4,7 +4,9 @@ tasks new`, then a program from the catalogue), verified through the CLI on ever
 ``tests/tasks/families/`` holds one block each of BERT (post-LN: the normed sum is the output),
 Gemma (GeGLU MLP with the (1 + w) RMSNorm), Gemma-2 (the soft-capped LM-head cross-entropy),
 GPT-NeoX / GPT-J / Phi-2 (``neox``: the parallel-residual block around attention, one LayerNorm
-shared by both branches, forward and backward), a mixture-of-experts router (``moe_router``: the
+shared by both branches, forward and backward), OLMo (``olmo``: the non-parametric LayerNorm into
+the QKV projection, ported from HF with its ``x.to(torch.float32)``, the row statistics returned
+in fp32: an fp32 result the reference computes wholly after that cast), a mixture-of-experts router (``moe_router``: the
 softmax over 60 experts, a width no GEMM row takes unpadded, through ``pad``), OPT (LayerNorm with
 bias, ReLU MLP, biases; a kinked gradient with its own tolerance), partial RoPE (``partial_rope``:
 the QKV projection with biases, the first R of each head's columns rotated, forward and backward),
@@ -39,6 +41,7 @@ SLIPS = [
     ("gemma2", "no_cap", [("c = cap * tanh(acc * inv_cap)", "c = acc"),
                           ('return {"D": p * dloss * (1.0 - t * t)}', 'return {"D": p * dloss}')]),
     ("neox", "ln_not_shared", [("g = acc + dln", "g = acc + 0.0 * dln")]),
+    ("olmo", "no_centring", [("rstd * (acc - mean * gw) + shift", "rstd * acc + shift")]),
     ("partial_rope", "unrope_forward_way", [("pack(e * c + o * s, o * c - e * s)",
                                              "pack(e * c - o * s, e * s + o * c)")]),
     ("zloss", "no_zloss", [(" + z_weight * lse * lse", ""), ("g * (1.0 + 2.0 * z_weight * lse)", "g")]),
@@ -60,7 +63,7 @@ def verify(task: Path, program: Path, tmp_path: Path, stages: str) -> dict:
 
 
 def test_every_family_is_here():
-    assert {t.parent.name for t in TASKS} == {"bert", "gemma", "gemma2", "moe_router", "neox", "opt",
+    assert {t.parent.name for t in TASKS} == {"bert", "gemma", "gemma2", "moe_router", "neox", "olmo", "opt",
                                                  "partial_rope", "primer", "zloss"}
     assert {family for family, _, _ in SLIPS} <= {t.parent.name for t in TASKS}
 

@@ -59,6 +59,11 @@ from coda_agent.verifier.report import Mismatch
 TILE = 128  # rows/columns past the last full tile of this size are the "ragged edge"
 BIAS_Z = 8.0  # standard errors of the mean that rounding noise may reach
 ROW_SHARE = 0.5  # the whole-row rule: a row may not err by half its own norm, its noise aside
+# What no rule asks of an element beyond its own value's last bits: 2^-20 of it (16 fp32 ulps, a
+# thousandth of a bf16 ulp).  The GPU's reference is fp32, so a result that the reference computes
+# wholly in fp32 (HF's ``x.float()`` before a row statistic or a loss) shows no rounding noise of
+# its own there, and two honest fp32 computations of one value differ in their last bits.
+RESOLUTION = 2.0 ** -20
 
 
 # The most elements a norm casts to fp64 at a time: 128 MiB beside the judge's set.
@@ -108,6 +113,8 @@ def compare(name: str, shape_set: str, out, hi: torch.Tensor, lo: torch.Tensor, 
     diff = torch.where(torch.isnan(h) & torch.isnan(o), torch.zeros_like(diff), diff)
     bar = allowed if noise is None else torch.clamp_min(tol.factor * SIGMAS * noise.rms.to(h.device, work),
                                                         allowed)
+    least = h.abs().mul_(RESOLUTION).nan_to_num_(nan=0.0, posinf=0.0)  # RESOLUTION, one temporary
+    bar = least.clamp_min_(bar) if isinstance(bar, float) else torch.maximum(least, bar, out=least)
     bad = (diff > bar) | nan
     hnorm = max(float(norm64(torch.nan_to_num(h))), 1e-30)
     rel = float(norm64(torch.nan_to_num(diff, nan=0.0, posinf=0.0))) / hnorm
@@ -117,7 +124,7 @@ def compare(name: str, shape_set: str, out, hi: torch.Tensor, lo: torch.Tensor, 
     if bad.any() or not rel <= max(tol.rel_norm, tol.dense_factor * rel_lo):
         return _mismatch(name, shape_set, diff, bad, nan, allowed, rel, o, poisoned=poisoned, ref=h)
     lo = lo.to(h.device, work)
-    del diff, bad, nan  # the whole-row rule's temporaries take their place on a large GPU set
+    del diff, bad, nan, bar, least  # the whole-row rule's temporaries take their place on a large GPU set
     if rows and (lost := _rows(name, shape_set, o, h, lo, tol, rel, noise)):
         return lost
     return _bias(name, shape_set, o, h, lo, tol, rel, noise)

@@ -80,6 +80,7 @@ Which shape sets a check runs is :mod:`.shape_sets`'s to say.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 from typing import Any, Callable
@@ -282,6 +283,44 @@ def upcast(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None, device: 
     return out
 
 
+class Widened(torch.overrides.TorchFunctionMode):
+    """The judge's high-precision reference keeps its precision through the reference's own
+    casts to fp32: ``.float()``, ``.to(torch.float32)``, ``.type(torch.float32)`` and a
+    ``dtype=torch.float32`` argument (a factory's, a sum's, a softmax's) give ``dtype``
+    instead, and a tensor made without a dtype is made in it.  References ported from
+    Hugging Face upcast so (``h = x.float()``), and without this the fp64 reference would
+    round there exactly as the bf16 one does: a result computed wholly after the cast (an fp32
+    row statistic, a loss) would show no rounding noise of its own, its tolerance would
+    collapse to the floor, and an honest program summing in another order would fail by an
+    ulp.  A cast to 16 or 8 bits is the reference's own rounding and stays."""
+
+    NAMED = {"float", "to", "type"}  # Tensor methods whose positional dtype is a cast
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = dict(kwargs or {})
+        name = getattr(func, "__name__", "")
+        if kwargs.get("dtype") is torch.float32:
+            kwargs["dtype"] = self.dtype
+        if name == "float" and args and isinstance(args[0], torch.Tensor):
+            return args[0].to(self.dtype)
+        if name in self.NAMED or name in ("softmax", "log_softmax"):
+            args = tuple(self.dtype if a is torch.float32 else a for a in args)
+        return func(*args, **kwargs)
+
+    def __enter__(self) -> "Widened":
+        self._default = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        return super().__enter__()
+
+    def __exit__(self, *exc) -> None:  # noqa: ANN002
+        torch.set_default_dtype(self._default)
+        super().__exit__(*exc)
+
+
 def run_reference(task, inputs: dict[str, torch.Tensor], grads: dict[str, torch.Tensor] | None,
                   dtype: torch.dtype | None, device: str | None = None,
                   params: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
@@ -296,7 +335,9 @@ def run_reference(task, inputs: dict[str, torch.Tensor], grads: dict[str, torch.
     if grads and task.backward_reference_fn is None:
         for name in spec.gradients:
             x[name].requires_grad_(True)
-    with torch.enable_grad() if grads else torch.no_grad():
+    # fp32 is as wide as the GPU's reference goes: widening there would double a large set's memory
+    widened = Widened(dtype) if dtype is not None and dtype.itemsize > 4 else contextlib.nullcontext()
+    with torch.enable_grad() if grads else torch.no_grad(), widened:
         outs = dict(task.reference_fn(**x, **params))
         missing = set(spec.outputs) - set(outs)
         if missing:

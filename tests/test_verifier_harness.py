@@ -339,6 +339,19 @@ def test_cache_hit_and_misses(task, monkeypatch):
     assert not v.check(task, source).cached
 
 
+def test_the_caches_code_digest_reads_every_module_a_verdict_may_depend_on():
+    """The rules and the contract live outside verifier/: the program's builtins and the static
+    allow-list (program_rules.py), the calls into the program (kernels/contract.py), the parser
+    (syntax.py).  A change to any of them must miss the cache; the agent loop, batch evaluation,
+    benchmarks and tests must not, nor anything in a hidden folder (the virtualenv)."""
+    root, files = verdict_cache.code_files()
+    names = {str(p.relative_to(root)) for p in files}
+    assert {"program_rules.py", "syntax.py", "kernels/contract.py", "primitives/program.py", "verifier/static.py",
+            "tasks/spec.py", "tasks/llama3/references.py"} <= names
+    assert not any(n.split("/")[0] in ("agent", "eval", "bench", "tests", "runs", "scripts") or n.startswith(".")
+                   for n in names), names
+
+
 def test_cache_fails_closed(task, monkeypatch):
     def broken():
         raise verdict_cache.CacheKeyError("no version")

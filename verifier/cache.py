@@ -44,8 +44,11 @@ if TYPE_CHECKING:
     from coda_agent.tasks.spec import Task
 
 KEY_FORMAT = 2
-# coda_agent's code a verdict depends on (relative to the package root).
-CODE_DIRS = ("primitives", "verifier", "tasks")
+# The folders of coda_agent (relative to the package root) whose code no verdict depends on: the
+# agent loop, batch evaluation, benchmarks and tests.  Every other ``*.py`` file counts, top-level
+# modules included (program_rules.py holds the rules, kernels/contract.py calls the program), so a
+# rule that moves to a module of its own still changes the key.
+NOT_JUDGING = ("agent", "eval", "bench", "tests", "runs", "scripts")
 
 
 class CacheKeyError(RuntimeError):
@@ -111,13 +114,22 @@ def library_versions() -> dict[str, str]:
     return out
 
 
-@lru_cache(maxsize=1)
-def code_digest() -> str:
-    """sha256 over coda_agent's ``*.py`` files in :data:`CODE_DIRS` (paths and contents)."""
+def code_files() -> tuple[Path, list[Path]]:
+    """The package root and the ``*.py`` files a verdict may depend on: all but those under
+    :data:`NOT_JUDGING` and hidden folders (a virtualenv, git's)."""
     import coda_agent
 
     root = Path(coda_agent.__file__).resolve().parent
-    files = sorted(p for d in CODE_DIRS for p in (root / d).rglob("*.py") if "__pycache__" not in p.parts)
+    tops = [t for t in root.iterdir() if t.name not in NOT_JUDGING and not t.name.startswith(".")]
+    files = [p for t in tops for p in ([t] if t.is_file() else t.rglob("*.py")) if p.suffix == ".py"
+             and not any(x.startswith(".") or x == "__pycache__" for x in p.relative_to(root).parts)]
+    return root, sorted(files)
+
+
+@lru_cache(maxsize=1)
+def code_digest() -> str:
+    """sha256 over :func:`code_files` (paths and contents)."""
+    root, files = code_files()
     if not files:
         raise CacheKeyError(f"no source files under {root} to fingerprint")
     h = hashlib.sha256()

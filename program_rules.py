@@ -114,7 +114,8 @@ HOST_RULES: tuple[Rule, ...] = (
     Rule("containers", "dicts and lists the function builds itself (`outs = {}`, `parts = []`, "
                        f"{_dotted(CONTAINER_METHODS, True)}); item assignment only into those, never into an "
                        "input, `saved` or a tensor."),
-    Rule("tensors", f"read {_dotted(TENSOR_ATTRIBUTES, False)}; call {_dotted(TENSOR_METHODS, True)}; slice with "
+    Rule("tensors", f"read {_dotted(TENSOR_ATTRIBUTES, False)} (`.device` only as a catalogue call's argument: "
+                    f"`column_index(n, x.device)`); call {_dotted(TENSOR_METHODS, True)}; slice with "
                     "ints and ranges (`x[r0:r1]`, `w[:, c0:c1]`: views, no copy). Anything else on a tensor "
                     "(`+`, `.float()`, `.sum()`, `torch.*`) is PyTorch compute: rejected statically, or by the "
                     "reference stage's audit of the program's own lines."),

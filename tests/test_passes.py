@@ -266,9 +266,8 @@ def test_rms_prepare_compiles_onto_the_pass_kernel():
 
 @pytest.mark.parametrize("width", [N, 40], ids=["wide", "narrower-than-the-shift"])
 def test_row_stats_and_layernorm_stats(gen, width):
-    """row_stats sums x less a shift per row, so a mean 60x the spread costs its variance no
-    precision: fp32-accurate, where sums of x itself (E[x^2] - mean^2) err by ~2^-24 * (1 +
-    mean^2 / var), 2^-12 here.  layernorm_stats, from a producing epilogue's sums, is the latter."""
+    """row_stats sums x less a shift per row: a mean 60x the spread costs its variance nothing, where
+    E[x^2] - mean^2 (layernorm_stats, from a producing epilogue's sums) errs by ~2^-12 here."""
     x = _rand(M, width, gen=gen, scale=0.5, offset=30.0)
     with launch_ledger() as ledger:
         st = row_stats(x, 1e-5)

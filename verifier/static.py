@@ -18,35 +18,32 @@ float, and a parameter or local named ``fr`` elsewhere is a local value.
 - **math** (``import math``, ``from math import ...``): ``math.<public name>``;
   its functions called, its constants read.
 - **the program's own functions and module constants**: called and read.
-- **a local value** (a parameter, anything assigned in a function: tensors,
-  numbers, dicts): the attributes and methods of the program rules table
-  (``coda_agent/program_rules.py``: metadata and free views such as
-  ``.shape`` and ``.t()``, container methods such as ``.items()``); nothing
-  else (``.float()`` is PyTorch compute, ``.gi_frame`` a way out).
-- **builtins**: the allow-list :data:`BUILTINS` (``len``, ``range``, ``min``...,
-  and the exceptions a program may raise); every other builtin is refused
-  with its reason (``open``: files; ``getattr``: reflection; ``str``, f-strings
-  and ``%`` outside an error's message: a device's name is the one text the
-  runtime audit cannot see read; ...).
+- **a local value** (a parameter, anything assigned in a function: tensors, numbers, dicts): the
+  attributes and methods of the program rules table (``coda_agent/program_rules.py``: metadata
+  and free views such as ``.shape`` and ``.t()``, container methods such as ``.items()``);
+  nothing else (``.float()`` is PyTorch compute, ``.gi_frame`` a way out).
+- **builtins**: the allow-list :data:`BUILTINS` (``len``, ``range``, ``min``..., and the
+  exceptions a program may raise); every other builtin is refused with its reason (``open``:
+  files; ``getattr``: reflection; ``str``, f-strings and ``%`` outside an error's message: a
+  device's name is the one text the runtime audit cannot see read, and ``.device`` is read only
+  as a catalogue call's argument, so no device is held, compared or formatted; ...).
 
 **Epilogue bodies** (:mod:`.static_epilogue`): an @epilogue fn, and every program
 function it calls, is arithmetic, comparisons and calls of the catalogue's math on names and
 numbers (no attributes, indexing but of a module constant, builtins, branches or loops on
 values): both lowerings evaluate it, the compiled kernel on values that have none of those.
 
-Also refused: imports other than the catalogue and ``math`` (and any import
-inside a function); the harness's own catalogue entry points (the table's
-``HARNESS_ONLY``: ``load_program``, ``lowering``...); dunder
-names and attributes; epilogue fns declared inside a function (the catalogue dry-runs a
-declaration, and a nested one closes over the call's tensors); classes, ``global``/``nonlocal``, ``try``, ``with``,
-``async``, ``yield``, ``match``; attribute assignment; item assignment except
-into a dict or list the same function created; module-level statements other
-than imports, function definitions and constants (numbers, strings, tuples of
-them, arithmetic over them, ``math`` calls and catalogue declarations on them:
-``GELU_C = math.sqrt(2 / math.pi)``, ``SQ = col_sum()``; never a tensor); assignment
-expressions (``:=``, which bind where no statement does); defaults other than literal constants (a
-computed or mutable default is state that survives between calls); a module
-name bound twice.
+Also refused: imports other than the catalogue and ``math`` (and any import inside a function); the
+harness's own catalogue entry points (the table's ``HARNESS_ONLY``: ``load_program``,
+``lowering``...); dunder names and attributes; epilogue fns declared inside a function (the
+catalogue dry-runs a declaration, and a nested one closes over the call's tensors); classes,
+``global``/``nonlocal``, ``try``, ``with``, ``async``, ``yield``, ``match``; attribute assignment;
+item assignment except into a dict or list the same function created; module-level statements
+other than imports, function definitions and constants (numbers, strings, tuples of them,
+arithmetic over them, ``math`` calls and catalogue declarations on them: ``GELU_C = math.sqrt(2 /
+math.pi)``, ``SQ = col_sum()``; never a tensor); assignment expressions (``:=``, which bind where
+no statement does); defaults other than literal constants (a computed or mutable default is state
+that survives between calls); a module name bound twice.
 
 The importable names, the harness-only ones and the attributes and methods
 come from :func:`coda_agent.program_rules.static_allow_list`, the table the
@@ -193,6 +190,7 @@ class _Checker(ast.NodeVisitor):
         self.module: dict[str, Binding] = {}
         self.scopes: list[_Scope] = []
         self.call_targets: set[int] = set()  # ids of Attribute nodes that are called (`x.items()`)
+        self.device_args: set[int] = set()  # ids of `x.device` nodes passed straight to a catalogue call
         self.in_message = 0  # inside an assert's message or a raise: text there steers nothing
         self._bind_module(tree)
 
@@ -412,6 +410,9 @@ class _Checker(ast.NodeVisitor):
             self.bad(node, f"attribute `.{node.attr}` on a non-catalogue object: only "
                      f"{', '.join('.' + a for a in sorted(ALLOWED.attributes))} may be read; use a catalogue "
                      "primitive for the rest")
+        elif node.attr == "device" and id(node) not in self.device_args:
+            self.bad(node, "`.device` is read only as an argument of a catalogue call (`column_index(n, x.device)`): "
+                     "a program computes the same on every device (a rank's `cuda:1` too), so it keeps none")
         self.generic_visit(node)
 
     def visit_Assert(self, node: ast.Assert) -> None:  # text is allowed where it can only be an error's message
@@ -437,6 +438,10 @@ class _Checker(ast.NodeVisitor):
     def visit_Call(self, node: ast.Call) -> None:
         if isinstance(node.func, ast.Attribute):
             self.call_targets.add(id(node.func))
+        binding = self.resolve(node.func.id) if isinstance(node.func, ast.Name) else None
+        if binding is not None and binding.kind == "catalogue":
+            self.device_args |= {id(a) for a in [*node.args, *(k.value for k in node.keywords)]
+                                 if isinstance(a, ast.Attribute) and a.attr == "device"}
         self.generic_visit(node)
 
     # ------------------------------------------------------------------ stores
@@ -489,4 +494,5 @@ def _is_dunder(name: str) -> bool:
 
 def _formats_text(node: ast.AST) -> bool:
     return (isinstance(node, ast.JoinedStr) and any(isinstance(v, ast.FormattedValue) for v in node.values)) or (
-        isinstance(node, ast.BinOp) and type(node.op) is ast.Mod and isinstance(getattr(node.left, "value", 0), str))
+        isinstance(node, ast.BinOp) and type(node.op) is ast.Mod
+        and isinstance(getattr(node.left, "value", 0), (str, bytes)))

@@ -9,6 +9,7 @@ from verifier_helpers import EXPERT_PATH, TASK_PATH
 
 from coda_agent.cli import app
 from coda_agent.errors import CodaError
+from coda_agent.verifier.report import Report
 
 pytestmark = pytest.mark.usefixtures("agent_env")
 
@@ -72,3 +73,20 @@ def test_text_a_program_raises_cannot_rewrite_the_verdict(tmp_path):
     verdicts = [ln for ln in r.output.splitlines() if ln.startswith("outcome:")]
     assert verdicts == ["outcome: rejected"], r.output
     assert [ln.split()[:2] for ln in r.output.splitlines() if ln.startswith("reference ")] == [["reference", "failed"]]
+
+
+def test_a_program_whose_output_is_nan_is_rejected_and_its_run_reviewed(tmp_path):
+    """A NaN output errs by inf: the run directory's report keeps it (as JSON's Infinity), and
+    `verify` ends with the verdict and the run's best attempt written, instead of a traceback."""
+    program = tmp_path / "nan.py"
+    program.write_text(EXPERT_PATH.read_text().replace('return {"D": acc + residual}',
+                                                       'return {"D": (acc + residual) * sqrt(0.0 * acc - 1.0)}')
+                       .replace("import Tile, epilogue, gemm", "import Tile, epilogue, gemm, sqrt"))
+    r = CliRunner().invoke(app, ["verify", str(TASK_PATH), str(program), "--stages", "static,reference",
+                                 "--no-cache", "--runs-dir", str(tmp_path / "runs")], catch_exceptions=False)
+    assert r.exit_code == 1 and "outcome: rejected" in r.output and "max abs error inf" in r.output, r.output
+    (run,) = (tmp_path / "runs").iterdir()
+    assert "max abs error inf" in (run / "best" / "report.md").read_text()
+    (saved,) = run.rglob("report.json")
+    (mismatch, *_) = Report.model_validate_json(saved.read_text()).failed_stage.mismatches
+    assert mismatch.max_abs_err == float("inf") and mismatch.nan_count > 0

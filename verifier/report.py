@@ -34,7 +34,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 STAGES = ("static", "reference", "compile", "correctness", "launch_audit", "performance")
 GPU_STAGES = ("correctness", "launch_audit", "performance")
@@ -67,7 +67,15 @@ def headline(message: str) -> str:
     return first + (" [...]" if rest.strip() else "")
 
 
-class Mismatch(BaseModel):
+class _Verdict(BaseModel):
+    """A part of a report.  Its JSON keeps inf and NaN as ``Infinity`` and ``NaN`` (which
+    Python's json and pydantic read back), not pydantic's default null: a program whose output is
+    NaN errs by inf, and a report.json with null there would not load again."""
+
+    model_config = ConfigDict(ser_json_inf_nan="constants")
+
+
+class Mismatch(_Verdict):
     """Where one output (or gradient) differs from the reference."""
 
     tensor: str
@@ -82,7 +90,7 @@ class Mismatch(BaseModel):
     inputs: str = ""  # which draw: "seed", "edge rows (tiny and large norms)", ...
 
 
-class StageResult(BaseModel):
+class StageResult(_Verdict):
     name: StageName
     status: StageStatus
     seconds: float = 0.0
@@ -98,7 +106,7 @@ class StageResult(BaseModel):
         return printable(text)
 
 
-class Report(BaseModel):
+class Report(_Verdict):
     format: int = REPORT_FORMAT
     task: str
     program_sha256: str

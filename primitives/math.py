@@ -39,7 +39,11 @@ is a large relative error for small arguments;
 exactly the values a 16-bit output keeps;
 ``sin``/``cos`` reduce the angle by 2*pi first (RoPE angles reach 1e5 rad)
 and then use the fast versions, avoiding the precise versions' local-memory
-slow path.
+slow path.  The fast functions run on the MUFU unit, which flushes subnormal
+inputs and results to zero (``.ftz``), and ``maximum``/``minimum`` return the
+number of a NaN and a number (IEEE maxNum, FMNMX): the reference lowering does
+both too, so that no epilogue computes one thing on the CPU and another on the
+GPU at those edges.
 
 The activations' derivatives (``sigmoid_grad``, ``silu_grad``, ``tanh_grad``,
 ``gelu_tanh_grad``, ``gelu_grad``) are composites (:func:`_composite`): one
@@ -188,10 +192,28 @@ def _round_cute(dtype_name: str) -> Callable:
     return impl
 
 
+_FLT_MIN = 2.0 ** -126  # the least normal fp32
+
+
+def _ftz(t: Any) -> Any:
+    """A subnormal fp32 value as the GPU's MUFU unit takes and gives it: a zero of its sign."""
+    if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
+        return torch.where(t.abs() < _FLT_MIN, t * 0.0, t)
+    return t
+
+
+def _mufu(fn: Callable) -> Callable:
+    """``fn`` as it runs on the MUFU unit (``ex2``, ``lg2``, ``rsqrt``, ``sqrt``, ``rcp``, ``sin``,
+    ``cos`` .approx.ftz): subnormal inputs and results flushed.  The reference lowering flushes
+    too, so that the two lowerings agree where a program could tell them apart
+    (``reciprocal(1e38) > 0`` holds in IEEE arithmetic and not on the GPU)."""
+    return lambda x: _ftz(fn(_ftz(x)))
+
+
 def _fast(name: str, doc: str, example: str) -> MathFn:
     """A one-argument function that torch and ``cutlass.cute.math`` both name ``name``, in
-    the hardware's fast form on the GPU."""
-    return MathFn(name, 1, getattr(torch, name), lambda x: getattr(_cm().math, name)(x, fastmath=True),
+    the hardware's fast form on the GPU (its MUFU instruction)."""
+    return MathFn(name, 1, _mufu(getattr(torch, name)), lambda x: getattr(_cm().math, name)(x, fastmath=True),
                   doc, example)
 
 
@@ -221,16 +243,16 @@ _INV_2PI = 1.0 / (2.0 * _m.pi)
 _TWO_PI_HI = 6.28125  # exactly representable with few bits, so k * HI is exact
 _TWO_PI_LO = 2.0 * _m.pi - 6.28125
 
-sin = MathFn("sin", 1, torch.sin, lambda x: _cm().math.sin(_reduce_angle(x), fastmath=True),
+sin = MathFn("sin", 1, _mufu(torch.sin), lambda x: _cm().math.sin(_reduce_angle(x), fastmath=True),
              "Sine; accurate for large angles (reduced by 2*pi first).", "sin(pos * freq)")
-cos = MathFn("cos", 1, torch.cos, lambda x: _cm().math.cos(_reduce_angle(x), fastmath=True),
+cos = MathFn("cos", 1, _mufu(torch.cos), lambda x: _cm().math.cos(_reduce_angle(x), fastmath=True),
              "Cosine; accurate for large angles (reduced by 2*pi first).", "cos(pos * freq)")
-reciprocal = MathFn("reciprocal", 1, torch.reciprocal, _rcp_cute,
+reciprocal = MathFn("reciprocal", 1, _mufu(torch.reciprocal), _rcp_cute,
                     "1 / x with the hardware reciprocal (~1 ulp); write it instead of `1.0 / x`, "
                     "whose IEEE division calls a slow path per element.", "acc * reciprocal(norm)")
-sigmoid = MathFn("sigmoid", 1, torch.sigmoid, _sigmoid_cute,
+sigmoid = MathFn("sigmoid", 1, lambda x: _ftz(torch.sigmoid(x)), _sigmoid_cute,
                  "1 / (1 + exp(-x)).", "sigmoid(acc)")
-silu = MathFn("silu", 1, lambda x: x * torch.sigmoid(x), lambda x: x * _sigmoid_cute(x),
+silu = MathFn("silu", 1, lambda x: x * _ftz(torch.sigmoid(x)), lambda x: x * _sigmoid_cute(x),
               "x * sigmoid(x) (SwiGLU's gate).", "silu(g) * u")
 gelu_tanh = MathFn("gelu_tanh", 1, _gelu_torch, _gelu_cute,
                    "GELU, tanh approximation.", "gelu_tanh(acc + bias)")
@@ -247,12 +269,13 @@ round_bf16 = MathFn("round_bf16", 1, _round_torch(torch.bfloat16), _round_cute("
 round_fp16 = MathFn("round_fp16", 1, _round_torch(torch.float16), _round_cute("Float16"),
                     "x rounded to the nearest fp16 value, kept in fp32: what an fp16 store keeps.",
                     "round_fp16(acc * gamma)")
-maximum = MathFn("maximum", 2, _binary_torch(torch.maximum),
+maximum = MathFn("maximum", 2, _binary_torch(torch.fmax),
                  lambda a, b: _cm().arch.fmax(_f32(a), _f32(b)),
-                 "Elementwise max of two values.", "maximum(acc, 0.0)")
-minimum = MathFn("minimum", 2, _binary_torch(torch.minimum),
+                 "Elementwise max of two values (of a NaN and a number, the number, as the GPU's FMNMX).",
+                 "maximum(acc, 0.0)")
+minimum = MathFn("minimum", 2, _binary_torch(torch.fmin),
                  lambda a, b: _cm().arch.fmin(_f32(a), _f32(b)),
-                 "Elementwise min of two values.", "minimum(acc, 6.0)")
+                 "Elementwise min of two values (of a NaN and a number, the number).", "minimum(acc, 6.0)")
 where = MathFn("where", 3, _where_torch, _where_cute,
                "cond ? a : b, elementwise; the only branch an epilogue may take.",
                "where(acc > 0.0, acc, 0.01 * acc)")

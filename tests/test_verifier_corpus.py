@@ -31,7 +31,7 @@ from coda_agent.verifier.static import check_source
 CASES = corpus()
 FAMILIES = {"interpreter", "files", "patching", "env", "state", "shapes", "extreme", "dtype", "mutation",
             "aliasing", "bias", "ragged", "load", "timing", "streams", "memory", "speed", "torch_compute",
-            "processes", "wire", "needs"}
+            "processes", "wire", "needs", "lowering"}
 FORGED_SYSV_KEY = 0xC0DAF0  # files/leave_shared_memory's SysV segment
 RUNTIME = [c for c in CASES if c.stage != "static" and c.needs == "cpu" and c.family != "hang"]
 

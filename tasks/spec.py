@@ -93,7 +93,9 @@ class Tolerance(_Strict):
     the elements the likelier not; a bias gradient sums those flips over every row, and the
     gradients they feed carry them.  Such a gradient widens the max rule alone and keeps the dense
     rules, which a flip barely moves where the rows share one scale (``{dx: {factor: 1000,
-    norm_factor: 2}}``, ``tasks new`` says so; a weight's gradient may need ``rel_norm: 0.06``)."""
+    norm_factor: 2}}``, ``tasks new`` says so; a weight's gradient may need ``rel_norm: 0.06``).  A
+    max rule wider than 4x keeps its typical element to 4x the reference's median relative error
+    (coda_agent.verifier.compare: a flip moves few elements, a lower precision all of them)."""
 
     rule: Literal["coda"] = "coda"
     # Negative bounds would reject every program, whatever it computes.

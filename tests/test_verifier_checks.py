@@ -199,7 +199,8 @@ def test_a_kink_s_flip_passes_a_widened_max_rule_while_the_norm_rule_keeps_its_f
     """A gradient through ReLU's kink: one element flipped (a whole term's error, 30x the bf16
     reference's largest) fails the default rule and passes the max rule widened alone
     (``norm_factor`` keeps the norm and bias rules at 2); an error over every element, 8% of the
-    norm, is caught by that norm rule, which a factor of 1000 alone would have widened past it."""
+    norm, is caught by that norm rule, which a factor of 1000 alone widens past it (the typical-error
+    rule catches it then)."""
     g = torch.Generator().manual_seed(3)
     hi = torch.randn(256, 512, generator=g, dtype=torch.float64)
     lo = hi.to(torch.bfloat16)
@@ -213,7 +214,25 @@ def test_a_kink_s_flip_passes_a_widened_max_rule_while_the_norm_rule_keeps_its_f
     scaled = (hi * 1.08).to(torch.bfloat16)  # 8% off in norm, each element within 1000x the noise
     m = compare("dx", "s", scaled, hi, lo, kink)
     assert m is not None and "relative norm" in m.pattern, m
-    assert compare("dx", "s", scaled, hi, lo, Tolerance(factor=1000, rel_norm=0.06)) is None  # factor alone
+    m = compare("dx", "s", scaled, hi, lo, Tolerance(factor=1000, rel_norm=0.06))  # factor alone widens the
+    assert m is not None and "the typical element errs by" in m.pattern, m  # norm rule: the typical one holds
+
+
+def test_a_widened_max_rule_keeps_the_typical_element_to_the_references_precision():
+    """A kink's tolerance (max rule 1000x, norm rule 6%) lets a handful of flipped elements through,
+    and every element rounded to fp8's 4 significant bits (3% RMS) would pass those two rules as
+    well; the median element's relative error, 4x the bf16 reference's at most, tells them apart."""
+    g = torch.Generator().manual_seed(5)
+    hi = torch.randn(256, 512, generator=g, dtype=torch.float64)
+    lo = hi.to(torch.bfloat16)
+    kink = Tolerance(factor=1000, norm_factor=2, rel_norm=0.06)
+    flipped = lo.clone()
+    flipped[torch.randint(0, 256, (40,), generator=g), torch.randint(0, 512, (40,), generator=g)] += 0.5
+    assert compare("dx", "s", flipped, hi, lo, kink) is None
+    fp8 = hi.to(torch.float8_e4m3fn).to(torch.bfloat16)
+    m = compare("dx", "s", fp8, hi, lo, kink)
+    assert m is not None and "the typical element errs by" in m.pattern, m
+    assert compare("dx", "s", fp8, hi, lo, Tolerance(factor=1000, rel_norm=0.06)) is not None  # factor alone too
 
 
 def test_rounding_a_row_shares_passes_and_an_offset_of_its_size_does_not():

@@ -39,6 +39,10 @@ gradients along the output, a token predicted at near certainty) pass on their
 own noise.  (A result through a kink has neither that rule nor the dense rules on
 the edge draw: ``calls.judged_by`` says why.)
 
+A result whose max rule is widened (a kink's flips, ``factor: 1000``) keeps a typical-error rule
+(:func:`_typical`): its median element's relative error within 4x the reference's.  A flip moves a
+few elements; a value kept in fewer bits (fp8's, under a 6% norm rule) moves them all.
+
 Where one element carries most of a tensor's noise (a weight gradient's
 column fed by an outlier channel), the reference's error there is one sample,
 and the max rule is a coin toss; a result that fails by the size of its
@@ -64,6 +68,8 @@ ROW_SHARE = 0.5  # the whole-row rule: a row may not err by half its own norm, i
 # wholly in fp32 (HF's ``x.float()`` before a row statistic or a loss) shows no rounding noise of
 # its own there, and two honest fp32 computations of one value differ in their last bits.
 RESOLUTION = 2.0 ** -20
+TYPICAL_FACTOR = 4.0  # the typical-error rule (_typical): 4x the reference's median error...
+TYPICAL_SAMPLE = 1 << 20  # ...over at most this many elements, drawn at random
 
 
 # The most elements a norm casts to fp64 at a time: 128 MiB beside the judge's set.
@@ -127,7 +133,38 @@ def compare(name: str, shape_set: str, out, hi: torch.Tensor, lo: torch.Tensor, 
     del diff, bad, nan, bar, least  # the whole-row rule's temporaries take their place on a large GPU set
     if rows and (lost := _rows(name, shape_set, o, h, lo, tol, rel, noise)):
         return lost
+    if tol.factor > TYPICAL_FACTOR and (coarse := _typical(name, shape_set, o, h, lo, rel)):
+        return coarse
     return _bias(name, shape_set, o, h, lo, tol, rel, noise)
+
+
+def _typical(name: str, shape_set: str, o: torch.Tensor, h: torch.Tensor, lo: torch.Tensor,
+             rel: float) -> Mismatch | None:
+    """The typical-error rule, for a result whose max rule is widened (a kink's flips): the median
+    relative error of its elements (those above 2^-10 of its RMS, up to TYPICAL_SAMPLE of them
+    drawn at random) may not exceed TYPICAL_FACTOR times the bf16 reference's own, plus
+    RESOLUTION.  A flip moves few elements and leaves the median where the rounding put it; a
+    value rounded to fewer bits (fp8's 4, where bf16 keeps 8) moves every element, and passed
+    a max rule 1000 times the reference's and a 6% norm rule."""
+    h, o, lo = h.reshape(-1), o.reshape(-1), lo.reshape(-1)
+    if h.numel() > TYPICAL_SAMPLE:
+        pick = torch.randint(0, h.numel(), (TYPICAL_SAMPLE,), device=h.device)
+        h, o, lo = h[pick], o[pick], lo[pick]
+    mag = h.abs()
+    finite = torch.isfinite(h) & torch.isfinite(lo) & torch.isfinite(o)
+    keep = finite & (mag > 2.0 ** -10 * float(norm64(torch.where(finite, h, 0.0))) / max(h.numel(), 1) ** 0.5)
+    if int(keep.sum()) < 64:  # too few for a median to say anything
+        return None
+    ours = float(((o - h).abs() / mag)[keep].median())
+    theirs = float(((lo - h).abs() / mag)[keep].median())
+    if ours <= TYPICAL_FACTOR * theirs + RESOLUTION:
+        return None
+    return Mismatch(tensor=name, shape_set=shape_set, max_abs_err=ours,
+                    allowed=TYPICAL_FACTOR * theirs + RESOLUTION, rel_norm_err=rel,
+                    pattern=f"the typical element errs by {ours:.3g} of its value, where the reference's own "
+                            f"rounding errs by {theirs:.3g} (the median over elements; the error and its bar "
+                            "below are these): computed in a lower precision than the task's, a value rounded "
+                            "to fewer bits somewhere (an intermediate kept in 8 bits, a truncated product)")
 
 
 def _rows(name: str, shape_set: str, o: torch.Tensor, h: torch.Tensor, lo: torch.Tensor, tol: Tolerance,

@@ -54,6 +54,7 @@ import torch
 from . import cute, fp8, pass_kernel, reference
 from .dispatch import direct, mutated
 from .epilogue import Epilogue, registered
+from .destination import check_destination
 from .errors import CatalogueError
 from .lowering import current_lowering, launching, plain_gemm_library, profiler_range
 from .operands import INPUT_DTYPES, OUTPUT_DTYPES, row_bytes
@@ -223,7 +224,7 @@ def launch(epilogue: Epilogue | None, A: torch.Tensor, B: torch.Tensor, operands
         dtype = operands[epilogue.paired_operand].dtype
     m, n, _ = check_call(epilogue, A, B, operands,
                          f"tile_pass({name}, ...)" if kind == "pass" else f"gemm(A, B, {name}, ...)", dtype)
-    dest = _check_destination(epilogue, A, B, m, n, dtype, accumulate_into, out)
+    dest = check_destination(what, epilogue, A, B, operands, m, n, dtype, accumulate_into, out)
     if accumulate_into is not None and epilogue is not None and epilogue.paired_operand and (
             kind == "gemm" or config is not None):
         # quack's kernel reads a PairedTile as its C operand, and its reduce-add store has none.
@@ -263,34 +264,6 @@ def launch(epilogue: Epilogue | None, A: torch.Tensor, B: torch.Tensor, operands
         with profiler_range(f"coda::buffers::{name}"):
             poisoned.fill_(float("nan"))
     return results
-
-
-def _check_destination(epi: Epilogue | None, A: torch.Tensor, B: torch.Tensor, m: int, n: int,
-                       dtype: torch.dtype, accumulate_into: torch.Tensor | None,
-                       out: torch.Tensor | None) -> torch.Tensor | None:
-    """The tensor D goes into (``accumulate_into`` or ``out``), checked; None: a new one."""
-    if accumulate_into is not None and out is not None:
-        raise CatalogueError("gemm: give accumulate_into (D += result) or out (D = result), not both")
-    dest = accumulate_into if accumulate_into is not None else out
-    if dest is None:
-        return None
-    what = "accumulate_into" if out is None else "out"
-    if epi is not None and not epi.stores_d:
-        raise CatalogueError(f"gemm: {what} takes D, but epilogue {epi.name!r} returns no 'D'")
-    want = epi.d_shape(m, n) if epi is not None else (m, n)
-    if not isinstance(dest, torch.Tensor) or tuple(dest.shape) != want:
-        raise CatalogueError(f"gemm: {what} must be a tensor of shape {want}")
-    if accumulate_into is not None and fp8.is_fp8(accumulate_into.dtype):
-        raise CatalogueError("gemm: accumulate_into adds with the TMA reduce-add store, which takes "
-                             "fp32, bf16 or fp16; accumulate in one of those")
-    if out is not None:
-        if out.dtype != dtype:
-            raise CatalogueError(f"gemm: out is {out.dtype}; D is {dtype} here (out_dtype=, or the PairedTile's)")
-        if out.stride(-1) != 1 or row_bytes(out) % 16:
-            raise CatalogueError("gemm: out must be row-major with rows of a multiple of 16 bytes (TMA stores)")
-        if out is A or out is B:
-            raise CatalogueError("gemm: out cannot be A or B: the mainloop reads them for every output tile")
-    return dest
 
 
 def _pack(epi: Epilogue | None, operands: dict[str, Any], head_eps: float | None = None

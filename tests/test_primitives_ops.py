@@ -134,11 +134,25 @@ def test_destination_checks_name_the_fix():
     pre = CALLS["paired tile"][1]["pre"]
     with pytest.raises(CatalogueError, match="not both"):
         gemm(A, B, dswiglu, pre=pre, out=pre, accumulate_into=pre)
-    with pytest.raises(CatalogueError, match=r"out is torch.float32; D is torch.bfloat16"):
+    with pytest.raises(CatalogueError, match=r"out is torch.float32, and D is torch.bfloat16"):
         gemm(A, B, out=torch.empty(M, N))
     square = bf(M, M)
-    with pytest.raises(CatalogueError, match="out cannot be A or B"):
+    with pytest.raises(CatalogueError, match="out shares memory with A"):
         gemm(square, bf(M, M), out=square)
+    # a view of A (the CPU's reference would have computed D apart and been right; the GPU races)
+    with pytest.raises(CatalogueError, match="out shares memory with A"):
+        gemm(square, bf(M, M), out=square.view(square.shape))
+    both = bf(M, 2 * M)  # B is its left half, D its right: no overlap; D over B's columns: one
+    gemm(bf(M, M), both[:, :M], accumulate_into=both[:, M:])
+    with pytest.raises(CatalogueError, match="accumulate_into shares memory with B"):
+        gemm(bf(M, M), both[:, :M], accumulate_into=both[:, M // 2:M // 2 + M])
+    # a vector operand under D; a Tile operand that is D itself is read by the tile writing it
+    stats, args = CALLS["tile, vectors, scalar, col and row sums"]
+    r = torch.rand(M * N)
+    with pytest.raises(CatalogueError, match="out shares memory with 'r'"):
+        gemm(A, B, stats, **{**args, "r": r[:M]}, out_dtype="fp32", out=r.view(M, N))
+    residual = bf(M, N, seed=3)
+    gemm(A, B, stats, **{**args, "residual": residual}, out=residual)
     with pytest.raises(CatalogueError, match="run the program's forward and backward through"):
         gemm(A.clone().requires_grad_(True), B, swiglu, rstd=torch.rand(M))
 

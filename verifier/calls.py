@@ -184,7 +184,7 @@ def judged_by(spec: TaskSpec, name: str, draw: str) -> tuple[Tolerance, bool]:
     if draw != "edge":
         return tol, False
     if tol.kinked:
-        return tol.model_copy(update={"norm_factor": None}), False
+        return tol.model_copy(update={"norm_factor": tol.factor}), False
     return tol, edge_rows(spec, name)
 
 

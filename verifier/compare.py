@@ -133,23 +133,27 @@ def compare(name: str, shape_set: str, out, hi: torch.Tensor, lo: torch.Tensor, 
     del diff, bad, nan, bar, least  # the whole-row rule's temporaries take their place on a large GPU set
     if rows and (lost := _rows(name, shape_set, o, h, lo, tol, rel, noise)):
         return lost
-    if tol.factor > TYPICAL_FACTOR and (coarse := _typical(name, shape_set, o, h, lo, rel)):
+    if tol.factor > TYPICAL_FACTOR and (coarse := _typical(name, shape_set, o, h, lo, rel, noise)):
         return coarse
     return _bias(name, shape_set, o, h, lo, tol, rel, noise)
 
 
 def _typical(name: str, shape_set: str, o: torch.Tensor, h: torch.Tensor, lo: torch.Tensor,
-             rel: float) -> Mismatch | None:
+             rel: float, noise: Noise | None) -> Mismatch | None:
     """The typical-error rule, for a result whose max rule is widened (a kink's flips): the median
     relative error of its elements (those above 2^-10 of its RMS, up to TYPICAL_SAMPLE of them
     drawn at random) may not exceed TYPICAL_FACTOR times the bf16 reference's own, plus
     RESOLUTION.  A flip moves few elements and leaves the median where the rounding put it; a
     value rounded to fewer bits (fp8's 4, where bf16 keeps 8) moves every element, and passed
-    a max rule 1000 times the reference's and a 6% norm rule."""
+    a max rule 1000 times the reference's and a 6% norm rule.  Where flips are most of the noise (a
+    sum over a few tokens, each flip moving a whole row of it), one sample of the reference's flips
+    is luck; the second look's samples (``noise``: each element's noise RMS over nudged draws) then
+    set the reference's typical error."""
+    rms = noise.rms.to(h.device, h.dtype).reshape(-1) if noise is not None else None
     h, o, lo = h.reshape(-1), o.reshape(-1), lo.reshape(-1)
     if h.numel() > TYPICAL_SAMPLE:
         pick = torch.randint(0, h.numel(), (TYPICAL_SAMPLE,), device=h.device)
-        h, o, lo = h[pick], o[pick], lo[pick]
+        h, o, lo, rms = h[pick], o[pick], lo[pick], None if rms is None else rms[pick]
     mag = h.abs()
     finite = torch.isfinite(h) & torch.isfinite(lo) & torch.isfinite(o)
     keep = finite & (mag > 2.0 ** -10 * float(norm64(torch.where(finite, h, 0.0))) / max(h.numel(), 1) ** 0.5)
@@ -157,6 +161,8 @@ def _typical(name: str, shape_set: str, o: torch.Tensor, h: torch.Tensor, lo: to
         return None
     ours = float(((o - h).abs() / mag)[keep].median())
     theirs = float(((lo - h).abs() / mag)[keep].median())
+    if rms is not None:
+        theirs = max(theirs, float((rms / mag)[keep].median()))
     if ours <= TYPICAL_FACTOR * theirs + RESOLUTION:
         return None
     return Mismatch(tensor=name, shape_set=shape_set, max_abs_err=ours,

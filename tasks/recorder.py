@@ -41,6 +41,15 @@ KINKS = {"relu", "relu_", "relu6", "threshold", "leaky_relu", "hardtanh", "clamp
 # is smoothed, its derivative 2 * relu(x) continuous.
 SQUARES = {"pow", "pow_", "__pow__", "square", "square_"}
 MULS = {"mul", "mul_", "__mul__", "__rmul__"}
+# A norm written by hand (HF's RMSNorm and its kin, LayerNorm without F.layer_norm): a tensor
+# multiplied or divided by a statistic (rsqrt(mean(x^2) + eps), sqrt(var + eps)) is normalised, a
+# 1-D input that then scales or shifts it is the norm's weight or bias, and an input less its own
+# mean (or whose variance is taken) is centred.  Casts and views carry what a tensor is.
+STATS = {"rsqrt", "sqrt", "var", "std", "norm", "vector_norm", "reciprocal"}
+CASTS = {"float", "to", "type_as", "double", "bfloat16", "half", "contiguous", "clone", "view", "reshape",
+         "unsqueeze", "squeeze", "expand", "expand_as", "__getitem__", "detach"}
+SUBS = {"sub", "__sub__", "__rsub__"}
+DIVS = {"div", "__truediv__", "true_divide"}
 
 
 class Call(torch.overrides.TorchFunctionMode):
@@ -59,8 +68,14 @@ class Call(torch.overrides.TorchFunctionMode):
     An input is recognised by its storage, so a view (``w.t()``, ``w[0::2]``) or a detached
     copy of it counts as the input."""
 
-    def __init__(self, storages: dict[int, str], dims: dict[str, int] | None = None) -> None:
+    def __init__(self, storages: dict[int, str], dims: dict[str, int] | None = None,
+                 floats: set[str] | None = None) -> None:
         super().__init__()
+        self.floats = set(storages.values()) if floats is None else floats  # the float inputs
+        self._casts: dict[int, str] = {}  # a cast's or view's storage -> the input it is
+        self._stats: set[int] = set()  # statistics a hand-written norm divides by
+        self._normed: set[int] = set()  # tensors a statistic normalised
+        self._means: dict[int, frozenset[str]] = {}  # a mean's storage -> the inputs it is the mean of
         self.mnk: list[tuple[int, int, int]] = []
         self.operands: list[tuple[str | None, str | None, bool]] = []  # per matmul: A's input, B's, B stored (N, K)
         self.storages = storages
@@ -90,7 +105,10 @@ class Call(torch.overrides.TorchFunctionMode):
                      "norm_weight": kw.get("weight", args[2] if len(args) > 2 else None),
                      "norm_bias": kw.get("bias", args[3] if len(args) > 3 and name != "rms_norm" else None)}
             for what, t in parts.items():
-                named = self.storages.get(_storage(t)) if what and isinstance(t, torch.Tensor) else None
+                if what == "centred":  # whatever the input is made of: x.float(), an embedding's rows
+                    self._centre(t)
+                    continue
+                named = self._input_of(t) if what and isinstance(t, torch.Tensor) else None
                 if named is not None:
                     self.norms.setdefault(named, what)
         if name in COMPARISONS and len(args) == 2:  # an index input told apart at one value (an ignore_index)
@@ -136,6 +154,7 @@ class Call(torch.overrides.TorchFunctionMode):
             if self.dims.get(input_) == 1:
                 self.norms.setdefault(input_, "offset_weight")
         out = func(*args, **(kwargs or {}))
+        self._hand_norm(name, tensors, out)
         if name in KINKS:  # a result that is no tensor (max's values and indices) counts as used unsquared
             self._kinks[_storage(out) if isinstance(out, torch.Tensor) else -len(self._kinks) - 1] = [
                 name, 0, 0 if isinstance(out, torch.Tensor) else 1]
@@ -144,6 +163,46 @@ class Call(torch.overrides.TorchFunctionMode):
             self._derived[_storage(out)] = sources
             self._keep.append(out)  # alive until the call ends: no later tensor takes its storage's id
         return out
+
+    def _input_of(self, t: torch.Tensor) -> str | None:
+        """The input ``t`` is, itself, a view or a cast of it (``x.float()``)."""
+        return self.storages.get(_storage(t)) or self._casts.get(_storage(t))
+
+    def _hand_norm(self, name: str, tensors: list[torch.Tensor], out: object) -> None:
+        """A norm written by hand, seen one call at a time (STATS's comment)."""
+        if not tensors or not isinstance(out, torch.Tensor):
+            return
+        st, ins = _storage(out), [_storage(t) for t in tensors]
+        if name in CASTS:
+            if (src := self._input_of(tensors[0])) is not None:
+                self._casts[st] = src
+            for marked in (self._stats, self._normed):
+                if ins[0] in marked:
+                    marked.add(st)
+            if ins[0] in self._means:
+                self._means[st] = self._means[ins[0]]
+        elif name in STATS:
+            self._stats.add(st)
+            if name in ("var", "std"):
+                self._centre(tensors[0])
+        elif name == "mean":
+            self._means[st] = self._sources_of(tensors[0])
+        elif len(tensors) == 2:
+            stat, normed = [i in self._stats for i in ins], [i in self._normed for i in ins]
+            if name in SUBS and ins[1] in self._means and self._sources_of(tensors[0]) & self._means[ins[1]]:
+                self._centre(tensors[0])  # x - x.mean(-1)
+            if name in MULS | DIVS and stat[0] != stat[1]:  # x * rstd, (x - mean) / std
+                self._normed.add(st)
+            elif any(normed) and name in MULS | ADDS | SUBS:
+                other = tensors[normed.index(False)] if not all(normed) else None
+                named = self._input_of(other) if other is not None and other.dim() == 1 else None
+                if named in self.floats:
+                    self.norms.setdefault(named, "norm_weight" if name in MULS else "norm_bias")
+                self._normed.add(st)
+
+    def _centre(self, t: torch.Tensor) -> None:
+        for named in self._sources_of(t) & self.floats:
+            self.norms.setdefault(named, "centred")
 
     def _scores(self, scores: torch.Tensor, sources: frozenset[str]) -> None:
         """``scores`` (rows, classes) as what each 1-D integer input of ``sources`` indexes."""
@@ -254,7 +313,8 @@ def _draw(dims: list[str], dtype: str, binding: dict[str, int], gen: torch.Gener
 
 def recorded(fn: Callable, args: dict[str, torch.Tensor], params: dict[str, Scalar]) -> Call:
     """What calling ``fn`` on ``args`` (tensors the caller drew) and ``params`` shows."""
-    recorder = Call({_storage(t): k for k, t in args.items()}, {k: t.dim() for k, t in args.items()})
+    recorder = Call({_storage(t): k for k, t in args.items()}, {k: t.dim() for k, t in args.items()},
+                    {k for k, t in args.items() if t.is_floating_point()})
     with torch.no_grad(), recorder:
         recorder.outs = fn(**args, **params)
     return recorder
@@ -280,7 +340,8 @@ def call_reference(fn: Callable, inputs: dict[str, tuple[list[str], str]], param
 def _run(fn: Callable, inputs: dict[str, tuple[list[str], str]], params: dict[str, Scalar],
          binding: dict[str, int], gen: torch.Generator | None) -> Call:
     args = {k: _draw(dims, dtype, binding, gen) for k, (dims, dtype) in inputs.items()}
-    recorder = Call({_storage(t): k for k, t in args.items()}, {k: t.dim() for k, t in args.items()})
+    recorder = Call({_storage(t): k for k, t in args.items()}, {k: t.dim() for k, t in args.items()},
+                    {k for k, t in args.items() if t.is_floating_point()})
     with torch.no_grad(), recorder:
         outs = fn(**args, **param_rules.at(params, binding))  # `head_dim: D` is an int on each set
     if not isinstance(outs, dict) or not outs:

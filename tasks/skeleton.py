@@ -14,7 +14,8 @@ Inputs are drawn from N(0, 1), except a matmul's right operand (a weight:
 ``1 / sqrt(K)``: products of the order of the inputs, so that what the
 reference adds to them (a residual, a bias) is larger than their rounding and a
 program that leaves it out fails; a normalisation's weights, biases and centred
-input, the inputs an angle of ``sin``/``cos`` is made of (positions and
+input (F.layer_norm's and F.rms_norm's, on the input or a cast of it, and a norm
+written out as HF writes RMSNorm: :data:`.recorder.STATS`), the inputs an angle of ``sin``/``cos`` is made of (positions and
 frequencies) and a cross-entropy's targets are drawn as what they are
 (:class:`.recorder.Call` sees each use).  A reference with a kink (``relu``,
 ``clamp``, ``abs``, ...) and gradients gets a comment on the tolerance of the

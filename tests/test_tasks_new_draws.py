@@ -123,3 +123,56 @@ def test_new_draws_an_index_below_the_size_it_indexes(tmp_path, monkeypatch, fn,
     r = cli("tasks", "check", f"{fn}.yaml")
     assert [line.split(": ")[1] for line in r.output.splitlines() if "still TODO" in line] == [
         "families", "gemms", "target"], r.output
+
+
+HAND_NORMS = '''import torch
+import torch.nn.functional as F
+
+
+def llama_rms(h, weight, w, eps=1e-6):
+    """HF's LlamaRMSNorm, then a linear."""
+    x = h.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return {"y": F.linear(weight * x.to(h.dtype), w)}
+
+
+def layer_norm_by_hand(h, gamma, beta, w, eps=1e-5):
+    """A LayerNorm written out, then a linear."""
+    mean = h.mean(-1, keepdim=True)
+    var = ((h - mean) ** 2).mean(-1, keepdim=True)
+    return {"y": F.linear((h - mean) / torch.sqrt(var + eps) * gamma + beta, w)}
+
+
+def olmo(h, w, eps=1e-5):
+    """OLMo's LayerNorm without weight or bias, on x.float()."""
+    return {"y": F.linear(F.layer_norm(h.float(), (h.shape[-1],), None, None, eps).to(h.dtype), w)}
+
+
+def embedded(ids, table, gamma, beta, eps=1e-5):
+    """BLOOM's embedding LayerNorm: the table's rows are what is centred."""
+    return {"y": F.layer_norm(F.embedding(ids, table), (table.shape[-1],), gamma, beta, eps)}
+'''
+NORM_WEIGHT = {"dist": "ones_plus_noise", "scale": 0.1}
+NORM_BIAS = {"dist": "normal", "scale": 0.5}
+CENTRED = {"dist": "normal", "mean": 1.0, "scale": 1.0}
+
+
+@pytest.mark.parametrize(("fn", "inputs", "want"), [
+    ("llama_rms", ["h=T,H", "weight=H", "w=N,H"], {"weight": NORM_WEIGHT, "h": {"dist": "normal", "scale": 1.0}}),
+    ("layer_norm_by_hand", ["h=T,H", "gamma=H", "beta=H", "w=N,H"],
+     {"gamma": NORM_WEIGHT, "beta": NORM_BIAS, "h": CENTRED}),
+    ("olmo", ["h=T,H", "w=N,H"], {"h": CENTRED}),
+    ("embedded", ["ids=T:int64", "table=V,H", "gamma=H", "beta=H"],
+     {"table": CENTRED, "gamma": NORM_WEIGHT, "beta": NORM_BIAS}),
+])
+def test_new_finds_a_norm_written_by_hand_or_on_a_cast(tmp_path, monkeypatch, fn, inputs, want):
+    """Norms ported from HF are written out (RMSNorm's rsqrt of the mean square, a LayerNorm's
+    centring and division) or called on ``x.float()``: their weights are drawn near 1, biases at
+    0.5 and the input a LayerNorm centres with mean 1, as for F.layer_norm on the input itself."""
+    monkeypatch.chdir(tmp_path)
+    Path("ref.py").write_text(HAND_NORMS)
+    r = cli("tasks", "new", fn, "--reference", f"ref.py:{fn}", *[a for i in inputs for a in ("--input", i)],
+            "--shapes", "small=T:64,H:32,N:48,V:80", "--shapes", "ragged=T:50,H:40,N:56,V:96")
+    assert r.exit_code == 0, r.output
+    raw = yaml.safe_load(Path(f"{fn}.yaml").read_text())
+    assert {k: raw["inputs"][k]["init"] for k in want} == want

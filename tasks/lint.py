@@ -1,8 +1,9 @@
 """What ``coda-agent tasks check`` finds in a task beyond its spec's validation: values the
 reference treats apart that the verifier's draws never hold (:func:`undrawn_values`), float
 params the verifier can never vary because the reference refuses every value near the written one
-(:func:`unvaried_params`), and float params written as whole numbers, which the verifier takes for
-integers and never varies (:func:`whole_number_floats`)."""
+(:func:`unvaried_params`), float params written as whole numbers, which the verifier takes for
+integers and never varies (:func:`whole_number_floats`), and results whose rows no kernel can
+store (:func:`unstorable_results`)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 
 from coda_agent.errors import CodaError
 
-from .dryrun import draw_input
+from .dryrun import TORCH_DTYPES, draw_input
 from .params import PARAM_SPREAD
 from .recorder import call_reference
 
@@ -93,4 +94,26 @@ def whole_number_floats(task: Any) -> list[str]:
             found.append(f"params.{name}: written {value} (an integer) where the reference's default is "
                          f"{p.default!r} (a float); the verifier varies only float params, so a program that "
                          f"types {value} in would pass: write {float(value)!r}")
+    return found
+
+
+def unstorable_results(task: Any) -> list[str]:
+    """The outputs and gradients whose rows, on some shape set, are not a multiple of 16 bytes
+    (three classes' logits, a vocabulary of 49155 in bf16): a GEMM or a pass stores D a row at a
+    time with TMA, which moves 16-byte multiples, and a result must be dense, so no program can
+    return them; the reference pads such a result, as models pad a vocabulary."""
+    spec = task.spec
+    results = {**{o: t for o, t in spec.outputs.items()}, **{f"d{g}": spec.inputs[g] for g in spec.gradients}}
+    found = []
+    for name, t in results.items():
+        size = TORCH_DTYPES[t.dtype].itemsize
+        for shape_set in spec.shapes:
+            shape = spec.shape_of(t, shape_set)
+            if len(shape) >= 2 and shape[-1] * size % 16:
+                where = "outputs" if name in spec.outputs else "gradients"
+                found.append(f"{where}.{name}: on shape set {shape_set} its rows are {shape[-1]} {t.dtype} values, "
+                             f"{shape[-1] * size} bytes, not a multiple of 16: no kernel stores such rows (TMA "
+                             f"moves 16-byte multiples); pad its last dimension to a multiple of {16 // size} in "
+                             "the reference (F.pad) and slice it where the result is used")
+                break
     return found

@@ -352,6 +352,12 @@ def skeleton(name: str, reference: str, folder: Path, shapes: dict[str, dict[str
                 notes.append(f"{expr} could also be {', '.join(others[:3])}")
         note = f"  # {'; '.join(notes)}: a further shape set tells them apart" if notes else ""
         lines.append(f"  {out}: {_flow({'shape': dims, 'dtype': DTYPE_NAMES[t.dtype]})}{note}")
+    scalars = [out for out, t in first.items() if t.dim() == 0]
+    if scalars and gradients:
+        lines.append(f"# {', '.join(scalars)}: 0-d (a mean), so the backward receives a 0-d gradient, which no "
+                     "epilogue operand takes (a Scalar is a Python number):")
+        lines.append("# return the loss per row (reduction=\"none\") and take the mean in the training code, "
+                     "as tasks/llama3/lm_head_xent.yaml does")
     lines.append("shapes:")
     lines += [f"  {s}: {_flow(b)}" for s, b in shapes.items()]
     if "small" not in shapes:

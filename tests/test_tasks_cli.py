@@ -11,6 +11,7 @@ import yaml
 from typer.testing import CliRunner
 
 from coda_agent.cli import app
+from coda_agent.tasks import SUITE_DIR
 
 pytestmark = pytest.mark.usefixtures("agent_env")
 
@@ -399,6 +400,21 @@ def test_check_names_a_float_param_written_as_a_whole_number(tmp_path):
     r = cli("tasks", "check", task)
     assert r.exit_code == 1 and "params.cap: written 30 (an integer) where the reference's default is 30.0" \
         in r.output and "write 30.0" in r.output, r.output
+
+
+def test_check_names_a_result_whose_rows_no_kernel_can_store(tmp_path):
+    """The GEMM suite's own out_proj_residual with a width of 3 on one set: y's rows are 6 bytes,
+    which no TMA store writes; `tasks check` says so and how the reference pads it."""
+    task = tmp_path / "out_proj_residual.yaml"
+    raw = yaml.safe_load((SUITE_DIR / "out_proj_residual.yaml").read_text())
+    del raw["expert"]
+    task.write_text(yaml.safe_dump(raw, sort_keys=False))
+    assert cli("tasks", "check", task).exit_code == 0
+    raw["shapes"]["narrow"] = {**raw["shapes"]["small"], "H": 3}
+    task.write_text(yaml.safe_dump(raw, sort_keys=False))
+    r = cli("tasks", "check", task)
+    assert r.exit_code == 1 and "outputs.y: on shape set narrow its rows are 3 bf16 values, 6 bytes" in r.output \
+        and "pad its last dimension to a multiple of 8" in r.output, r.output
 
 
 def test_new_evaluates_a_param_of_the_shape_symbols_on_each_set(tmp_path, monkeypatch):

@@ -48,6 +48,7 @@ def test_new_draws_a_cross_entropys_target_among_its_classes_with_padding(tmp_pa
                                   "init": {"dist": "randint", "high": "V",
                                            "ignore": {"value": ignore, "fraction": 0.125}}}
     assert "t: a cross-entropy's target" in Path("xent.yaml").read_text()
+    assert "0-d" not in Path("xent.yaml").read_text()  # a loss per row
     text = Path("xent.yaml").read_text().replace(raw["families"], "[reduction, stateful]")
     text = text.replace(f"'{raw['target']}'", "{vs_gemm: 1.1}").replace(raw["gemms"], "[[T, V, H]]")
     Path("xent.yaml").write_text(text)
@@ -114,12 +115,15 @@ def test_new_draws_an_index_below_the_size_it_indexes(tmp_path, monkeypatch, fn,
     for its range."""
     monkeypatch.chdir(tmp_path)
     Path("ref.py").write_text(INDEXES)
+    grads = ["--gradients", "h,w"] if fn == "masked_nll" else []
     r = cli("tasks", "new", fn, "--reference", f"ref.py:{fn}", *[a for i in inputs for a in ("--input", i)],
-            "--shapes", "small=T:64,H:32,V:96,S:128", "--shapes", "ragged=T:50,H:40,V:104,S:160")
+            "--shapes", "small=T:64,H:32,V:96,S:128", "--shapes", "ragged=T:50,H:40,V:104,S:160", *grads)
     assert r.exit_code == 0, r.output
     raw = yaml.safe_load(Path(f"{fn}.yaml").read_text())
     assert {k: raw["inputs"][k]["init"] for k in want} == want
     assert all(raw["inputs"][k]["role"] == "index" for k in want)
+    # a mean loss with a backward: the file says why its gradient is hard to take, and the way out
+    assert ("# loss: 0-d (a mean)" in Path(f"{fn}.yaml").read_text()) == (fn == "masked_nll")
     r = cli("tasks", "check", f"{fn}.yaml")
     assert [line.split(": ")[1] for line in r.output.splitlines() if "still TODO" in line] == [
         "families", "gemms", "target"], r.output

@@ -294,6 +294,9 @@ def test_poisoned_nan_is_called_unwritten():
     out[:, 64:] = float("nan")
     m = compare("y", "small", out, hi, hi.to(torch.bfloat16), Tolerance(), poisoned=True)
     assert m.unwritten_count == 64 * 32 and "unwritten (NaN poison survived)" in m.pattern
+    # a NaN the program computed (not the poison): the message names the usual causes, `out=` first
+    m = compare("y", "small", out, hi, hi.to(torch.bfloat16), Tolerance())
+    assert m.nan_count == 64 * 32 and m.pattern.startswith("NaN: ") and "`out=`" in m.pattern
 
 
 def test_patterns_small_helper():

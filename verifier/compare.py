@@ -264,8 +264,11 @@ def pattern_of(bad: torch.Tensor, nan: torch.Tensor, out: torch.Tensor, ref: tor
         return "empty"
     if nan.any():
         where = pattern_of(nan, torch.zeros_like(nan), out, None, False)
-        what = "unwritten (NaN poison survived)" if poisoned else "NaN"
-        return f"{what}: {where}"
+        if poisoned:
+            return f"unwritten (NaN poison survived): {where}"
+        return (f"NaN: {where} (where the reference has numbers: a buffer read after it went to a call's "
+                "`out=`, which holds NaN once that call returns; or math outside its domain, 0/0, log or "
+                "sqrt of a negative)")
     if ref is not None and out.is_floating_point():
         finite = out[torch.isfinite(out)]
         if finite.numel() == out.numel() and bool((finite == finite.flatten()[0]).all()) \

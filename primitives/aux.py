@@ -375,10 +375,10 @@ def pad(x: torch.Tensor, rows: int | None = None, cols: int | None = None) -> to
     """A contiguous copy of a 1-D or 2-D ``x`` with zeros appended up to ``rows`` rows (and
     ``cols`` columns); None keeps a size.  A GEMM needs every row stride a multiple of 16 bytes:
     a router weight of 60 experts becomes ``pad(w_r, rows=64)`` (its 4 extra logits masked in the
-    epilogue, the result's columns ``[:, :60]`` read back for the next step: a program's result
-    must be dense, so one of 60 fp32 columns is returned whole, and a task's result whose rows are
-    no 16-byte multiple, 3 bf16 classes, cannot be returned at all: ``tasks check`` says so), a
-    vocabulary of 50257 ``pad(w, rows=50304)``.  The gradient of the copy is the gradient's first
+    epilogue, the result's columns ``[:, :60]`` read back; a program's results are dense, so that
+    view is copied to be returned, ``pad(r[:, :60])``, and a task result whose rows are no 16-byte
+    multiple, 3 bf16 classes, cannot be returned at all: ``tasks check`` says so), a vocabulary of
+    50257 ``pad(w, rows=50304)``.  The gradient of the copy is the gradient's first
     rows and columns."""
     need("x", x)
     if x.dim() not in (1, 2) or (x.dim() == 1 and cols is not None):

@@ -8,7 +8,7 @@ in ``coda_agent.kernels``.  The module exposes:
 
 - ``kernel``: the Kernel (``kernel.module()`` is an ``nn.Module``);
 - ``<Task>Function``: its ``torch.autograd.Function`` (``apply(*inputs, *params)``);
-- ``<task>(inputs..., *, params=task values) -> dict``: a plain call, outputs by
+- ``<task>(inputs..., params=task values) -> dict``: a plain call, outputs by
   name, as the task's reference returns them.
 
 Beside it: ``coda_<task>.report.md`` / ``.report.json`` (the verifier's report of
@@ -107,7 +107,7 @@ def source_literal(source: str) -> str:
 def render_module(kernel: Kernel, c, review: dict, module: str, spec_text: str) -> str:
     func = re.sub(r"\W", "_", kernel.name)
     params = kernel.params
-    signature = ", ".join([*kernel.inputs, *(["*"] if params else []), *(f"{k}={v!r}" for k, v in params.items())])
+    signature = ", ".join([*kernel.inputs, *(f"{k}={v!r}" for k, v in params.items())])  # the reference's order
     return TEMPLATE.format(
         task=kernel.name, run=c.path, attempt=c.result["best_attempt"], outcome=c.report()["outcome"],
         cpu_note=f"\n{CPU_ONLY_BANNER}: exported with --allow-cpu-only." if c.cpu_only else "",

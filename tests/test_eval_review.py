@@ -9,6 +9,7 @@ the task reference's autograd gradients.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import json
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from eval_fixtures import perf_program, three_tasks, write_tasks
 from typer.testing import CliRunner
 
 from coda_agent.cli import app
+from coda_agent.kernels import Kernel
 from coda_agent.tasks import SUITE_DIR, load_task
 
 pytestmark = pytest.mark.usefixtures("agent_env")
@@ -150,3 +152,24 @@ def test_exported_function_trains_like_the_reference(tmp_path):
         assert got.dtype == want.dtype and got.shape == want.shape, k
         rel = (got.float() - want.float()).norm() / want.float().norm()
         assert rel < 2e-2, (k, rel.item())
+
+
+def test_an_exported_function_takes_params_as_its_reference_does(tmp_path):
+    """The plain call's params follow the inputs, positionally or by name, as in the reference
+    (`rmsnorm(x, w, 1e-5)`), with the task's values as defaults."""
+    from types import SimpleNamespace
+
+    from coda_agent.eval.export import render_module
+
+    spec_text = (SUITE_DIR / "residual_rmsnorm.yaml").read_text()
+    program = (SUITE_DIR / "experts" / "residual_rmsnorm.py").read_text()
+    kernel = Kernel.from_source(program, spec_text)
+    c = SimpleNamespace(path=tmp_path, result={"best_attempt": 0}, report=lambda: {"outcome": "cpu_passed"},
+                        cpu_only=True, program=program)
+    text = render_module(kernel, c, {"who": "t", "when": "now"}, "coda_residual_rmsnorm", spec_text)
+    namespace: dict = {}
+    exec(compile(text, "coda_residual_rmsnorm.py", "exec"), namespace)  # noqa: S102 - the module just rendered
+    params = inspect.signature(namespace["residual_rmsnorm"]).parameters
+    assert list(params) == [*kernel.inputs, "eps"]
+    assert all(p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params.values())
+    assert params["eps"].default == kernel.params["eps"]

@@ -119,9 +119,11 @@ def compare(name: str, shape_set: str, out, hi: torch.Tensor, lo: torch.Tensor, 
     diff = torch.where(torch.isnan(h) & torch.isnan(o), torch.zeros_like(diff), diff)
     bar = allowed if noise is None else torch.clamp_min(tol.factor * SIGMAS * noise.rms.to(h.device, work),
                                                         allowed)
-    least = h.abs().mul_(RESOLUTION).nan_to_num_(nan=0.0, posinf=0.0)  # RESOLUTION, one temporary
-    bar = least.clamp_min_(bar) if isinstance(bar, float) else torch.maximum(least, bar, out=least)
     bad = (diff > bar) | nan
+    if bad.any():  # RESOLUTION, looked at only where the bar fails: no temporary of a whole large set
+        at = (bad & ~nan).nonzero(as_tuple=True)
+        within = diff[at] <= h[at].abs() * RESOLUTION
+        bad[tuple(i[within] for i in at)] = False
     hnorm = max(float(norm64(torch.nan_to_num(h))), 1e-30)
     rel = float(norm64(torch.nan_to_num(diff, nan=0.0, posinf=0.0))) / hnorm
     rel_lo = max(float(norm64(lo_err)), noise.norm if noise else 0.0) / hnorm
@@ -130,7 +132,7 @@ def compare(name: str, shape_set: str, out, hi: torch.Tensor, lo: torch.Tensor, 
     if bad.any() or not rel <= max(tol.rel_norm, tol.dense_factor * rel_lo):
         return _mismatch(name, shape_set, diff, bad, nan, allowed, rel, o, poisoned=poisoned, ref=h)
     lo = lo.to(h.device, work)
-    del diff, bad, nan, bar, least  # the whole-row rule's temporaries take their place on a large GPU set
+    del diff, bad, nan, bar  # the whole-row rule's temporaries take their place on a large GPU set
     if rows and (lost := _rows(name, shape_set, o, h, lo, tol, rel, noise)):
         return lost
     if tol.factor > TYPICAL_FACTOR and (coarse := _typical(name, shape_set, o, h, lo, rel, noise)):

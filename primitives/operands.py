@@ -108,7 +108,8 @@ class Kind:
             # refuses it too.
             raise CatalogueError(f"operand {operand!r} is a strided view (stride {value.stride(0)}); "
                                  "vectors must be contiguous: slice rows of a (heads, M) tensor, not "
-                                 "columns of an (M, heads) one")
+                                 "columns of an (M, heads) one (head_rstd's saved statistics: "
+                                 "`pad(rstd.t())` copies them into (heads, M) once)")
 
     @classmethod
     def dry_run_value(cls, m: int, n: int) -> Any:

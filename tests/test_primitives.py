@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from coda_agent.primitives import (CatalogueError, TileConfig, gemm, launch_ledger, layernorm_fold,
-                                   load_program, lowering, normalize_rows, render_catalogue, row_stats, tile_pass)
+                                   load_program, lowering, normalize_rows, pad, render_catalogue, row_stats, tile_pass)
 from coda_agent.primitives import aux
 from coda_agent.primitives.catalogue import EXAMPLES
 
@@ -410,8 +410,10 @@ def test_bad_gemm_calls(gen):
         gemm(A, B, P.residual_add, residual=r[:, :10])
     with pytest.raises(CatalogueError, match=r"declared ColVec.*per-column values are a RowVec"):
         gemm(A, B, P.scale_rows, rstd=rand(64, 64, gen=gen), gamma=rand(64, gen=gen))
-    with pytest.raises(CatalogueError, match=r"strided view.*must be contiguous"):
-        gemm(A, B, P.scale_rows, rstd=rand(64, 2, gen=gen)[:, 0], gamma=rand(64, gen=gen))
+    saved = rand(64, 2, gen=gen)  # head_rstd's (M, heads): a head's column is strided, its copy's row is not
+    with pytest.raises(CatalogueError, match=r"strided view.*must be contiguous.*`pad\(rstd.t\(\)\)`"):
+        gemm(A, B, P.scale_rows, rstd=saved[:, 0], gamma=rand(64, gen=gen))
+    gemm(A, B, P.scale_rows, rstd=pad(saved.t())[0], gamma=rand(64, gen=gen))
     with pytest.raises(CatalogueError, match=r"bf16, fp16 or fp8"):
         gemm(A.float(), B.float())
     with pytest.raises(CatalogueError, match=r"B must be \(K, N\)"):

@@ -49,7 +49,7 @@ def check_destination(what: str, epi: Epilogue | None, A: torch.Tensor, B: torch
     # its vector operands: D written over any of them races with the tiles still reading.  A Tile
     # operand that is D itself, element for element, is read by the tile that writes it, first.
     read = {"A": A, "B": B, **{k: v for k, v in operands.items() if isinstance(v, torch.Tensor)}}
-    for name, t in read.items():
+    for name, t in ({} if torch.compiler.is_compiling() else read).items():  # a traced call has no storages
         same = name not in ("A", "B") and (t.data_ptr(), t.shape, t.stride()) == (
             dest.data_ptr(), dest.shape, dest.stride())
         if not same and _overlap(dest, t):

@@ -5,13 +5,11 @@ binds the symbols per named shape set (``small``, ``ragged``, ``llama3-1b``,
 ...); shape and init expressions are ``expr.py``'s tiny arithmetic, and how an
 input is drawn (its ``init``) is ``inits.py``'s.
 
-The PyTorch reference takes the inputs (and params) as keyword arguments and
-returns ``{output_name: tensor}``.  It is named either by a file relative to
-the task file, ``reference: geglu_ref.py:geglu_mlp`` (the usual case for a
-user's own task: the reference lives beside the YAML, no PYTHONPATH), or by
-an importable module, ``coda_agent.tasks.llama3.references:swiglu_fwd``.
-Backward is autograd through the reference unless ``backward_reference`` is
-given.
+The PyTorch reference takes the inputs (and params) as keyword arguments and returns
+``{output_name: tensor}``.  It is named either by a file relative to the task file, ``reference:
+geglu_ref.py:geglu_mlp`` (the usual case for a user's own task: the reference lives beside the
+YAML, no PYTHONPATH), or by an importable module, ``coda_agent.tasks.llama3.references:swiglu_fwd``.
+Backward is autograd through the reference unless ``backward_reference`` is given.
 
 Which outputs receive an upstream gradient is :attr:`TaskSpec.grad_outputs`,
 the one definition everything uses: the float outputs, except those with
@@ -80,9 +78,6 @@ class TensorSpec(_Strict):
         return v
 
 
-DENSE_CAP = 4.0  # the norm and bias rules' factor at most, unless norm_factor says otherwise
-
-
 class Tolerance(_Strict):
     """CODA's rule plus a scale-relative norm check: max|out - ref_hi| <= factor *
     max|ref_lo - ref_hi| + floor, with ref_hi the reference in fp32 (fp64 on CPU) and ref_lo the
@@ -96,9 +91,8 @@ class Tolerance(_Strict):
     the elements the likelier not; a bias gradient sums those flips over every row, and the
     gradients they feed carry them.  Such a gradient widens the max rule alone and keeps the dense
     rules, which a flip barely moves where the rows share one scale (``{dx: {factor: 1000,
-    norm_factor: 2}}``, ``tasks new`` says so; a weight's gradient may need ``rel_norm: 0.06``).  A
-    max rule wider than 4x keeps its typical element to 4x the reference's median relative error
-    (coda_agent.verifier.compare: a flip moves few elements, a lower precision all of them)."""
+    norm_factor: 2}}``, ``tasks new`` says so; a weight's gradient may need ``rel_norm: 0.06``).  A max
+    rule past 4x keeps the typical element to 4x the reference's (coda_agent.verifier.compare)."""
 
     rule: Literal["coda"] = "coda"
     # Negative bounds would reject every program, whatever it computes.
@@ -110,11 +104,9 @@ class Tolerance(_Strict):
 
     @property
     def dense_factor(self) -> float:
-        """The factor of the norm and bias rules: ``norm_factor``, else ``factor`` up to DENSE_CAP.
-        A max rule widened for a kink's flips (``factor: 1000``) leaves the rules that hold the rest
-        of the result where they were: a norm rule 1000 times the reference's noise held nothing (a
-        weight gradient with a third of its rows left at zero passed)."""
-        return min(self.factor, DENSE_CAP) if self.norm_factor is None else self.norm_factor
+        """The norm and bias rules' factor: ``norm_factor``, else ``factor`` up to 4 (a norm rule
+        1000x the reference's noise held nothing: a gradient with a third of its rows at 0 passed)."""
+        return min(self.factor, 4.0) if self.norm_factor is None else self.norm_factor
 
     @property
     def kinked(self) -> bool:

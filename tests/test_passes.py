@@ -142,7 +142,7 @@ def test_tile_pass_writes_d_over_a_tile_it_reads(gen):
     assert over["D"] is not buf and buf.isnan().all() and buf._version > version
     torch.testing.assert_close(over["D"], fresh["D"], rtol=0, atol=0)
     torch.testing.assert_close(over["db"], fresh["db"], rtol=0, atol=0)
-    with lowering("reference"), pytest.raises(CatalogueError, match=r"out is torch.float32; D is torch.bfloat16"):
+    with lowering("reference"), pytest.raises(CatalogueError, match=r"out is torch.float32, and D is torch.bfloat16"):
         tile_pass(PROGRAM.dgelu, pre=pre, out=torch.zeros(M, N), **ops)
 
 

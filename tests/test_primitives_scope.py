@@ -25,7 +25,7 @@ LAYERS = [
     {"reductions"},
     {"operands"},
     {"epilogue"},
-    {"tile_config", "lowering", "math", "program", "timing"},
+    {"tile_config", "lowering", "math", "program", "timing", "destination"},
     {"reference", "dsl_scope", "sass"},
     {"cute", "pass_kernel", "pass_kernel_dsl"},
     {"tuning"},

@@ -27,8 +27,9 @@ vectors along the rows and along the columns)::
   |mean| < ~100 std.  row_stats sums x less a shift per row (the mean of
   its first columns), which takes mean^2 down to (mean - shift)^2: its
   fp32 statistics hold an fp32 reference's, which a program that returns
-  them (a backward's saved mean and rstd) is held to.  A sum folds the padded lanes of a ragged last tile too,
-  where the accumulator and Tile loads are 0 but vectors are not: so with a
+  them (a backward's saved mean and rstd) is held to.  A sum folds the
+  padded lanes of a ragged last tile too, where the accumulator and Tile
+  loads are 0 but vectors are not (row_stats masks them by column): so with a
   bias (x = acc + residual + bias) the epilogue folds a = acc + residual, a^2
   and a * bias, and ``layernorm_stats(..., bias=, bias_dot=)`` adds the
   bias's share.

@@ -103,7 +103,7 @@ def unstorable_results(task: Any) -> list[str]:
     time with TMA, which moves 16-byte multiples, and a result must be dense, so no program can
     return them; the reference pads such a result, as models pad a vocabulary."""
     spec = task.spec
-    results = {**{o: t for o, t in spec.outputs.items()}, **{f"d{g}": spec.inputs[g] for g in spec.gradients}}
+    results = {**spec.outputs, **{f"d{g}": spec.inputs[g] for g in spec.gradients}}
     found = []
     for name, t in results.items():
         size = TORCH_DTYPES[t.dtype].itemsize

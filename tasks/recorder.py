@@ -313,11 +313,16 @@ def _draw(dims: list[str], dtype: str, binding: dict[str, int], gen: torch.Gener
 
 def recorded(fn: Callable, args: dict[str, torch.Tensor], params: dict[str, Scalar]) -> Call:
     """What calling ``fn`` on ``args`` (tensors the caller drew) and ``params`` shows."""
-    recorder = Call({_storage(t): k for k, t in args.items()}, {k: t.dim() for k, t in args.items()},
-                    {k for k, t in args.items() if t.is_floating_point()})
+    recorder = _recorder(args)
     with torch.no_grad(), recorder:
         recorder.outs = fn(**args, **params)
     return recorder
+
+
+def _recorder(args: dict[str, torch.Tensor]) -> Call:
+    """A Call that knows ``args`` (the tensors a reference is called on) by storage."""
+    return Call({_storage(t): k for k, t in args.items()}, {k: t.dim() for k, t in args.items()},
+                {k for k, t in args.items() if t.is_floating_point()})
 
 
 def call_reference(fn: Callable, inputs: dict[str, tuple[list[str], str]], params: dict[str, Scalar],
@@ -340,8 +345,7 @@ def call_reference(fn: Callable, inputs: dict[str, tuple[list[str], str]], param
 def _run(fn: Callable, inputs: dict[str, tuple[list[str], str]], params: dict[str, Scalar],
          binding: dict[str, int], gen: torch.Generator | None) -> Call:
     args = {k: _draw(dims, dtype, binding, gen) for k, (dims, dtype) in inputs.items()}
-    recorder = Call({_storage(t): k for k, t in args.items()}, {k: t.dim() for k, t in args.items()},
-                    {k for k, t in args.items() if t.is_floating_point()})
+    recorder = _recorder(args)
     with torch.no_grad(), recorder:
         outs = fn(**args, **param_rules.at(params, binding))  # `head_dim: D` is an int on each set
     if not isinstance(outs, dict) or not outs:

@@ -15,8 +15,9 @@ Inputs are drawn from N(0, 1), except a matmul's right operand (a weight:
 reference adds to them (a residual, a bias) is larger than their rounding and a
 program that leaves it out fails; a normalisation's weights, biases and centred
 input (F.layer_norm's and F.rms_norm's, on the input or a cast of it, and a norm
-written out as HF writes RMSNorm: :data:`.recorder.STATS`), the inputs an angle of ``sin``/``cos`` is made of (positions and
-frequencies) and a cross-entropy's targets are drawn as what they are
+written out as HF writes RMSNorm: :data:`.recorder.STATS`), the inputs an angle
+of ``sin``/``cos`` is made of (positions and frequencies), a cross-entropy's
+targets and an index's inputs are drawn as what they are
 (:class:`.recorder.Call` sees each use).  A reference with a kink (``relu``,
 ``clamp``, ``abs``, ...) and gradients gets a comment on the tolerance of the
 gradients through it.
@@ -25,8 +26,8 @@ What a call cannot tell is left as a ``TODO ...`` value for a person:
 ``families``, ``gemms`` (with the reference's own matmuls as a hint),
 ``target``, the range of an integer input the reference uses as no index (a
 target, ``gather``, ``embedding``, ``index_select`` and ``x[i]`` show theirs),
-and a summary if the reference has no docstring.  ``load_task`` reports every TODO by name, so ``coda-agent tasks
-check`` fails until each is filled in.
+and a summary if the reference has no docstring.  ``load_task`` reports every
+TODO by name, so ``coda-agent tasks check`` fails until each is filled in.
 """
 
 from __future__ import annotations

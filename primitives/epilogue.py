@@ -10,7 +10,9 @@ Contract, as one signature::
   is an operand whose kind (``Tile``, ``RowVec``, ``ColVec``, ``Scalar``,
   ``PairedTile``) is *declared* by its annotation.  Operands, outputs and
   reductions have distinct names, none of them ``acc``, ``D`` or ``c`` (``c``
-  is quack's name for its C operand, which a PairedTile is passed as).
+  is quack's name for its C operand, which a PairedTile is passed as), and no
+  operand is named as a parameter of ``gemm`` or ``tile_pass`` (``out``,
+  ``config``, ...), since operands are passed by name beside those.
 - A fn without ``acc`` (every parameter an operand) is a *pass*: it runs over
   tiles without a GEMM (``tile_pass``: the dGELU of an incoming gradient, the
   row statistics of an input) or over per-row / per-column vectors
@@ -71,6 +73,9 @@ RESERVED = {"acc", "D", "c"}
 # Why: what the error says and the @epilogue contract documents.
 RESERVED_WHY = ("acc is the accumulator, D the main output, c quack's name for its C operand, which a "
                 "PairedTile is passed as")
+# gemm's, tile_pass's and vector_pass's own parameters: an operand of one of these names could never be
+# passed (``out=`` would be taken as the destination), so it is refused where it is declared.
+CALL_KEYWORDS = {"A", "B", "epilogue", "out_dtype", "config", "accumulate_into", "out", "fast_accum"}
 
 _BANNED_NODES: dict[type, str] = {
     ast.If: "an `if` statement",
@@ -318,6 +323,11 @@ def epilogue(outputs: dict[str, str] | None = None,
             raise CatalogueError(f"epilogue {fn.__name__!r}: {', '.join(map(repr, reserved))} "
                                  f"{'is a reserved name' if len(reserved) == 1 else 'are reserved names'} "
                                  f"({RESERVED_WHY}); rename it, e.g. {reserved[0] + '_'!r}", line=line)
+        taken = sorted(set(operands) & CALL_KEYWORDS)
+        if taken:
+            raise CatalogueError(f"epilogue {fn.__name__!r}: operand {taken[0]!r} has the name of gemm's and "
+                                 f"tile_pass's own parameter {taken[0]}=, so it cannot be passed by name; rename "
+                                 f"it, e.g. {taken[0] + '_'!r}", line=line)
         twice = sorted({n for n in names if names.count(n) > 1})
         if twice:
             raise CatalogueError(f"epilogue {fn.__name__!r}: {', '.join(map(repr, twice))} used twice; operands, "

@@ -386,6 +386,10 @@ BAD_EPILOGUES = [
     # c (logits, a cosine) is a name people give an operand; the error says it is reserved, why, and the rename
     ("@epilogue()\ndef f(c: Tile, lse: ColVec):\n    return {'D': c - lse}\n",
      r"'c' is a reserved name \(.*quack's name for its C operand.*\); rename it, e.g. 'c_'"),
+    # out (a projection's output) is a name people give an operand; gemm and tile_pass take out= as the
+    # destination, so the operand could never be passed: refused where it is declared, with the rename
+    ("@epilogue()\ndef f(dy: Tile, out: Tile):\n    return {'D': dy * out}\n",
+     r"operand 'out' has the name of gemm's and tile_pass's own parameter out=.*rename it, e.g. 'out_'"),
     ("@epilogue(outputs={'s': 'bf16'}, reductions={'s': col_sum()})\ndef f(acc):\n    return {'D': acc, 's': acc}\n",
      r"'s' used twice; operands, outputs and reductions need distinct names"),
 ]
@@ -472,3 +476,16 @@ def test_a_weight_applied_as_one_plus_w_is_a_gamma_offset(gen):
                        normalize_rows(x, st["rstd"], one_plus, mean=st["mean"], beta=beta))
     with pytest.raises(CatalogueError, match=r"rms_prepare: gamma_offset is a number \(1.0 for a weight applied"):
         aux.rms_prepare(x, w, 1e-6, gamma_offset="1")
+
+
+def test_operand_names_the_calls_take_as_their_own_are_refused():
+    """Every named parameter of gemm, tile_pass and vector_pass is refused as an operand's name, so
+    the list cannot fall behind a keyword the calls gain."""
+    import inspect
+
+    from coda_agent.primitives.epilogue import CALL_KEYWORDS
+    from coda_agent.primitives.passes import tile_pass, vector_pass
+
+    own = {name for call in (gemm, tile_pass, vector_pass) for name, p in inspect.signature(call).parameters.items()
+           if p.kind is not inspect.Parameter.VAR_KEYWORD}
+    assert own == CALL_KEYWORDS

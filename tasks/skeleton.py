@@ -386,8 +386,14 @@ def skeleton(name: str, reference: str, folder: Path, shapes: dict[str, dict[str
         lines.append(f"# gradients: {_flow(floats)}  <- uncomment (or --gradients) for a backward too: the "
                      "inputs whose gradients it returns; as it stands the task is forward only")
     hint = ""
+    # A reference that returns gradients (one step: loss and dx, dw) runs their matmuls under
+    # torch.autograd.grad, where no call is recorded: they are those its returned d<input>s need.
+    returned = [k for k in inputs if f"d{k}" in first]
+    backs = gradients or returned
     for says, of in (("; the reference's forward runs", lambda c: c.mnk),
-                     (", and its backward of those", lambda c: c.backward_mnk(gradients) if gradients else [])):
+                     (", and its backward of those" if gradients else
+                      f", and the gradients it returns ({', '.join('d' + k for k in returned)}) need",
+                      lambda c: c.backward_mnk(backs) if backs else [])):
         count = min(len(of(c)) for c in calls.values())
         matmuls = [[symbolic({s: of(calls[s])[i][j] for s in calls}, shapes, known)[0] for j in range(3)]
                    for i in range(count)]

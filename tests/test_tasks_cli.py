@@ -80,7 +80,19 @@ def test_new_names_the_backward_gemms_of_the_gradients_asked_for(tmp_path, monke
     assert yaml.safe_load(text)["gemms"].endswith("the reference's forward runs [[T, I, H], [T, H, I]]")
     Path("step.py").write_text("def step(x, w):\n    return {'y': x @ w, 'dx': x * 2}\n")
     r = cli("tasks", "new", "step", "--reference", "step.py:step", "--input", "x=T,H", "--input", "w=H,H", *shapes[:2])
-    assert r.exit_code == 0 and "gradients" not in Path("step.yaml").read_text()  # it returns its gradients
+    assert r.exit_code == 0 and "gradients" not in yaml.safe_load(Path("step.yaml").read_text())  # it returns them
+    # ... under torch.autograd.grad, whose matmuls no call records: the hint names those the returned
+    # gradients need (the logits' dx = dz @ w and dw = dz^T @ x), not the forward's alone
+    Path("xent.py").write_text(
+        "import torch\nimport torch.nn.functional as F\n\n\ndef xent(x, w, target):\n"
+        "    with torch.enable_grad():\n        xg, wg = x.detach().requires_grad_(), w.detach().requires_grad_()\n"
+        "        loss = F.cross_entropy(F.linear(xg, wg).float(), target, reduction='sum')\n"
+        "        dx, dw = torch.autograd.grad(loss, (xg, wg))\n    return {'loss': loss.detach(), 'dx': dx, 'dw': dw}\n")
+    r = cli("tasks", "new", "xent", "--reference", "xent.py:xent", "--input", "x=T,H", "--input", "w=I,H",
+            "--input", "target=T:int64", *shapes)
+    assert r.exit_code == 0, r.output
+    assert yaml.safe_load(Path("xent.yaml").read_text())["gemms"].endswith(
+        "the reference's forward runs [[T, I, H]], and the gradients it returns (dx, dw) need [[T, H, I], [I, H, T]]")
 
 
 def test_new_draws_rotary_inputs_and_offset_norm_weights_as_they_are_used(tmp_path, monkeypatch):

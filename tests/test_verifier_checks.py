@@ -10,6 +10,7 @@ from verifier_helpers import TASK_PATH
 from coda_agent.tasks import SUITE_DIR
 from coda_agent.tasks.spec import Tolerance, load_task
 from coda_agent.verifier import timing
+from coda_agent.verifier.timed_program import seen_of
 from coda_agent.verifier.compare import compare, pattern_of
 from coda_agent.verifier.feedback import render_feedback
 from coda_agent.verifier.inputs import LARGE, TINY, aligned_grads, drawn_params, edge_inputs, make_inputs, result_dtypes
@@ -378,12 +379,12 @@ def test_what_the_runner_says_of_a_block_is_kept_only_when_well_formed():
     report beside the judge's own wall clock; anything else (the program may answer for the
     runner) is dropped, never raised on and never read by the verdict."""
     good = {"host_ms": 334.6, "num_alloc_retries": 0}
-    assert timing._seen(good, 483.4) == {**good, "judge_wall_ms": 483.4}
+    assert seen_of(good, 483.4) == {**good, "judge_wall_ms": 483.4}
     forged = {"host_ms": float("nan"), "x" * 50: 1, "num_device_alloc": "11", 3: 4, "block_ms": True,
               **{f"k{i}": i for i in range(20)}}
-    kept = timing._seen(forged, 12.0)
+    kept = seen_of(forged, 12.0)
     assert kept["judge_wall_ms"] == 12.0 and len(kept) == 9 and all(k.startswith("k") for k in list(kept)[:8])
-    assert timing._seen(["not", "a", "dict"], 1.0) == {"judge_wall_ms": 1.0}
+    assert seen_of(["not", "a", "dict"], 1.0) == {"judge_wall_ms": 1.0}
 
 
 def test_correct_slow_is_its_own_outcome():

@@ -87,7 +87,8 @@ What each stage guarantees, and what it does not:
   out of memory with the program within its share; no verdict where the
   host outlasts the call there), the
   program in the runner and the plain GEMMs, eager and torch.compile in the
-  judge, interleaved in random rounds; input sets rotated; results of calls
+  judge, interleaved in random rounds; every timed call on a fresh draw (a
+  runner's memo of results keyed by their inputs misses); results of calls
   picked at random after they return compared; the judge's own wall clock
   over back-to-back blocks bounding every contender's time from below; a
   fresh recomputation after timing.  Guaranteed: the time the verdict uses is

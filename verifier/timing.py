@@ -9,10 +9,13 @@ the program within its share, on the next largest, named in the verdict, unless
 the host's enqueue outlasts the program's call there: a verdict about the host,
 so none):
 
-1. **Input sets rotate**: the judge draws :data:`INPUT_SETS` sets with fresh
-   seeds, and every timed call takes one at random, so a result cached from
-   an earlier call is wrong for the next (counting calls or reading the clock
-   to tell "being timed" from "being checked" buys nothing).
+1. **Every timed call on inputs the runner has never seen**: the judge writes
+   a fresh draw into a buffer set before each timed call, and each call of a
+   block has a buffer set of its own, written afresh before the block
+   (:mod:`.timed_program`).  Inputs that rotate but keep their values let a
+   runner answer from a memo of its results keyed by their contents, with no
+   work and right results; counting calls or reading the clock to tell "being
+   timed" from "being checked" buys nothing either.
 2. **Per-call timing** (the project's method, ``primitives.timing.measure_each``):
    every round times each contender once in a fresh random order, each call
    after an L2 flush and a spin longer than the host needs to enqueue it,
@@ -33,8 +36,8 @@ so none):
    allocator's device calls) for the report, never for the verdict.
 4. **Random results checked**: after a timed call or a block returns, the
    judge picks calls at random (the runner cannot know which before it
-   answers) and compares their results with the reference of their input
-   set; the runner keeps every result until then.
+   answers) and compares their results with the reference of their draw,
+   computed then from its seed; the runner keeps every result until then.
 5. **A fresh recomputation** after timing, on a new draw.
 
 Verdict: each regime compares contenders only with each other, never across
@@ -74,23 +77,22 @@ import torch
 from coda_agent.primitives.timing import FlushedCall, enqueue_ms, spin_ms
 from coda_agent.tasks.spec import Task
 from coda_agent.verifier.calls import Case, GpuCalls, draw_case, verdict
-from coda_agent.verifier.inputs import result_bytes, result_shapes
+from coda_agent.verifier.inputs import result_shapes
 from coda_agent.verifier.check import Check, out_of_memory, runner_out_of_memory
 from coda_agent.verifier.program import CandidateError
 from coda_agent.verifier.report import StageResult
 from coda_agent.verifier.shape_sets import checked_sets, set_bytes
 from coda_agent.verifier.stages import mismatch_message
+from coda_agent.verifier.timed_program import TimedProgram, call_bytes, reported, seen_of
 from coda_agent.verifier.wire import TORCH_DTYPES
 
 INPUT_SETS = 3
-CHECK_FRACTION = 0.25  # chance a per-call timing's results are compared
 BLOCK_ROUNDS, BLOCK_MS, BLOCK_CALLS = 5, 200.0, (4, 32)
 BLOCK_BYTES = 32 << 30  # results a block may keep alive in the runner (and at most a third of free memory)
 # A block's first call is enqueued while the device idles: a program whose host takes 40 ms to
 # enqueue a 55 ms call (the soft-capped LM head's 32 token chunks on an H100) lost 17% back to
 # back in blocks of 4, past HIDDEN_TOLERANCE.  Blocks grow until that wait is at most this share.
 HOST_SHARE, HOST_CAP_MS = 0.03, 1000.0
-CHECKED_PER_BLOCK = 2
 IMPOSSIBLE = 0.9  # program / plain GEMMs below this: rejected
 # How much more the program's back-to-back time may exceed its per-call time than the
 # baselines' do before its events are not believed: what the program's own power draw
@@ -105,74 +107,6 @@ HIDDEN_TOLERANCE = 0.15
 CAP_SLACK = 0.02
 SPIN_CAP_MS = 20.0
 PING_CAP_MS = 0.5  # what the judge grants as the channel's round trip, at most
-
-
-def _float(value: Any, what: str) -> float:
-    if type(value) not in (int, float) or not math.isfinite(value) or value < 0:
-        raise CandidateError(f"the runner reported {value!r} as {what}")
-    return float(value)
-
-
-class _Program:
-    """The program as a timed contender: requests to the runner."""
-
-    def __init__(self, check: Check, calls: GpuCalls, cases: list[Case], sets: list[int], tag: str):
-        self.check, self.calls, self.cases, self.sets, self.tag = check, calls, cases, sets, tag
-        self.backward = cases[0].grads is not None
-        self.shapes = result_shapes(check.spec, cases[0].shape_set)
-        self.seen: list[dict[str, float]] = []  # each block's diagnostics, as the runner reports them
-
-    def _header(self, op: str) -> dict[str, Any]:
-        return {"op": op, "tag": self.tag, "backward": self.backward, "shapes": self.shapes}
-
-    def _check(self, reply_results: Any, j: int, slot: int, where: str) -> None:
-        got = self.calls.results({"results": reply_results}, self.cases[j], slot, self.sets[j])
-        ms = verdict(self.check.spec, self.cases[j], got)
-        if ms:
-            raise CandidateError(f"{where} returned wrong results: {mismatch_message(ms)}")
-
-    def timed(self, spin: float, rep: int) -> float:
-        j = self.check.rng.randrange(len(self.cases))
-        slot = self.calls.slot()
-        reply = self.check.request({**self._header("time"), "set": self.sets[j], "slot": slot,
-                                    "spin_ms": spin})
-        ms = _float(reply.get("ms"), "a call's time")
-        if self.check.rng.random() < CHECK_FRACTION:
-            self._check(reply.get("results"), j, slot, f"timed call {rep + 1}")
-        else:
-            self.check.request({"op": "release", "slots": [slot]})
-        return ms
-
-    def ready(self) -> None:
-        """Before a block: what the baselines' calls left in the judge's allocator cache goes back
-        to the device.  A block keeps every call's results in the runner, a process of its own,
-        which cannot use that cache: beside eager's cached peak (47 GiB for the soft-capped LM
-        head at LLaMA-3 1B) the runner works at the edge of the card's memory, which costs the
-        program, and no baseline, back-to-back time (BENCHMARKS, run 33)."""
-        torch.cuda.empty_cache()
-
-    def block(self, calls: int, ping_ms: float) -> float:
-        order = [self.check.rng.randrange(len(self.cases)) for _ in range(calls)]
-        slots = [self.calls.slot() for _ in order]
-        t0 = time.perf_counter()
-        reply = self.check.request({**self._header("block"), "sets": [self.sets[j] for j in order], "slots": slots})
-        wall = (time.perf_counter() - t0) * 1e3 - ping_ms
-        self.seen.append(_seen(reply.get("seen"), wall))
-        results = reply.get("results")
-        if not isinstance(results, list) or len(results) != calls:
-            raise CandidateError("the runner's reply to `block` does not hold one result list per call")
-        for i in sorted(self.check.rng.sample(range(calls), min(CHECKED_PER_BLOCK, calls))):
-            self._check(results[i], order[i], slots[i], f"call {i + 1} of a block of {calls}")
-        self.check.request({"op": "release", "slots": slots})
-        return wall / calls
-
-
-def _seen(seen: Any, wall_ms: float) -> dict[str, float]:
-    """What the runner says slowed a block (its host's time, its allocator's device calls), kept
-    for the report when well formed: the runner's word, never the verdict's."""
-    out = {k: v for k, v in (seen.items() if isinstance(seen, dict) else ())
-           if isinstance(k, str) and len(k) < 40 and type(v) in (int, float) and math.isfinite(v)}
-    return {**dict(list(out.items())[:8]), "judge_wall_ms": round(wall_ms, 3)}
 
 
 class _Local:
@@ -323,9 +257,11 @@ def _perform(check: Check, shape_set: str) -> StageResult:
             if ms := verdict(spec, case, calls.run(case, sid, poison=False)):
                 return StageResult(name="performance", status="failed", mismatches=ms,
                                    message="before timing: " + mismatch_message(ms))
-        program = _Program(check, calls, cases, sets, "performance")
+        program = TimedProgram(check, calls, cases, sets, "performance")
+        # every timed call draws afresh (timed_program): the baselines and the profile keep the first case
+        del cases[1:], case
         host = check.request({**program._header("enqueue"), "set": sets[0]})
-        host_ms = _float(host.get("host_ms"), "the host time of a call")
+        host_ms = reported(host.get("host_ms"), "the host time of a call")
         spin = spin_ms(host_ms, SPIN_CAP_MS)
         contenders: dict[str, Any] = {"program": program}
         contenders.update({k: _Local(fn) for k, fn in _baselines(check.task, spec, cases[0], details).items()})
@@ -381,7 +317,7 @@ def _ping(check: Check) -> float:
 def _block_calls(check: Check, event_ms: dict[str, float], host_ms: float, shape_set: str) -> int:
     room = min(BLOCK_BYTES, torch.cuda.mem_get_info()[0] // 3)
     return block_calls(max(event_ms.values()), event_ms["program"], host_ms, room,
-                       max(result_bytes(check.spec, shape_set), 1))
+                       max(call_bytes(check.spec, shape_set), 1))
 
 
 def block_calls(slowest_ms: float, program_ms: float, host_ms: float, room: int, per_call: int) -> int:

@@ -10,12 +10,12 @@ from verifier_helpers import TASK_PATH
 from coda_agent.tasks import SUITE_DIR
 from coda_agent.tasks.spec import Tolerance, load_task
 from coda_agent.verifier import timing
-from coda_agent.verifier.timed_program import seen_of
 from coda_agent.verifier.compare import compare, pattern_of
 from coda_agent.verifier.feedback import render_feedback
 from coda_agent.verifier.inputs import LARGE, TINY, aligned_grads, drawn_params, edge_inputs, make_inputs, result_dtypes
 from coda_agent.verifier.report import Report, StageResult
 from coda_agent.verifier.shape_sets import beyond_set, checked_sets, set_label, with_drawn_sets
+from coda_agent.verifier.timed_program import seen_of
 
 
 @pytest.fixture(scope="module")

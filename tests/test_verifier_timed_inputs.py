@@ -107,3 +107,44 @@ def test_no_timed_call_runs_on_inputs_the_runner_has_seen(task):
         program.block(6, 0.0)
     assert runner.timed == 12 + 18
     assert runner.hits == 0, f"{runner.hits} of {runner.timed} timed calls ran on inputs the runner had seen"
+
+
+# --------------------------------------------------------------------------- the baselines alone
+
+def test_a_runner_that_slows_the_baselines_while_idle_buys_only_the_slack():
+    """A program at 1.25x its GEMMs whose runner keeps the GPU busy while the judge times the
+    baselines (their kernels wait through its time slices) slows every baseline by as much, and
+    was timed at 1.00x its GEMMs: accepted.  Timed again with the runner ended, the baselines show
+    their own times, and in the verdict they are at most SOLO_SLACK over those."""
+    from coda_agent.tasks import SUITE_DIR
+
+    rms = load_task(SUITE_DIR / "residual_rmsnorm.yaml")
+    beside = timing.Times({"program": 1.25, "gemm": 1.25, "compile": 1.70, "eager": 2.5},
+                          {"program": 1.40, "gemm": 1.40, "compile": 1.90, "eager": 2.8})
+    alone = timing.Times({"gemm": 1.00, "compile": 1.36, "eager": 2.0}, {"gemm": 1.12, "compile": 1.52, "eager": 2.24})
+
+    class _Check:
+        spec = rms.spec
+
+        def request(self, header, blobs=(), max_bytes=0):
+            raise AssertionError("the profile was taken before the runner ended")
+
+    profile = {"kernel_ms": {"coda::gemm::x": 1.2}, "configs": []}
+    fooled = timing._verdict(_Check(), "llama3-8b", beside, {}, None, None, profile)
+    assert fooled.status == "passed", fooled.message  # what the verdict was without the solo times
+    details: dict = {}
+    times = timing.capped(beside, alone, details)
+    assert times.per_call["program"] == 1.25 and times.back_to_back["program"] == 1.40
+    assert times.per_call["gemm"] == pytest.approx(1.0 * (1 + timing.SOLO_SLACK))
+    assert details["baselines_capped"] == ["compile", "eager", "gemm"]
+    res = timing._verdict(_Check(), "llama3-8b", times, details, None, None, profile)
+    assert res.status == "slow" and "baselines capped" in res.message, res.message
+
+
+def test_baselines_within_the_slack_of_their_solo_times_stand():
+    """The clock drifts between the two measurements: a baseline up to SOLO_SLACK slower beside the
+    runner than alone is its own time, and no cap is named."""
+    beside = timing.Times({"program": 1.0, "gemm": 1.05}, {"program": 1.2, "gemm": 1.25})
+    alone = timing.Times({"gemm": 1.0}, {"gemm": 1.2})
+    details: dict = {}
+    assert timing.capped(beside, alone, details) == beside and "baselines_capped" not in details

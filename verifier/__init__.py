@@ -91,7 +91,9 @@ What each stage guarantees, and what it does not:
   runner's memo of results keyed by their inputs misses); results of calls
   picked at random after they return compared; the judge's own wall clock
   over back-to-back blocks bounding every contender's time from below; a
-  fresh recomputation after timing.  Guaranteed: the time the verdict uses is
+  fresh recomputation after timing; the baselines timed again with the
+  runner ended, no baseline in the verdict more than 10% over its time alone
+  (a runner that kept the GPU busy while idle slowed the baselines alone).  Guaranteed: the time the verdict uses is
   no less than the judge measured from outside, so uncovered side streams,
   deferred work and patched timers buy nothing; faster than the plain GEMMs by
   more than 10% is a rejection; meeting ``Target.vs_gemm`` and

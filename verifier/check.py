@@ -126,6 +126,14 @@ class Check:
                                  "module-level code runs once at import and must be declarations and "
                                  "constants, not computation", log=e.log) from None
 
+    def end_runner(self) -> None:
+        """End the current stage's runner now (a later request starts another): its process group
+        is killed, and with the process its device context and every kernel it left queued."""
+        remote = self.remotes.pop(self.cuda and self.gpu_stage, None)
+        if remote is not None:
+            remote.kill()
+            remote.close()
+
     def close(self) -> None:
         for remote in self.remotes.values():
             remote.close()

@@ -35,10 +35,11 @@ def _serving_state():
 
 
 def _interfere():
-    stream = torch.cuda.Stream()
+    stream = None
     while True:
         st, waiting = _serving_state()
         if st is not None and waiting and "performance" in getattr(st, "programs", {}):
+            stream = stream or torch.cuda.Stream()
             with torch.cuda.stream(stream):
                 torch.cuda._sleep(200_000)
             stream.synchronize()

@@ -22,9 +22,13 @@ Outcome rules (the part everyone depends on):
   the candidate is not blamed for it.
 
 A stage's ``message`` and ``log`` may quote the program (what it raised, what it
-printed), so they hold no control characters (:func:`printable`): a carriage
+printed), and its ``details`` hold what the runner reported (kernel names, tile
+configurations, a block's diagnostics), which a program that answers for its
+runner writes; so no text of a report holds a control character or a lone
+surrogate (:func:`printable`, every string of ``details`` too): a carriage
 return or an escape sequence in an exception would rewrite the verdict on a
-terminal.  Renderers print a message's first line where a line is all there
+terminal, and a surrogate (``"\ud800"`` in a ``raise``) has no UTF-8, so the
+report's JSON could not be written and ``verify`` crashed after its verdict.  Renderers print a message's first line where a line is all there
 is room for (:func:`headline`) and indent the rest, so quoted text never
 stands where a verdict line would.
 """
@@ -47,13 +51,26 @@ Outcome = Literal["accepted", "correct_slow", "cpu_passed", "rejected", "error"]
 CORRECT = ("accepted", "correct_slow")  # outcomes whose program passed every correctness check on a GPU
 
 
-# C0 and C1 controls but tab and newline, and the bidirectional overrides that reorder a line.
-_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+# C0 and C1 controls but tab and newline, the bidirectional overrides that reorder a line, and lone
+# surrogates (no UTF-8 encodes them).
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
 
 
 def printable(text: str) -> str:
     """``text`` with every control character but tab and newline written as its escape (``\\r``)."""
     return _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode(), text)
+
+
+def printable_tree(value: Any) -> Any:
+    """``value`` (JSON-like: dicts, lists, strings, numbers) with :func:`printable` applied to every
+    string in it, dict keys included."""
+    if isinstance(value, str):
+        return printable(value)
+    if isinstance(value, dict):
+        return {printable_tree(k): printable_tree(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(printable_tree(v) for v in value)
+    return value
 
 
 def indented(message: str, by: int = 4) -> str:
@@ -89,6 +106,11 @@ class Mismatch(_Verdict):
     pattern: str = ""  # e.g. "odd columns only", "ragged last rows", "all"
     inputs: str = ""  # which draw: "seed", "edge rows (tiny and large norms)", ...
 
+    @field_validator("tensor", "pattern")
+    @classmethod
+    def _printable(cls, text: str) -> str:  # a result's name is the runner's word where it is unexpected
+        return printable(text)
+
 
 class StageResult(_Verdict):
     name: StageName
@@ -104,6 +126,11 @@ class StageResult(_Verdict):
     @classmethod
     def _printable(cls, text: str) -> str:
         return printable(text)
+
+    @field_validator("details")
+    @classmethod
+    def _printable_details(cls, details: dict[str, Any]) -> dict[str, Any]:
+        return printable_tree(details)
 
 
 class Report(_Verdict):

@@ -45,7 +45,7 @@ API: dict[str, tuple[str, ...]] = {
                                  "round_fp16", "maximum", "minimum", "where", "fma"),
     "auxiliary kernels and layout helpers": ("rms_rstd", "rms_prepare", "xent_loss", "xent_grad_",
                                              "column_index", "to_fp32", "interleave_columns",
-                                             "deinterleave_columns", "zeros_like", "zeros", "pad", "add",
+                                             "deinterleave_columns", "zeros_like", "zeros", "broadcast", "pad", "add",
                                              "concat_rows"),
     "LayerNorm": ("row_stats", "layernorm_stats", "layernorm_fold", "normalize_rows"),
     "fp8": ("quantize_rows", "quantize_both"),

@@ -51,8 +51,8 @@ CuTeDSL side, ``pass_kernel_dsl``) -> ``tuning``
 # PROGRAM_API, what a program may import, is the rules table's (the static stage enforces the same).
 from coda_agent.program_rules import PROGRAM_API
 
-from .aux import (add, column_index, concat_rows, deinterleave_columns, interleave_columns, pad, rms_prepare,
-                  rms_rstd, to_fp32, xent_grad_, xent_loss, zeros, zeros_like)
+from .aux import (add, broadcast, column_index, concat_rows, deinterleave_columns, interleave_columns, pad,
+                  rms_prepare, rms_rstd, to_fp32, xent_grad_, xent_loss, zeros, zeros_like)
 from .catalogue import render as render_catalogue
 from .dsl_scope import compile_target
 from .epilogue import Epilogue, epilogue

@@ -351,6 +351,27 @@ def zeros(n: int, like: torch.Tensor, dtype: str = "") -> torch.Tensor:
     return torch.zeros(n, dtype=_dtype("zeros", dtype, need("like", like)), device=like.device)
 
 
+def _broadcast_backward(ctx: Any, g: torch.Tensor) -> tuple:
+    x = ctx.inputs[0]
+    return g.float().sum().reshape(x.shape).to(x.dtype), None, None
+
+
+@aux_kernel("broadcast", backward=_broadcast_backward)
+def broadcast(x: torch.Tensor, n: int, dtype: str = "") -> torch.Tensor:
+    """A 1-D vector of ``n`` copies of the one value a one-element tensor ``x`` holds, in ``x``'s
+    dtype or ``dtype``: a trained scalar (xIELU's slopes, PReLU's one slope, a ReZero gate) as a
+    RowVec or ColVec operand, since a Scalar is a number of the program and a tensor's value never
+    becomes one (``float(x)`` would read the device from the host).  Its gradient is the sum of the
+    vector's: fold it where it is made (a ``row_sum``), then over that (N,) vector with a
+    ``tile_pass`` of ``v.view(1, n)`` as a Tile and a ``col_sum``."""
+    if need("x", x).numel() != 1:
+        raise CatalogueError(f"broadcast: x has shape {tuple(x.shape)}; it repeats a one-element tensor's value "
+                             "(a vector is already a RowVec or ColVec)")
+    if n < 1:
+        raise CatalogueError(f"broadcast: n is {n}; a vector's length is 1 or more")
+    return x.reshape(1).to(_dtype("broadcast", dtype, x)).expand(n).clone()
+
+
 def _dtype(kernel: str, name: str, like: torch.Tensor) -> torch.dtype:
     if not name:
         return like.dtype
@@ -432,4 +453,4 @@ def concat_rows(parts: list) -> torch.Tensor:
 
 
 AUX_KERNELS = (rms_rstd, rms_prepare, xent_loss, xent_grad_, column_index, to_fp32,
-               interleave_columns, deinterleave_columns, zeros_like, zeros, pad, add, concat_rows)
+               interleave_columns, deinterleave_columns, zeros_like, zeros, broadcast, pad, add, concat_rows)

@@ -178,6 +178,7 @@ AUX = {
     "deinterleave_columns": (bf(K, 2 * N),),
     "zeros_like": (bf(M, N),),
     "zeros": (5, torch.randn(3)),
+    "broadcast": (torch.randn(1), 5, "fp32"),
     "add": (bf(M, N), bf(M, N, seed=8)),
     "concat_rows": ([torch.randn(3), torch.randn(5)],),
     # quantize_rows with an epilogue's amaxes given, quantize_both with a row scale and none
@@ -187,7 +188,7 @@ AUX = {
 
 
 DIFFERENTIABLE = {"rms_rstd", "rms_prepare", "xent_loss", "to_fp32", "interleave_columns", "deinterleave_columns",
-                  "add", "concat_rows"}
+                  "add", "concat_rows", "broadcast"}
 
 
 @pytest.mark.parametrize("name", list(AUX))
@@ -207,6 +208,7 @@ def test_aux_op_registrations(name):
                                        ("interleave_columns", lambda: (torch.randn(3, 2, dtype=torch.float64),
                                                                        torch.randn(3, 2, dtype=torch.float64))),
                                        ("deinterleave_columns", lambda: (torch.randn(3, 4, dtype=torch.float64),)),
+                                       ("broadcast", lambda: (torch.randn((), dtype=torch.float64), 6)),
                                        ("xent_loss", lambda: (torch.randn(5, dtype=torch.float64),
                                                               torch.randn(5, dtype=torch.float64),
                                                               torch.tensor([0, -100, 2, 3, -100]), -100))])
@@ -230,6 +232,22 @@ def test_zeros_pads_a_vector_in_its_dtype_and_refuses_what_is_no_length():
         aux.zeros(-1, f)
     with pytest.raises(CatalogueError, match="like must be a tensor; got float"):
         aux.zeros(2, 1.0)
+
+
+def test_broadcast_repeats_a_trained_scalar_and_refuses_a_vector():
+    """xIELU's slopes, PReLU's one slope: a one-element parameter read by every element of an epilogue
+    as a RowVec; its gradient is the vector's sum, in the parameter's dtype and shape."""
+    a = torch.tensor([0.75], dtype=torch.bfloat16)
+    v = aux.broadcast(a, 6, "fp32")
+    assert v.shape == (6,) and v.dtype == torch.float32 and v.tolist() == [0.75] * 6 and v.is_contiguous()
+    assert aux.broadcast(a, 3).dtype == torch.bfloat16
+    p = torch.tensor([2.0], requires_grad=True)
+    (aux.broadcast(p, 4) * torch.arange(4.0)).sum().backward()
+    assert p.grad.tolist() == [6.0]
+    with pytest.raises(CatalogueError, match="broadcast: x has shape \\(3,\\); it repeats a one-element tensor"):
+        aux.broadcast(torch.randn(3), 4)
+    with pytest.raises(CatalogueError, match="broadcast: n is 0"):
+        aux.broadcast(a, 0)
 
 
 def test_zeros_take_a_dtype_and_name_the_ones_there_are():

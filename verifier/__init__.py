@@ -135,7 +135,8 @@ what a run directory's verdict backs (``coda_agent.kernels.source.unbacked``:
 the program's sha256, the outcome, the task, the static and reference stages
 passed) is checked before ``review``, ``export`` or ``load_kernel`` trusts it.
 
-Time: the program's running time (``timeout_s``) and each load
+Disk: what a runner's writable directories hold is bounded by the judge
+(:mod:`.disk`).  Time: the program's running time (``timeout_s``) and each load
 (``load_timeout_s``) are limited by the judge; time spent waiting for the GPU
 lock (:mod:`.gpu_lock`) never counts.  A crash, a hang, a killed judge: each
 is the verdict of the stage it happened in, and so is a runner reply the

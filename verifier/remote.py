@@ -28,6 +28,7 @@ from typing import Any, Sequence
 from coda_agent import storage
 from coda_agent.verifier import cache as verdict_cache
 from coda_agent.verifier import sandbox
+from coda_agent.verifier.disk import DiskWatch
 from coda_agent.verifier.program import CandidateError
 from coda_agent.verifier.trees import remove_tree
 from coda_agent.verifier.wire import Channel, PeerGone, Timeout, WireError
@@ -111,6 +112,7 @@ class Remote:
             self.pid = self.proc.pid
         theirs.close()
         os.close(log_w)
+        self.disk = DiskWatch([self.plan.scratch, *self.plan.writable], self.pid)  # disk.py
         self.log = _LogTail(log_r)
         self.channel = Channel(mine)
         self.dead = False
@@ -175,6 +177,8 @@ class Remote:
 
     def _death(self) -> str:
         status = self._status(5.0)
+        if self.disk.over:
+            return self.disk.over
         log = self.log.text()
         if "illegal memory access" in log or "illegal address" in log:
             return "an illegal memory access in a kernel"
@@ -214,4 +218,7 @@ class Remote:
         self.channel.close()
         if self._status(10.0) is None:
             self.kill()
+        self.disk.stop()
         remove_tree(self.plan.scratch)
+        if self.disk.over:  # what it wrote there would outlive the check
+            remove_tree(Path(self.plan.writable[0]))

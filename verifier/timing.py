@@ -286,6 +286,7 @@ def _perform(check: Check, shape_set: str) -> StageResult:
         if ms := verdict(spec, fresh, calls.run(fresh, calls.load(fresh, key=0), poison=False)):
             return StageResult(name="performance", status="failed", mismatches=ms,
                                message="after timing, on fresh inputs: " + mismatch_message(ms))
+        del fresh
         details["host_ms"] = round(host_ms, 4)
         profile = _profile_reply(check, calls, cases[0])  # for a slow verdict: the runner ends next
         calls.close()

@@ -11,11 +11,19 @@ softmax over 60 experts, a width no GEMM row takes unpadded, through ``pad``), O
 bias, ReLU MLP, biases; a kinked gradient with its own tolerance), partial RoPE (``partial_rope``:
 the QKV projection with biases, the first R of each head's columns rotated, forward and backward),
 Primer (squared-ReLU MLP) and the z-loss (``zloss``: the LM-head cross-entropy with label
-smoothing, PaLM's z-loss and ignored targets), each with its reference and a program; and slips of
-some of the programs (:data:`SLIPS`: the residual dropped, the soft-cap or its derivative left
-out, the z-loss left out, ignored rows counted, the router's padding experts counted, the shared
-LayerNorm's second gradient dropped, the inverse rotation turned the wrong way) that the verifier
-must reject.  On a GPU (marker ``gpu``) each block goes through the judge's GPU stages on every
+smoothing, PaLM's z-loss and ignored targets); and RWKV's channel mix (``rwkv``: a receptance gate
+from one GEMM's output on another's, squared ReLU), Mamba-2's gated RMSNorm into its out projection
+(``mamba``: a norm no GEMM produces the input of, its statistic read off the output in the
+backward), Qwen3-Next's gated attention output into o_proj (``qwen3_next``: the gate on the A
+side, h's gradient dy itself), MiniCPM's width-scaled LM head (``minicpm``: a param of an int and
+a shape, a vocabulary no logits row takes unpadded), CLIP's quick_gelu MLP (``clip``: an activation
+and its derivative composed from the vocabulary) and Apertus's xIELU MLP (``apertus``: two trained
+one-element slopes, through ``broadcast``, and their gradients), each with its reference and a
+program; and slips of some of the programs (:data:`SLIPS`: the residual dropped, the soft-cap or its
+derivative left out, the z-loss left out, ignored rows counted, the router's padding experts
+counted, the shared LayerNorm's second gradient dropped, the inverse rotation turned the wrong way,
+a derivative's kink or a gate's factor dropped, a norm's statistic left out of its backward, a
+scale or a softplus left out of a gradient) that the verifier must reject.  On a GPU (marker ``gpu``) each block goes through the judge's GPU stages on every
 shape set, its largest at a real model's width.  They hold the spec, the catalogue and the
 verifier to classes of blocks the suites do not cover: a change that makes one of them
 inexpressible, or lets a slip through, fails here.
@@ -44,6 +52,20 @@ SLIPS = [
     ("olmo", "no_centring", [("rstd * (acc - mean * gw) + shift", "rstd * acc + shift")]),
     ("partial_rope", "unrope_forward_way", [("pack(e * c + o * s, o * c - e * s)",
                                              "pack(e * c - o * s, e * s + o * c)")]),
+    ("rwkv", "relu_dropped_from_the_derivative", [("2.0 * acc * maximum(pre, 0.0)", "2.0 * acc * pre")]),
+    ("rwkv", "gate_derivative_as_the_gate", [("dy * kv * sigmoid_grad(r)", "dy * kv * sigmoid(r)")]),
+    ("mamba", "norm_statistic_left_out", [("dg = rstd * acc * w - g * rstd * rstd * s * inv_dim",
+                                           "dg = rstd * acc * w")]),
+    ("mamba", "gate_outside_the_norm", [("return {\"D\": g * w, \"sqsum\": g * g}",
+                                         "return {\"D\": g * w, \"sqsum\": y * y}")]),
+    ("qwen3_next", "gate_gradient_without_o", [("acc * o * sigmoid_grad(gate)", "acc * sigmoid_grad(gate)")]),
+    ("minicpm", "width_scale_left_out_of_the_gradient", [('"coef": keep * dloss * scale', '"coef": keep * dloss')]),
+    ("minicpm", "vocabulary_padding_counted", [("z = where(col < vocab, acc * scale, -1.0e30)", "z = acc * scale")]),
+    ("clip", "silu_for_quick_gelu", [('"act": pre * sigmoid(A * pre)', '"act": pre * sigmoid(pre)')]),
+    ("clip", "derivative_without_the_slope_term", [("acc * (sigmoid(A * pre) + A * pre * sigmoid_grad(A * pre))",
+                                                    "acc * sigmoid(A * pre)")]),
+    ("apertus", "slope_gradient_not_through_softplus", [('return {"g": v * sigmoid(a)}', 'return {"g": v}')]),
+    ("apertus", "beta_left_out_of_the_negative_slope", [('"an": beta + softplus(alpha_n)', '"an": softplus(alpha_n)')]),
     ("zloss", "no_zloss", [(" + z_weight * lse * lse", ""), ("g * (1.0 + 2.0 * z_weight * lse)", "g")]),
     ("zloss", "ignored_rows_count", [("keep = where(tgt >= 0.0, where(tgt < vocab, 1.0, 0.0), 0.0)",
                                       "keep = 1.0 + 0.0 * tgt")]),
@@ -63,8 +85,9 @@ def verify(task: Path, program: Path, tmp_path: Path, stages: str) -> dict:
 
 
 def test_every_family_is_here():
-    assert {t.parent.name for t in TASKS} == {"bert", "gemma", "gemma2", "moe_router", "neox", "olmo", "opt",
-                                                 "partial_rope", "primer", "zloss"}
+    assert {t.parent.name for t in TASKS} == {"apertus", "bert", "clip", "gemma", "gemma2", "mamba", "minicpm",
+                                                 "moe_router", "neox", "olmo", "opt", "partial_rope", "primer",
+                                                 "qwen3_next", "rwkv", "zloss"}
     assert {family for family, _, _ in SLIPS} <= {t.parent.name for t in TASKS}
 
 

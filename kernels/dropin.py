@@ -320,12 +320,24 @@ def library_activation(act: Any) -> bool:
 
 def activation_form(act: nn.Module, forms: dict[str, Any]) -> str | None:
     """Which of ``forms`` (name -> function) an activation module computes, probed once in fp64;
-    None: none of them.  The probe is made per call: the package keeps no tensor between calls
+    None: none of them.  The probe reaches past [-6, 6] to +-1e4, where activations that agree
+    with a form near zero clip (ReLU6 is ReLU up to 6, transformers' ``gelu_10`` the exact GELU up
+    to 10): a pre-activation of a trained model goes there.  An activation with parameters or
+    buffers (PReLU: its slope trains) computes no fixed form, and one that fails on the probe none
+    of these.  The probe is made per call: the package keeps no tensor between calls
     (tests/test_cuda_graphs.py)."""
-    probe = torch.linspace(-6.0, 6.0, 241, dtype=torch.float64)
-    with torch.no_grad():
-        got = act(probe.clone())
-    return next((k for k, fn in forms.items() if torch.allclose(got, fn(probe), rtol=0, atol=1e-9)), None)
+    if any(True for _ in (*act.parameters(), *act.buffers())):
+        return None
+    wide = torch.logspace(0.5, 4.0, 36, dtype=torch.float64)
+    probe = torch.cat([-wide.flip(0), torch.linspace(-6.0, 6.0, 241, dtype=torch.float64), wide])
+    try:
+        with torch.no_grad():
+            got = act(probe.clone())
+    except Exception:  # noqa: BLE001 - an activation that cannot run on the probe is none of the forms
+        return None
+    if not isinstance(got, torch.Tensor) or got.shape != probe.shape:
+        return None
+    return next((k for k, fn in forms.items() if torch.allclose(got, fn(probe), rtol=1e-12, atol=1e-9)), None)
 
 
 def gelu_form(act: nn.Module) -> str | None:

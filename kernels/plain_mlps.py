@@ -25,7 +25,8 @@ for.
 
 The dropout some of these forwards apply after the projection runs on the kernel's output as HF
 applies it, and so does the residual add that BLOOM's and MPT's MLPs take as a second argument
-(BLOOM's ``slow_but_exact`` tensor-parallel sum is the same sum, in the GEMM's order). Falcon's
+(BLOOM's ``slow_but_exact`` tensor-parallel sum, with ``pretraining_tp > 1``, is the same sum in
+the GEMM's order, without the projection's bias, which the kernel then gets as zeros). Falcon's
 layer adds into the MLP's output in place, which is safe while the kernel does not keep that output
 for its backward (``Kernel.keeps``); a kernel that does gets a copy.
 
@@ -98,6 +99,16 @@ def _applied(name: str, module: nn.Module, y: torch.Tensor) -> torch.Tensor:
     return getattr(module, name)(y)
 
 
+def _with_bias(module: nn.Module) -> bool:
+    return True
+
+
+def _bloom_bias(module: nn.Module) -> bool:
+    # BLOOM's tensor-parallel sum (pretraining_tp > 1 with slow_but_exact) adds up the projection's
+    # slices with F.linear and no bias: dense_4h_to_h.bias is not in its output
+    return not (module.pretraining_tp > 1 and module.slow_but_exact)
+
+
 def _own_copy(module: nn.Module, y: torch.Tensor) -> torch.Tensor:
     # Falcon's layer adds the attention output into the MLP's in place (`mlp_output +=`): if the
     # kernel's autograd Function keeps y for its backward, the layer gets a copy to change
@@ -115,19 +126,20 @@ class Site:
     act: str
     proj: str
     after: Callable[..., torch.Tensor] = _no_dropout
+    proj_bias: Callable[[nn.Module], bool] = _with_bias  # whether the forward adds the projection's bias
 
 
 # Whose MLP code -> (its forward, its site)
-MLPS: dict[str, tuple[Any, Site]] = {kind: (fn, Site(kind, *names, after)) for kind, fn, names, after in (
-    ("GPT-2's", GPT2MLP.forward, ("c_fc", "act", "c_proj"), _dropout),
-    ("GPT-J's", GPTJMLP.forward, ("fc_in", "act", "fc_out"), _dropout),
-    ("Phi's", PhiMLP.forward, ("fc1", "activation_fn", "fc2"), _no_dropout),
-    ("GPT-NeoX's", GPTNeoXMLP.forward, ("dense_h_to_4h", "act", "dense_4h_to_h"), _no_dropout),
-    ("Falcon's", FalconMLP.forward, ("dense_h_to_4h", "act", "dense_4h_to_h"), _own_copy),
-    ("StarCoder-2's", Starcoder2MLP.forward, ("c_fc", "act", "c_proj"), _residual_dropout),
-    ("Nemotron's", NemotronMLP.forward, ("up_proj", "act_fn", "down_proj"), _no_dropout),
-    ("BLOOM's", BloomMLP.forward, ("dense_h_to_4h", "gelu_impl", "dense_4h_to_h"), _dropout_add),
-    ("MPT's", MptMLP.forward, ("up_proj", "act", "down_proj"), _dropout_then_add))}
+MLPS: dict[str, tuple[Any, Site]] = {kind: (fn, Site(kind, *names, *after)) for kind, fn, names, after in (
+    ("GPT-2's", GPT2MLP.forward, ("c_fc", "act", "c_proj"), (_dropout,)),
+    ("GPT-J's", GPTJMLP.forward, ("fc_in", "act", "fc_out"), (_dropout,)),
+    ("Phi's", PhiMLP.forward, ("fc1", "activation_fn", "fc2"), (_no_dropout,)),
+    ("GPT-NeoX's", GPTNeoXMLP.forward, ("dense_h_to_4h", "act", "dense_4h_to_h"), (_no_dropout,)),
+    ("Falcon's", FalconMLP.forward, ("dense_h_to_4h", "act", "dense_4h_to_h"), (_own_copy,)),
+    ("StarCoder-2's", Starcoder2MLP.forward, ("c_fc", "act", "c_proj"), (_residual_dropout,)),
+    ("Nemotron's", NemotronMLP.forward, ("up_proj", "act_fn", "down_proj"), (_no_dropout,)),
+    ("BLOOM's", BloomMLP.forward, ("dense_h_to_4h", "gelu_impl", "dense_4h_to_h"), (_dropout_add, _bloom_bias)),
+    ("MPT's", MptMLP.forward, ("up_proj", "act", "down_proj"), (_dropout_then_add,)))}
 
 
 def recognised(module: nn.Module) -> tuple[Site | None, str | None, str]:
@@ -239,10 +251,12 @@ def _forward(self: nn.Module, x: torch.Tensor, *rest: torch.Tensor) -> torch.Ten
     w_fc, w_proj = weight(fc), weight(proj)
     rows = x.reshape(-1, x.shape[-1])
     if rows.shape[0] == 0:  # no token: no GEMM to launch, HF's math on the empty rows
-        y = F.linear(getattr(self, site.act)(F.linear(rows, w_fc, fc.bias)), w_proj, proj.bias)
+        y = F.linear(getattr(self, site.act)(F.linear(rows, w_fc, fc.bias)), w_proj,
+                     proj.bias if site.proj_bias(self) else None)
     else:
-        # bias=False: zeros the kernel adds, whose gradients autograd never asks for
+        # bias=False (or a bias the forward does not add): zeros the kernel adds, whose gradients
+        # autograd never asks for
         b_fc = fc.bias if fc.bias is not None else rows.new_zeros(w_fc.shape[0])
-        b_proj = proj.bias if proj.bias is not None else rows.new_zeros(w_proj.shape[0])
+        b_proj = proj.bias if proj.bias is not None and site.proj_bias(self) else rows.new_zeros(w_proj.shape[0])
         y = self.coda_mlp(rows.contiguous(), w_fc, b_fc, w_proj, b_proj)["y"]
     return site.after(self, y.view(*x.shape[:-1], w_proj.shape[0]), *rest)

@@ -10,6 +10,8 @@ model in fp32, within twice HF's own bf16 error, or the refusal with its fix.
 - An activation with parameters (``hidden_act="prelu"``: nn.PReLU, its slope trains) crashed the
   probe (an fp64 input against its fp32 weight) in every drop-in; it computes no fixed form, so it
   is passed by (``apply_to_model``) or refused with the flag (``apply_to_gpt2``).
+- BLOOM's MLP with ``pretraining_tp > 1`` and ``slow_but_exact`` sums the projection's slices with
+  no bias: the kernel added ``dense_4h_to_h.bias`` all the same.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from test_llama import assert_like_hf, train_and_eval, truth_of  # noqa: E402
+from test_llama import assert_like_hf, batch, hf_layout, train_and_eval, truth_of  # noqa: E402
 
 import coda_agent  # noqa: E402
 from coda_agent.kernels import KernelError  # noqa: E402
@@ -84,3 +86,37 @@ def test_an_activation_with_parameters_is_passed_by_or_refused_with_the_flag():
                       resid_pdrop=0.0)
     with pytest.raises(KernelError, match=r"h\.0\.mlp\.act \(PReLU.*pass mlp=False"):
         coda_agent.apply_to_gpt2(gpt2.bfloat16())
+
+
+def step_with_unused(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """test_llama's ``train_and_eval``, for a model with parameters its forward does not read (their
+    gradients zeros)."""
+    ids, labels = batch()
+    model.train()
+    model.zero_grad()
+    out = model(ids, labels=labels)
+    out.loss.backward()
+    for p in model.parameters():
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    grads = hf_layout(model)
+    model.eval()
+    with torch.no_grad():
+        logits = model(ids).logits
+    return {"loss": out.loss.detach(), "logits": logits, **{f"d {k}": v for k, v in grads.items()}}
+
+
+def test_blooms_tensor_parallel_mlp_adds_no_projection_bias():
+    base = tiny_model("BloomForCausalLM", n_head=4, n_layer=2, pretraining_tp=2, slow_but_exact=True,
+                      hidden_dropout=0.0, attention_dropout=0.0)
+    with torch.no_grad():  # biases at the weights' scale (HF's are zeros, where a stray one would not show)
+        for name, p in base.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.1)
+    hi, lo = step_with_unused(copy.deepcopy(base).float()), step_with_unused(copy.deepcopy(base).bfloat16())
+    model = coda_agent.apply_to_model(copy.deepcopy(base).bfloat16())
+    assert len(model.coda_flags["gelu_tanh_mlp"]) == 2
+    got = step_with_unused(model)
+    unread = [k for k in hi if k.startswith("d ") and not hi[k].any()]  # the dense biases the forward skips
+    assert "d transformer.h.0.mlp.dense_4h_to_h.bias" in unread and not any(got[k].any() for k in unread)
+    assert_like_hf(*({k: v for k, v in d.items() if k not in unread} for d in (got, hi, lo)))

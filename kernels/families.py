@@ -280,7 +280,7 @@ def llama_architecture(model: nn.Module, keep_mlp: bool = False) -> tuple[nn.Mod
         attn = getattr(layer, "self_attn", None)
         if not isinstance(attn, nn.Module):
             raise KernelError(f"{type(layer).__name__} has no self_attn module; apply_to_llama patches decoder "
-                              "layers of LLaMA's shape")
+                              f"layers of LLaMA's shape{NO_DROP_IN}")
         # The attention's own rotation may be any: the patched layer calls it wherever RoPE stays
         # HF's, and fuses RoPE into the QKV epilogue only where a probe finds a rotation the epilogue
         # computes (rotation_layout), so a copy of LLaMA's attention with an interleaved rotation
@@ -337,7 +337,7 @@ def llama_architecture(model: nn.Module, keep_mlp: bool = False) -> tuple[nn.Mod
     if unknown_norm is not None:
         raise KernelError(f"{type(unknown_norm).__name__}.forward computes something other than LLaMA's RMSNorm (or "
                           f"Gemma's, 1 + w) ({type(model).__name__} is not a LLaMA-architecture model); "
-                          "apply_to_llama would replace it with LLaMA's")
+                          f"apply_to_llama would replace it with LLaMA's{NO_DROP_IN}")
     if len(offsets) > 1:
         raise KernelError("the layers mix LLaMA's and Gemma's RMSNorms; apply_to_llama patches one kind")
     for what, module, want, owner in checks:

@@ -167,10 +167,9 @@ def gpt2_architecture(model: nn.Module, keep_mlp: bool = False) -> tuple[nn.Modu
             if getattr(block.attn, "multi_query", True):
                 raise KernelError(f"{name} is GPTBigCode (SantaCoder, StarCoder): its multi-query c_attn is "
                                   "(H + 2 * head_dim, H), and the ln_qkv kernel's task declares (3H, H) for GPT-2's "
-                                  "q, k and v of equal widths; keep this model unpatched")
+                                  f"q, k and v of equal widths{NO_DROP_IN}")
             raise KernelError(f"{name} is GPTBigCode with multi_query=False: GPT-2's widths, but its own attention "
-                              "and nn.Linear projections, which apply_to_gpt2 does not read; keep this model "
-                              "unpatched")
+                              f"and nn.Linear projections, which apply_to_gpt2 does not read{NO_DROP_IN}")
         if hasattr(block, "crossattention"):
             raise KernelError(f"h.{i} has cross-attention (add_cross_attention=True), which the patched block does "
                               "not run; build the model without it")

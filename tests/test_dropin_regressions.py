@@ -12,6 +12,10 @@ model in fp32, within twice HF's own bf16 error, or the refusal with its fix.
   is passed by (``apply_to_model``) or refused with the flag (``apply_to_gpt2``).
 - BLOOM's MLP with ``pretraining_tp > 1`` and ``slow_but_exact`` sums the projection's slices with
   no bias: the kernel added ``dense_4h_to_h.bias`` all the same.
+- Refusals by a drop-in of whole layers that did not name the way on: a decoder layer without
+  ``self_attn`` (JetMoE, the hybrids), a norm that is not LLaMA's (Nemotron's LayerNorm1P), and
+  GPT-BigCode under ``apply_to_gpt2``, which said "keep this model unpatched" where
+  ``apply_to_model`` patches its MLPs and head.
 """
 
 from __future__ import annotations
@@ -120,3 +124,18 @@ def test_blooms_tensor_parallel_mlp_adds_no_projection_bias():
     unread = [k for k in hi if k.startswith("d ") and not hi[k].any()]  # the dense biases the forward skips
     assert "d transformer.h.0.mlp.dense_4h_to_h.bias" in unread and not any(got[k].any() for k in unread)
     assert_like_hf(*({k: v for k, v in d.items() if k not in unread} for d in (got, hi, lo)))
+
+
+@pytest.mark.parametrize(("drop_in", "cls_name", "config", "flags"), [
+    ("apply_to_llama", "JetMoeForCausalLM", dict(intermediate_size=256, num_local_experts=4, num_experts_per_tok=2,
+                                                 kv_channels=32), {}),
+    ("apply_to_llama", "NemotronForCausalLM", dict(intermediate_size=256, num_key_value_heads=2), {"swiglu": False}),
+    ("apply_to_gpt2", "GPTBigCodeForCausalLM", dict(n_embd=128, n_head=4, n_layer=2), {}),
+    ("apply_to_gpt2", "GPTBigCodeForCausalLM", dict(n_embd=128, n_head=4, n_layer=2, multi_query=False), {})],
+    ids=["JetMoE", "Nemotron", "GPT-BigCode", "GPT-BigCode-MHA"])
+def test_a_layer_drop_ins_refusal_names_apply_to_model(drop_in, cls_name, config, flags):
+    model = tiny_model(cls_name, **config).bfloat16()
+    with pytest.raises(KernelError, match=r"coda_agent\.apply_to_model\(model\) patches the modules"):
+        getattr(coda_agent, drop_in)(model, **flags)
+    patched = coda_agent.apply_to_model(model)  # which does patch something of each
+    assert any(v for k, v in patched.coda_flags.items())

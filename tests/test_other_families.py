@@ -13,8 +13,8 @@ the QKV projection with biases, the first R of each head's columns rotated, forw
 Primer (squared-ReLU MLP) and the z-loss (``zloss``: the LM-head cross-entropy with label
 smoothing, PaLM's z-loss and ignored targets); and RWKV's channel mix (``rwkv``: a receptance gate
 from one GEMM's output on another's, squared ReLU), Mamba-2's gated RMSNorm into its out projection
-(``mamba``: a norm no GEMM produces the input of, its statistic read off the output in the
-backward), Qwen3-Next's gated attention output into o_proj (``qwen3_next``: the gate on the A
+(``mamba``: a norm no GEMM produces the input of, its backward's projection nearly cancelling in
+outlier channels), Qwen3-Next's gated attention output into o_proj (``qwen3_next``: the gate on the A
 side, h's gradient dy itself), MiniCPM's width-scaled LM head (``minicpm``: a param of an int and
 a shape, a vocabulary no logits row takes unpadded), CLIP's quick_gelu MLP (``clip``: an activation
 and its derivative composed from the vocabulary) and Apertus's xIELU MLP (``apertus``: two trained
@@ -54,8 +54,7 @@ SLIPS = [
                                              "pack(e * c - o * s, e * s + o * c)")]),
     ("rwkv", "relu_dropped_from_the_derivative", [("2.0 * acc * maximum(pre, 0.0)", "2.0 * acc * pre")]),
     ("rwkv", "gate_derivative_as_the_gate", [("dy * kv * sigmoid_grad(r)", "dy * kv * sigmoid(r)")]),
-    ("mamba", "norm_statistic_left_out", [("dg = rstd * acc * w - g * rstd * rstd * s * inv_dim",
-                                           "dg = rstd * acc * w")]),
+    ("mamba", "norm_statistic_left_out", [("dg = rstd * (dn - g * rstd * s * inv_dim)", "dg = rstd * dn")]),
     ("mamba", "gate_outside_the_norm", [("return {\"D\": g * w, \"sqsum\": g * g}",
                                          "return {\"D\": g * w, \"sqsum\": y * y}")]),
     ("qwen3_next", "gate_gradient_without_o", [("acc * o * sigmoid_grad(gate)", "acc * sigmoid_grad(gate)")]),

@@ -49,9 +49,10 @@ def allocator_settings() -> None:
 def main(events_fd: int, compiles: bool) -> int:
     """``compiles``: the checks may run the compile stage, so the runner zygote loads the compile
     lowering's libraries once (:mod:`.zygote`)."""
-    from coda_agent.verifier import sandbox
+    from coda_agent.verifier import sandbox, strays
 
     ctypes.CDLL(None).prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
+    strays.adopt()  # no process a runner starts leaves the judge's tree (strays.py)
     allocator_settings()
     sandbox.prune_kernel_caches(time.time())
     zygote = None

@@ -28,6 +28,7 @@ from typing import Any, Sequence
 from coda_agent import storage
 from coda_agent.verifier import cache as verdict_cache
 from coda_agent.verifier import sandbox
+from coda_agent.verifier import strays
 from coda_agent.verifier.disk import DiskWatch
 from coda_agent.verifier.program import CandidateError
 from coda_agent.verifier.trees import remove_tree
@@ -110,6 +111,7 @@ class Remote:
                 pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=log_w, stderr=log_w, env=env,
                 cwd=self.plan.scratch)
             self.pid = self.proc.pid
+        strays.register(self.pid)  # what it leaves behind ends when it ends (strays.py)
         theirs.close()
         os.close(log_w)
         self.disk = DiskWatch([self.plan.scratch, *self.plan.writable], self.pid)  # disk.py
@@ -204,20 +206,22 @@ class Remote:
 
     def kill(self) -> None:
         self.dead = True
-        if self.exit_status is not None:
-            return
-        for target in (lambda: os.killpg(self.pid, signal.SIGKILL), lambda: os.kill(self.pid, signal.SIGKILL)):
-            try:
-                target()
-            except (ProcessLookupError, PermissionError):
-                pass
-        self._status(10.0)
+        if self.exit_status is None:
+            for target in (lambda: os.killpg(self.pid, signal.SIGKILL), lambda: os.kill(self.pid, signal.SIGKILL)):
+                try:
+                    target()
+                except (ProcessLookupError, PermissionError):
+                    pass
+            self._status(10.0)
+        strays.release(self.pid)  # the processes it started that left its session
 
     def close(self) -> None:
         """End the runner (it exits when its channel closes), reap it, remove its scratch directory."""
         self.channel.close()
         if self._status(10.0) is None:
             self.kill()
+        else:
+            strays.release(self.pid)
         self.disk.stop()
         remove_tree(self.plan.scratch)
         if self.disk.over:  # what it wrote there would outlive the check

@@ -48,8 +48,9 @@ secrets out of files on verifier machines); from a GPU runner, or a CPU runner b
 CPU runner's namespace hides them), it can also signal root's processes:
 killing the judge is a rejection, never the verifier's error (:mod:`.harness`), a
 stopped zygote is replaced (:mod:`.zygote`), but it could kill other
-processes of the machine, and a child it starts that leaves the runner's
-session outlives the check.  With layer 1 alone (``CODA_SANDBOX=none``, or a
+processes of the machine.  A child it starts that leaves the runner's session
+stays below the judge, its subreaper, which ends it when the runner ends
+(:mod:`.strays`).  With layer 1 alone (``CODA_SANDBOX=none``, or a
 harness that does not run as root) the program runs as the judge's user,
 unconfined: it could overwrite files others read later (cached verdicts are
 signed, :mod:`.cache`, with a key that user can read) or interfere with other

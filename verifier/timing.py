@@ -63,9 +63,11 @@ and ``Target.vs_compile`` and is ``slow`` when it misses either (the outcome
 ``correct_slow``), with a performance report: per-catalogue-launch device
 time and configuration from one profiled call, and what is over budget.
 
-What it does not guarantee: a process the runner started that left its session
-(a GPU runner shares the judge's PID namespace) outlives the runner and may
-slow both timings of the baselines alike.  Work that escapes the program's events is caught
+A process the runner started that left its session (a GPU runner shares the
+judge's PID namespace) ends with the runner (:mod:`.strays`), before the
+baselines are timed alone.
+
+What it does not guarantee: work that escapes the program's events is caught
 only past :data:`HIDDEN_TOLERANCE` of its time (an honest program's power draw
 costs it up to about 11% back to back, and the two cannot be told apart).
 GPU work a runner leaves running after it answers

@@ -108,6 +108,8 @@ def misses(got: dict, hi: dict, lo: dict) -> list[tuple[str, float]]:
             out.append((k, float("inf")))
             continue
         g, h, lo_ = got[k].float(), hi[k].float(), lo[k].float()
+        if not torch.isfinite(h).all():  # the fp32 model overflows itself (a loud variant): no truth to judge by
+            continue
         if not torch.isfinite(g).all():
             out.append((k, float("inf")))
             continue

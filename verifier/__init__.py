@@ -93,9 +93,10 @@ What each stage guarantees, and what it does not:
   over back-to-back blocks bounding every contender's time from below; a
   fresh recomputation after timing; the baselines timed again with the
   runner ended, no baseline in the verdict more than 10% over its time alone
-  (a runner that kept the GPU busy while idle slowed the baselines alone).  Guaranteed: the time the verdict uses is
-  no less than the judge measured from outside, so uncovered side streams,
-  deferred work and patched timers buy nothing; faster than the plain GEMMs by
+  (a runner that kept the GPU busy while idle slowed the baselines alone).
+  Guaranteed: the time the verdict uses is no less than the judge measured
+  from outside, so uncovered side streams, deferred work and patched timers
+  buy nothing; faster than the plain GEMMs by
   more than 10% is a rejection; meeting ``Target.vs_gemm`` and
   ``Target.vs_compile`` is accepted, missing either ``correct_slow`` with a
   performance report.  Not guaranteed: GPU work the runner leaves running
@@ -136,7 +137,8 @@ the program's sha256, the outcome, the task, the static and reference stages
 passed) is checked before ``review``, ``export`` or ``load_kernel`` trusts it.
 
 Disk: what a runner's writable directories hold is bounded by the judge
-(:mod:`.disk`).  Time: the program's running time (``timeout_s``) and each load
+(:mod:`.disk`).  Processes: what a runner starts stays below the judge and ends
+with the runner, whichever session it moved to (:mod:`.strays`).  Time: the program's running time (``timeout_s``) and each load
 (``load_timeout_s``) are limited by the judge; time spent waiting for the GPU
 lock (:mod:`.gpu_lock`) never counts.  A crash, a hang, a killed judge: each
 is the verdict of the stage it happened in, and so is a runner reply the

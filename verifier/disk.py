@@ -19,9 +19,10 @@ is not root) the runner can write wherever its user can.
 from __future__ import annotations
 
 import os
-import signal
 import threading
 from typing import Sequence
+
+from coda_agent.verifier.strays import kill_group
 
 RUNNER_DISK_BYTES = 2 << 30  # an honest runner's caches and cubins take megabytes
 RUNNER_FILES = 100_000
@@ -71,11 +72,7 @@ class DiskWatch:
             self.over = (f"the judge killed it: it wrote {used / 2**30:.1f} GiB in {entries} files and folders "
                          f"to its scratch directory and kernel cache, past the {RUNNER_DISK_BYTES / 2**30:.0f} GiB "
                          f"in {RUNNER_FILES} a runner may write (a program writes no files)")
-            for kill in (lambda: os.killpg(self.pid, signal.SIGKILL), lambda: os.kill(self.pid, signal.SIGKILL)):
-                try:
-                    kill()
-                except (ProcessLookupError, PermissionError):
-                    pass
+            kill_group(self.pid)
             return
 
     def stop(self) -> None:

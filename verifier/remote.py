@@ -207,11 +207,7 @@ class Remote:
     def kill(self) -> None:
         self.dead = True
         if self.exit_status is None:
-            for target in (lambda: os.killpg(self.pid, signal.SIGKILL), lambda: os.kill(self.pid, signal.SIGKILL)):
-                try:
-                    target()
-                except (ProcessLookupError, PermissionError):
-                    pass
+            strays.kill_group(self.pid)
             self._status(10.0)
         strays.release(self.pid)  # the processes it started that left its session
 

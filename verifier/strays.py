@@ -44,6 +44,15 @@ def adopt() -> bool:
     return _adopted
 
 
+def kill_group(pid: int) -> None:
+    """SIGKILL runner ``pid``'s process group, and ``pid`` itself where it is no group's leader (yet)."""
+    for kill in (lambda: os.killpg(pid, signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)):
+        try:
+            kill()
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
 def register(pid: int) -> None:
     """A runner started: its session is kept until :func:`release`."""
     _live.add(pid)
@@ -51,7 +60,10 @@ def register(pid: int) -> None:
 
 def release(pid: int) -> int:
     """A runner ended (and was reaped): end what it left below this process.  Returns how many
-    processes that ended (0 where this process did not :func:`adopt`)."""
+    processes that ended (0 where this process did not :func:`adopt`, or where ``pid`` was released
+    already: a sweep ends when none is left, so a runner's strays take one)."""
+    if pid not in _live:
+        return 0
     _live.discard(pid)
     return end_strays(runner=pid) if _adopted else 0
 

@@ -308,21 +308,33 @@ class Times(NamedTuple):
     back_to_back: dict[str, float]  # the judge's wall clock over a block, per call
 
 
-def _measure(check: Check, contenders: dict[str, Any], spin: float, host_ms: float, details: dict[str, Any],
-             shape_set: str) -> Times:
+def _per_call(check: Check, contenders: dict[str, Any], spin: float) -> dict[str, list[float]]:
+    """Each contender's event times, one call of each per round in a fresh random order."""
     names = list(contenders)
     events: dict[str, list[float]] = {n: [] for n in names}
     for rep in range(check.reps):
         for name in check.rng.sample(names, len(names)):
             events[name].append(contenders[name].timed(spin, rep))
-    event_ms = {n: median(v) for n, v in events.items()}
-    ping_ms = min(PING_CAP_MS, min(_ping(check) for _ in range(5)))
-    n_calls = _block_calls(check, event_ms, host_ms, shape_set)
+    return events
+
+
+def _blocks(check: Check, contenders: dict[str, Any], n_calls: int, ping_ms: float) -> dict[str, list[float]]:
+    """Each contender's wall time per call over blocks of ``n_calls``, one block of each per round."""
+    names = list(contenders)
     walls: dict[str, list[float]] = {n: [] for n in names}
     for _ in range(BLOCK_ROUNDS):
         for name in check.rng.sample(names, len(names)):
             contenders[name].ready()
             walls[name].append(contenders[name].block(n_calls, ping_ms if name == "program" else 0.0))
+    return walls
+
+
+def _measure(check: Check, contenders: dict[str, Any], spin: float, host_ms: float, details: dict[str, Any],
+             shape_set: str) -> Times:
+    event_ms = {n: median(v) for n, v in _per_call(check, contenders, spin).items()}
+    ping_ms = min(PING_CAP_MS, min(_ping(check) for _ in range(5)))
+    n_calls = _block_calls(check, event_ms, host_ms, shape_set)
+    walls = _blocks(check, contenders, n_calls, ping_ms)
     wall_ms = {n: median(v) for n, v in walls.items()}
     details["event_ms"] = {n: round(v, 4) for n, v in event_ms.items()}
     details["wall_ms"] = {n: round(v, 4) for n, v in wall_ms.items()}
@@ -333,20 +345,11 @@ def _measure(check: Check, contenders: dict[str, Any], spin: float, host_ms: flo
 
 
 def _solo(check: Check, baselines: dict[str, "_Local"], n_calls: int) -> Times:
-    """The baselines timed again as :func:`_measure` times them, with no process of the program's
-    left (module docstring, 6)."""
+    """The baselines timed again as :func:`_measure` times them (blocks of the same size; a baseline
+    spins by its own enqueue time), with no process of the program's left (module docstring, 6)."""
     torch.cuda.synchronize()
     time.sleep(SOLO_SETTLE_S)  # the ended runner's context is torn down by the driver
-    names = list(baselines)
-    events: dict[str, list[float]] = {n: [] for n in names}
-    for rep in range(check.reps):
-        for name in check.rng.sample(names, len(names)):
-            events[name].append(baselines[name].timed(0.0, rep))
-    walls: dict[str, list[float]] = {n: [] for n in names}
-    for _ in range(BLOCK_ROUNDS):
-        for name in check.rng.sample(names, len(names)):
-            baselines[name].ready()
-            walls[name].append(baselines[name].block(n_calls, 0.0))
+    events, walls = _per_call(check, baselines, 0.0), _blocks(check, baselines, n_calls, 0.0)
     return Times({n: median(v) for n, v in events.items()}, {n: median(v) for n, v in walls.items()})
 
 

@@ -130,6 +130,28 @@ def test_an_element_that_carries_the_noise_is_judged_by_more_samples_of_it():
     assert compare("dgamma", "s", quiet, hi, lo, tol, noise=noise) is not None
 
 
+def test_the_norm_of_a_scalar_is_judged_on_the_second_look_as_its_element_is():
+    """A one-element result (a trained slope's gradient, summed over every token) has a norm as noisy
+    as its one sample: an honest error of 3 sigmas of the reference's noise failed a norm rule at
+    twice that noise, where the max rule lets an element reach 6; over many elements the norm rule
+    keeps its bar, and past the max rule's a scalar still fails."""
+    hi = torch.tensor([192.0], dtype=torch.float64)
+    lo = hi + 1.0
+    sigma = torch.tensor([2.0], dtype=torch.float64)
+    noise = Noise(rms=sigma, norm=2.0, mean=2.0, se=2.0)
+    tol = Tolerance()
+    assert compare("dalpha", "s", hi + 6.5, hi, lo, tol, noise=noise) is None  # 3.25 sigmas
+    assert compare("dalpha", "s", hi + 13.0, hi, lo, tol, noise=noise) is not None  # 6.5 sigmas
+    # 1024 elements each at half its own noise's max-rule bar: together 3 times the noise's norm
+    g = torch.Generator().manual_seed(3)
+    many = torch.randn(1024, generator=g, dtype=torch.float64)
+    rms = torch.full((1024,), 1e-3, dtype=torch.float64)
+    wide = Noise(rms=rms, norm=float(rms.norm()), mean=0.0, se=float(rms.norm()) / 1024)
+    drift = many + 3.0 * rms * torch.sign(torch.randn(1024, generator=g, dtype=torch.float64))
+    m = compare("dx", "s", drift, many, many + 1e-4, Tolerance(rel_norm=0.0), noise=wide)
+    assert m is not None and m.pattern.startswith("every element within the limit")
+
+
 def test_the_gpt2_mlp_blocks_expert_passes_every_outlier_draw_the_first_look_alone_fails():
     """The honest expert's dgamma at an outlier channel's column errs as much as the reference
     does, and in about one draw in twenty more than twice the reference's one sample there: the verdict's second

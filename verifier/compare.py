@@ -47,6 +47,8 @@ Where one element carries most of a tensor's noise (a weight gradient's
 column fed by an outlier channel), the reference's error there is one sample,
 and the max rule is a coin toss; a result that fails by the size of its
 errors alone is judged again with more samples of that noise (:mod:`.noise`).
+There the norm rule over a few elements (a scalar gradient) widens toward the max
+rule's bar (:func:`few`): a norm of one sample is as noisy as the sample.
 
 The pattern (odd columns, ragged last rows, NaN...) is the most useful thing in
 the feedback: it points at the pairing, the masking or the unwritten tile.
@@ -90,6 +92,18 @@ def norm64(t: torch.Tensor, rows: int | None = None) -> torch.Tensor:
                       for c in t.reshape(-1, rows).split(max(1, NORM_SLICE // max(rows, 1)))])
 
 
+def few(n: int, noise: Noise | None) -> float:
+    """How much wider the norm rule's bar stands over ``n`` elements on the second look: SIGMAS /
+    sqrt(n), at least 1.  The norm of n samples of noise spreads like a chi with n degrees of freedom:
+    over many elements ``dense_factor`` times the noise's RMS norm is a wide margin, over one it is
+    two of its sigmas, which an honest scalar (a trained slope's gradient, a sum over every token)
+    exceeds by chance.  Over one element the bar is then ``dense_factor * SIGMAS`` of its noise, the
+    max rule's at the default factor: the norm of a few elements asks no more than the max rule asks
+    of each.  The first look, one sample of that noise, keeps its bar (a result that fails it is
+    looked at again)."""
+    return max(1.0, SIGMAS / max(n, 1) ** 0.5) if noise is not None else 1.0
+
+
 def compare(name: str, shape_set: str, out, hi: torch.Tensor, lo: torch.Tensor, tol: Tolerance,
             poisoned: bool = False, noise: Noise | None = None, rows: bool = False) -> Mismatch | None:
     """None when ``out`` passes; else a Mismatch saying where it differs.  ``noise``: more
@@ -129,7 +143,7 @@ def compare(name: str, shape_set: str, out, hi: torch.Tensor, lo: torch.Tensor, 
     rel_lo = max(float(norm64(lo_err)), noise.norm if noise else 0.0) / hnorm
     if nan.any():
         rel = float("nan")
-    if bad.any() or not rel <= max(tol.rel_norm, tol.dense_factor * rel_lo):
+    if bad.any() or not rel <= max(tol.rel_norm, tol.dense_factor * rel_lo * few(h.numel(), noise)):
         return _mismatch(name, shape_set, diff, bad, nan, allowed, rel, o, poisoned=poisoned, ref=h)
     lo = lo.to(h.device, work)
     del diff, bad, nan, bar  # the whole-row rule's temporaries take their place on a large GPU set

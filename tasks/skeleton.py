@@ -18,7 +18,9 @@ input (F.layer_norm's and F.rms_norm's, on the input or a cast of it, and a norm
 written out as HF writes RMSNorm: :data:`.recorder.STATS`), the inputs an angle
 of ``sin``/``cos`` is made of (positions and frequencies), a cross-entropy's
 targets and an index's inputs are drawn as what they are
-(:class:`.recorder.Call` sees each use).  A reference with a kink (``relu``,
+(:class:`.recorder.Call` sees each use); a float input whose shape holds no
+token size (a bias, a per-channel scale, a trained scalar) is a model's
+parameter, ``role: weight``.  A reference with a kink (``relu``,
 ``clamp``, ``abs``, ...) and gradients gets a comment on the tolerance of the
 gradients through it.
 
@@ -285,6 +287,35 @@ def _rotary_roles(rotary: set[str], inputs: dict[str, tuple[list[str], str]], bi
     return {k: "positions" if k in positions else "frequencies" for k in sorted(rotary)}
 
 
+def _token_sizes(inputs: dict[str, tuple[list[str], str]], fan_in: dict[str, str]) -> set[str]:
+    """The symbols of the token axis: the leading size of each input of two or more dimensions
+    that is no matmul's right operand (``x=T,H``; ``h=B,S,H`` gives B)."""
+    from .expr import expr_symbols
+
+    return set().union(*(expr_symbols(dims[0]) for k, (dims, _) in inputs.items() if len(dims) > 1 and k not in fan_in))
+
+
+def _parameters(inputs: dict[str, tuple[list[str], str]], fan_in: dict[str, str], known: set[str]) -> list[str]:
+    """The float inputs (other than ``known``'s) that are a model's parameters though no matmul
+    takes them as its right operand: those whose shape holds no token size (:func:`_token_sizes`;
+    where no input has a token axis, those of a fixed size).  Activations follow the tokens; a
+    bias (N), a per-channel scale (H) and a trained scalar (1) do not.  As activations the judge's
+    scaled draw took them to 2^12 times their scale whole (a softplus slope at -90 has a gradient
+    under fp32's smallest normal); as parameters it spreads their elements over a trained model's
+    values."""
+    from .expr import expr_symbols
+
+    tokens = _token_sizes(inputs, fan_in)
+    found = []
+    for k, (dims, dtype) in inputs.items():
+        if dtype.startswith("int") or k in fan_in or k in known:
+            continue
+        sizes = set().union(*(expr_symbols(d) for d in dims))
+        if not (sizes & tokens if tokens else sizes):
+            found.append(k)
+    return found
+
+
 def _flow(value: Any) -> str:
     return yaml.safe_dump(value, default_flow_style=True, width=10_000, sort_keys=False).strip().removesuffix("...").strip()
 
@@ -328,6 +359,12 @@ def skeleton(name: str, reference: str, folder: Path, shapes: dict[str, dict[str
     if norms:
         named = {what: [k for k, v in norms.items() if v == what] for what in NORM_INITS}
         lines.append("  # " + "; ".join(f"{', '.join(ks)}: {NORM_NOTES[what]}" for what, ks in named.items() if ks))
+    fixed = _parameters(inputs, fan_in, set(norms))
+    if fixed:
+        tokens = ", ".join(sorted(_token_sizes(inputs, fan_in))) or "size the shape sets bind"
+        lines.append(f"  # {', '.join(fixed)}: no token size ({tokens}) in the shape, so a model's parameter (a "
+                     "bias, a per-channel scale, a trained scalar), drawn and varied as one: the judge spreads a "
+                     "parameter's elements over a trained model's values, where it scales an activation whole")
     for k, (dims, dtype) in inputs.items():
         init: dict[str, Any] = {"dist": "normal", "scale": 1.0}
         entry: dict[str, Any] = {"shape": dims, "dtype": dtype}
@@ -336,6 +373,8 @@ def skeleton(name: str, reference: str, folder: Path, shapes: dict[str, dict[str
         elif k in norms:
             role, init = NORM_INITS[norms[k]]
             entry.update({"role": role} if role else {})
+        elif k in fixed:
+            entry["role"] = "weight"
         if dtype.startswith("int"):
             role, init = _index_init(k, targets, ranges, specials, norms.get(k) == "positions")
             entry.update({"role": role} if role else {})

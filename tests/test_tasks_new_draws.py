@@ -180,3 +180,42 @@ def test_new_finds_a_norm_written_by_hand_or_on_a_cast(tmp_path, monkeypatch, fn
     assert r.exit_code == 0, r.output
     raw = yaml.safe_load(Path(f"{fn}.yaml").read_text())
     assert {k: raw["inputs"][k]["init"] for k in want} == want
+
+
+PARAMETERS = """import torch
+import torch.nn.functional as F
+
+
+def dyt(x, alpha, w):
+    return {"y": F.linear(torch.tanh(F.softplus(alpha) * x), w)}
+
+
+def scaled_linear(h, w, b, gain):
+    return {"y": F.gelu(F.linear(h, w, b)) * gain}
+
+
+def vector(v, alpha):
+    return {"y": torch.tanh(alpha * v)}
+"""
+
+
+@pytest.mark.parametrize(("fn", "inputs", "grads", "want"), [
+    ("dyt", ["x=T,H", "alpha=1", "w=N,H"], "x,alpha,w", {"alpha"}),
+    ("scaled_linear", ["h=B,S,H", "w=N,H", "b=N", "gain=N"], "h,w,b,gain", {"b", "gain"}),
+    ("vector", ["v=T", "alpha=1"], "v,alpha", {"alpha"}),
+])
+def test_new_takes_an_input_without_a_token_size_for_a_models_parameter(tmp_path, monkeypatch, fn, inputs, grads,
+                                                                        want):
+    """A bias (N), a per-channel gain (N) and a trained scalar (DyT's alpha, xIELU's slopes) hold no
+    token size: each is a model's parameter, drawn and varied as a weight; left an activation, the
+    judge's scaled draw took a slope to thousands, where an honest fp32 softplus gradient
+    underflows.  With no input of two dimensions to show the token axis, only a fixed size tells."""
+    monkeypatch.chdir(tmp_path)
+    Path("ref.py").write_text(PARAMETERS)
+    r = cli("tasks", "new", fn, "--reference", f"ref.py:{fn}", *[a for i in inputs for a in ("--input", i)],
+            "--gradients", grads, "--shapes", "small=T:64,B:2,S:32,H:32,N:48")
+    assert r.exit_code == 0, r.output
+    text = Path(f"{fn}.yaml").read_text()
+    roles = {k: v.get("role") for k, v in yaml.safe_load(text)["inputs"].items()}
+    assert {k for k, v in roles.items() if v == "weight"} - {"w"} == want, roles
+    assert f"{', '.join(sorted(want, key=list(roles).index))}: no token size" in text

@@ -145,12 +145,27 @@ def test_the_sets_checked_on_a_cpu_and_on_a_gpu(rms):
     assert cpu == ["small", "ragged", "ragged+256", "small+odd", "small+short"] and "llama3-70b" in skipped
     forced = spec.model_copy(update={"cpu_shape_sets": ["llama3-8b-4k"]})
     assert "llama3-8b-4k" in checked_sets(forced, None, None)[0]
-    h200, skipped = checked_sets(spec, None, 141 << 30)  # the small sets are the CPU's alone
-    assert skipped == [] and set(h200) == set(spec.shapes) - {"small+odd", "small+short"} and h200[-1] == "llama3-70b"
+    h200, skipped = checked_sets(spec, None, 141 << 30)  # the small sets too: a device tell gains nothing
+    assert skipped == [] and set(h200) == set(spec.shapes) and h200[-3:] == ["llama3-70b", "small+odd", "small+short"]
     small_gpu, skipped = checked_sets(spec, None, 24 << 30)
     assert "llama3-70b" in skipped and "llama3-1b" in small_gpu
     named, _ = checked_sets(spec, ["small"], 141 << 30)
-    assert named == ["small", "ragged+256"]  # the beyond set is never left out
+    assert named == ["small", "ragged+256", "small+odd", "small+short"]  # the drawn sets are never left out
+
+
+def test_the_performance_stage_times_named_sets_never_the_small_ones(rms, monkeypatch):
+    """The correctness stage checks the drawn small sets on the GPU too; the timing takes the named
+    sets that fit, largest first, and where none fits the largest drawn one (the beyond set)."""
+    from types import SimpleNamespace
+
+    spec = with_drawn_sets(rms.spec)
+    check = SimpleNamespace(spec=spec, shape_sets=None, task=rms)
+    for total, want in ((141 << 30, ["llama3-70b", "llama3-8b", "llama3-1b", "llama3-8b-4k", "ragged", "small"]),
+                        (1 << 20, None)):
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _, t=total: SimpleNamespace(total_memory=t))
+        got = timing._timing_sets(check)
+        assert got == (want or ["ragged+256"]), got
+        assert checked_sets(spec, None, total)[0][-2:] == ["small+odd", "small+short"]
 
 
 def test_gradients_may_come_in_fp32(task):

@@ -1,5 +1,5 @@
 """Which shape sets a check runs: the task's named sets that fit the machine, a set beyond them
-drawn per check, and on the CPU two sets of small sizes.
+drawn per check, and two sets of small sizes.
 
 **Shape sets** (:func:`checked_sets`): every named set of the task that fits
 (on the GPU, by the device's *total* memory, so a program cannot starve the
@@ -23,7 +23,7 @@ Sizes a shape multiplies by another symbol (the head width ``D`` of
 extent, and a head 384 wide is a model nobody trains (the head statistics
 need whole heads in one tile, which quack's tiles cap at 256 columns).
 
-On the CPU two more sets are drawn: the CPU set with every size that no
+Two more sets are drawn: the CPU set with every size that no
 tensor needs aligned (:func:`free_symbols`: a token count, which is only ever
 a tensor's leading dimension) an odd number below its own (:func:`odd_set`),
 and those sizes short and aligned (:func:`short_set`: a multiple of 8 below the
@@ -31,8 +31,12 @@ CPU set's, a few decode steps' or a short prompt's).  Every other set's
 sizes keep their alignment and start at the CPU set's, so without them every
 checked token count is a multiple of 8 and at least 256, and a program wrong
 at the others (``M % 8`` or ``M < 256`` in its host code: a decode step, a
-short prompt) passes.  They are the CPU's alone: the GPU stages
-check the sizes a task names.  An fp8 task has no such sizes: its backward
+short prompt) passes.  The GPU's correctness stage checks them too (they
+are small: a second or two of its time), so that a program which tells the
+device it runs on (``x.is_cuda``, which the static rules refuse by name, or
+anything else that differs between the two) is held at those sizes on the GPU
+as on the CPU; the performance stage times the sizes a task names.  An fp8
+task has no such sizes: its backward
 GEMMs take the token count as K in both operands' contiguous dimension (fp8
 WGMMA reads K-major only), where TMA needs 16-byte rows.
 """
@@ -126,7 +130,7 @@ def free_symbols(spec: TaskSpec) -> set[str]:
 
 
 def odd_set(spec: TaskSpec, rng: random.Random | None = None) -> tuple[str, dict[str, int]] | None:
-    """The CPU's set of odd sizes (module docstring): the CPU set with each of
+    """The set of odd sizes (module docstring): the CPU set with each of
     :func:`free_symbols` an odd number below its own there (drawn with ``rng``, the judge's;
     without it the largest; sizes bound equal stay equal); None for a task without such sizes."""
     free = free_symbols(spec)
@@ -138,7 +142,7 @@ def odd_set(spec: TaskSpec, rng: random.Random | None = None) -> tuple[str, dict
 
 
 def short_set(spec: TaskSpec, rng: random.Random | None = None) -> tuple[str, dict[str, int]] | None:
-    """The CPU's set of short aligned sizes (module docstring): the CPU set with each of
+    """The set of short aligned sizes (module docstring): the CPU set with each of
     :func:`free_symbols` a multiple of 8 below its own there (drawn with ``rng``, the judge's;
     without it 8); None for a task without such sizes."""
     free = free_symbols(spec)
@@ -150,7 +154,7 @@ def short_set(spec: TaskSpec, rng: random.Random | None = None) -> tuple[str, di
 
 
 def small_sets(spec: TaskSpec, rng: random.Random | None = None) -> list[tuple[str, dict[str, int]]]:
-    """The CPU's drawn sets below the CPU set's sizes: :func:`odd_set` and :func:`short_set`."""
+    """The drawn sets below the CPU set's sizes: :func:`odd_set` and :func:`short_set`."""
     return [s for s in (odd_set(spec, rng), short_set(spec, rng)) if s is not None]
 
 
@@ -175,10 +179,10 @@ def set_label(spec: TaskSpec, shape_set: str) -> str:
 
 
 def checked_sets(spec: TaskSpec, named: list[str] | None, device_bytes: int | None) -> tuple[list[str], list[str]]:
-    """(sets to check, smallest first but the CPU's small sets last; named sets skipped as too
+    """(sets to check, smallest first but the small sets last; named sets skipped as too
     large).  ``spec`` must hold the drawn sets (:func:`with_drawn_sets`); ``named`` restricts
     the named sets (None: all); ``device_bytes`` is the GPU's total memory, None for the CPU
-    checks (which add the small sets)."""
+    checks."""
     beyond, small = _drawn(spec)
     names = [s for s in spec.shapes if s != beyond and s not in small and (named is None or s in named)]
     if device_bytes is None:
@@ -187,5 +191,5 @@ def checked_sets(spec: TaskSpec, named: list[str] | None, device_bytes: int | No
         fits = [s for s in names if judge_bytes(spec, s) <= device_bytes]
     skipped = [s for s in names if s not in fits]
     # The small sets last: a failure on the task's own sets says more to whoever wrote the program.
-    last = [s for s in small if s in spec.shapes] if device_bytes is None else []
+    last = [s for s in small if s in spec.shapes]
     return sorted(fits + [beyond], key=spec.flops) + last, skipped

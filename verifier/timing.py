@@ -160,7 +160,7 @@ def _timing_sets(check: Check) -> list[str]:
     total = torch.cuda.get_device_properties(0).total_memory
     sets, _ = checked_sets(check.spec, check.shape_sets, total)
     named = [s for s in sets if s in check.task.spec.shapes]
-    return sorted(named or sets[-1:], key=check.spec.flops, reverse=True)
+    return sorted(named or [max(sets, key=check.spec.flops)], key=check.spec.flops, reverse=True)
 
 
 def _plain_gemms(spec: Any, shape_set: str) -> Callable[[], Any]:

@@ -130,7 +130,8 @@ def check(paths: List[Path] = typer.Argument(None, help="Task YAMLs or folders o
                                                         "LLaMA-3 suite].")) -> None:
     """Load each task as the verifier would and list every problem (TODOs included); exit 1 while any is left."""
     from coda_agent.tasks import SUITE_DIR
-    from coda_agent.tasks.lint import unstorable_results, undrawn_values, unvaried_params, whole_number_floats
+    from coda_agent.tasks.lint import (parameters_as_activations, unstorable_results, undrawn_values,
+                                       unvaried_params, whole_number_floats)
     from coda_agent.tasks.spec import TaskSpecError, load_task, scan_suite
 
     problems = 0
@@ -143,7 +144,8 @@ def check(paths: List[Path] = typer.Argument(None, help="Task YAMLs or folders o
             except TaskSpecError as e:
                 found, errors = [], [e]
         for t in found:
-            found_here = undrawn_values(t) + unvaried_params(t) + whole_number_floats(t) + unstorable_results(t)
+            found_here = (undrawn_values(t) + unvaried_params(t) + whole_number_floats(t) + unstorable_results(t)
+                          + parameters_as_activations(t))
             for problem in found_here:
                 typer.echo(f"{t.path}: {problem}")
             problems += bool(found_here)

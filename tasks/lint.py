@@ -2,8 +2,9 @@
 reference treats apart that the verifier's draws never hold (:func:`undrawn_values`), float
 params the verifier can never vary because the reference refuses every value near the written one
 (:func:`unvaried_params`), float params written as whole numbers, which the verifier takes for
-integers and never varies (:func:`whole_number_floats`), and results whose rows no kernel can
-store (:func:`unstorable_results`)."""
+integers and never varies (:func:`whole_number_floats`), results whose rows no kernel can
+store (:func:`unstorable_results`), and a model's parameters drawn as activations
+(:func:`parameters_as_activations`)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from coda_agent.errors import CodaError
 from .dryrun import TORCH_DTYPES, draw_input
 from .params import PARAM_SPREAD
 from .recorder import call_reference
+from .skeleton import parameter_inputs, token_sizes
 
 
 def undrawn_values(task: Any) -> list[str]:
@@ -117,3 +119,22 @@ def unstorable_results(task: Any) -> list[str]:
                              "the reference (F.pad) and slice it where the result is used")
                 break
     return found
+
+
+def parameters_as_activations(task: Any) -> list[str]:
+    """The inputs drawn as activations (no role, or ``role: activation``) whose shape holds no token
+    size: a bias, a per-channel scale, a trained scalar (``tasks new`` writes these ``role:
+    weight``).  The judge scales an activation whole, by up to 2^12 with the tokens, and a
+    parameter elementwise over a trained model's values (small, large, negative, zero): drawn as an
+    activation, a bias a program divides by is never near zero, and a softplus slope at -90 has a
+    gradient no fp32 program computes."""
+    spec = task.spec
+    inputs = {k: ([str(d) for d in t.shape], t.dtype) for k, t in spec.inputs.items()}
+    # what holds no token axis of its own: the inputs the task says are a model's or a table
+    held = {k: "" for k, t in spec.inputs.items() if t.role in ("weight", "norm_weight", "table", "index")}
+    tokens = ", ".join(sorted(token_sizes(inputs, held))) or "a size the shape sets bind"
+    return [f"inputs.{k}: drawn as an activation, but its shape [{', '.join(inputs[k][0])}] holds no token size "
+            f"({tokens}): a model's parameter (a bias, a per-channel scale, a trained scalar) is role: weight, "
+            "which the judge spreads elementwise over a trained model's values where it scales an activation "
+            "whole by up to 2^12"
+            for k in parameter_inputs(inputs, held, set()) if spec.inputs[k].role == "activation"]

@@ -287,7 +287,7 @@ def _rotary_roles(rotary: set[str], inputs: dict[str, tuple[list[str], str]], bi
     return {k: "positions" if k in positions else "frequencies" for k in sorted(rotary)}
 
 
-def _token_sizes(inputs: dict[str, tuple[list[str], str]], fan_in: dict[str, str]) -> set[str]:
+def token_sizes(inputs: dict[str, tuple[list[str], str]], fan_in: dict[str, str]) -> set[str]:
     """The symbols of the token axis: the leading size of each input of two or more dimensions
     that is no matmul's right operand (``x=T,H``; ``h=B,S,H`` gives B)."""
     from .expr import expr_symbols
@@ -295,9 +295,9 @@ def _token_sizes(inputs: dict[str, tuple[list[str], str]], fan_in: dict[str, str
     return set().union(*(expr_symbols(dims[0]) for k, (dims, _) in inputs.items() if len(dims) > 1 and k not in fan_in))
 
 
-def _parameters(inputs: dict[str, tuple[list[str], str]], fan_in: dict[str, str], known: set[str]) -> list[str]:
+def parameter_inputs(inputs: dict[str, tuple[list[str], str]], fan_in: dict[str, str], known: set[str]) -> list[str]:
     """The float inputs (other than ``known``'s) that are a model's parameters though no matmul
-    takes them as its right operand: those whose shape holds no token size (:func:`_token_sizes`;
+    takes them as its right operand: those whose shape holds no token size (:func:`token_sizes`;
     where no input has a token axis, those of a fixed size).  Activations follow the tokens; a
     bias (N), a per-channel scale (H) and a trained scalar (1) do not.  As activations the judge's
     scaled draw took them to 2^12 times their scale whole (a softplus slope at -90 has a gradient
@@ -305,7 +305,7 @@ def _parameters(inputs: dict[str, tuple[list[str], str]], fan_in: dict[str, str]
     values."""
     from .expr import expr_symbols
 
-    tokens = _token_sizes(inputs, fan_in)
+    tokens = token_sizes(inputs, fan_in)
     found = []
     for k, (dims, dtype) in inputs.items():
         if dtype.startswith("int") or k in fan_in or k in known:
@@ -359,9 +359,9 @@ def skeleton(name: str, reference: str, folder: Path, shapes: dict[str, dict[str
     if norms:
         named = {what: [k for k, v in norms.items() if v == what] for what in NORM_INITS}
         lines.append("  # " + "; ".join(f"{', '.join(ks)}: {NORM_NOTES[what]}" for what, ks in named.items() if ks))
-    fixed = _parameters(inputs, fan_in, set(norms))
+    fixed = parameter_inputs(inputs, fan_in, set(norms))
     if fixed:
-        tokens = ", ".join(sorted(_token_sizes(inputs, fan_in))) or "size the shape sets bind"
+        tokens = ", ".join(sorted(token_sizes(inputs, fan_in))) or "size the shape sets bind"
         lines.append(f"  # {', '.join(fixed)}: no token size ({tokens}) in the shape, so a model's parameter (a "
                      "bias, a per-channel scale, a trained scalar), drawn and varied as one: the judge spreads a "
                      "parameter's elements over a trained model's values, where it scales an activation whole")

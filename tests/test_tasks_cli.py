@@ -414,6 +414,26 @@ def test_check_names_a_float_param_written_as_a_whole_number(tmp_path):
         in r.output and "write 30.0" in r.output, r.output
 
 
+def test_check_names_a_models_parameter_drawn_as_an_activation(tmp_path):
+    """CLIP's MLP biases and Apertus's trained slopes hold no token size: drawn as activations, the
+    judge scales them whole with the tokens, never spreading a bias over zero or a slope over a
+    trained model's values.  `tasks check` names each and the role that draws it as a parameter;
+    the families as shipped pass."""
+    for family, names in (("clip", ("b1", "b2")), ("apertus", ("alpha_p", "alpha_n"))):
+        folder = Path(__file__).parent / "tasks" / "families" / family
+        for f in folder.iterdir():
+            (tmp_path / f.name).write_text(f.read_text())
+        (task,) = (tmp_path / f.name for f in folder.glob("*.yaml"))
+        assert cli("tasks", "check", task).exit_code == 0
+        task.write_text(task.read_text().replace("role: weight, init: {dist: normal, scale: 1.0}",
+                                                 "init: {dist: normal, scale: 1.0}"))
+        r = cli("tasks", "check", task)
+        assert r.exit_code == 1, r.output
+        for name in names:
+            assert f"inputs.{name}: drawn as an activation, but its shape" in r.output and "(T)" in r.output
+        assert "is role: weight" in r.output
+
+
 def test_check_names_a_result_whose_rows_no_kernel_can_store(tmp_path):
     """The GEMM suite's own out_proj_residual with a width of 3 on one set: y's rows are 6 bytes,
     which no TMA store writes; `tasks check` says so and how the reference pads it."""

@@ -40,7 +40,7 @@ API: dict[str, tuple[str, ...]] = {
     "reductions and stateful transforms": ("col_sum", "col_max", "row_sum", "col_amax", "row_amax", "head_rstd",
                                            "online_lse", "select_col"),
     "math inside epilogue fns": ("unpack", "pack", "exp", "exp2", "log", "rsqrt", "sqrt", "reciprocal", "tanh",
-                                 "tanh_fast", "sin", "cos", "sigmoid", "silu", "gelu_tanh", "erf", "gelu",
+                                 "tanh_fast", "sin", "cos", "sigmoid", "silu", "gelu_tanh", "erf", "gelu", "expm1",
                                  "sigmoid_grad", "silu_grad", "tanh_grad", "gelu_tanh_grad", "gelu_grad", "round_bf16",
                                  "round_fp16", "maximum", "minimum", "where", "fma"),
     "auxiliary kernels and layout helpers": ("rms_rstd", "rms_prepare", "xent_loss", "xent_grad_",

@@ -60,9 +60,9 @@ from .errors import CatalogueError
 from .gemm import gemm
 from .lowering import (CompiledKernel, Launch, SassReport, compile_only, current_lowering, launch_ledger, lowering,
                        plain_gemms)
-from .math import (cos, erf, exp, exp2, fma, gelu, gelu_grad, gelu_tanh, gelu_tanh_grad, log, maximum, minimum,
-                   reciprocal, round_bf16, round_fp16, rsqrt, sigmoid, sigmoid_grad, silu, silu_grad, sin, sqrt,
-                   tanh, tanh_fast, tanh_grad, where)
+from .math import (cos, erf, exp, exp2, expm1, fma, gelu, gelu_grad, gelu_tanh, gelu_tanh_grad, log, maximum, minimum,
+                   reciprocal, round_bf16, round_fp16, rsqrt, sigmoid, sigmoid_grad, silu, silu_grad, sin, sqrt, tanh,
+                   tanh_fast, tanh_grad, where)
 from .norm import layernorm_fold, layernorm_stats, normalize_rows, row_stats
 from .operands import ColVec, HeadStat, PairedTile, RowVec, Scalar, Tile
 from .pair import pack, unpack

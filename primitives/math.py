@@ -49,7 +49,7 @@ no CPU check proves a kernel equal to its reference lowering: the GPU stages
 judge the compiled kernel, and ``cpu_passed`` is no acceptance.
 
 The activations' derivatives (``sigmoid_grad``, ``silu_grad``, ``tanh_grad``,
-``gelu_tanh_grad``, ``gelu_grad``) are composites (:func:`_composite`): one
+``gelu_tanh_grad``, ``gelu_grad``) and ``expm1`` are composites (:func:`_composite`): one
 Python function of the vocabulary above, run by both lowerings as it is, so
 each is exactly as precise as its parts and has no lowering of its own.
 tests/test_primitives_grads.py holds them to ``torch.autograd``.
@@ -326,6 +326,22 @@ def _gelu_grad(x: Any) -> Any:
     return 0.5 * (1.0 + erf(x * _SQRT_HALF)) + x * exp(-0.5 * x * x) * _INV_SQRT_2PI
 
 
+# 1/k! for k = 2..9: the Taylor series of e**x - 1 to x**9, whose next term is under 1e-9 of the
+# sum for |x| < 1/2
+_EXPM1_TERMS = tuple(1.0 / _m.factorial(k) for k in range(2, 10))
+
+
+def _expm1(x: Any) -> Any:
+    # exp(x) - 1 near 0 keeps exp's error (about 1e-7 of e**x) as an absolute error of a small
+    # result: 1e-3 of it at x = 1e-4, and at a subnormal-flushed tiny x all of it.  Below |x| = 1/2
+    # the series in Horner's form (each step one fma), past it the subtraction loses under 2 bits.
+    p = _EXPM1_TERMS[-1]
+    for c in reversed(_EXPM1_TERMS[:-1]):
+        p = p * x + c
+    series = x + x * x * p
+    return where(maximum(x, -x) < 0.5, series, exp(x) - 1.0)
+
+
 sigmoid_grad = _composite("sigmoid_grad", _sigmoid_grad,
                           "d/dx sigmoid(x) = s * (1 - s), s = sigmoid(x).", "dy * sigmoid_grad(pre)")
 silu_grad = _composite("silu_grad", _silu_grad,
@@ -337,10 +353,14 @@ gelu_tanh_grad = _composite("gelu_tanh_grad", _gelu_tanh_grad,
                             "d/dx gelu_tanh(x) = 0.5 * (1 + t) + 0.5 * x * (1 - t**2) * c * (1 + 3 * 0.044715 "
                             "* x**2), t = tanh(c * (x + 0.044715 * x**3)), c = sqrt(2 / pi) "
                             "(the backward of F.gelu(approximate='tanh')).", "dy * gelu_tanh_grad(pre)")
+expm1 = _composite("expm1", _expm1,
+                   "e**x - 1, precise near 0 where exp(x) - 1.0 is not (ELU, SELU and CELU's negative side, "
+                   "xIELU's): a Taylor series below |x| = 0.5, exp(x) - 1 past it.", "where(acc > 0.0, acc, "
+                   "alpha * expm1(acc))")
 gelu_grad = _composite("gelu_grad", _gelu_grad,
                        "d/dx gelu(x) = Phi(x) + x * phi(x): 0.5 * (1 + erf(x / sqrt(2))) + x * exp(-x**2 / 2) "
                        "/ sqrt(2 * pi) (the backward of exact F.gelu; GeGLU's gate).", "dy * gelu_grad(pre)")
 
 VOCABULARY: tuple[MathFn, ...] = (exp, exp2, log, rsqrt, sqrt, reciprocal, tanh, sin, cos, sigmoid, silu,
-                                  gelu_tanh, erf, gelu, sigmoid_grad, silu_grad, tanh_grad, gelu_tanh_grad,
+                                  gelu_tanh, erf, gelu, expm1, sigmoid_grad, silu_grad, tanh_grad, gelu_tanh_grad,
                                   gelu_grad, round_bf16, round_fp16, maximum, minimum, where, fma)

@@ -18,7 +18,7 @@ from coda_agent.errors import CodaError
 from .dryrun import TORCH_DTYPES, draw_input
 from .params import PARAM_SPREAD
 from .recorder import call_reference
-from .skeleton import parameter_inputs, token_sizes
+from .skeleton import parameter_inputs, parameter_note, token_sizes
 
 
 def undrawn_values(task: Any) -> list[str]:
@@ -130,11 +130,7 @@ def parameters_as_activations(task: Any) -> list[str]:
     gradient no fp32 program computes."""
     spec = task.spec
     inputs = {k: ([str(d) for d in t.shape], t.dtype) for k, t in spec.inputs.items()}
-    # what holds no token axis of its own: the inputs the task says are a model's or a table
-    held = {k: "" for k, t in spec.inputs.items() if t.role in ("weight", "norm_weight", "table", "index")}
-    tokens = ", ".join(sorted(token_sizes(inputs, held))) or "a size the shape sets bind"
-    return [f"inputs.{k}: drawn as an activation, but its shape [{', '.join(inputs[k][0])}] holds no token size "
-            f"({tokens}): a model's parameter (a bias, a per-channel scale, a trained scalar) is role: weight, "
-            "which the judge spreads elementwise over a trained model's values where it scales an activation "
-            "whole by up to 2^12"
-            for k in parameter_inputs(inputs, held, set()) if spec.inputs[k].role == "activation"]
+    held = {k for k, t in spec.inputs.items() if t.role in ("weight", "norm_weight", "table", "index")}
+    tokens = token_sizes(inputs, held)
+    return [f"inputs.{k}: drawn as an activation, but {parameter_note(tokens)}"
+            for k in parameter_inputs(inputs, held) if spec.inputs[k].role == "activation"]

@@ -39,7 +39,7 @@ import itertools
 import keyword
 import math
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Collection, Iterator
 
 import yaml
 
@@ -287,33 +287,41 @@ def _rotary_roles(rotary: set[str], inputs: dict[str, tuple[list[str], str]], bi
     return {k: "positions" if k in positions else "frequencies" for k in sorted(rotary)}
 
 
-def token_sizes(inputs: dict[str, tuple[list[str], str]], fan_in: dict[str, str]) -> set[str]:
+def token_sizes(inputs: dict[str, tuple[list[str], str]], held: Collection[str]) -> set[str]:
     """The symbols of the token axis: the leading size of each input of two or more dimensions
-    that is no matmul's right operand (``x=T,H``; ``h=B,S,H`` gives B)."""
+    but those ``held`` (a model's: a matmul's right operand, a table) (``x=T,H``; ``h=B,S,H`` gives B)."""
     from .expr import expr_symbols
 
-    return set().union(*(expr_symbols(dims[0]) for k, (dims, _) in inputs.items() if len(dims) > 1 and k not in fan_in))
+    leading = [dims[0] for k, (dims, _) in inputs.items() if len(dims) > 1 and k not in held]
+    return set().union(*map(expr_symbols, leading))
 
 
-def parameter_inputs(inputs: dict[str, tuple[list[str], str]], fan_in: dict[str, str], known: set[str]) -> list[str]:
-    """The float inputs (other than ``known``'s) that are a model's parameters though no matmul
-    takes them as its right operand: those whose shape holds no token size (:func:`token_sizes`;
-    where no input has a token axis, those of a fixed size).  Activations follow the tokens; a
-    bias (N), a per-channel scale (H) and a trained scalar (1) do not.  As activations the judge's
-    scaled draw took them to 2^12 times their scale whole (a softplus slope at -90 has a gradient
-    under fp32's smallest normal); as parameters it spreads their elements over a trained model's
-    values."""
+def parameter_inputs(inputs: dict[str, tuple[list[str], str]], held: Collection[str]) -> list[str]:
+    """The float inputs not ``held`` already (a model's: a matmul's right operand, a norm's weight)
+    that are a model's parameters all the same: those whose shape holds no token size
+    (:func:`token_sizes`; where no input has a token axis, those of a fixed size).  Activations
+    follow the tokens; a bias (N), a per-channel scale (H) and a trained scalar (1) do not.  As
+    activations the judge's scaled draw took them to 2^12 times their scale whole (a softplus slope
+    at -90 has a gradient under fp32's smallest normal); as parameters it spreads their elements
+    over a trained model's values."""
     from .expr import expr_symbols
 
-    tokens = token_sizes(inputs, fan_in)
+    tokens = token_sizes(inputs, held)
     found = []
     for k, (dims, dtype) in inputs.items():
-        if dtype.startswith("int") or k in fan_in or k in known:
-            continue
         sizes = set().union(*(expr_symbols(d) for d in dims))
-        if not (sizes & tokens if tokens else sizes):
+        if not dtype.startswith("int") and k not in held and not (sizes & tokens if tokens else sizes):
             found.append(k)
     return found
+
+
+def parameter_note(tokens: set[str]) -> str:
+    """Why an input :func:`parameter_inputs` finds is drawn as a model's parameter, for a task
+    file's comment or a check's problem."""
+    why = f"no token size ({', '.join(sorted(tokens))}) in the shape" if tokens else "a fixed size (no symbol)"
+    return (f"{why}, so a model's parameter (a bias, a per-channel scale, a trained scalar), drawn and varied as "
+            "one (role: weight): the judge spreads a parameter's elements over a trained model's values, where it "
+            "scales an activation whole by up to 2^12")
 
 
 def _flow(value: Any) -> str:
@@ -359,12 +367,11 @@ def skeleton(name: str, reference: str, folder: Path, shapes: dict[str, dict[str
     if norms:
         named = {what: [k for k, v in norms.items() if v == what] for what in NORM_INITS}
         lines.append("  # " + "; ".join(f"{', '.join(ks)}: {NORM_NOTES[what]}" for what, ks in named.items() if ks))
-    fixed = parameter_inputs(inputs, fan_in, set(norms))
+    # the token axis is read off the activations (what no matmul takes as a weight); a norm's weight is
+    # drawn as one already
+    fixed = [k for k in parameter_inputs(inputs, fan_in) if k not in norms]
     if fixed:
-        tokens = ", ".join(sorted(token_sizes(inputs, fan_in))) or "size the shape sets bind"
-        lines.append(f"  # {', '.join(fixed)}: no token size ({tokens}) in the shape, so a model's parameter (a "
-                     "bias, a per-channel scale, a trained scalar), drawn and varied as one: the judge spreads a "
-                     "parameter's elements over a trained model's values, where it scales an activation whole")
+        lines.append(f"  # {', '.join(fixed)}: {parameter_note(token_sizes(inputs, fan_in))}")
     for k, (dims, dtype) in inputs.items():
         init: dict[str, Any] = {"dist": "normal", "scale": 1.0}
         entry: dict[str, Any] = {"shape": dims, "dtype": dtype}

@@ -430,8 +430,8 @@ def test_check_names_a_models_parameter_drawn_as_an_activation(tmp_path):
         r = cli("tasks", "check", task)
         assert r.exit_code == 1, r.output
         for name in names:
-            assert f"inputs.{name}: drawn as an activation, but its shape" in r.output and "(T)" in r.output
-        assert "is role: weight" in r.output
+            assert f"inputs.{name}: drawn as an activation, but no token size (T)" in r.output
+        assert "(role: weight)" in r.output
 
 
 def test_check_names_a_result_whose_rows_no_kernel_can_store(tmp_path):

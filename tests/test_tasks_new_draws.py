@@ -218,4 +218,5 @@ def test_new_takes_an_input_without_a_token_size_for_a_models_parameter(tmp_path
     text = Path(f"{fn}.yaml").read_text()
     roles = {k: v.get("role") for k, v in yaml.safe_load(text)["inputs"].items()}
     assert {k for k, v in roles.items() if v == "weight"} - {"w"} == want, roles
-    assert f"{', '.join(sorted(want, key=list(roles).index))}: no token size" in text
+    why = "a fixed size (no symbol)" if fn == "vector" else "no token size"
+    assert f"{', '.join(sorted(want, key=list(roles).index))}: {why}" in text

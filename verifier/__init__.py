@@ -73,7 +73,8 @@ What each stage guarantees, and what it does not:
   every named set that fits the device's *total* memory (chosen before the
   program runs: holding memory starves no check; an out-of-memory rejects when
   the program's process holds more than a call of the largest set needs, and is
-  the judge's error otherwise, ``check.out_of_memory``), plus the beyond set, two fresh draws, edge rows and two at other
+  the judge's error otherwise, ``check.out_of_memory``), plus the beyond set and the odd and short sets
+  (a program that tells the device it runs on is held at them here too), two fresh draws, edge rows and two at other
   magnitudes each (params varied as on the CPU) and the forward alone, outputs NaN-poisoned,
   each call repeated for determinism.  Guaranteed by
   the judge: as for the reference stage, plus inputs unmodified (the judge

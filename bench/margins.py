@@ -23,6 +23,7 @@ the first with params varied as the judge varies them)::
 
     python3 bench/margins.py OUT.json [--suites llama3,gpt2,llama3_fp8] [--tasks A,B] [--draws 20] [--beyond]
     python3 bench/margins.py OUT.json --program BAD.py --tasks SUITE/NAME   # how far a cheat stands
+    python3 bench/margins.py OUT.json --program P.py --tasks T.yaml         # a task of one's own, by path
 
 OUT.json gets one row per (task, output): the smallest first-look margin seen,
 its shape set and draw, the rule at that margin, the median margin, and the
@@ -87,7 +88,7 @@ def task_margins(task, draws: int, cap: float, rng: random.Random, program: Path
 
     prog = load_program((program or task.expert_path).read_text(), task.name)
     seen: dict[str, list[tuple[float, str, str, str]]] = {}
-    sets = list(SETS)
+    sets = [s for s in SETS if s in task.spec.shapes] or [task.spec.cpu_shape_set]
     if beyond:  # one drawn size per task, as one check draws it
         name, sizes = beyond_set(task.spec, rng)
         task.spec = task.spec.model_copy(update={"shapes": {**task.spec.shapes, name: sizes}})
@@ -151,9 +152,10 @@ def main(argv: list[str] | None = None) -> int:
         from coda_agent.tasks.spec import load_task
 
         if len(only) != 1 or "/" not in next(iter(only)):
-            ap.error("--program measures one task: --tasks SUITE/NAME")
-        rows = task_margins(load_task(ROOT / "tasks" / f"{next(iter(only))}.yaml"), args.draws, args.cap, rng,
-                            args.program, args.beyond)
+            ap.error("--program measures one task: --tasks SUITE/NAME or --tasks PATH/TO/TASK.yaml")
+        name = next(iter(only))
+        path = Path(name) if name.endswith(".yaml") else ROOT / "tasks" / f"{name}.yaml"
+        rows = task_margins(load_task(path), args.draws, args.cap, rng, args.program, args.beyond)
         only = {""}  # and no suite task besides
     for suite in args.suites.split(","):
         for task in load_suite(ROOT / "tasks" / suite):

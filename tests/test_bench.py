@@ -269,7 +269,8 @@ def test_margins_measure_each_output_with_the_judges_own_comparison(tmp_path, mo
     """bench/margins.py: every output of an expert gets a margin over 1 (the expert passes) and
     the rule its grown error breaks, per draw kind too, with ``--beyond`` on the drawn set as well;
     an error that already fails gets the factor below 1 it would have to shrink by, 0 past the cap;
-    ``--program`` measures a cheat, which stands below 1 only in the draws that catch it."""
+    ``--program`` measures a cheat (its task by path), which stands below 1 only in the draws that
+    catch it."""
     import torch
 
     from coda_agent.tasks.spec import Tolerance
@@ -289,7 +290,8 @@ def test_margins_measure_each_output_with_the_judges_own_comparison(tmp_path, mo
     cheat = tmp_path / "c.json"
     flushes = ROOT / "tests" / "bad_programs" / "extreme" / "flushes_small_values.py"
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "margins.py"), str(cheat), "--tasks",
-                           "llama3/swiglu_fwd", "--program", str(flushes), "--draws", "2", "--seed", "0"],
+                           str(ROOT / "tasks" / "llama3" / "swiglu_fwd.yaml"), "--program", str(flushes), "--draws",
+                           "2", "--seed", "0"],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     by_draw = {r["output"]: r["judged_by_draw"] for r in json.loads(cheat.read_text())["rows"]}

@@ -36,7 +36,11 @@ COMPARISONS = {"eq", "__eq__", "ne", "__ne__"}
 # Functions whose derivative jumps (ReLU and its kin): a gradient through one depends on which side
 # of the kink a rounding puts each value, so it is noisier than the reference's own rounding shows.
 KINKS = {"relu", "relu_", "relu6", "threshold", "leaky_relu", "hardtanh", "clamp", "clamp_min", "clamp_max",
-         "clip", "abs", "maximum", "minimum", "max", "min", "hardshrink", "softshrink"}
+         "clip", "abs", "maximum", "minimum", "max", "min", "hardshrink", "softshrink",
+         # a slope of their own below 0 (PReLU's trained one, SELU's and ELU's alpha unless it is 1) and
+         # the hard activations' corners at -3 and 3
+         "prelu", "_prelu_kernel", "rrelu", "elu", "elu_", "selu", "selu_", "hardswish", "hardswish_",
+         "hardsigmoid", "hardsigmoid_"}
 # What squares a value (relu(x) ** 2, Primer's squared ReLU): a kink whose every use is one of these
 # is smoothed, its derivative 2 * relu(x) continuous.
 SQUARES = {"pow", "pow_", "__pow__", "square", "square_"}

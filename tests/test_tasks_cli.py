@@ -318,6 +318,20 @@ def test_new_says_when_gradients_pass_through_a_kink(tmp_path, monkeypatch):
         assert ("derivative jumps" in Path(f"{name}.yaml").read_text()) is kinked, name
 
 
+@pytest.mark.parametrize("act", ["F.prelu(h, a)", "F.selu(h)", "F.elu(h, 1.5)", "F.hardswish(h, inplace=True)",
+                                 "F.hardsigmoid(h)"])
+def test_new_says_so_for_the_activations_with_a_slope_of_their_own_or_corners(tmp_path, monkeypatch, act):
+    """PReLU's trained slope, SELU's and ELU's alpha below 0 and the hard activations' corners at
+    -3 and 3 are kinks as ReLU's is: each file gets the note."""
+    monkeypatch.chdir(tmp_path)
+    Path("ref.py").write_text("import torch.nn.functional as F\n\n\ndef mlp(x, w1, a):\n"
+                              f"    h = F.linear(x, w1)\n    return {{'y': {act} * a}}\n")
+    r = cli("tasks", "new", "mlp", "--reference", "ref.py:mlp", "--input", "x=T,H", "--input", "w1=I,H", "--input",
+            "a=1", "--shapes", "small=T:64,H:32,I:48", "--gradients", "x,w1,a")
+    assert r.exit_code == 0, r.output
+    assert "whose derivative jumps" in Path("mlp.yaml").read_text()
+
+
 LAYERNORM = '''import torch.nn as nn
 import torch.nn.functional as F
 

@@ -52,7 +52,8 @@ The activations' derivatives (``sigmoid_grad``, ``silu_grad``, ``tanh_grad``,
 ``gelu_tanh_grad``, ``gelu_grad``) and ``expm1`` are composites (:func:`_composite`): one
 Python function of the vocabulary above, run by both lowerings as it is, so
 each is exactly as precise as its parts and has no lowering of its own.
-tests/test_primitives_grads.py holds them to ``torch.autograd``.
+tests/test_primitives_grads.py holds the derivatives to ``torch.autograd``, and
+tests/test_primitives_expm1.py ``expm1`` to ``torch.expm1``.
 """
 
 from __future__ import annotations

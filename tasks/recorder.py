@@ -84,7 +84,8 @@ class Call(torch.overrides.TorchFunctionMode):
         self.operands: list[tuple[str | None, str | None, bool]] = []  # per matmul: A's input, B's, B stored (N, K)
         self.storages = storages
         self.weights: dict[str, int] = {}
-        self._kinks: dict[int, list] = {}  # a kink's result's storage -> [name, squared uses, other uses]
+        # a kink's result's storage -> [name, squared uses, other uses, the inputs its argument is made of]
+        self._kinks: dict[int, list] = {}
         self.norms: dict[str, str] = {}
         self.targets: dict[str, tuple[int, int]] = {}
         self.specials: dict[str, set[int]] = {}  # integer inputs compared with a constant: value(s)
@@ -161,7 +162,7 @@ class Call(torch.overrides.TorchFunctionMode):
         self._hand_norm(name, tensors, out)
         if name in KINKS:  # a result that is no tensor (max's values and indices) counts as used unsquared
             self._kinks[_storage(out) if isinstance(out, torch.Tensor) else -len(self._kinks) - 1] = [
-                name, 0, 0 if isinstance(out, torch.Tensor) else 1]
+                name, 0, 0 if isinstance(out, torch.Tensor) else 1, sources]
             self._keep.append(out)
         if isinstance(out, torch.Tensor) and sources:
             self._derived[_storage(out)] = sources
@@ -227,13 +228,24 @@ class Call(torch.overrides.TorchFunctionMode):
         for st in set(used):
             self._kinks[st][1 if squared else 2] += 1
 
+    def _jumps(self) -> list[tuple[str, frozenset[str]]]:
+        """(name, the inputs its argument is made of) of each call whose derivative jumps, but those
+        whose result is only ever squared; a result the reference returns as it is counts as used
+        unsquared."""
+        returned = {_storage(t) for t in self.outs.values() if isinstance(t, torch.Tensor)}
+        return [(name, sources) for st, (name, squared, other, sources) in self._kinks.items()
+                if other or not squared or st in returned]
+
     @property
     def kinks(self) -> list[str]:
-        """The functions called whose derivative jumps, but those whose result is only ever squared;
-        a result the reference returns as it is counts as used unsquared."""
-        returned = {_storage(t) for t in self.outs.values() if isinstance(t, torch.Tensor)}
-        return list(dict.fromkeys(name for st, (name, squared, other) in self._kinks.items()
-                                  if other or not squared or st in returned))
+        """The functions called whose derivative jumps (:meth:`_jumps`)."""
+        return list(dict.fromkeys(name for name, _ in self._jumps()))
+
+    @property
+    def kinked_inputs(self) -> set[str]:
+        """The inputs upstream of a kink (:meth:`_jumps`): those whose gradient passes through its
+        derivative, and so flips wherever a rounding moves a value across the kink."""
+        return set().union(*(sources for _, sources in self._jumps()))
 
     def _sources_of(self, t: torch.Tensor) -> frozenset[str]:
         """The inputs ``t`` is, or is computed from."""

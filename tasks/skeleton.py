@@ -21,8 +21,8 @@ targets and an index's inputs are drawn as what they are
 (:class:`.recorder.Call` sees each use); a float input whose shape holds no
 token size (a bias, a per-channel scale, a trained scalar) is a model's
 parameter, ``role: weight``.  A reference with a kink (``relu``,
-``clamp``, ``abs``, ...) and gradients gets a comment on the tolerance of the
-gradients through it.
+``clamp``, ``abs``, ...) gets the kink's tolerance for the gradients through it
+(those of the inputs its argument is made of), with a comment on why.
 
 What a call cannot tell is left as a ``TODO ...`` value for a person:
 ``families``, ``gemms`` (with the reference's own matmuls as a hint),
@@ -324,6 +324,25 @@ def parameter_note(tokens: set[str]) -> str:
             "scales an activation whole by up to 2^12")
 
 
+def _kink_tolerances(call: Call, gradients: list[str]) -> list[str]:
+    """The kink's tolerance for each gradient through a kink the reference calls (the gradients of
+    the inputs upstream of it: :attr:`.recorder.Call.kinked_inputs`), with why."""
+    through = [g for g in gradients if g in call.kinked_inputs]
+    if not through:
+        return []
+    grads = ", ".join(f"d{g}" for g in through)
+    return [f"# The reference calls {', '.join(call.kinks)}, whose derivative jumps: a gradient through it ({grads})",
+            "# differs from the fp64 reference wherever a rounding moves a value across the kink, by one whole term "
+            "(dy * w) each time,",
+            "# in other elements than the bf16 reference's own flips. So their max rule is widened alone; their norm "
+            "and bias rules",
+            "# stay at twice the reference's noise and their median element within 4x its error. Where a weight's or "
+            "a bias's gradient,",
+            "# which sums the flips, still fails its 2% norm rule now and then, give it alone rel_norm: 0.06 (the "
+            "suite's ReLU tasks do).",
+            "tolerances:", *(f"  d{g}: {{factor: 1000, norm_factor: 2}}" for g in through)]
+
+
 def _flow(value: Any) -> str:
     return yaml.safe_dump(value, default_flow_style=True, width=10_000, sort_keys=False).strip().removesuffix("...").strip()
 
@@ -412,21 +431,7 @@ def skeleton(name: str, reference: str, folder: Path, shapes: dict[str, dict[str
     lines.append(f"reference: {_flow(reference)}")
     if gradients:
         lines.append(f"gradients: {_flow(gradients)}")
-        kinks = next(iter(calls.values())).kinks
-        if kinks:
-            lines += [f"# The reference calls {', '.join(kinks)}, whose derivative jumps: a gradient through it "
-                      "differs from the fp64 reference",
-                      "# wherever a rounding moves a value across the kink, more than the bf16 reference's own "
-                      "error shows. If a correct",
-                      "# program fails on such a gradient now and then (a weight's or a bias's, summed over many "
-                      "rows, and what they feed),",
-                      "# widen those gradients' max rule alone (each flip is one large error), keeping their "
-                      "norm rule and the others' tight:",
-                      "# tolerances: {d<input>: {factor: 1000, norm_factor: 2}}. Where the flips a weight's or "
-                      "a bias's gradient sums still",
-                      "# fail its 2% norm rule, give that gradient alone rel_norm: 0.06 (the suite's ReLU "
-                      "tasks do): a gradient that leaks",
-                      "# a few percent through the kink passes a norm rule that wide."]
+        lines += _kink_tolerances(next(iter(calls.values())), gradients)
     elif not any(f"d{k}" in first for k in inputs):  # a reference that returns gradients is one step, forward only
         floats = [k for k, (_, dtype) in inputs.items() if not dtype.startswith("int")]
         lines.append(f"# gradients: {_flow(floats)}  <- uncomment (or --gradients) for a backward too: the "

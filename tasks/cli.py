@@ -130,8 +130,8 @@ def check(paths: List[Path] = typer.Argument(None, help="Task YAMLs or folders o
                                                         "LLaMA-3 suite].")) -> None:
     """Load each task as the verifier would and list every problem (TODOs included); exit 1 while any is left."""
     from coda_agent.tasks import SUITE_DIR
-    from coda_agent.tasks.lint import (parameters_as_activations, unstorable_results, undrawn_values,
-                                       unvaried_params, whole_number_floats)
+    from coda_agent.tasks.lint import (kinks_on_the_default_rule, parameters_as_activations, unstorable_results,
+                                       undrawn_values, unvaried_params, whole_number_floats)
     from coda_agent.tasks.spec import TaskSpecError, load_task, scan_suite
 
     problems = 0
@@ -145,7 +145,7 @@ def check(paths: List[Path] = typer.Argument(None, help="Task YAMLs or folders o
                 found, errors = [], [e]
         for t in found:
             found_here = (undrawn_values(t) + unvaried_params(t) + whole_number_floats(t) + unstorable_results(t)
-                          + parameters_as_activations(t))
+                          + parameters_as_activations(t) + kinks_on_the_default_rule(t))
             for problem in found_here:
                 typer.echo(f"{t.path}: {problem}")
             problems += bool(found_here)

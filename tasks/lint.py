@@ -3,8 +3,9 @@ reference treats apart that the verifier's draws never hold (:func:`undrawn_valu
 params the verifier can never vary because the reference refuses every value near the written one
 (:func:`unvaried_params`), float params written as whole numbers, which the verifier takes for
 integers and never varies (:func:`whole_number_floats`), results whose rows no kernel can
-store (:func:`unstorable_results`), and a model's parameters drawn as activations
-(:func:`parameters_as_activations`)."""
+store (:func:`unstorable_results`), a model's parameters drawn as activations
+(:func:`parameters_as_activations`), and gradients through a kink on the default rule
+(:func:`kinks_on_the_default_rule`)."""
 
 from __future__ import annotations
 
@@ -134,3 +135,24 @@ def parameters_as_activations(task: Any) -> list[str]:
     tokens = token_sizes(inputs, held)
     return [f"inputs.{k}: drawn as an activation, but {parameter_note(tokens)}"
             for k in parameter_inputs(inputs, held) if spec.inputs[k].role == "activation"]
+
+
+def kinks_on_the_default_rule(task: Any) -> list[str]:
+    """The gradients through a kink (those of the inputs a kink's argument is made of:
+    :attr:`.recorder.Call.kinked_inputs`) that the task judges by an unwidened max rule: each
+    rounding across the kink is one error of a whole term, in other elements than the bf16
+    reference's own, so an honest program fails such a rule now and then."""
+    spec = task.spec
+    if not spec.gradients:
+        return []
+    binding = spec.shapes[spec.cpu_shape_set]
+    inputs = {k: (list(t.shape), t.dtype) for k, t in spec.inputs.items()}
+    try:
+        call = call_reference(task.reference_fn, inputs, spec.params_at(spec.cpu_shape_set), binding,
+                              spec.cpu_shape_set)
+    except CodaError:  # the verifier's reference stage reports a failing reference
+        return []
+    return [f"tolerances.d{g}: d{g} passes through {', '.join(call.kinks)}, whose derivative jumps, and is judged "
+            f"by the default max rule, which an honest program fails now and then (one whole term per rounding "
+            f"across the kink); give it the kink's: tolerances: {{d{g}: {{factor: 1000, norm_factor: 2}}}}"
+            for g in spec.gradients if g in call.kinked_inputs and not spec.tolerance_for(f"d{g}").kinked]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import keyword
 import math
+import sys
 from typing import Any, Callable
 
 import torch
@@ -160,7 +161,7 @@ class Call(torch.overrides.TorchFunctionMode):
                 self.norms.setdefault(input_, "offset_weight")
         out = func(*args, **(kwargs or {}))
         self._hand_norm(name, tensors, out)
-        if name in KINKS:  # a result that is no tensor (max's values and indices) counts as used unsquared
+        if name in KINKS and not _in_custom_forward():  # a result that is no tensor counts as used unsquared
             self._kinks[_storage(out) if isinstance(out, torch.Tensor) else -len(self._kinks) - 1] = [
                 name, 0, 0 if isinstance(out, torch.Tensor) else 1, sources]
             self._keep.append(out)
@@ -339,6 +340,19 @@ def _recorder(args: dict[str, torch.Tensor]) -> Call:
     """A Call that knows ``args`` (the tensors a reference is called on) by storage."""
     return Call({_storage(t): k for k, t in args.items()}, {k: t.dim() for k, t in args.items()},
                 {k for k, t in args.items() if t.is_floating_point()})
+
+
+def _in_custom_forward() -> bool:
+    """Whether the running op is inside the forward of a custom ``torch.autograd.Function`` (an fp8
+    recipe's quantizer, say): its backward is the author's, so a kink there is none autograd
+    differentiates."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        ctx = frame.f_locals.get("ctx") if frame.f_code.co_name == "forward" else None
+        if isinstance(ctx, torch.autograd.function.FunctionCtx):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def call_reference(fn: Callable, inputs: dict[str, tuple[list[str], str]], params: dict[str, Scalar],

@@ -475,6 +475,27 @@ def test_check_names_a_models_parameter_drawn_as_an_activation(tmp_path):
         assert "(role: weight)" in r.output
 
 
+def test_check_names_a_gradient_through_a_kink_on_the_default_rule(tmp_path):
+    """The Apertus family without its tolerances: `tasks check` names dx and dw_up, which pass
+    through xIELU's clamp, and the tolerance to give each; not dw_down or the slopes' gradients.
+    The shipped file and the fp8 suite, whose quantizers' clamps run inside custom autograd
+    Functions (their backward is the author's), pass."""
+    folder = Path(__file__).parent / "tasks" / "families" / "apertus"
+    for f in folder.iterdir():
+        (tmp_path / f.name).write_text(f.read_text())
+    task = tmp_path / "xielu_mlp.yaml"
+    assert cli("tasks", "check", task).exit_code == 0
+    raw = yaml.safe_load(task.read_text())
+    del raw["tolerances"]
+    task.write_text(yaml.safe_dump(raw, sort_keys=False))
+    r = cli("tasks", "check", task)
+    assert r.exit_code == 1, r.output
+    named = {line.split(": ", 2)[1] for line in r.output.splitlines() if "whose derivative jumps" in line}
+    assert named == {"tolerances.dx", "tolerances.dw_up"}, r.output
+    assert "tolerances: {dx: {factor: 1000, norm_factor: 2}}" in r.output
+    assert cli("tasks", "check", SUITE_DIR.parent / "llama3_fp8").exit_code == 0
+
+
 def test_check_names_a_result_whose_rows_no_kernel_can_store(tmp_path):
     """The GEMM suite's own out_proj_residual with a width of 3 on one set: y's rows are 6 bytes,
     which no TMA store writes; `tasks check` says so and how the reference pads it."""

@@ -10,6 +10,7 @@ store (:func:`unstorable_results`), a model's parameters drawn as activations
 from __future__ import annotations
 
 import inspect
+from functools import lru_cache
 from typing import Any
 
 import torch
@@ -18,8 +19,21 @@ from coda_agent.errors import CodaError
 
 from .dryrun import TORCH_DTYPES, draw_input
 from .params import PARAM_SPREAD
-from .recorder import call_reference
-from .skeleton import parameter_inputs, parameter_note, token_sizes
+from .recorder import Call, call_reference
+from .skeleton import KINK_RULE, parameter_inputs, parameter_note, token_sizes
+
+
+@lru_cache(maxsize=1)
+def _cpu_call(task: Any) -> Call | None:
+    """The reference called once on the task's CPU set, as recorded (the lints of one task share
+    it); None where it fails, which the verifier's reference stage reports."""
+    spec = task.spec
+    inputs = {k: (list(t.shape), t.dtype) for k, t in spec.inputs.items()}
+    try:
+        return call_reference(task.reference_fn, inputs, spec.params_at(spec.cpu_shape_set),
+                              spec.shapes[spec.cpu_shape_set], spec.cpu_shape_set)
+    except CodaError:
+        return None
 
 
 def undrawn_values(task: Any) -> list[str]:
@@ -29,11 +43,7 @@ def undrawn_values(task: Any) -> list[str]:
     those rows, or sends them a gradient, would pass every check."""
     spec = task.spec
     binding = spec.shapes[spec.cpu_shape_set]
-    inputs = {k: (list(t.shape), t.dtype) for k, t in spec.inputs.items()}
-    try:
-        params = spec.params_at(spec.cpu_shape_set)
-        call = call_reference(task.reference_fn, inputs, params, binding, spec.cpu_shape_set)
-    except CodaError:  # the verifier's reference stage reports a failing reference
+    if (call := _cpu_call(task)) is None:
         return []
     special = {k: set(v) for k, v in call.specials.items()}
     for k, (_, ignore_index) in call.targets.items():
@@ -134,7 +144,7 @@ def parameters_as_activations(task: Any) -> list[str]:
     held = {k for k, t in spec.inputs.items() if t.role in ("weight", "norm_weight", "table", "index")}
     tokens = token_sizes(inputs, held)
     return [f"inputs.{k}: drawn as an activation, but {parameter_note(tokens)}"
-            for k in parameter_inputs(inputs, held) if spec.inputs[k].role == "activation"]
+            for k in parameter_inputs(inputs, held, tokens) if spec.inputs[k].role == "activation"]
 
 
 def kinks_on_the_default_rule(task: Any) -> list[str]:
@@ -143,16 +153,9 @@ def kinks_on_the_default_rule(task: Any) -> list[str]:
     rounding across the kink is one error of a whole term, in other elements than the bf16
     reference's own, so an honest program fails such a rule now and then."""
     spec = task.spec
-    if not spec.gradients:
-        return []
-    binding = spec.shapes[spec.cpu_shape_set]
-    inputs = {k: (list(t.shape), t.dtype) for k, t in spec.inputs.items()}
-    try:
-        call = call_reference(task.reference_fn, inputs, spec.params_at(spec.cpu_shape_set), binding,
-                              spec.cpu_shape_set)
-    except CodaError:  # the verifier's reference stage reports a failing reference
+    if not spec.gradients or (call := _cpu_call(task)) is None:
         return []
     return [f"tolerances.d{g}: d{g} passes through {', '.join(call.kinks)}, whose derivative jumps, and is judged "
             f"by the default max rule, which an honest program fails now and then (one whole term per rounding "
-            f"across the kink); give it the kink's: tolerances: {{d{g}: {{factor: 1000, norm_factor: 2}}}}"
+            f"across the kink); give it the kink's: tolerances: {{d{g}: {KINK_RULE}}}"
             for g in spec.gradients if g in call.kinked_inputs and not spec.tolerance_for(f"d{g}").kinked]

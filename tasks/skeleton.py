@@ -296,17 +296,17 @@ def token_sizes(inputs: dict[str, tuple[list[str], str]], held: Collection[str])
     return set().union(*map(expr_symbols, leading))
 
 
-def parameter_inputs(inputs: dict[str, tuple[list[str], str]], held: Collection[str]) -> list[str]:
+def parameter_inputs(inputs: dict[str, tuple[list[str], str]], held: Collection[str], tokens: set[str]
+                     ) -> list[str]:
     """The float inputs not ``held`` already (a model's: a matmul's right operand, a norm's weight)
     that are a model's parameters all the same: those whose shape holds no token size
-    (:func:`token_sizes`; where no input has a token axis, those of a fixed size).  Activations
+    (``tokens``: :func:`token_sizes`; where no input has a token axis, those of a fixed size).  Activations
     follow the tokens; a bias (N), a per-channel scale (H) and a trained scalar (1) do not.  As
     activations the judge's scaled draw took them to 2^12 times their scale whole (a softplus slope
     at -90 has a gradient under fp32's smallest normal); as parameters it spreads their elements
     over a trained model's values."""
     from .expr import expr_symbols
 
-    tokens = token_sizes(inputs, held)
     found = []
     for k, (dims, dtype) in inputs.items():
         sizes = set().union(*(expr_symbols(d) for d in dims))
@@ -322,6 +322,10 @@ def parameter_note(tokens: set[str]) -> str:
     return (f"{why}, so a model's parameter (a bias, a per-channel scale, a trained scalar), drawn and varied as "
             "one (role: weight): the judge spreads a parameter's elements over a trained model's values, where it "
             "scales an activation whole by up to 2^12")
+
+
+# The tolerance of a gradient through a kink: its max rule widened alone (Tolerance says why)
+KINK_RULE = "{factor: 1000, norm_factor: 2}"
 
 
 def _kink_tolerances(call: Call, gradients: list[str]) -> list[str]:
@@ -340,7 +344,7 @@ def _kink_tolerances(call: Call, gradients: list[str]) -> list[str]:
             "a bias's gradient,",
             "# which sums the flips, still fails its 2% norm rule now and then, give it alone rel_norm: 0.06 (the "
             "suite's ReLU tasks do).",
-            "tolerances:", *(f"  d{g}: {{factor: 1000, norm_factor: 2}}" for g in through)]
+            "tolerances:", *(f"  d{g}: {KINK_RULE}" for g in through)]
 
 
 def _flow(value: Any) -> str:
@@ -388,9 +392,10 @@ def skeleton(name: str, reference: str, folder: Path, shapes: dict[str, dict[str
         lines.append("  # " + "; ".join(f"{', '.join(ks)}: {NORM_NOTES[what]}" for what, ks in named.items() if ks))
     # the token axis is read off the activations (what no matmul takes as a weight); a norm's weight is
     # drawn as one already
-    fixed = [k for k in parameter_inputs(inputs, fan_in) if k not in norms]
+    tokens = token_sizes(inputs, fan_in)
+    fixed = [k for k in parameter_inputs(inputs, fan_in, tokens) if k not in norms]
     if fixed:
-        lines.append(f"  # {', '.join(fixed)}: {parameter_note(token_sizes(inputs, fan_in))}")
+        lines.append(f"  # {', '.join(fixed)}: {parameter_note(tokens)}")
     for k, (dims, dtype) in inputs.items():
         init: dict[str, Any] = {"dist": "normal", "scale": 1.0}
         entry: dict[str, Any] = {"shape": dims, "dtype": dtype}

@@ -23,12 +23,13 @@ from torch.nn.utils.stateless import _reparametrize_module
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import dropin_coverage as cov  # noqa: E402
 
+from coda_agent.kernels import like_hf  # noqa: E402
+
 DROP_INS = ("apply_to_llama", "apply_to_gpt2", "apply_to_gpt_neox", "apply_to_model")
 # The encoder-decoder families' decoders (BART's, Whisper's, Marian's ... ForCausalLM) count their
 # layers and heads under these names; at their defaults the small widths do not divide.
 SEQ2SEQ_SMALL = dict(encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
                      encoder_ffn_dim=128, decoder_ffn_dim=128)
-ERR_FACTOR, REL_FACTOR = 2.0, 1.5  # tests/test_llama.py's bar
 MEMORY_LIMIT = 10 << 30  # a worker's address space: a model past it fails its own step (unbuilt), not the host
 
 
@@ -99,29 +100,10 @@ def _distance(t: torch.Tensor, truth: torch.Tensor) -> float:
 
 
 def misses(got: dict, hi: dict, lo: dict) -> list[tuple[str, float]]:
-    """[(tensor, how far past the bar)] for each tensor of ``got`` that misses it against the truth
-    ``hi`` and HF's bf16 ``lo`` (tests/test_llama.py's ``assert_like_hf``), worst first; a tensor
-    missing or of another shape misses by infinity."""
-    out = []
-    for k in hi:
-        if k not in got or got[k] is None or got[k].shape != hi[k].shape:
-            out.append((k, float("inf")))
-            continue
-        g, h, lo_ = got[k].float(), hi[k].float(), lo[k].float()
-        if not torch.isfinite(h).all():  # the fp32 model overflows itself (a loud variant): no truth to judge by
-            continue
-        if not torch.isfinite(g).all():
-            out.append((k, float("inf")))
-            continue
-        err, noise = (g - h).abs().max().item(), (lo_ - h).abs().max().item()
-        ratio = err / (ERR_FACTOR * noise + h.abs().max().item() / 256 + 1e-30)
-        norm = h.norm().item()
-        if norm > 0:
-            rel, rel_lo = (g - h).norm().item() / norm, (lo_ - h).norm().item() / norm
-            ratio = max(ratio, rel / (REL_FACTOR * rel_lo + 1e-3))
-        if ratio > 1:
-            out.append((k, ratio))
-    return sorted(out, key=lambda kv: -kv[1])
+    """[(tensor, how far past the bar)] for each tensor of ``got`` that misses the drop-in tests' bar
+    against the truth ``hi`` and HF's bf16 ``lo``, worst first; a tensor whose fp32 truth overflows
+    (a loud variant) has no truth to judge it by."""
+    return like_hf.misses(got, hi, lo, overflowed_truth_unjudged=True)
 
 
 ACTIVATION_KEYS = ("hidden_act", "activation_function", "hidden_activation", "activation", "afn")

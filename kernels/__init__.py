@@ -39,7 +39,9 @@ Layer map:
   kernels over its nn.Linear weights, with its parallel residual and partial RoPE;
 - ``modules.py``: :func:`apply_to_model`, for models no drop-in of whole layers takes: the
   modules whose code is a kernel's (gated MLPs of LLaMA's or Phi-3's code; MLPs without a gate,
-  ``plain_mlps.py``; the LM head and loss of LLaMA's or Gemma-2's causal LM code), one by one.
+  ``plain_mlps.py``; the LM head and loss of LLaMA's or Gemma-2's causal LM code), one by one;
+- ``like_hf.py``: the bar a patched model's results are held to against HF's own (the drop-in
+  tests and ``bench/hf_sweep.py`` share it).
 
 The folder sits above ``tasks`` and below ``verifier`` in the import graph: it
 needs the catalogue and task specs only, so everything above may use it.

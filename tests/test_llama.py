@@ -3,12 +3,10 @@ the reference lowering).
 
 Truth is the unpatched model in fp32; HF's own bf16 model sets the noise floor.
 Every tensor that training sees (the loss, the logits, the gradient of every
-parameter, read back in HF's layout through the patched state dict) must be
-within twice HF's bf16 error plus a floor of 1/256 of the tensor's largest
-value (about one bf16 rounding step at that scale: a loss that is right to
-bf16 precision must not fail because HF's own bf16 loss was luckily close),
-and its relative norm error within 1.5x HF's plus 1e-3.  A kernel wired wrong
-(a permutation, a missing residual, a wrong mean) misses by orders of magnitude.
+parameter, read back in HF's layout through the patched state dict) is held to
+:mod:`coda_agent.kernels.like_hf`'s bar: within twice HF's bf16 error (plus a
+floor of 1/256 of the tensor's largest value), its relative norm error within
+1.5x HF's plus 1e-3.
 """
 
 from __future__ import annotations
@@ -23,7 +21,7 @@ pytest.importorskip("transformers")
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import coda_agent  # noqa: E402
-from coda_agent.kernels import Kernel, KernelError  # noqa: E402
+from coda_agent.kernels import Kernel, KernelError, like_hf  # noqa: E402
 from coda_agent.primitives import launch_ledger, tuning  # noqa: E402
 from coda_agent.tasks import SUITE_DIR  # noqa: E402
 
@@ -138,18 +136,12 @@ def assert_compiles_like_eager(model: torch.nn.Module, ids: torch.Tensor, labels
 
 def assert_like_hf(got: dict, hi: dict, lo: dict, err_factor: float = 2, rel_factor: float = 1.5, few: int = 0
                    ) -> None:
-    """Each tensor of ``got`` against the truth ``hi`` within the module docstring's bar: its largest
-    error at ``err_factor`` times HF's bf16 error (``lo``), its relative norm error at ``rel_factor``
-    (not for tensors of fewer than ``few`` elements, whose norm is a few numbers' max rule)."""
+    """Each tensor of ``got`` against the truth ``hi`` within the bar of :mod:`coda_agent.kernels.like_hf`
+    (the module docstring's): its largest error at ``err_factor`` times HF's bf16 error (``lo``), its
+    relative norm error at ``rel_factor`` (not for tensors of fewer than ``few`` elements)."""
     assert set(got) == set(hi)
-    for k in hi:
-        g, h, l_ = got[k].float(), hi[k].float(), lo[k].float()
-        err, noise = (g - h).abs().max().item(), (l_ - h).abs().max().item()
-        assert err <= err_factor * noise + h.abs().max().item() / 256, (k, err, noise)
-        if h.numel() < few:
-            continue
-        rel, rel_lo = ((g - h).norm() / h.norm()).item(), ((l_ - h).norm() / h.norm()).item()
-        assert rel <= rel_factor * rel_lo + 1e-3, (k, rel, rel_lo)
+    missed = like_hf.misses(got, hi, lo, err_factor=err_factor, rel_factor=rel_factor, few=few)
+    assert not missed, f"past the bar (tensor, times the bar): {missed}"
 
 
 @pytest.mark.parametrize("flags", [{}, {"rope": False}, {"swiglu": False}, {"fused_linear_cross_entropy": False},

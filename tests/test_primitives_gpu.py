@@ -358,9 +358,11 @@ def expm1s(x: Tile):
 
 
 def test_expm1_is_precise_near_zero_on_the_gpu():
-    """expm1 compiled (the fast exp past |x| = 1/2, the series below) within 6 fp32 roundings of
-    fp64's from 1e-30 to 88 of both signs, and within as much of the reference lowering, where
-    exp(x) - 1.0 on the same MUFU exp errs by whole percent below 1e-6."""
+    """expm1 within 6 fp32 roundings of fp64's from 1e-30 to 88 of both signs under the reference
+    lowering, and compiled below |x| = 1/2 (the series); past it the compiled expm1 is the fast exp
+    less one, whose argument x * log2(e) rounds to fp32 first: up to |x| * 2**-24 more (3.4e-6 at
+    x = 66 on an H100, as the rounding predicts).  exp(x) - 1.0 on the same MUFU exp errs by whole
+    percent below 1e-6."""
     mags = torch.logspace(-30, math.log10(88.0), 128 * 32, dtype=torch.float64)
     x = torch.cat([mags, -mags]).reshape(128, 64).to(torch.float32).cuda()
     epi = load_program(EXPM1, "expm1s").expm1s
@@ -370,9 +372,11 @@ def test_expm1_is_precise_near_zero_on_the_gpu():
             got[where] = tile_pass(epi, x=x, out_dtype="fp32")
     want = torch.expm1(x.double())
     eps = torch.finfo(torch.float32).eps
+    bar = {"reference": torch.full_like(want, 6 * eps),
+           "cute": 6 * eps + torch.where(x.abs() < 0.5, 0.0, x.abs().double() * 2.0 ** -24)}
     for where, out in got.items():
         rel = (out["D"].double() - want).abs() / want.abs()
-        assert rel.max().item() < 6 * eps, (where, rel.max().item())
+        assert (rel / bar[where]).max().item() < 1, (where, rel.max().item())
     small = x.abs() < 1e-6
     naive = (got["cute"]["naive"].double() - want).abs() / want.abs()
     assert naive[small].max().item() > 1e-2

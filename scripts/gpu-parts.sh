@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Re-split the staged wheels of ../shared/gpu/prepare.sh (.gpu/p0, .gpu/p1, ..., or the folders of
-# an earlier split under any names) into .gpu/p0, .gpu/p1, ... of at most SIZE (as `split -b` reads it; default 40M), so that one part plus this working tree stays under the
-# device call's 64 MiB carry: prepare.sh's first part is 60 MiB, which a tree over 4 MiB
+# an earlier split under any names) into .gpu/p0, .gpu/p1, ... of at most SIZE (as `split -b`
+# reads it; default 40M), so that one part plus this working tree stays under the device call's
+# 64 MiB carry: prepare.sh's first part is 60 MiB, which a tree over 4 MiB
 # (bench/results grows) pushes past the limit.  stage.sh takes any number of parts; carry
 # .gpu/p0, .gpu/p1, ... one call each, as before.  Fewer parts are fewer calls: with the 21 MB
 # tree of run 41, 38M gives three.

@@ -3,33 +3,23 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import yaml
-from typer.testing import CliRunner
 
-from coda_agent.cli import app
 from coda_agent.tasks import SUITE_DIR
+from test_tasks_cli import cli, family_copy
 
 pytestmark = pytest.mark.usefixtures("agent_env")
-
-
-def cli(*args):
-    return CliRunner().invoke(app, [*map(str, args)], catch_exceptions=False)
 
 
 def test_check_names_a_float_param_the_reference_takes_only_as_written(tmp_path):
     """The judge varies each float param between draws and keeps the written value where the
     reference refuses every nearby one: a program that typed it in would then pass.  `tasks check`
     names such a param and the two ways on (fixed_params, or a reference that takes nearby values)."""
-    family = Path(__file__).parent / "tasks" / "families" / "gemma2"
-    for f in family.iterdir():
-        (tmp_path / f.name).write_text(f.read_text())
+    task = family_copy("gemma2", tmp_path)
     ref = tmp_path / "softcap_ref.py"  # a reference that asserts Gemma-2's cap
     ref.write_text(ref.read_text().replace("    with torch.enable_grad():", "    assert cap == 30.0, cap\n"
                                            "    with torch.enable_grad():", 1))
-    task = tmp_path / "softcap_xent.yaml"
     r = cli("tasks", "check", task)
     assert r.exit_code == 1 and ("params.cap: the reference refuses cap = 30.0 x 2^+-0.25 (tried 25.2269 and "
                                  "35.6762), so the verifier never varies it") in r.output, r.output
@@ -41,10 +31,7 @@ def test_check_names_a_float_param_the_reference_takes_only_as_written(tmp_path)
 def test_check_names_a_float_param_written_as_a_whole_number(tmp_path):
     """`cap: 30` loads as an integer, which the judge never varies, though the reference's default
     (30.0) says it is a float: `tasks check` asks for 30.0; the file as shipped passes."""
-    family = Path(__file__).parent / "tasks" / "families" / "gemma2"
-    for f in family.iterdir():
-        (tmp_path / f.name).write_text(f.read_text())
-    task = tmp_path / "softcap_xent.yaml"
+    task = family_copy("gemma2", tmp_path)
     assert cli("tasks", "check", task).exit_code == 0
     task.write_text(task.read_text().replace("params: {cap: 30.0}", "params: {cap: 30}"))
     r = cli("tasks", "check", task)
@@ -58,10 +45,7 @@ def test_check_names_a_models_parameter_drawn_as_an_activation(tmp_path):
     trained model's values.  `tasks check` names each and the role that draws it as a parameter;
     the families as shipped pass."""
     for family, names in (("clip", ("b1", "b2")), ("apertus", ("alpha_p", "alpha_n"))):
-        folder = Path(__file__).parent / "tasks" / "families" / family
-        for f in folder.iterdir():
-            (tmp_path / f.name).write_text(f.read_text())
-        (task,) = (tmp_path / f.name for f in folder.glob("*.yaml"))
+        task = family_copy(family, tmp_path)
         assert cli("tasks", "check", task).exit_code == 0
         task.write_text(task.read_text().replace("role: weight, init: {dist: normal, scale: 1.0}",
                                                  "init: {dist: normal, scale: 1.0}"))
@@ -77,10 +61,7 @@ def test_check_names_a_gradient_through_a_kink_on_the_default_rule(tmp_path):
     through xIELU's clamp, and the tolerance to give each; not dw_down or the slopes' gradients.
     The shipped file and the fp8 suite, whose quantizers' clamps run inside custom autograd
     Functions (their backward is the author's), pass."""
-    folder = Path(__file__).parent / "tasks" / "families" / "apertus"
-    for f in folder.iterdir():
-        (tmp_path / f.name).write_text(f.read_text())
-    task = tmp_path / "xielu_mlp.yaml"
+    task = family_copy("apertus", tmp_path)
     assert cli("tasks", "check", task).exit_code == 0
     raw = yaml.safe_load(task.read_text())
     del raw["tolerances"]

@@ -31,6 +31,15 @@ def cli(*args):
     return CliRunner().invoke(app, [*map(str, args)], catch_exceptions=False)
 
 
+def family_copy(name: str, into: Path) -> Path:
+    """The files of tests/tasks/families/NAME copied into ``into``; its task file there."""
+    folder = Path(__file__).parent / "tasks" / "families" / name
+    for f in folder.iterdir():
+        (into / f.name).write_text(f.read_text())
+    (task,) = (into / f.name for f in folder.glob("*.yaml"))
+    return task
+
+
 def test_new_infers_outputs_dtypes_and_symbolic_shapes_and_leaves_todos(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     Path("ref.py").write_text(REFERENCE)
@@ -137,10 +146,7 @@ def test_new_finds_output_sizes_among_the_inputs_dimensions(tmp_path, monkeypatc
 def test_check_asks_for_the_values_the_reference_treats_apart_to_be_drawn(tmp_path):
     """A cross-entropy's ignore_index (or an index compared with a constant) that no draw holds
     lets a program that counts padding rows pass every check: `tasks check` names the fix."""
-    family = Path(__file__).parent / "tasks" / "families" / "gemma2"
-    for f in family.iterdir():
-        (tmp_path / f.name).write_text(f.read_text())
-    task = tmp_path / "softcap_xent.yaml"
+    task = family_copy("gemma2", tmp_path)
     assert cli("tasks", "check", task).exit_code == 0
     task.write_text(task.read_text().replace(", ignore: {value: -100, fraction: 0.125}", ""))
     r = cli("tasks", "check", task)
